@@ -1,0 +1,1 @@
+"""Tessera's common code: settings, bus, messages, subjects, health, logging."""

@@ -1,0 +1,261 @@
+"""Every message that crosses the bus, defined once.
+
+Messages are frozen msgspec structs, tagged with their class name and encoded as msgpack.
+`SCHEMA_VERSION` is carried in every subject (see `shared.subjects`); bump it on any change
+that an older peer could not decode. Names say what they are: commands (`StartInstance`) and
+facts (`InstanceReady`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Message(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
+    """Base of every bus message; the tag is the class name."""
+
+
+class ErrorCode(StrEnum):
+    """Why something failed; the gateway maps each to an HTTP status (`shared.errors`)."""
+
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    OVERLOADED = "overloaded"
+    NO_CAPACITY = "no_capacity"
+    UNAVAILABLE = "unavailable"
+    ENGINE_FAILED = "engine_failed"
+    INSTANCE_NOT_LOADED = "instance_not_loaded"
+    IMPORT_FAILED = "import_failed"
+    TIMEOUT = "timeout"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+# --- the model registry -------------------------------------------------------------------
+
+
+class Artifact(Message, frozen=True):
+    """A GGUF converted once into the model store; shared by every name registered on it."""
+
+    artifact_id: str
+    """sha256 of the GGUF (16 hex) + OpenVINO version: a new runtime gets a new conversion."""
+    path: str
+    """Directory holding the OpenVINO IR and the compiled tokenizer/detokenizer."""
+    source_sha256: str
+    context_length: int
+    """Largest prompt + completion the model accepts, in tokens (from the GGUF metadata)."""
+    kv_bytes_per_token: int
+    """KV-cache bytes one token costs: 2 × layers × kv_heads × head_dim × element size."""
+    weight_bytes: int
+    """Bytes of the IR weights: what an instance needs before any KV cache."""
+    architecture: str = ""
+    openvino_version: str = ""
+
+
+class ModelRecord(Message, frozen=True):
+    """A registered model name; several names may share one artifact."""
+
+    name: str
+    source: str
+    """Path of the GGUF it was imported from."""
+    artifact: Artifact
+    ttft_slo_s: float
+    tpot_slo_s: float
+    keep_alive_s: float
+    """Idle seconds after which its instance is unloaded (scale to zero)."""
+    created_at: float
+
+
+class ModelChanged(Message, frozen=True):
+    name: str
+    removed: bool = False
+
+
+class ImportModel(Message, frozen=True):
+    """Convert a GGUF into the store, or find the conversion already there."""
+
+    source: str
+
+
+class ModelImported(Message, frozen=True):
+    artifact: Artifact
+    converted: bool
+    """False when the store already held this GGUF for this runtime (nothing was converted)."""
+    seconds: float
+
+
+# --- placement -------------------------------------------------------------------------------
+
+
+class PlaceRequest(Message, frozen=True):
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+class Placement(Message, frozen=True):
+    request_id: str
+    node_id: str
+    cold_start: bool
+    """True when this request waited for (or triggered) an instance start."""
+
+
+class Rejected(Message, frozen=True):
+    code: ErrorCode
+    message: str
+    retry_after_s: float | None = None
+
+
+# --- instances ---------------------------------------------------------------------------------
+
+
+class StartInstance(Message, frozen=True):
+    model: ModelRecord
+
+
+class ColdStartPhases(Message, frozen=True):
+    """Seconds spent in each phase of one cold start (ARCHITECTURE: a cold start)."""
+
+    init_s: float
+    load_s: float
+    profile_s: float
+    prefill_s: float = 0.0
+
+
+class InstanceReady(Message, frozen=True):
+    node_id: str
+    model: str
+    phases: ColdStartPhases
+    already_running: bool = False
+
+
+class StopInstance(Message, frozen=True):
+    model: str
+    idle_since: float
+    """Unload only if the instance has been idle since at least this time (no race with new work)."""
+
+
+class InstanceStopped(Message, frozen=True):
+    node_id: str
+    model: str
+    stopped: bool
+    reason: str = ""
+
+
+class ColdStartRecorded(Message, frozen=True):
+    node_id: str
+    model: str
+    started_at: float
+    phases: ColdStartPhases
+    total_s: float
+    """Start request received → first token of the request that caused it."""
+
+
+class InstanceView(Message, frozen=True):
+    model: str
+    active: int
+    """Requests generating or queued on the instance."""
+    last_used: float
+    loaded_at: float
+    weight_bytes: int = 0
+
+
+class NodeStatus(Message, frozen=True):
+    """Heartbeat of an engine: what it runs and how busy it is."""
+
+    node_id: str
+    sent_at: float
+    instances: tuple[InstanceView, ...] = ()
+    starting: tuple[str, ...] = ()
+    memory_budget_bytes: int = 0
+    memory_used_bytes: int = 0
+
+
+class ClusterStatusQuery(Message, frozen=True):
+    pass
+
+
+class ClusterStatus(Message, frozen=True):
+    nodes: tuple[NodeStatus, ...]
+    starting: tuple[str, ...] = ()
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+class SamplingParams(Message, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class Generate(Message, frozen=True):
+    request_id: str
+    model: str
+    prompt: str
+    """Already rendered with the model's chat template where the API asked for chat."""
+    prompt_tokens: int
+    params: SamplingParams
+    stream_subject: str
+
+
+class GenerateAccepted(Message, frozen=True):
+    request_id: str
+
+
+class TokenChunk(Message, frozen=True):
+    request_id: str
+    text: str
+    tokens: int
+    """Tokens decoded since the previous chunk."""
+
+
+class Finished(Message, frozen=True):
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Failed(Message, frozen=True):
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+class Cancel(Message, frozen=True):
+    request_id: str
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+class Reserve(Message, frozen=True):
+    owner: str
+    nbytes: int
+
+
+class ReserveResult(Message, frozen=True):
+    granted: bool
+    used_bytes: int
+    budget_bytes: int
+
+
+class Release(Message, frozen=True):
+    owner: str
+
+
+StreamEvent = TokenChunk | Finished | Failed

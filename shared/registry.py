@@ -1,0 +1,44 @@
+"""The model registry and the cold-start log, in Valkey (persistence is the server's: AOF on).
+
+Keys: `tessera:models` (hash name → ModelRecord), `tessera:coldstarts` (list, newest first).
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.bus import decode, encode
+from shared.messages import ColdStartRecorded, ModelRecord
+
+MODELS_KEY = "tessera:models"
+COLD_STARTS_KEY = "tessera:coldstarts"
+COLD_STARTS_KEPT = 200
+
+
+class Registry:
+    def __init__(self, valkey: aioredis.Redis) -> None:
+        self.valkey = valkey
+
+    async def put(self, record: ModelRecord) -> None:
+        await self.valkey.hset(MODELS_KEY, record.name, encode(record))
+
+    async def get(self, name: str) -> ModelRecord | None:
+        data = await self.valkey.hget(MODELS_KEY, name)
+        return None if data is None else decode(data, ModelRecord)
+
+    async def all(self) -> list[ModelRecord]:
+        items = await self.valkey.hgetall(MODELS_KEY)
+        return sorted((decode(v, ModelRecord) for v in items.values()), key=lambda r: r.name)
+
+    async def remove(self, name: str) -> bool:
+        return bool(await self.valkey.hdel(MODELS_KEY, name))
+
+    async def record_cold_start(self, event: ColdStartRecorded) -> None:
+        async with self.valkey.pipeline(transaction=True) as pipe:
+            pipe.lpush(COLD_STARTS_KEY, encode(event))
+            pipe.ltrim(COLD_STARTS_KEY, 0, COLD_STARTS_KEPT - 1)
+            await pipe.execute()
+
+    async def cold_starts(self, limit: int = 50) -> list[ColdStartRecorded]:
+        items = await self.valkey.lrange(COLD_STARTS_KEY, 0, limit - 1)
+        return [decode(v, ColdStartRecorded) for v in items]

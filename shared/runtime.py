@@ -1,0 +1,85 @@
+"""The I/O shell every service shares: bus and Valkey connections, readiness, HTTP, signals.
+
+A service's `__main__` builds its settings, enters `ServiceRuntime`, wires its handlers and
+calls `serve`; SIGTERM or SIGINT sets `stopping` and everything is closed in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from shared.bus import Bus
+from shared.health import Readiness, http_server
+from shared.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+
+def connect_valkey(url: str) -> aioredis.Redis:
+    """A Valkey client that retries through a restart of the server instead of failing."""
+    return aioredis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        socket_connect_timeout=2,
+        socket_timeout=5,
+        health_check_interval=5,
+    )
+
+
+class ServiceRuntime:
+    def __init__(self, name: str, settings: CommonSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.bus = Bus(f"{name}@{settings.node_id}")
+        self.valkey = connect_valkey(settings.redis_url)
+        self.readiness = Readiness(name)
+        self.stopping = asyncio.Event()
+        self._stack = AsyncExitStack()
+        self.readiness.add("nats", self._nats_ok)
+        self.readiness.add("valkey", self._valkey_ok)
+
+    async def _nats_ok(self) -> bool:
+        return self.bus.connected.is_set()
+
+    async def _valkey_ok(self) -> bool:
+        return bool(await self.valkey.ping())
+
+    async def __aenter__(self) -> ServiceRuntime:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.bus.connect(self.settings.nats_url)
+        self._stack.push_async_callback(self.bus.close)
+        self._stack.push_async_callback(self.valkey.aclose)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.aclose()
+
+    async def serve(self, app: object) -> None:
+        """Serve HTTP until SIGTERM/SIGINT."""
+        server = http_server(app, self.settings.http_host, self.settings.http_port)
+        task = asyncio.create_task(server.serve())
+        log.info("%s serving on %s:%s", self.name, self.settings.http_host, self.settings.http_port)
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await task
+        stop.cancel()
+        log.info("%s stopped", self.name)

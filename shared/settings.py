@@ -1,0 +1,33 @@
+"""Settings shared by every service; each service extends `CommonSettings` once.
+
+Every value comes from a `TESSERA_*` environment variable. Only a service's `__main__` builds
+its settings object; everything else receives it as an argument.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """Where the bus is; nats-py reconnects here forever when it is lost."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """The Valkey (Redis-compatible) server holding registry, cold-start log and state."""
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    """Port of this service's /healthz, /readyz, /metrics (the gateway also serves its API here)."""
+    log_level: str = "INFO"
+    node_id: str = "node-0"
+    """Name of the node this process belongs to (engine, loader and memory manager are per node)."""
+    model_store: Path = Path(".tessera/store")
+    """Directory of imported model artifacts, shared by loader, engine and gateway."""
+    request_timeout_s: float = 5.0
+    """Default timeout of a bus request/reply; long operations set their own."""
+    heartbeat_interval_s: float = 0.5
+    node_timeout_s: float = 3.0
+    """A node whose heartbeat is older than this is taken for dead: its streams fail, it gets no work."""

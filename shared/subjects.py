@@ -1,0 +1,71 @@
+"""Every NATS subject, built here and nowhere else.
+
+The schema version is the second token so that two incompatible deployments on one bus never
+decode each other's messages.
+"""
+
+from __future__ import annotations
+
+from shared.messages import SCHEMA_VERSION
+
+_ROOT = f"tessera.v{SCHEMA_VERSION}"
+
+SCHEDULER_QUEUE = "scheduler"
+LOADER_QUEUE = "loader"
+
+
+def place() -> str:
+    """Gateway → scheduler: where should this request run (request/reply)."""
+    return f"{_ROOT}.scheduler.place"
+
+
+def cluster_status() -> str:
+    """Anyone → scheduler: the scheduler's view of nodes and instances (request/reply)."""
+    return f"{_ROOT}.scheduler.status"
+
+
+def model_changed() -> str:
+    """Gateway → all: a registration was added or removed (fan-out)."""
+    return f"{_ROOT}.registry.changed"
+
+
+def import_model() -> str:
+    """Gateway → any loader: import a GGUF into the model store (request/reply)."""
+    return f"{_ROOT}.loader.import"
+
+
+def engine_start(node_id: str) -> str:
+    return f"{_ROOT}.engine.{node_id}.start"
+
+
+def engine_stop(node_id: str) -> str:
+    return f"{_ROOT}.engine.{node_id}.stop"
+
+
+def engine_generate(node_id: str) -> str:
+    return f"{_ROOT}.engine.{node_id}.generate"
+
+
+def engine_cancel(node_id: str) -> str:
+    return f"{_ROOT}.engine.{node_id}.cancel"
+
+
+def token_stream(request_id: str) -> str:
+    """Engine → gateway: the chunks of one request, ending in `Finished` or `Failed`."""
+    return f"{_ROOT}.stream.{request_id}"
+
+
+def node_heartbeat() -> str:
+    return f"{_ROOT}.node.heartbeat"
+
+
+def cold_start_recorded() -> str:
+    return f"{_ROOT}.events.coldstart"
+
+
+def memory_reserve(node_id: str) -> str:
+    return f"{_ROOT}.memory.{node_id}.reserve"
+
+
+def memory_release(node_id: str) -> str:
+    return f"{_ROOT}.memory.{node_id}.release"
