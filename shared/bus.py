@@ -70,8 +70,6 @@ class Bus:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
             error_cb=on_error,
-            # Start even if NATS is not up yet: the service reports not-ready until it is.
-            retry_on_failed_connect=True,
         )
         if self.nc.is_connected:
             self.connected.set()

@@ -1,0 +1,27 @@
+"""`python -m services.gateway`: the OpenAI-compatible API, the admin API, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.admin import Admin
+from services.gateway.routes import create_app
+from services.gateway.serving import Gateway
+from services.gateway.settings import GatewaySettings
+from shared.logs import setup_logging
+from shared.registry import Registry
+from shared.runtime import ServiceRuntime
+
+
+async def main() -> None:
+    settings = GatewaySettings()
+    setup_logging("gateway", settings.log_level)
+    async with ServiceRuntime("gateway", settings) as rt:
+        registry = Registry(rt.valkey)
+        gateway = Gateway(settings, rt.bus, registry)
+        await gateway.start()
+        await rt.serve(create_app(gateway, Admin(settings, rt.bus, registry), rt.readiness))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

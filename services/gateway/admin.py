@@ -1,0 +1,87 @@
+"""Admin API: register, list and remove models; recent cold starts; where instances run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from services.gateway.protocol import RegisterModel
+from services.gateway.settings import GatewaySettings
+from shared import subjects
+from shared.bus import Bus
+from shared.errors import TesseraError
+from shared.messages import (
+    ClusterStatus,
+    ClusterStatusQuery,
+    ErrorCode,
+    ImportModel,
+    ModelChanged,
+    ModelImported,
+    ModelRecord,
+    Rejected,
+)
+from shared.registry import Registry
+
+
+def _untagged(value: Any) -> Any:
+    # The msgspec tag ("type") is a wire detail, not part of the API.
+    if isinstance(value, dict):
+        return {k: _untagged(v) for k, v in value.items() if k != "type"}
+    if isinstance(value, list):
+        return [_untagged(v) for v in value]
+    return value
+
+
+def as_json(obj: msgspec.Struct) -> dict[str, Any]:
+    data: dict[str, Any] = _untagged(msgspec.to_builtins(obj))
+    return data
+
+
+class Admin:
+    def __init__(self, settings: GatewaySettings, bus: Bus, registry: Registry) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.registry = registry
+
+    async def register(self, req: RegisterModel) -> dict[str, Any]:
+        imported = await self.bus.request(
+            subjects.import_model(),
+            ImportModel(source=req.source),
+            ModelImported | Rejected,
+            timeout=self.settings.import_timeout_s,
+        )
+        if isinstance(imported, Rejected):
+            raise TesseraError(imported.code, imported.message, param="source")
+        record = ModelRecord(
+            name=req.name,
+            source=req.source,
+            artifact=imported.artifact,
+            ttft_slo_s=req.ttft_slo_s,
+            tpot_slo_s=req.tpot_slo_s,
+            keep_alive_s=req.keep_alive_s,
+            created_at=time.time(),
+        )
+        await self.registry.put(record)
+        await self.bus.publish(subjects.model_changed(), ModelChanged(name=req.name))
+        return {**as_json(record), "converted": imported.converted, "import_s": imported.seconds}
+
+    async def list(self) -> list[dict[str, Any]]:
+        return [as_json(r) for r in await self.registry.all()]
+
+    async def remove(self, name: str) -> dict[str, Any]:
+        if not await self.registry.remove(name):
+            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
+        await self.bus.publish(subjects.model_changed(), ModelChanged(name=name, removed=True))
+        return {"name": name, "removed": True}
+
+    async def cold_starts(self, limit: int) -> list[dict[str, Any]]:
+        return [as_json(e) for e in await self.registry.cold_starts(limit)]
+
+    async def instances(self) -> dict[str, Any]:
+        status = await self.bus.request(
+            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            timeout=self.settings.request_timeout_s,
+        )
+        return as_json(status)

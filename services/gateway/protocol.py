@@ -1,0 +1,132 @@
+"""OpenAI API types at the HTTP edge (pydantic). Unknown fields are accepted and ignored, as
+OpenAI's own server does for fields it does not use."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part of type {part.type!r} is not supported; only 'text'")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class _Sampling(_Lenient):
+    model: str = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extension, also accepted here: keep decoding past end-of-sequence.
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("n must be 1: Tessera returns one choice per request")
+        return v
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _prefer_new_limit(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError("exactly one prompt per request is supported")
+        return v
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tessera"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class RegisterModel(BaseModel):
+    """Admin API: register a model name on a GGUF file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    source: str = Field(min_length=1, description="Absolute path of a .gguf file")
+    ttft_slo_s: float = Field(default=2.0, gt=0)
+    tpot_slo_s: float = Field(default=0.1, gt=0)
+    keep_alive_s: float = Field(default=300.0, gt=0)
+
+
+def dump(obj: Any) -> dict[str, Any]:
+    return obj.model_dump() if isinstance(obj, BaseModel) else dict(obj)

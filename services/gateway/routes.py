@@ -1,0 +1,160 @@
+"""HTTP routes of the gateway: the OpenAI API, the admin API, health. Thin: logic lives in
+`serving` (requests) and `admin` (registrations)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.gateway.admin import Admin
+from services.gateway.openai_format import Shape, finish_reason, sse
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, RegisterModel
+from services.gateway.serving import Gateway, Generation
+from shared.errors import OPENAI_TYPE, TesseraError
+from shared.health import Readiness, health_routes
+from shared.messages import Finished
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, code: str | None, param: str | None = None,
+                   retry_after_s: float | None = None) -> JSONResponse:
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    body = {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuse bodies over the limit before reading them whole (413, OpenAI error body)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_bytes:
+                resp = error_response(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
+    app = FastAPI(title="Tessera", version="0.1.0", routes=health_routes(readiness))
+    app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_body_bytes)
+
+    @app.exception_handler(TesseraError)
+    async def _tessera_error(_: Request, e: TesseraError) -> JSONResponse:
+        return error_response(e.status, e.message, e.code.value, e.param, e.retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        msg = first.get("msg", "invalid request")
+        return error_response(400, f"{where}: {msg}" if where else msg, "invalid_request", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, "internal error", "internal_error")
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        records = await gateway.registry.all()
+        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at)) for r in records])
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> ModelCard:
+        r = await gateway.model(name)
+        return ModelCard(id=r.name, created=int(r.created_at))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        return await _complete(gateway, req, chat=True)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        return await _complete(gateway, req, chat=False)
+
+    @app.post("/admin/models", status_code=201)
+    async def register(req: RegisterModel) -> dict[str, object]:
+        return await admin.register(req)
+
+    @app.get("/admin/models")
+    async def models() -> list[dict[str, object]]:
+        return await admin.list()
+
+    @app.delete("/admin/models/{name:path}")
+    async def remove(name: str) -> dict[str, object]:
+        return await admin.remove(name)
+
+    @app.get("/admin/coldstarts")
+    async def cold_starts(limit: int = 50) -> list[dict[str, object]]:
+        return await admin.cold_starts(max(1, min(limit, 200)))
+
+    @app.get("/admin/instances")
+    async def instances() -> dict[str, object]:
+        return await admin.instances()
+
+    return app
+
+
+async def _complete(gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, chat: bool) -> JSONResponse | StreamingResponse:
+    prepared = await gateway.prepare(req)
+    gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
+    shape = Shape(chat, gen.request_id, prepared.record.name)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(gen, shape, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        parts: list[str] = []
+        async with aclosing(gen.events()) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    return JSONResponse(shape.full("".join(parts), event))
+                parts.append(event.text)
+    finally:
+        await gen.close()
+    raise AssertionError("stream ended without Finished")
+
+
+async def _stream(gen: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if shape.chat:
+            yield sse(shape.chunk("", role=True))
+        async with aclosing(gen.events()) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    yield sse(shape.chunk(None if shape.chat else "", finish_reason(event)))
+                    if include_usage:
+                        yield sse(shape.usage_chunk(event))
+                elif event.text:
+                    yield sse(shape.chunk(event.text))
+    except TesseraError as e:
+        # Headers are gone already: the error travels as an SSE event the openai client raises.
+        yield sse(e.body())
+    finally:
+        await gen.close()
+    yield sse("[DONE]")

@@ -1,0 +1,278 @@
+"""The gateway's logic between HTTP and the bus: prepare a request, place it, relay its tokens.
+
+Admission happens here: a request is counted against `max_inflight` from placement until its
+stream is closed, and it is always closed: by its end, by an error, or by the client leaving
+(which sends `Cancel` to the engine so that decoding stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeout
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokenizers import Tokenizers
+from shared import subjects
+from shared.bus import Bus, decode
+from shared.errors import TesseraError
+from shared.messages import (
+    Cancel,
+    ErrorCode,
+    Failed,
+    Finished,
+    Generate,
+    GenerateAccepted,
+    ModelRecord,
+    NodeStatus,
+    Placement,
+    PlaceRequest,
+    Rejected,
+    SamplingParams,
+    StreamEvent,
+    TokenChunk,
+)
+from shared.registry import Registry
+
+log = logging.getLogger(__name__)
+
+INFLIGHT = Gauge("tessera_gateway_inflight_requests", "Requests admitted and not yet finished")
+REJECTED = Counter("tessera_gateway_rejected_total", "Requests refused", ["code"])
+TTFT = Histogram(
+    "tessera_gateway_ttft_seconds",
+    "Request admitted to first token relayed",
+    ["cold"],
+    buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+)
+TPOT = Histogram(
+    "tessera_gateway_tpot_seconds",
+    "Mean seconds per output token after the first, per request",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
+)
+PLACEMENT_WAIT = Histogram(
+    "tessera_gateway_placement_seconds",
+    "Seconds waiting for a placement (cold starts included)",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 4, 8, 16, 32),
+)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    record: ModelRecord
+    prompt: str
+    prompt_tokens: int
+    params: SamplingParams
+
+
+class Generation:
+    """One admitted request on its engine: iterate `events()`, always `close()`."""
+
+    def __init__(self, gateway: Gateway, prepared: Prepared) -> None:
+        self.gw = gateway
+        self.prepared = prepared
+        self.request_id = uuid.uuid4().hex
+        self.node_id = ""
+        self.cold = False
+        self.admitted_at = time.perf_counter()
+        self._sub: Subscription | None = None
+        self._done = False
+        self._admitted = False
+
+    async def open(self) -> None:
+        self.gw.admit()
+        self._admitted = True
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            placement = await self.gw.bus.request(
+                subjects.place(),
+                PlaceRequest(
+                    request_id=self.request_id,
+                    model=self.prepared.record.name,
+                    prompt_tokens=self.prepared.prompt_tokens,
+                    max_tokens=self.prepared.params.max_tokens,
+                ),
+                Placement | Rejected,
+                timeout=self.gw.settings.placement_timeout_s,
+            )
+            PLACEMENT_WAIT.observe(time.perf_counter() - t0)
+            if isinstance(placement, Rejected):
+                raise TesseraError(placement.code, placement.message, retry_after_s=placement.retry_after_s)
+            self.node_id, self.cold = placement.node_id, placement.cold_start
+            self.gw.node_seen.setdefault(self.node_id, time.time())
+            self._sub = await self.gw.bus.subscribe(subjects.token_stream(self.request_id))
+            accepted = await self.gw.bus.request(
+                subjects.engine_generate(self.node_id),
+                Generate(
+                    request_id=self.request_id,
+                    model=self.prepared.record.name,
+                    prompt=self.prepared.prompt,
+                    prompt_tokens=self.prepared.prompt_tokens,
+                    params=self.prepared.params,
+                    stream_subject=subjects.token_stream(self.request_id),
+                ),
+                GenerateAccepted | Failed,
+                timeout=self.gw.settings.request_timeout_s,
+            )
+            if isinstance(accepted, GenerateAccepted):
+                return
+            await self._sub.unsubscribe()
+            self._sub = None
+            # The instance was scaled in between placement and send: place once more.
+            if accepted.code != ErrorCode.INSTANCE_NOT_LOADED or attempt == 1:
+                raise TesseraError(accepted.code, accepted.message, retry_after_s=1)
+        raise AssertionError("unreachable")
+
+    async def events(self) -> AsyncIterator[TokenChunk | Finished]:
+        assert self._sub is not None
+        last = time.monotonic()
+        first_at: float | None = None
+        tokens = 0
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=self.gw.settings.liveness_check_s)
+            except NatsTimeout:
+                if not self.gw.node_alive(self.node_id):
+                    raise TesseraError(
+                        ErrorCode.ENGINE_FAILED,
+                        f"the engine on {self.node_id} stopped responding; the request was lost "
+                        "there and can be retried",
+                        retry_after_s=1,
+                    ) from None
+                if time.monotonic() - last > self.gw.settings.stream_idle_timeout_s:
+                    raise TesseraError(ErrorCode.TIMEOUT, "the engine produced no token in time") from None
+                continue
+            last = time.monotonic()
+            event = decode(msg.data, StreamEvent)
+            if isinstance(event, Failed):
+                self._done = True
+                raise TesseraError(event.code, event.message, retry_after_s=1)
+            if isinstance(event, TokenChunk):
+                if first_at is None and event.text:
+                    first_at = time.perf_counter()
+                    TTFT.labels(str(self.cold).lower()).observe(first_at - self.admitted_at)
+                tokens += event.tokens
+                yield event
+            else:
+                self._done = True
+                if first_at is not None and tokens > 1:
+                    TPOT.observe((time.perf_counter() - first_at) / (tokens - 1))
+                yield event
+                return
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            if not self._done and self.node_id:
+                # The client left or something failed: stop the engine decoding for nobody.
+                try:
+                    await self.gw.bus.publish(
+                        subjects.engine_cancel(self.node_id), Cancel(request_id=self.request_id)
+                    )
+                except Exception:
+                    log.warning("could not send cancel for %s", self.request_id)
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None
+        if self._admitted:
+            self._admitted = False
+            self.gw.release()
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, bus: Bus, registry: Registry) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.registry = registry
+        self.tokenizers = Tokenizers()
+        self.inflight = 0
+        self.node_seen: dict[str, float] = {}
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.node_heartbeat(), self._on_heartbeat)
+
+    async def _on_heartbeat(self, msg: object) -> None:
+        status = decode(msg.data, NodeStatus)  # type: ignore[attr-defined]
+        self.node_seen[status.node_id] = time.time()
+
+    def node_alive(self, node_id: str) -> bool:
+        seen = self.node_seen.get(node_id)
+        return seen is not None and time.time() - seen <= self.settings.node_timeout_s
+
+    def admit(self) -> None:
+        if self.inflight >= self.settings.max_inflight:
+            REJECTED.labels(ErrorCode.OVERLOADED.value).inc()
+            raise TesseraError(
+                ErrorCode.OVERLOADED,
+                f"the gateway is at its limit of {self.settings.max_inflight} requests in flight; "
+                "retry shortly",
+                retry_after_s=1,
+            )
+        self.inflight += 1
+        INFLIGHT.set(self.inflight)
+
+    def release(self) -> None:
+        self.inflight -= 1
+        INFLIGHT.set(self.inflight)
+
+    async def model(self, name: str) -> ModelRecord:
+        record = await self.registry.get(name)
+        if record is None:
+            REJECTED.labels(ErrorCode.MODEL_NOT_FOUND.value).inc()
+            raise TesseraError(
+                ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model"
+            )
+        return record
+
+    async def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
+        record = await self.model(req.model)
+        tok = await self.tokenizers.get(record.artifact)
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                history = [
+                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages
+                ]
+            except ValueError as e:
+                raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
+            prompt = await asyncio.to_thread(Tokenizers.render_chat, tok, history)
+            param = "messages"
+        else:
+            prompt, param = req.prompt_text(), "prompt"
+        n = await asyncio.to_thread(Tokenizers.count, tok, prompt)
+        ctx = record.artifact.context_length
+        max_tokens = req.max_tokens if req.max_tokens is not None else ctx - n
+        if n + max_tokens > ctx or max_tokens < 1:
+            raise TesseraError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n + max(max_tokens, 1)} tokens ({n} in the {param}, {max(max_tokens, 1)} for the "
+                "completion). Please reduce the length of the messages or completion.",
+                param=param,
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stops(),
+            ignore_eos=req.ignore_eos,
+        )
+        return Prepared(record=record, prompt=prompt, prompt_tokens=n, params=params)
+
+    async def open(self, prepared: Prepared) -> Generation:
+        gen = Generation(self, prepared)
+        try:
+            await gen.open()
+        except BaseException:
+            await gen.close()
+            raise
+        return gen

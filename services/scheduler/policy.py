@@ -1,0 +1,116 @@
+"""Placement and keep-alive: pure functions of the cluster view and a clock.
+
+The LLM-Mesh shadow validation (§5.3) and Tangram's affinity (§3.4) replace `place`'s node
+choice in a later step; the contract (view + clock in, decision out) stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    seen_at: float
+    instances: Mapping[str, InstanceView] = field(default_factory=dict)
+    starting: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_status(cls, status: NodeStatus) -> NodeView:
+        return cls(
+            node_id=status.node_id,
+            seen_at=status.sent_at,
+            instances={i.model: i for i in status.instances},
+            starting=frozenset(status.starting),
+        )
+
+
+@dataclass(frozen=True)
+class UseNode:
+    """An instance of the model runs there: send the request to it."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class AwaitStart:
+    """A start of the model is already under way there: wait for it, do not start another."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class StartOn:
+    """No instance anywhere: cold-start one on this node."""
+
+    node_id: str
+
+
+Decision = UseNode | AwaitStart | StartOn | Rejected
+
+
+@dataclass(frozen=True)
+class StopOrder:
+    node_id: str
+    model: str
+    idle_since: float
+
+
+def live_nodes(nodes: Iterable[NodeView], now: float, node_timeout_s: float) -> list[NodeView]:
+    return [n for n in nodes if now - n.seen_at <= node_timeout_s]
+
+
+def place(
+    model: str,
+    nodes: Iterable[NodeView],
+    starts_in_flight: Mapping[str, str],
+    now: float,
+    *,
+    node_timeout_s: float,
+    max_active_per_instance: int,
+) -> Decision:
+    """Where a request for `model` goes. `starts_in_flight` maps model → node starting it."""
+    live = live_nodes(nodes, now, node_timeout_s)
+    if model in starts_in_flight:
+        return AwaitStart(starts_in_flight[model])
+    if not live:
+        return Rejected(
+            code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0
+        )
+    running = [(n, n.instances[model]) for n in live if model in n.instances]
+    if running:
+        node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
+        if inst.active >= max_active_per_instance:
+            return Rejected(
+                code=ErrorCode.OVERLOADED,
+                message=f"model {model!r} is at its limit of {max_active_per_instance} "
+                "concurrent requests per instance; retry shortly",
+                retry_after_s=1.0,
+            )
+        return UseNode(node.node_id)
+    # Spread instances: the node running the fewest models (and starting the fewest) wins.
+    target = min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
+    return StartOn(target.node_id)
+
+
+def idle_instances(
+    nodes: Iterable[NodeView],
+    keep_alive_s: Mapping[str, float],
+    last_placed: Mapping[tuple[str, str], float],
+    now: float,
+) -> list[StopOrder]:
+    """Instances idle past their model's keep-alive (or of a model no longer registered)."""
+    orders = []
+    for node in nodes:
+        for model, inst in node.instances.items():
+            if inst.active > 0:
+                continue
+            last = max(inst.last_used, last_placed.get((node.node_id, model), 0.0))
+            keep = keep_alive_s.get(model)
+            if keep is None or now - last >= keep:
+                orders.append(StopOrder(node.node_id, model, last))
+    return orders

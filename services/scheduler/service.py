@@ -1,0 +1,204 @@
+"""Scheduler bus handlers: placement, cold starts (one per model at a time), keep-alive."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Gauge
+
+from services.scheduler import policy
+from services.scheduler.policy import AwaitStart, NodeView, StartOn, UseNode
+from services.scheduler.settings import SchedulerSettings
+from shared import subjects
+from shared.bus import Bus, decode
+from shared.errors import TesseraError
+from shared.messages import (
+    ClusterStatus,
+    ClusterStatusQuery,
+    ColdStartRecorded,
+    ErrorCode,
+    InstanceReady,
+    InstanceStopped,
+    InstanceView,
+    ModelRecord,
+    NodeStatus,
+    Placement,
+    PlaceRequest,
+    Rejected,
+    StartInstance,
+    StopInstance,
+)
+from shared.registry import Registry
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = Counter("tessera_scheduler_placements_total", "Placement decisions", ["outcome"])
+LIVE_NODES = Gauge("tessera_scheduler_live_nodes", "Engine nodes with a fresh heartbeat")
+SCALE_INS = Counter("tessera_scheduler_scale_to_zero_total", "Instances unloaded after keep-alive")
+
+
+class SchedulerService:
+    def __init__(self, settings: SchedulerSettings, bus: Bus, registry: Registry) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.registry = registry
+        self.nodes: dict[str, NodeView] = {}
+        # A heartbeat sent before our own last change of a node's view is stale: skip it.
+        self._changed_at: dict[str, float] = {}
+        self._last_placed: dict[tuple[str, str], float] = {}
+        self._starts: dict[str, tuple[str, asyncio.Task[InstanceReady | Rejected]]] = {}
+        self._keepalive: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.place(), self.on_place, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.cluster_status(), self.on_status, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.node_heartbeat(), self.on_heartbeat)
+        await self.bus.subscribe(
+            subjects.cold_start_recorded(), self.on_cold_start, queue=subjects.SCHEDULER_QUEUE
+        )
+        self._keepalive = asyncio.create_task(self._keepalive_loop())
+
+    async def close(self) -> None:
+        if self._keepalive:
+            self._keepalive.cancel()
+
+    # --- cluster view -------------------------------------------------------------------------
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        status = decode(msg.data, NodeStatus)
+        if status.sent_at < self._changed_at.get(status.node_id, 0.0):
+            return
+        self.nodes[status.node_id] = NodeView.from_status(status)
+        LIVE_NODES.set(len(policy.live_nodes(self.nodes.values(), time.time(), self.settings.node_timeout_s)))
+
+    def _set_instance(self, node_id: str, model: str, inst: InstanceView | None) -> None:
+        now = time.time()
+        old = self.nodes.get(node_id, NodeView(node_id=node_id, seen_at=now))
+        instances = dict(old.instances)
+        if inst is None:
+            instances.pop(model, None)
+        else:
+            instances[model] = inst
+        self.nodes[node_id] = NodeView(node_id, old.seen_at, instances, old.starting - {model})
+        self._changed_at[node_id] = now
+
+    async def on_status(self, msg: Msg) -> None:
+        now = time.time()
+        live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
+        await self.bus.reply(
+            msg,
+            ClusterStatus(
+                nodes=tuple(
+                    NodeStatus(node_id=n.node_id, sent_at=n.seen_at, instances=tuple(n.instances.values()),
+                               starting=tuple(n.starting))
+                    for n in sorted(live, key=lambda n: n.node_id)
+                ),
+                starting=tuple(self._starts),
+            ),
+        )
+
+    async def on_cold_start(self, msg: Msg) -> None:
+        await self.registry.record_cold_start(decode(msg.data, ColdStartRecorded))
+
+    # --- placement ----------------------------------------------------------------------------
+
+    async def on_place(self, msg: Msg) -> None:
+        req = decode(msg.data, PlaceRequest)
+        try:
+            reply = await self.place(req)
+        except TesseraError as e:
+            reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
+        PLACEMENTS.labels(type(reply).__name__).inc()
+        await self.bus.reply(msg, reply)
+
+    async def place(self, req: PlaceRequest) -> Placement | Rejected:
+        record = await self.registry.get(req.model)
+        if record is None:
+            return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
+        decision = policy.place(
+            req.model,
+            self.nodes.values(),
+            {m: node for m, (node, _) in self._starts.items()},
+            time.time(),
+            node_timeout_s=self.settings.node_timeout_s,
+            max_active_per_instance=self.settings.max_active_per_instance,
+        )
+        match decision:
+            case UseNode(node_id):
+                self._last_placed[(node_id, req.model)] = time.time()
+                return Placement(request_id=req.request_id, node_id=node_id, cold_start=False)
+            case AwaitStart(node_id) | StartOn(node_id):
+                ready = await self._ensure_started(record, node_id)
+                if isinstance(ready, Rejected):
+                    return ready
+                self._last_placed[(ready.node_id, req.model)] = time.time()
+                return Placement(request_id=req.request_id, node_id=ready.node_id, cold_start=True)
+            case Rejected():
+                return decision
+        raise AssertionError(decision)
+
+    async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
+        """Every request that needs the model while it starts waits for the same start."""
+        if record.name not in self._starts:
+            task = asyncio.create_task(self._start(record, node_id))
+            self._starts[record.name] = (node_id, task)
+            task.add_done_callback(lambda _: self._starts.pop(record.name, None))
+        _, task = self._starts[record.name]
+        return await asyncio.shield(task)
+
+    async def _start(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
+        log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
+        try:
+            ready = await self.bus.request(
+                subjects.engine_start(node_id),
+                StartInstance(model=record),
+                InstanceReady | Rejected,
+                timeout=self.settings.start_timeout_s,
+            )
+        except TesseraError as e:
+            return Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
+        if isinstance(ready, InstanceReady):
+            now = time.time()
+            self._set_instance(
+                node_id,
+                record.name,
+                InstanceView(model=record.name, active=0, last_used=now, loaded_at=now),
+            )
+        return ready
+
+    # --- keep-alive ---------------------------------------------------------------------------
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            try:
+                await self.scale_in_idle()
+            except Exception:
+                log.exception("keep-alive pass failed")
+            await asyncio.sleep(self.settings.keep_alive_check_s)
+
+    async def scale_in_idle(self) -> None:
+        keep = {r.name: r.keep_alive_s for r in await self.registry.all()}
+        now = time.time()
+        live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
+        for order in policy.idle_instances(live, keep, self._last_placed, now):
+            if order.model in self._starts:
+                continue
+            try:
+                reply = await self.bus.request(
+                    subjects.engine_stop(order.node_id),
+                    StopInstance(model=order.model, idle_since=order.idle_since),
+                    InstanceStopped,
+                    timeout=self.settings.request_timeout_s,
+                )
+            except TesseraError as e:
+                log.warning("stop of %s on %s failed: %s", order.model, order.node_id, e.message)
+                continue
+            if reply.stopped or reply.reason == "not loaded":
+                self._set_instance(order.node_id, order.model, None)
+                self._last_placed.pop((order.node_id, order.model), None)
+            if reply.stopped:
+                SCALE_INS.inc()
+                log.info("scaled %s to zero on %s", order.model, order.node_id, extra={"model": order.model})

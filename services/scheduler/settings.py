@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+from shared.settings import CommonSettings
+
+
+class SchedulerSettings(CommonSettings):
+    http_port: int = 8101
+    start_timeout_s: float = 300.0
+    """Longest a cold start may take before the requests waiting on it fail."""
+    max_active_per_instance: int = 16
+    """Requests running or queued on one instance before new ones are turned away (429)."""
+    keep_alive_check_s: float = 0.25

