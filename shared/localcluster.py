@@ -150,6 +150,8 @@ class LocalCluster:
     nodes: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra TESSERA_* settings for every service (tests shorten timeouts here)."""
+    store: Path | None = None
+    """Model store; defaults to `home/store`. Clusters may share one (conversions are reused)."""
     procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -157,6 +159,7 @@ class LocalCluster:
         self.nats_port = free_port()
         self.valkey_port = free_port()
         self.gateway_port = self.gateway_port or free_port()
+        self.store = (self.store or self.home / "store").resolve()
 
     @property
     def base_url(self) -> str:
@@ -177,7 +180,7 @@ class LocalCluster:
             TESSERA_REDIS_URL=self.redis_url,
             TESSERA_HTTP_PORT=str(port),
             TESSERA_NODE_ID=node_id,
-            TESSERA_MODEL_STORE=str(self.home / "store"),
+            TESSERA_MODEL_STORE=str(self.store),
             PYTHONPATH=str(REPO_ROOT),
             PYTHONUNBUFFERED="1",
         )

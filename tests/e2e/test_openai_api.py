@@ -1,0 +1,148 @@
+"""The OpenAI API through the official `openai` client, against the real cluster and model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from shared.localcluster import LocalCluster
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_models_lists_the_registered_default_model(client: openai.OpenAI, model: str) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert model in ids
+    assert client.models.retrieve(model).id == model
+
+
+def test_chat_completion_returns_text_usage_and_finish_reason(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # The chat template wraps the message: the prompt is longer than its bare words.
+    assert r.usage.prompt_tokens > 10
+
+
+def test_max_tokens_ends_with_finish_reason_length(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 3
+
+
+def test_streaming_chat_yields_deltas_then_usage(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text
+    assert finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_streaming_and_plain_greedy_outputs_agree(client: openai.OpenAI, model: str) -> None:
+    plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == plain.choices[0].message.content
+
+
+def test_same_seed_gives_same_sample(client: openai.OpenAI, model: str) -> None:
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=12, temperature=1.0, top_p=0.95, seed=seed
+        )
+        return r.choices[0].message.content or ""
+
+    assert sample(7) == sample(7)
+
+
+def test_stop_string_ends_the_completion_before_it(client: openai.OpenAI, model: str) -> None:
+    free = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    assert len(text) > 2
+    stop = text[1:3]  # a piece that the free run produced: the stopped run must end before it
+    r = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].text
+    assert text.startswith(r.choices[0].text)
+
+
+def test_text_completion_streams(client: openai.OpenAI, model: str) -> None:
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_unknown_model_is_404_in_openai_format(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert e.value.status_code == 404
+    assert e.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{not json",
+        '{"model": "x"}',
+        '{"model": "SmolLM2-135M-Instruct", "messages": []}',
+        '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "wizard", "content": "hi"}]}',
+        '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}',
+        '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+    ],
+)
+def test_malformed_body_is_400_in_openai_format(cluster: LocalCluster, body: str) -> None:
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"]
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=9000)
+    assert e.value.code == "context_length_exceeded"
+    assert "8192" in e.value.message
+
+
+def test_more_than_one_choice_is_400_with_a_clear_message(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, n=2)
+    assert "n must be 1" in e.value.message
+
+
+def test_overload_is_429_with_retry_after(cluster: LocalCluster, model: str) -> None:
+    """Hold the gateway's whole admission limit (6 in tests) with open streams; one more is
+    refused at once with 429 and Retry-After, and every held stream still ends cleanly."""
+    body = {"model": model, "messages": CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+        held = []
+        try:
+            for _ in range(6):
+                ctx = http.stream("POST", "/v1/chat/completions", json=body)
+                resp = ctx.__enter__()
+                held.append(ctx)
+                assert resp.status_code == 200
+            r = http.post("/v1/chat/completions", json={**body, "stream": False})
+            assert r.status_code == 429
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for ctx in held:
+                ctx.__exit__(None, None, None)

@@ -1,0 +1,60 @@
+"""Helpers for tests against the real local cluster: metrics, waits with deadlines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.localcluster import LocalCluster
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.1) -> T:
+    """Poll `condition` until it returns something truthy; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)  # sync-ok: polling a condition with a deadline
+
+
+def metric(cluster: LocalCluster, process: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` (with these labels) on one process's /metrics."""
+    port = cluster.procs[process].http_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def loaded_models(cluster: LocalCluster) -> set[str]:
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    return {i["model"] for n in status["nodes"] for i in n["instances"]}
+
+
+def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
+    starts = httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=200", timeout=10).json()
+    return [s for s in starts if s["model"] == model]
+
+
+def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None) -> dict[str, object]:
+    from shared.localcluster import default_model_path
+
+    r = httpx.post(
+        f"{cluster.base_url}/admin/models",
+        json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s},
+        timeout=600,
+    )
+    assert r.status_code == 201, r.text
+    return dict(r.json())
