@@ -1,0 +1,401 @@
+"""Cold-start benchmark: Tessera's scale-from-zero TTFT against llama.cpp and naive OpenVINO.
+
+    python -m bench.coldstart [--trials 5] [--peer-runs 3] [--out bench/results]
+
+One run starts a local cluster in a temporary home, registers SmolLM2-135M-Instruct with a
+1-second keep-alive (so the scheduler scales it to zero between requests), and measures:
+
+- `tessera_cold_ttft_s`: request sent → first SSE content token, the model scaled to zero
+  (median of `--trials`; each trial's value in `tessera_cold_ttft_trials_s`), and the median
+  phases of those cold starts as the engine recorded them (`GET /admin/coldstarts`);
+- `tessera_warm_ttft_s`: the same on the loaded model (back-to-back requests);
+- `tessera_decode_tok_s`: (completion tokens - 1) / (last token - first token) of a
+  128-token streamed request with `ignore_eos`.
+
+Then, with the cluster stopped, each peer in a fresh process (`bench/peers.py`, median of
+`--peer-runs`): llama.cpp (import → load → first token; decode) and OpenVINO GenAI loading
+the GGUF directly (import → load+convert → first token; then warm TTFT and decode in-process).
+
+Prints one JSON object and writes `<out>/coldstart.json` and `<out>/coldstart.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/coldstart.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from shared.localcluster import REPO_ROOT, LocalCluster, default_model_path
+
+THREADS = 2
+MODEL_NAME = "bench-smollm2-135m"
+KEEP_ALIVE_S = 1.0
+PROMPT = "Write a short poem about the sea."  # the same prompt as bench/peers.py
+COLD_MAX_TOKENS = 16
+DECODE_TOKENS = 128
+PHASES = ("init", "load", "profile", "prefill")
+
+UNLOAD_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 300.0
+COLDSTART_LOG_TIMEOUT_S = 15.0
+PEER_TIMEOUT_S = 600.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# --- Tessera -------------------------------------------------------------------------------------
+
+
+class Tessera:
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.http = httpx.Client(base_url=base_url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def loaded(self) -> bool:
+        """Whether an instance of the bench model is loaded (or starting) anywhere."""
+        status = self.http.get("/admin/instances", timeout=10).raise_for_status().json()
+        if MODEL_NAME in status.get("starting", ()):
+            return True
+        for node in status.get("nodes", []):
+            if MODEL_NAME in node.get("starting", ()):
+                return True
+            if any(i.get("model") == MODEL_NAME for i in node.get("instances", [])):
+                return True
+        return False
+
+    def wait_scaled_to_zero(self, timeout_s: float = UNLOAD_TIMEOUT_S) -> float:
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while time.monotonic() < deadline:
+            if not self.loaded():
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"{MODEL_NAME} still loaded after {timeout_s}s (keep-alive {KEEP_ALIVE_S}s)")
+
+    def stream(self, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
+        """One streamed chat request; times from just before sending it."""
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if ignore_eos:
+            body["ignore_eos"] = True
+        sent_wall = time.time()
+        t0 = time.perf_counter()
+        first: float | None = None
+        last: float | None = None
+        usage: dict[str, Any] | None = None
+        text: list[str] = []
+        done = False
+        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(payload)
+                if "error" in obj:
+                    raise RuntimeError(f"stream error: {obj['error']}")
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for choice in obj.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        last = now
+                        text.append(content)
+        if first is None or last is None:
+            raise RuntimeError("the stream carried no content")
+        if not done:
+            raise RuntimeError("the stream ended without [DONE]")
+        return {
+            "sent_wall": sent_wall,
+            "ttft_s": first - t0,
+            "first": first,
+            "last": last,
+            "usage": usage,
+            "text": "".join(text),
+        }
+
+    def cold_starts(self) -> list[dict[str, Any]]:
+        return list(self.http.get("/admin/coldstarts", params={"limit": 200}, timeout=10)
+                    .raise_for_status().json())
+
+    def cold_start_after(self, sent_wall: float, timeout_s: float = COLDSTART_LOG_TIMEOUT_S) -> dict[str, Any]:
+        """The cold-start record of the bench model that began after `sent_wall` (it is written
+        once the first token is out, so it may trail the stream a little)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for entry in self.cold_starts():  # newest first
+                if entry.get("model") == MODEL_NAME and entry.get("started_at", 0) >= sent_wall - 0.05:
+                    return entry
+            time.sleep(0.1)
+        raise TimeoutError(f"no cold-start record for {MODEL_NAME} after {sent_wall} within {timeout_s}s")
+
+
+def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
+    gguf = default_model_path()
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-") as home:
+        cluster = LocalCluster(home=Path(home), env={"TESSERA_INFERENCE_THREADS": str(THREADS)})
+        client: Tessera | None = None
+        try:
+            t = time.perf_counter()
+            cluster.start(timeout_s=120.0)
+            log(f"cluster up in {time.perf_counter() - t:.1f}s at {cluster.base_url}")
+            t = time.perf_counter()
+            reg = cluster.register_default_model(keep_alive_s=KEEP_ALIVE_S, name=MODEL_NAME)
+            log(f"registered {MODEL_NAME} from {gguf.name} in {time.perf_counter() - t:.1f}s "
+                f"(converted={reg.get('converted')}, import_s={reg.get('import_s')})")
+            client = Tessera(cluster.base_url)
+
+            cold: list[dict[str, Any]] = []
+            for i in range(trials):
+                waited = client.wait_scaled_to_zero()
+                res = client.stream(COLD_MAX_TOKENS)
+                entry = client.cold_start_after(res["sent_wall"])
+                cold.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited,
+                             "record": entry, "text": res["text"]})
+                log(f"cold trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
+                    f"{entry['total_s']:.3f}s, phases "
+                    + ", ".join(f"{p} {entry['phases'][f'{p}_s']:.3f}" for p in PHASES))
+
+            # Warm: one request loads it (discarded), then back-to-back requests on the live instance.
+            client.stream(COLD_MAX_TOKENS)
+            records_before = len(client.cold_starts())
+            warm = [client.stream(COLD_MAX_TOKENS)["ttft_s"] for _ in range(warm_runs)]
+            dec = client.stream(DECODE_TOKENS, ignore_eos=True)
+            records_after = len(client.cold_starts())
+            log(f"warm ttft {[round(w, 4) for w in warm]}")
+            if records_after != records_before:
+                log(f"WARNING: {records_after - records_before} cold start(s) during the warm runs")
+            usage = dec["usage"] or {}
+            completion = int(usage.get("completion_tokens", 0))
+            span = dec["last"] - dec["first"]
+            if completion < 2 or span <= 0:
+                raise RuntimeError(f"decode run too short to time: usage={usage}, span={span}")
+            decode = (completion - 1) / span
+            log(f"decode: {completion} tokens, {decode:.1f} tok/s")
+        finally:
+            if client is not None:
+                client.close()
+            cluster.stop()
+
+    return {
+        "cold_ttft_s": median([c["ttft_s"] for c in cold]),
+        "cold_ttft_trials_s": [c["ttft_s"] for c in cold],
+        "engine_total_trials_s": [c["record"]["total_s"] for c in cold],
+        "phases": {p: median([c["record"]["phases"][f"{p}_s"] for c in cold]) for p in PHASES},
+        "phase_trials": [c["record"]["phases"] for c in cold],
+        "waited_for_zero_s": [c["waited_for_zero_s"] for c in cold],
+        "warm_ttft_s": median(warm),
+        "warm_ttft_runs_s": warm,
+        "cold_starts_during_warm": records_after - records_before,
+        "decode_tok_s": decode,
+        "decode_completion_tokens": completion,
+        "sample": cold[0]["text"] if cold else "",
+        "registration": {"converted": reg.get("converted"), "import_s": reg.get("import_s")},
+    }
+
+
+# --- peers ---------------------------------------------------------------------------------------
+
+
+def run_peer(which: str, gguf: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.peers", which, str(gguf)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=PEER_TIMEOUT_S, check=False,
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"peer {which} exited with {p.returncode}:\n{p.stderr[-2000:]}")
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("{")]
+    if not lines:
+        raise RuntimeError(f"peer {which} printed no JSON:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def bench_peer(which: str, runs: int, gguf: Path) -> list[dict[str, Any]]:
+    out = []
+    for i in range(runs):
+        r = run_peer(which, gguf)
+        log(f"{which} run {i + 1}/{runs}: cold ttft {r['cold_ttft_s']:.3f}s "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+            + f"; decode {r['decode_tok_s']:.1f} tok/s")
+        out.append(r)
+    return out
+
+
+def median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:
+    return {k: median([r["phases"][k] for r in runs]) for k in runs[0]["phases"]}
+
+
+# --- plot ----------------------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    tp = result["tessera_phases"]
+    overhead = result["tessera_cold_ttft_s"] - sum(tp.values())
+    lp, op = result["llamacpp_phases"], result["openvino_naive_phases"]
+    systems = [
+        ("Tessera (scale from zero)", result["tessera_cold_ttft_s"],
+         [("init", tp["init"]), ("load", tp["load"]), ("profile", tp["profile"]),
+          ("prefill", tp["prefill"]), ("stack overhead", max(0.0, overhead))]),
+        ("llama.cpp (new process)", result["llamacpp_cold_ttft_s"],
+         [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])]),
+        ("OpenVINO GGUF (new process)", result["openvino_naive_cold_ttft_s"],
+         [("import", op["import_s"]), ("load", op["load_s"]), ("first token", op["first_token_s"])]),
+    ]
+    colors = {"init": "#9ecae1", "import": "#9ecae1", "load": "#3182bd", "profile": "#fdae6b",
+              "prefill": "#31a354", "first token": "#31a354", "stack overhead": "#bdbdbd"}
+    labels = {"load": "load (OpenVINO: converts the GGUF)", "prefill": "prefill / first token",
+              "first token": "prefill / first token", "init": "init / import",
+              "import": "init / import"}
+
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    seen: set[str] = set()
+    longest = max(total for _, total, _ in systems)
+    for y, (name, total, parts) in enumerate(systems):
+        left = 0.0
+        for phase, secs in parts:
+            label = labels.get(phase, phase)
+            ax.barh(y, secs, left=left, color=colors[phase], edgecolor="white", height=0.6,
+                    label=None if label in seen else label)
+            seen.add(label)
+            left += secs
+        ax.text(max(left, total) + longest * 0.01, y, f"{total:.2f} s", va="center", fontsize=10)
+    ax.set_yticks(range(len(systems)), [s[0] for s in systems])
+    ax.invert_yaxis()
+    ax.set_xlim(0, longest * 1.15)
+    ax.set_xlabel("seconds from request (or process start) to first token, median")
+    ax.set_title(f"Cold start to first token, SmolLM2-135M-Instruct Q4_1, CPU, {THREADS} threads")
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=5, help="cold trials on Tessera (median; >= 5 advised)")
+    ap.add_argument("--warm-runs", type=int, default=5, help="back-to-back warm requests on Tessera")
+    ap.add_argument("--peer-runs", type=int, default=3, help="fresh-process runs of each peer")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+    if args.trials < 1 or args.warm_runs < 1 or args.peer_runs < 1:
+        ap.error("--trials, --warm-runs and --peer-runs must be at least 1")
+
+    gguf = default_model_path()
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    log(f"model {gguf}")
+
+    tessera = bench_tessera(args.trials, args.warm_runs)
+    llama = bench_peer("llamacpp", args.peer_runs, gguf)
+    ov = bench_peer("openvino", args.peer_runs, gguf)
+
+    t_cold = tessera["cold_ttft_s"]
+    l_cold = median([r["cold_ttft_s"] for r in llama])
+    o_cold = median([r["cold_ttft_s"] for r in ov])
+    o_warm = median([r["warm_ttft_s"] for r in ov])
+    o_decode = median([r["decode_tok_s"] for r in ov])
+    result: dict[str, Any] = {
+        "model": gguf.name,
+        "tessera_cold_ttft_s": t_cold,
+        "tessera_cold_ttft_trials_s": tessera["cold_ttft_trials_s"],
+        "tessera_phases": tessera["phases"],
+        "tessera_stack_overhead_s": t_cold - sum(tessera["phases"].values()),
+        "tessera_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
+        "tessera_warm_ttft_s": tessera["warm_ttft_s"],
+        "tessera_warm_ttft_runs_s": tessera["warm_ttft_runs_s"],
+        "tessera_cold_starts_during_warm": tessera["cold_starts_during_warm"],
+        "tessera_decode_tok_s": tessera["decode_tok_s"],
+        "tessera_decode_completion_tokens": tessera["decode_completion_tokens"],
+        "tessera_waited_for_zero_s": tessera["waited_for_zero_s"],
+        "tessera_registration": tessera["registration"],
+        "llamacpp_cold_ttft_s": l_cold,
+        "llamacpp_cold_ttft_runs_s": [r["cold_ttft_s"] for r in llama],
+        "llamacpp_phases": median_phases(llama),
+        "llamacpp_decode_tok_s": median([r["decode_tok_s"] for r in llama]),
+        "llamacpp_decode_runs_tok_s": [r["decode_tok_s"] for r in llama],
+        "openvino_naive_cold_ttft_s": o_cold,
+        "openvino_naive_cold_ttft_runs_s": [r["cold_ttft_s"] for r in ov],
+        "openvino_naive_phases": median_phases(ov),
+        "openvino_inproc_ttft_s": o_warm,
+        "openvino_inproc_decode_tok_s": o_decode,
+        "openvino_inproc_decode_runs_tok_s": [r["decode_tok_s"] for r in ov],
+        "cold_ttft_ratio_vs_llamacpp": t_cold / l_cold,
+        "naive_over_tessera_cold": o_cold / t_cold,
+        "warm_ttft_ratio_vs_inproc": tessera["warm_ttft_s"] / o_warm,
+        "decode_ratio_vs_inproc": tessera["decode_tok_s"] / o_decode,
+        "samples": {"tessera": tessera["sample"], "llamacpp": llama[0]["sample"],
+                    "openvino": ov[0]["sample"]},
+        "versions": {"llama_cpp_python": llama[0]["version"], "openvino_genai": ov[0]["version"]},
+        "threads": THREADS,
+        "trials": args.trials,
+        "peer_runs": args.peer_runs,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "loadavg_before": list(load_before),
+            "loadavg_after": list(os.getloadavg()),
+        },
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "bench_wall_s": time.perf_counter() - started,
+    }
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "coldstart.png")
+    log(f"wrote {args.out / 'coldstart.json'} and {args.out / 'coldstart.png'}")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
