@@ -146,3 +146,16 @@ def test_overload_is_429_with_retry_after(cluster: LocalCluster, model: str) -> 
         finally:
             for ctx in held:
                 ctx.__exit__(None, None, None)
+
+
+def test_non_text_content_part_is_a_clear_400(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert "only 'text'" in e.value.message
+
+
+def test_text_content_parts_are_joined(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}])
+    assert r.choices[0].message.content is not None

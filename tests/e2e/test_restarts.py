@@ -100,6 +100,7 @@ def _nats_check(cluster: LocalCluster) -> bool:
 
 
 def test_services_report_lost_nats_in_readyz_and_reconnect(own_cluster: LocalCluster) -> None:
+    register(own_cluster, "after-nats")
     own_cluster.procs["nats"].stop()
     wait_for(lambda: not _nats_check(own_cluster), 30, "the gateway to report NATS lost")
     assert httpx.get(f"{own_cluster.base_url}/readyz", timeout=5).status_code == 503
@@ -107,5 +108,5 @@ def test_services_report_lost_nats_in_readyz_and_reconnect(own_cluster: LocalClu
     for name, proc in own_cluster.procs.items():
         if proc.http_port is not None:
             wait_for(lambda n=name: own_cluster.ready(n), 30, f"{name} to report ready again")
-    r = wait_for(lambda: _try_chat(own_cluster, "persist-a"), 60, "a request after NATS came back", every_s=0.5)
+    r = wait_for(lambda: _try_chat(own_cluster, "after-nats"), 60, "a request after NATS came back", every_s=0.5)
     assert r.choices[0].message.content is not None

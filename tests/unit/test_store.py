@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+
+from services.loader.service import ImportRefused, LoaderService
+from services.loader.settings import LoaderSettings
+from services.loader.store import artifact_id, kv_bytes_per_token, read_artifact
+
+
+def test_artifacts_are_keyed_by_content_and_runtime_version() -> None:
+    a = artifact_id("ab" * 32, "2026.4.1-22982-e213a147257-releases/2026/4")
+    b = artifact_id("ab" * 32, "2026.5.0-1-abc")
+    assert a != b
+    assert "/" not in a and a.startswith("abababab")
+
+
+def test_kv_bytes_per_token_of_smollm2_135m() -> None:
+    # 30 layers, 3 KV heads of 64 dims (576 / 9 heads), keys and values, 2-byte elements.
+    assert kv_bytes_per_token(layers=30, kv_heads=3, head_dim=64) == 23040
+
+
+def test_an_incomplete_artifact_directory_is_not_an_artifact(tmp_path: Path) -> None:
+    (tmp_path / "openvino_model.xml").write_text("<net/>")
+    assert read_artifact(tmp_path) is None
+
+
+@pytest.fixture
+def loader(tmp_path: Path) -> LoaderService:
+    allowed = tmp_path / "models"
+    allowed.mkdir()
+    settings = LoaderSettings(model_store=tmp_path / "store", allowed_model_dirs=[allowed])
+    return LoaderService(settings, bus=None)  # type: ignore[arg-type]
+
+
+def test_import_refuses_files_outside_the_allowed_directories(loader: LoaderService, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.gguf"
+    outside.write_bytes(b"GGUF....")
+    with pytest.raises(ImportRefused, match="outside"):
+        loader._check_source(str(outside))
+
+
+def test_import_refuses_relative_paths_and_non_gguf(loader: LoaderService, tmp_path: Path) -> None:
+    with pytest.raises(ImportRefused, match="absolute"):
+        loader._check_source("models/x.gguf")
+    fake = tmp_path / "models" / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04")
+    with pytest.raises(ImportRefused, match="bad magic"):
+        loader._check_source(str(fake))
+    with pytest.raises(ImportRefused, match="not a readable"):
+        loader._check_source(str(tmp_path / "models" / "missing.gguf"))
