@@ -63,6 +63,12 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def median_index(xs: list[float]) -> int:
+    """Index of the run at the median (the lower middle one for an even count)."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    return order[(len(xs) - 1) // 2]
+
+
 # --- Tessera -------------------------------------------------------------------------------------
 
 
@@ -167,6 +173,21 @@ class Tessera:
         raise TimeoutError(f"no cold-start record for {MODEL_NAME} after {sent_wall} within {timeout_s}s")
 
 
+def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    """CPU time (user + system) used so far by each process of the cluster, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, proc in cluster.procs.items():
+        if not proc.alive():
+            continue
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
     gguf = default_model_path()
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as home:
@@ -197,7 +218,12 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
             client.stream(COLD_MAX_TOKENS)
             records_before = len(client.cold_starts())
             warm = [client.stream(COLD_MAX_TOKENS)["ttft_s"] for _ in range(warm_runs)]
+            cpu_before = cpu_seconds(cluster)
             dec = client.stream(DECODE_TOKENS, ignore_eos=True)
+            cpu_after = cpu_seconds(cluster)
+            # Where the CPU went during the decode request: on 2 cores, whatever the services
+            # use besides the engine's inference threads is taken from them.
+            decode_cpu = {k: round(cpu_after[k] - v, 3) for k, v in cpu_before.items() if k in cpu_after}
             records_after = len(client.cold_starts())
             log(f"warm ttft {[round(w, 4) for w in warm]}")
             if records_after != records_before:
@@ -208,7 +234,7 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
             if completion < 2 or span <= 0:
                 raise RuntimeError(f"decode run too short to time: usage={usage}, span={span}")
             decode = (completion - 1) / span
-            log(f"decode: {completion} tokens, {decode:.1f} tok/s")
+            log(f"decode: {completion} tokens, {decode:.1f} tok/s over {span:.2f}s; CPU s {decode_cpu}")
         finally:
             if client is not None:
                 client.close()
@@ -219,13 +245,17 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
         "cold_ttft_trials_s": [c["ttft_s"] for c in cold],
         "engine_total_trials_s": [c["record"]["total_s"] for c in cold],
         "phases": {p: median([c["record"]["phases"][f"{p}_s"] for c in cold]) for p in PHASES},
-        "phase_trials": [c["record"]["phases"] for c in cold],
+        "phase_trials": [{p: c["record"]["phases"][f"{p}_s"] for p in PHASES} for c in cold],
+        # Outside the engine's clock: gateway, scheduler, bus and HTTP, per trial.
+        "overhead_trials_s": [c["ttft_s"] - c["record"]["total_s"] for c in cold],
         "waited_for_zero_s": [c["waited_for_zero_s"] for c in cold],
         "warm_ttft_s": median(warm),
         "warm_ttft_runs_s": warm,
         "cold_starts_during_warm": records_after - records_before,
         "decode_tok_s": decode,
         "decode_completion_tokens": completion,
+        "decode_cpu_s": decode_cpu,
+        "decode_wall_s": dec["last"] - dec["first"] + dec["ttft_s"],
         "sample": cold[0]["text"] if cold else "",
         "registration": {"converted": reg.get("converted"), "import_s": reg.get("import_s")},
     }
@@ -273,25 +303,30 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    tp = result["tessera_phases"]
-    overhead = result["tessera_cold_ttft_s"] - sum(tp.values())
-    lp, op = result["llamacpp_phases"], result["openvino_naive_phases"]
+    # Each bar is the breakdown of the median run itself, so its segments add up to the median
+    # total (medians of the phases taken one by one need not).
+    trials = result["tessera_cold_ttft_trials_s"]
+    i = median_index(trials)
+    tp = result["tessera_phase_trials_s"][i]
+    overhead = trials[i] - sum(tp.values())
+    lp = result["llamacpp_phase_runs"][median_index(result["llamacpp_cold_ttft_runs_s"])]
+    op = result["openvino_naive_phase_runs"][median_index(result["openvino_naive_cold_ttft_runs_s"])]
     systems = [
         ("Tessera (scale from zero)", result["tessera_cold_ttft_s"],
          [("init", tp["init"]), ("load", tp["load"]), ("profile", tp["profile"]),
           ("prefill", tp["prefill"]), ("stack overhead", max(0.0, overhead))]),
         ("llama.cpp (new process)", result["llamacpp_cold_ttft_s"],
          [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])]),
-        ("OpenVINO GGUF (new process)", result["openvino_naive_cold_ttft_s"],
+        ("OpenVINO on the GGUF\n(new process, converts at load)", result["openvino_naive_cold_ttft_s"],
          [("import", op["import_s"]), ("load", op["load_s"]), ("first token", op["first_token_s"])]),
     ]
     colors = {"init": "#9ecae1", "import": "#9ecae1", "load": "#3182bd", "profile": "#fdae6b",
               "prefill": "#31a354", "first token": "#31a354", "stack overhead": "#bdbdbd"}
-    labels = {"load": "load (OpenVINO: converts the GGUF)", "prefill": "prefill / first token",
+    labels = {"prefill": "prefill / first token",
               "first token": "prefill / first token", "init": "init / import",
               "import": "init / import"}
 
-    fig, ax = plt.subplots(figsize=(10, 3.8))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     seen: set[str] = set()
     longest = max(total for _, total, _ in systems)
     for y, (name, total, parts) in enumerate(systems):
@@ -308,9 +343,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlim(0, longest * 1.15)
     ax.set_xlabel("seconds from request (or process start) to first token, median")
     ax.set_title(f"Cold start to first token, SmolLM2-135M-Instruct Q4_1, CPU, {THREADS} threads")
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -347,23 +382,30 @@ def main(argv: list[str] | None = None) -> int:
         "tessera_cold_ttft_s": t_cold,
         "tessera_cold_ttft_trials_s": tessera["cold_ttft_trials_s"],
         "tessera_phases": tessera["phases"],
-        "tessera_stack_overhead_s": t_cold - sum(tessera["phases"].values()),
+        "tessera_phase_trials_s": tessera["phase_trials"],
+        "tessera_stack_overhead_s": median(tessera["overhead_trials_s"]),
+        "tessera_stack_overhead_trials_s": tessera["overhead_trials_s"],
         "tessera_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
         "tessera_warm_ttft_s": tessera["warm_ttft_s"],
         "tessera_warm_ttft_runs_s": tessera["warm_ttft_runs_s"],
         "tessera_cold_starts_during_warm": tessera["cold_starts_during_warm"],
         "tessera_decode_tok_s": tessera["decode_tok_s"],
         "tessera_decode_completion_tokens": tessera["decode_completion_tokens"],
+        "tessera_decode_cpu_s_by_process": tessera["decode_cpu_s"],
+        "tessera_decode_request_wall_s": tessera["decode_wall_s"],
         "tessera_waited_for_zero_s": tessera["waited_for_zero_s"],
         "tessera_registration": tessera["registration"],
         "llamacpp_cold_ttft_s": l_cold,
         "llamacpp_cold_ttft_runs_s": [r["cold_ttft_s"] for r in llama],
         "llamacpp_phases": median_phases(llama),
+        "llamacpp_phase_runs": [r["phases"] for r in llama],
         "llamacpp_decode_tok_s": median([r["decode_tok_s"] for r in llama]),
         "llamacpp_decode_runs_tok_s": [r["decode_tok_s"] for r in llama],
         "openvino_naive_cold_ttft_s": o_cold,
         "openvino_naive_cold_ttft_runs_s": [r["cold_ttft_s"] for r in ov],
         "openvino_naive_phases": median_phases(ov),
+        "openvino_naive_phase_runs": [r["phases"] for r in ov],
+        "openvino_inproc_ttft_runs_s": [r["warm_ttft_s"] for r in ov],
         "openvino_inproc_ttft_s": o_warm,
         "openvino_inproc_decode_tok_s": o_decode,
         "openvino_inproc_decode_runs_tok_s": [r["decode_tok_s"] for r in ov],
