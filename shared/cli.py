@@ -36,11 +36,15 @@ def up(
         with console.status(f"importing {DEFAULT_MODEL_NAME} (converted once, then reused)…"):
             cluster.register_default_model()
         url = cluster.base_url
-        console.print(f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})")
+        console.print(f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})",
+                      soft_wrap=True)
         console.print(
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{DEFAULT_MODEL_NAME}\", \"messages\": "
-            f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}]}}'"
+            f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}]}}'",
+            soft_wrap=True,  # one line, ready to paste, whatever the terminal width
+            highlight=False,
+            markup=False,
         )
         console.print("Ctrl-C stops everything.")
         while not stop.wait(1.0):
