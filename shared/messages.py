@@ -137,6 +137,8 @@ class InstanceReady(Message, frozen=True):
     model: str
     phases: ColdStartPhases
     already_running: bool = False
+    loaded_from_cache: bool = False
+    """True when the start imported the blob materialized at registration (no compile)."""
 
 
 class StopInstance(Message, frozen=True):
@@ -159,6 +161,7 @@ class ColdStartRecorded(Message, frozen=True):
     phases: ColdStartPhases
     total_s: float
     """Start request received → first token of the request that caused it."""
+    loaded_from_cache: bool = False
 
 
 class InstanceView(Message, frozen=True):
@@ -207,6 +210,8 @@ class Generate(Message, frozen=True):
     model: str
     prompt: str
     """Already rendered with the model's chat template where the API asked for chat."""
+    prompt_ids: tuple[int, ...]
+    """`prompt` tokenized by the gateway: the engine needs no tokenizer before the first token."""
     prompt_tokens: int
     params: SamplingParams
     stream_subject: str

@@ -28,6 +28,10 @@ class CommonSettings(BaseSettings):
     """Directory of imported model artifacts, shared by loader, engine and gateway."""
     request_timeout_s: float = 5.0
     """Default timeout of a bus request/reply; long operations set their own."""
+    device: str = "CPU"
+    """OpenVINO device of this node's engine; artifacts are materialized for it."""
+    inference_threads: int = 2
+    """OpenVINO inference threads per instance; part of the materialized compile config."""
     heartbeat_interval_s: float = 0.5
     node_timeout_s: float = 3.0
     """A node whose heartbeat is older than this is taken for dead: its streams fail, it gets no work."""

@@ -1,71 +1,75 @@
-"""One model instance on OpenVINO: load it, generate with it (in a worker thread).
+"""One model instance on OpenVINO: restore it from its materialized state, generate with it.
 
-`generate` runs on a thread of its own (OpenVINO releases the GIL while it computes) and
-reports each piece of text through `emit`; the asyncio side turns those into bus messages.
+The model is a stateful OpenVINO IR (the KV cache lives in the infer request's state). It is
+compiled once, at registration, with `CACHE_DIR` pointing into the artifact (MEDUSA §2.5, §6:
+do offline what every start would otherwise derive); a start imports that blob, which
+OpenVINO reports as `LOADED_FROM_CACHE`. The tokenizer loads on a second thread meanwhile.
+Generation is a plain loop over the infer request, on a worker thread (OpenVINO releases the
+GIL while it computes), reporting each piece of text through `emit`.
 """
 
 from __future__ import annotations
 
-import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
+import openvino as ov
 import openvino_genai as ov_genai
 
+from services.engine.sampling import Sampler
 from services.engine.stops import StopMatcher
 from shared.messages import Artifact, FinishReason, SamplingParams
 
 Emit = Callable[[str, int], None]
 """emit(text, tokens): text to send and the tokens decoded since the last call."""
 
+MODEL_XML = "openvino_model.xml"
 
-class _Streamer(ov_genai.StreamerBase):  # type: ignore[misc]
-    """Counts tokens, detokenizes incrementally, applies stop strings, honours cancellation."""
 
-    def __init__(
-        self,
-        tokenizer: ov_genai.Tokenizer,
-        stops: StopMatcher,
-        emit: Emit,
-        cancelled: threading.Event,
-    ) -> None:
-        super().__init__()
-        self.tokens = 0
-        self._pending_tokens = 0
+def compiled_cache_dir(artifact: Artifact, device: str) -> Path:
+    """Where the compiled blob for this device lives, inside the artifact (keyed by device;
+    the artifact itself is keyed by the OpenVINO version)."""
+    return Path(artifact.path) / "compiled" / device.lower()
+
+
+def compile_config(artifact: Artifact, device: str, threads: int) -> dict[str, object]:
+    config: dict[str, object] = {"CACHE_DIR": str(compiled_cache_dir(artifact, device))}
+    if device == "CPU":
+        config["INFERENCE_NUM_THREADS"] = threads
+    return config
+
+
+class _Text:
+    """Incremental detokenization with stop strings and cancellation."""
+
+    def __init__(self, tokenizer: ov_genai.Tokenizer, stops: StopMatcher, emit: Emit) -> None:
         self._stops = stops
         self._emit = emit
-        self._cancelled = cancelled
-        self._ended = False
-        self._text = ov_genai.TextStreamer(tokenizer, self._on_text)
+        self._pending = 0
+        self._streamer = ov_genai.TextStreamer(tokenizer, self._on_text)
 
     def _on_text(self, piece: str) -> ov_genai.StreamingStatus:
         out = self._stops.feed(piece)
         if out:
-            self._emit(out, self._pending_tokens)
-            self._pending_tokens = 0
+            self._emit(out, self._pending)
+            self._pending = 0
         return ov_genai.StreamingStatus.RUNNING
 
-    def write(self, token: int | list[int]) -> ov_genai.StreamingStatus:
-        n = len(token) if isinstance(token, list) else 1
-        self.tokens += n
-        self._pending_tokens += n
-        self._text.write(token)
-        if self._stops.stopped or self._cancelled.is_set():
-            return ov_genai.StreamingStatus.CANCEL
-        return ov_genai.StreamingStatus.RUNNING
+    def write(self, token: int) -> None:
+        self._pending += 1
+        self._streamer.write(token)
 
     def end(self) -> None:
-        # The pipeline may call end() more than once; flush exactly once.
-        if self._ended:
-            return
-        self._ended = True
-        self._text.end()
+        self._streamer.end()
         rest = self._stops.flush()
-        if rest or self._pending_tokens:
-            self._emit(rest, self._pending_tokens)
-            self._pending_tokens = 0
+        if rest or self._pending:
+            self._emit(rest, self._pending)
+            self._pending = 0
 
 
 @dataclass
@@ -79,36 +83,65 @@ class GenerationResult:
 class Instance:
     model: str
     artifact: Artifact
-    pipe: ov_genai.LLMPipeline
+    compiled: ov.CompiledModel
+    tokenizer: ov_genai.Tokenizer
+    eos_ids: frozenset[int]
+    loaded_from_cache: bool
     loaded_at: float
     last_used: float
     active: int = 0
-    first_token_at: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _request: ov.InferRequest | None = None
 
     @classmethod
-    def load(cls, model: str, artifact: Artifact, device: str, threads: int) -> Instance:
-        props: dict[str, object] = {}
-        if device == "CPU":
-            props["INFERENCE_NUM_THREADS"] = threads
-        pipe = ov_genai.LLMPipeline(artifact.path, device, **props)
+    def load(cls, core: ov.Core, model: str, artifact: Artifact, device: str, threads: int) -> Instance:
+        xml = str(Path(artifact.path) / MODEL_XML)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
+            tokenizer = side.submit(ov_genai.Tokenizer, artifact.path)
+            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads))
+            tok = tokenizer.result()
         now = time.time()
-        return cls(model=model, artifact=artifact, pipe=pipe, loaded_at=now, last_used=now)
+        return cls(
+            model=model,
+            artifact=artifact,
+            compiled=compiled,
+            tokenizer=tok,
+            eos_ids=frozenset({int(tok.get_eos_token_id())}),
+            loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
+            loaded_at=now,
+            last_used=now,
+        )
 
-    def generate(self, prompt: str, params: SamplingParams, emit: Emit, cancelled: threading.Event) -> GenerationResult:
-        cfg = self.pipe.get_generation_config()
-        # The gateway already rendered the chat template (or sent a raw completion prompt).
-        cfg.apply_chat_template = False
-        cfg.max_new_tokens = params.max_tokens
-        cfg.ignore_eos = params.ignore_eos
-        if params.temperature <= 0.0:
-            cfg.do_sample = False
-        else:
-            cfg.do_sample = True
-            cfg.temperature = params.temperature
-            cfg.top_p = params.top_p
-            # OpenVINO's default seed is fixed; without a seed a caller expects fresh samples.
-            cfg.rng_seed = params.seed if params.seed is not None else random.getrandbits(31)
+    @property
+    def request(self) -> ov.InferRequest:
+        # The infer request holds the KV cache: it exists only while the instance serves.
+        if self._request is None:
+            self._request = self.compiled.create_infer_request()
+        return self._request
+
+    def release_kv(self) -> None:
+        self._request = None
+
+    def _forward(self, ids: Sequence[int], past: int) -> np.ndarray:
+        n = len(ids)
+        req = self.request
+        req.infer({
+            "input_ids": np.asarray(ids, dtype=np.int64)[None, :],
+            "attention_mask": np.ones((1, past + n), dtype=np.int64),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None, :],
+            "beam_idx": np.zeros(1, dtype=np.int32),
+        })
+        logits: np.ndarray = req.get_tensor("logits").data[0, -1]
+        return logits
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        emit: Emit,
+        cancelled: threading.Event,
+    ) -> GenerationResult:
+        sampler = Sampler(params.temperature, params.top_p, params.seed)
         stops = StopMatcher(params.stop)
         first: list[float] = []
 
@@ -117,14 +150,29 @@ class Instance:
                 first.append(time.perf_counter())
             emit(text, tokens)
 
-        streamer = _Streamer(self.pipe.get_tokenizer(), stops, timed_emit, cancelled)
-        with self.lock:  # one generation at a time on an LLMPipeline
-            self.pipe.generate([prompt], cfg, streamer)
-            streamer.end()
-        if cancelled.is_set() and not stops.stopped:
-            reason = FinishReason.CANCELLED
-        elif stops.stopped or streamer.tokens < params.max_tokens:
-            reason = FinishReason.STOP
-        else:
-            reason = FinishReason.LENGTH
-        return GenerationResult(reason, streamer.tokens, first[0] if first else None)
+        text = _Text(self.tokenizer, stops, timed_emit)
+        produced = 0
+        reason = FinishReason.LENGTH
+        with self.lock:  # one sequence at a time on this infer request
+            self.request.reset_state()
+            logits = self._forward(prompt_ids, 0)
+            past = len(prompt_ids)
+            while produced < params.max_tokens:
+                token = sampler.pick(logits)
+                if token in self.eos_ids and not params.ignore_eos:
+                    reason = FinishReason.STOP
+                    break
+                produced += 1
+                text.write(token)
+                if stops.stopped:
+                    reason = FinishReason.STOP
+                    break
+                if cancelled.is_set():
+                    reason = FinishReason.CANCELLED
+                    break
+                if produced == params.max_tokens:
+                    break
+                logits = self._forward((token,), past)
+                past += 1
+            text.end()
+        return GenerationResult(reason, produced, first[0] if first else None)

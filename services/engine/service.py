@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -79,6 +80,7 @@ class EngineService:
         self._cancels: dict[str, threading.Event] = {}
         # Loads get a pool of their own so that a cold start never waits behind generations.
         self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
+        self.core = ov.Core()
         self._gen_pool = ThreadPoolExecutor(
             max_workers=settings.max_concurrent_generations, thread_name_prefix="gen"
         )
@@ -202,7 +204,7 @@ class EngineService:
         t1 = time.perf_counter()
         try:
             inst = await loop.run_in_executor(
-                self._load_pool, Instance.load, record.name, record.artifact, device, threads
+                self._load_pool, Instance.load, self.core, record.name, record.artifact, device, threads
             )
             t2 = time.perf_counter()
             # Profile: KV sizing was measured once at registration (bytes per token); here it
@@ -223,7 +225,10 @@ class EngineService:
             extra={"model": record.name, "init_s": phases.init_s, "load_s": phases.load_s,
                    "profile_s": phases.profile_s, "started_at": started_at},
         )
-        return InstanceReady(node_id=self.node, model=record.name, phases=phases)
+        if not inst.loaded_from_cache:
+            log.warning("%s was compiled at start: its materialized blob is missing", record.name)
+        return InstanceReady(node_id=self.node, model=record.name, phases=phases,
+                             loaded_from_cache=inst.loaded_from_cache)
 
     async def on_stop(self, msg: Msg) -> None:
         req = decode(msg.data, StopInstance)
@@ -291,7 +296,7 @@ class EngineService:
         final: Finished | Failed
         try:
             result: GenerationResult = await loop.run_in_executor(
-                self._gen_pool, inst.generate, req.prompt, req.params, emit, cancelled
+                self._gen_pool, inst.generate, req.prompt_ids, req.params, emit, cancelled
             )
             final = Finished(
                 request_id=req.request_id,
@@ -302,7 +307,7 @@ class EngineService:
             REQUESTS.labels(result.finish_reason.value).inc()
             if result.first_token_at is not None:
                 TTFT.observe(result.first_token_at - received)
-                await self._maybe_record_cold_start(inst.model, result.first_token_at)
+                await self._maybe_record_cold_start(inst, result.first_token_at)
         except Exception as e:
             log.exception("generation %s failed", req.request_id)
             REQUESTS.labels("error").inc()
@@ -312,7 +317,8 @@ class EngineService:
             await pumping
         await self.bus.publish(req.stream_subject, final)
 
-    async def _maybe_record_cold_start(self, model: str, first_token_at: float) -> None:
+    async def _maybe_record_cold_start(self, inst: Instance, first_token_at: float) -> None:
+        model = inst.model
         pending = self._cold.pop(model, None)
         if pending is None:
             return
@@ -334,6 +340,7 @@ class EngineService:
             started_at=time.time() - (time.perf_counter() - t0),
             phases=phases,
             total_s=total,
+            loaded_from_cache=inst.loaded_from_cache,
         )
         log.info("cold start of %s: %.2fs", model, total, extra={"model": model, "phases": {
             "init_s": phases.init_s, "load_s": phases.load_s,

@@ -5,9 +5,6 @@ from shared.settings import CommonSettings
 
 class EngineSettings(CommonSettings):
     http_port: int = 8104
-    device: str = "CPU"
-    inference_threads: int = 2
-    """OpenVINO inference threads per instance (`INFERENCE_NUM_THREADS`)."""
     max_concurrent_generations: int = 4
     """Threads running generations at once across instances of this node."""
     memory_request_timeout_s: float = 5.0

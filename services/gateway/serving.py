@@ -68,8 +68,12 @@ PLACEMENT_WAIT = Histogram(
 class Prepared:
     record: ModelRecord
     prompt: str
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 class Generation:
@@ -114,6 +118,7 @@ class Generation:
                     request_id=self.request_id,
                     model=self.prepared.record.name,
                     prompt=self.prepared.prompt,
+                    prompt_ids=self.prepared.prompt_ids,
                     prompt_tokens=self.prepared.prompt_tokens,
                     params=self.prepared.params,
                     stream_subject=subjects.token_stream(self.request_id),
@@ -247,7 +252,10 @@ class Gateway:
             param = "messages"
         else:
             prompt, param = req.prompt_text(), "prompt"
-        n = await asyncio.to_thread(Tokenizers.count, tok, prompt)
+        ids = await asyncio.to_thread(Tokenizers.encode, tok, prompt)
+        n = len(ids)
+        if n == 0:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, f"the {param} is empty", param=param)
         ctx = record.artifact.context_length
         max_tokens = req.max_tokens if req.max_tokens is not None else ctx - n
         if n + max_tokens > ctx or max_tokens < 1:
@@ -266,7 +274,7 @@ class Gateway:
             stop=req.stops(),
             ignore_eos=req.ignore_eos,
         )
-        return Prepared(record=record, prompt=prompt, prompt_tokens=n, params=params)
+        return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params)
 
     async def open(self, prepared: Prepared) -> Generation:
         gen = Generation(self, prepared)

@@ -34,5 +34,5 @@ class Tokenizers:
         return str(tok.apply_chat_template(list(messages), add_generation_prompt=True))
 
     @staticmethod
-    def count(tok: ov_genai.Tokenizer, text: str) -> int:
-        return int(tok.encode(text).input_ids.data.shape[1])
+    def encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
+        return tuple(int(i) for i in tok.encode(text).input_ids.data[0])

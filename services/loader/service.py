@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Histogram
 
 from services.loader.settings import LoaderSettings
+from services.loader.convert import is_materialized
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
 from shared.bus import Bus, decode
@@ -66,12 +67,13 @@ class LoaderService:
         dest = artifact_dir(self.store, aid)
         async with self._locks.setdefault(aid, asyncio.Lock()):
             existing = read_artifact(dest)
-            if existing is not None:
+            if existing is not None and is_materialized(existing, self.settings.device):
                 IMPORT_SECONDS.labels("false").observe(time.perf_counter() - t0)
                 return ModelImported(artifact=existing, converted=False, seconds=time.perf_counter() - t0)
-            log.info("converting %s into %s", path, dest)
+            log.info("importing %s into %s", path, dest)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.loader.convert", str(path), str(dest), sha, aid,
+                self.settings.device, str(self.settings.inference_threads),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -82,7 +84,7 @@ class LoaderService:
                 await proc.wait()
                 raise ImportRefused(f"conversion of {source!r} timed out") from None
             artifact = read_artifact(dest)
-            if proc.returncode != 0 or artifact is None:
+            if proc.returncode != 0 or artifact is None or not is_materialized(artifact, self.settings.device):
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
                 raise ImportRefused(f"conversion of {source!r} failed: {tail[0]}")
         seconds = time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import openai
 
@@ -14,6 +15,12 @@ from tests.helpers.cluster import cold_starts, loaded_models, metric, register, 
 PHASES = ("init_s", "load_s", "profile_s", "prefill_s")
 
 
+def blob_files(record: dict[str, object]) -> dict[str, tuple[int, int]]:
+    """The compiled blobs of a registration's artifact, with their sizes and mtimes."""
+    compiled = Path(record["artifact"]["path"]) / "compiled"  # type: ignore[index]
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in compiled.rglob("*") if p.is_file()}
+
+
 def ask(client: openai.OpenAI, model: str) -> str:
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     return r.choices[0].message.content or ""
@@ -21,7 +28,9 @@ def ask(client: openai.OpenAI, model: str) -> str:
 
 def test_idle_model_is_unloaded_after_keep_alive_and_comes_back(cluster: LocalCluster, client: openai.OpenAI) -> None:
     name = "s2z-smollm"
-    register(cluster, name, keep_alive_s=1.0)
+    record = register(cluster, name, keep_alive_s=1.0)
+    blobs = blob_files(record)
+    assert blobs, "registration materializes the compiled model"
     loads_before = metric(cluster, "engine@node-0", "tessera_coldstart_phase_seconds_count", phase="load")
 
     assert ask(client, name)
@@ -36,6 +45,10 @@ def test_idle_model_is_unloaded_after_keep_alive_and_comes_back(cluster: LocalCl
         assert phases["load_s"] > 0 and phases["prefill_s"] > 0
         assert start["total_s"] >= sum(phases[p] for p in PHASES) * 0.99
     assert metric(cluster, "engine@node-0", "tessera_coldstart_phase_seconds_count", phase="load") == loads_before + 2
+    # Materialized state was restored, not rebuilt: OpenVINO imported the blob, which no start
+    # rewrote (MEDUSA: nothing a start derives is derived again).
+    assert all(start["loaded_from_cache"] for start in starts)
+    assert blob_files(record) == blobs
     log = (cluster.home / "logs" / "engine@node-0.log").read_text()
     logged = [json.loads(line) for line in log.splitlines() if line.startswith("{") and name in line]
     assert sum(1 for e in logged if e.get("message", "").startswith(f"cold start of {name}")) == 2

@@ -20,7 +20,7 @@ from shared.messages import (
 
 
 def test_a_message_survives_the_wire_unchanged() -> None:
-    g = Generate(request_id="r1", model="m", prompt="hi", prompt_tokens=2,
+    g = Generate(request_id="r1", model="m", prompt="hi", prompt_ids=(1, 2), prompt_tokens=2,
                  params=SamplingParams(max_tokens=5, stop=("x",), seed=3), stream_subject="s")
     assert decode(encode(g), Generate) == g
 

@@ -1,0 +1,36 @@
+"""Choosing the next token from logits: greedy, or temperature + nucleus (top-p) sampling.
+
+Pure and seeded, so that the same seed gives the same sample (OpenAI's `seed`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+
+class Sampler:
+    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def pick(self, logits: npt.NDArray[np.float32]) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        z -= z.max()
+        p = np.exp(z)
+        p /= p.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-p)
+            cumulative = np.cumsum(p[order])
+            # Smallest prefix whose mass reaches top_p (always at least the top token).
+            keep = order[: int(np.searchsorted(cumulative, self.top_p)) + 1]
+            q = p[keep] / p[keep].sum()
+            return int(keep[self.rng.choice(len(keep), p=q)])
+        return int(self.rng.choice(len(p), p=p))
