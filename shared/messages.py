@@ -15,7 +15,7 @@ import msgspec
 SCHEMA_VERSION = 1
 
 
-class Message(msgspec.Struct, frozen=True, tag=True, kw_only=True, omit_defaults=True):
+class Message(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Base of every bus message; the tag is the class name."""
 
 
