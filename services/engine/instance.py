@@ -44,6 +44,14 @@ def compile_config(artifact: Artifact, device: str, threads: int) -> dict[str, o
     return config
 
 
+def _warm_tokenizer(path: str) -> ov_genai.Tokenizer:
+    """Load the tokenizer and run its detokenizer once: its first call costs a compile-like
+    warm-up that would otherwise land on the first token (measured ≈ 0.1–0.2 s)."""
+    tok = ov_genai.Tokenizer(path)
+    tok.decode([int(tok.get_eos_token_id())])
+    return tok
+
+
 class _Text:
     """Incremental detokenization with stop strings and cancellation."""
 
@@ -72,6 +80,36 @@ class _Text:
             self._pending = 0
 
 
+class _Coalesce:
+    """Send text at most every `interval` seconds (the first piece at once).
+
+    Each message wakes the engine's event loop, the gateway and the client; on a node whose
+    cores all run inference threads, every wake-up stalls a decode step. Batching pieces that
+    arrive within one interval keeps TTFT and cuts those wake-ups (vLLM's `stream_interval`).
+    """
+
+    def __init__(self, emit: Emit, interval_s: float) -> None:
+        self._emit = emit
+        self._interval = interval_s
+        self._texts: list[str] = []
+        self._tokens = 0
+        self._last: float | None = None
+
+    def __call__(self, text: str, tokens: int) -> None:
+        self._texts.append(text)
+        self._tokens += tokens
+        now = time.perf_counter()
+        if self._last is None or now - self._last >= self._interval:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        if self._texts or self._tokens:
+            self._emit("".join(self._texts), self._tokens)
+            self._texts.clear()
+            self._tokens = 0
+            self._last = time.perf_counter() if now is None else now
+
+
 @dataclass
 class GenerationResult:
     finish_reason: FinishReason
@@ -97,7 +135,7 @@ class Instance:
     def load(cls, core: ov.Core, model: str, artifact: Artifact, device: str, threads: int) -> Instance:
         xml = str(Path(artifact.path) / MODEL_XML)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
-            tokenizer = side.submit(ov_genai.Tokenizer, artifact.path)
+            tokenizer = side.submit(_warm_tokenizer, artifact.path)
             compiled = core.compile_model(xml, device, compile_config(artifact, device, threads))
             tok = tokenizer.result()
         now = time.time()
@@ -140,6 +178,7 @@ class Instance:
         params: SamplingParams,
         emit: Emit,
         cancelled: threading.Event,
+        stream_interval_s: float = 0.0,
     ) -> GenerationResult:
         sampler = Sampler(params.temperature, params.top_p, params.seed)
         stops = StopMatcher(params.stop)
@@ -150,7 +189,8 @@ class Instance:
                 first.append(time.perf_counter())
             emit(text, tokens)
 
-        text = _Text(self.tokenizer, stops, timed_emit)
+        out = _Coalesce(timed_emit, stream_interval_s)
+        text = _Text(self.tokenizer, stops, out)
         produced = 0
         reason = FinishReason.LENGTH
         with self.lock:  # one sequence at a time on this infer request
@@ -175,4 +215,5 @@ class Instance:
                 logits = self._forward((token,), past)
                 past += 1
             text.end()
+            out.flush()
         return GenerationResult(reason, produced, first[0] if first else None)

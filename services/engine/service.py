@@ -296,7 +296,8 @@ class EngineService:
         final: Finished | Failed
         try:
             result: GenerationResult = await loop.run_in_executor(
-                self._gen_pool, inst.generate, req.prompt_ids, req.params, emit, cancelled
+                self._gen_pool, inst.generate, req.prompt_ids, req.params, emit, cancelled,
+                self.settings.stream_interval_s,
             )
             final = Finished(
                 request_id=req.request_id,

@@ -8,3 +8,5 @@ class EngineSettings(CommonSettings):
     max_concurrent_generations: int = 4
     """Threads running generations at once across instances of this node."""
     memory_request_timeout_s: float = 5.0
+    stream_interval_s: float = 0.03
+    """Text produced within this interval travels as one message (the first piece at once)."""
