@@ -162,6 +162,8 @@ class ColdStartRecorded(Message, frozen=True):
     total_s: float
     """Start request received → first token of the request that caused it."""
     loaded_from_cache: bool = False
+    source: str = "store"
+    """Where the weights came from: "resident" (kept after scale-to-zero) or "store"."""
 
 
 class InstanceView(Message, frozen=True):
@@ -243,6 +245,18 @@ class Failed(Message, frozen=True):
 
 class Cancel(Message, frozen=True):
     request_id: str
+
+
+class EvictResidents(Message, frozen=True):
+    """Drop resident (idle) models from an engine's pool; all of them when `artifact_id` is ""."""
+
+    artifact_id: str = ""
+
+
+class Evicted(Message, frozen=True):
+    node_id: str
+    artifact_ids: tuple[str, ...]
+    freed_bytes: int
 
 
 # --- memory ------------------------------------------------------------------------------------

@@ -46,6 +46,10 @@ def engine_generate(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.generate"
 
 
+def engine_evict(node_id: str) -> str:
+    return f"{_ROOT}.engine.{node_id}.evict"
+
+
 def engine_cancel(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.cancel"
 

@@ -43,6 +43,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iter
         c.stop()
 
 
+@pytest.fixture(scope="module")
+def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    """A cluster for one test module alone: for tests that restart or kill its processes, or
+    that need a node where nothing else is loaded."""
+    c = start_cluster(tmp_path_factory.mktemp("own"), model_store)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.fixture(scope="session")
 def model() -> str:
     return DEFAULT_MODEL_NAME

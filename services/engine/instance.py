@@ -118,43 +118,57 @@ class GenerationResult:
 
 
 @dataclass
-class Instance:
-    model: str
+class LoadedModel:
+    """A compiled model and its tokenizer: the part of an instance that can stay resident
+    after the instance is gone, and that every name on the same artifact can share."""
+
     artifact: Artifact
     compiled: ov.CompiledModel
     tokenizer: ov_genai.Tokenizer
     eos_ids: frozenset[int]
     loaded_from_cache: bool
+
+    @classmethod
+    def load(cls, core: ov.Core, artifact: Artifact, device: str, threads: int) -> LoadedModel:
+        xml = str(Path(artifact.path) / MODEL_XML)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
+            tokenizer = side.submit(_warm_tokenizer, artifact.path)
+            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads))
+            tok = tokenizer.result()
+        return cls(
+            artifact=artifact,
+            compiled=compiled,
+            tokenizer=tok,
+            eos_ids=frozenset({int(tok.get_eos_token_id())}),
+            loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
+        )
+
+
+@dataclass
+class Instance:
+    """A model name serving requests: a loaded model plus its own KV cache (infer request)."""
+
+    model: str
+    loaded: LoadedModel
     loaded_at: float
     last_used: float
     active: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _request: ov.InferRequest | None = None
 
-    @classmethod
-    def load(cls, core: ov.Core, model: str, artifact: Artifact, device: str, threads: int) -> Instance:
-        xml = str(Path(artifact.path) / MODEL_XML)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
-            tokenizer = side.submit(_warm_tokenizer, artifact.path)
-            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads))
-            tok = tokenizer.result()
-        now = time.time()
-        return cls(
-            model=model,
-            artifact=artifact,
-            compiled=compiled,
-            tokenizer=tok,
-            eos_ids=frozenset({int(tok.get_eos_token_id())}),
-            loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
-            loaded_at=now,
-            last_used=now,
-        )
+    @property
+    def artifact(self) -> Artifact:
+        return self.loaded.artifact
+
+    @property
+    def loaded_from_cache(self) -> bool:
+        return self.loaded.loaded_from_cache
 
     @property
     def request(self) -> ov.InferRequest:
         # The infer request holds the KV cache: it exists only while the instance serves.
         if self._request is None:
-            self._request = self.compiled.create_infer_request()
+            self._request = self.loaded.compiled.create_infer_request()
         return self._request
 
     def release_kv(self) -> None:
@@ -190,7 +204,7 @@ class Instance:
             emit(text, tokens)
 
         out = _Coalesce(timed_emit, stream_interval_s)
-        text = _Text(self.tokenizer, stops, out)
+        text = _Text(self.loaded.tokenizer, stops, out)
         produced = 0
         reason = FinishReason.LENGTH
         with self.lock:  # one sequence at a time on this infer request
@@ -199,7 +213,7 @@ class Instance:
             past = len(prompt_ids)
             while produced < params.max_tokens:
                 token = sampler.pick(logits)
-                if token in self.eos_ids and not params.ignore_eos:
+                if token in self.loaded.eos_ids and not params.ignore_eos:
                     reason = FinishReason.STOP
                     break
                 produced += 1

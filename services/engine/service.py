@@ -17,13 +17,17 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.instance import GenerationResult, Instance
+from services.engine.instance import GenerationResult, Instance, LoadedModel
+from services.engine.pool import Resident, choose_evictions, over_budget
 from services.engine.settings import EngineSettings
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.messages import (
+    Artifact,
     Cancel,
+    EvictResidents,
+    Evicted,
     ColdStartPhases,
     ColdStartRecorded,
     ErrorCode,
@@ -61,6 +65,12 @@ COLD_START_SECONDS = Histogram(
 DECODED_TOKENS = Counter("tessera_engine_decoded_tokens_total", "Tokens decoded by this engine")
 REQUESTS = Counter("tessera_engine_requests_total", "Generations ended", ["finish_reason"])
 INSTANCES = Gauge("tessera_engine_instances", "Model instances loaded on this engine")
+RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Bytes of compiled models held, in use or not")
+POOL_IDLE_BYTES = Gauge(
+    "tessera_engine_pool_idle_bytes", "Bytes of compiled models kept resident with no instance (reusable)"
+)
+POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")
+POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -76,7 +86,9 @@ class EngineService:
         self.instances: dict[str, Instance] = {}
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         # Pending first tokens of fresh instances: model → (start time, phases so far).
-        self._cold: dict[str, tuple[float, ColdStartPhases]] = {}
+        self._cold: dict[str, tuple[float, ColdStartPhases, str]] = {}
+        self.residents: dict[str, tuple[Resident, LoadedModel]] = {}
+        self._artifact_locks: dict[str, asyncio.Lock] = {}
         self._cancels: dict[str, threading.Event] = {}
         # Loads get a pool of their own so that a cold start never waits behind generations.
         self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
@@ -91,6 +103,7 @@ class EngineService:
         await self.bus.subscribe(subjects.engine_stop(self.node), self.on_stop)
         await self.bus.subscribe(subjects.engine_generate(self.node), self.on_generate)
         await self.bus.subscribe(subjects.engine_cancel(self.node), self.on_cancel)
+        await self.bus.subscribe(subjects.engine_evict(self.node), self.on_evict)
         # A restarted engine holds nothing: drop whatever an earlier run had reserved.
         await self._release_memory("*")
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
@@ -120,7 +133,7 @@ class EngineService:
                 for i in self.instances.values()
             ),
             starting=tuple(self._starting),
-            memory_used_bytes=sum(i.artifact.weight_bytes for i in self.instances.values()),
+            memory_used_bytes=sum(r.nbytes for r, _ in self.residents.values()),
         )
 
     async def _heartbeat(self) -> None:
@@ -134,20 +147,13 @@ class EngineService:
 
     # --- memory ------------------------------------------------------------------------------
 
-    async def _reserve_memory(self, owner: str, nbytes: int) -> None:
-        result = await self.bus.request(
+    async def _reserve_memory(self, owner: str, nbytes: int) -> ReserveResult:
+        return await self.bus.request(
             subjects.memory_reserve(self.node),
             Reserve(owner=owner, nbytes=nbytes),
             ReserveResult,
             timeout=self.settings.memory_request_timeout_s,
         )
-        if not result.granted:
-            raise TesseraError(
-                ErrorCode.NO_CAPACITY,
-                f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, "
-                f"{nbytes} needed",
-                retry_after_s=2,
-            )
 
     async def _release_memory(self, owner: str) -> None:
         try:
@@ -194,41 +200,119 @@ class EngineService:
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
-        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         started_at = time.time()
-        # Init: the runtime is imported with the engine process; what is left is admitting the
-        # instance's weights into the node's memory budget.
-        device, threads = self.settings.device, self.settings.inference_threads
-        await self._reserve_memory(record.name, record.artifact.weight_bytes)
-        t1 = time.perf_counter()
+        # Init: the runtime is imported with the engine process; what is left is finding the
+        # model resident, or admitting its weights into the node's memory budget.
+        loaded, resident, t1 = await self._acquire(record.artifact)
+        t2 = time.perf_counter()
         try:
-            inst = await loop.run_in_executor(
-                self._load_pool, Instance.load, self.core, record.name, record.artifact, device, threads
-            )
-            t2 = time.perf_counter()
             # Profile: KV sizing was measured once at registration (bytes per token); here it
             # only becomes a reservation for a full context.
             kv_bytes = record.artifact.kv_bytes_per_token * record.artifact.context_length
-            await self._reserve_memory(f"{record.name}:kv", kv_bytes)
-            t3 = time.perf_counter()
+            await self._reserve(f"{record.name}:kv", kv_bytes)
         except BaseException:
-            await self._release_memory(record.name)
+            await self._release(record.artifact.artifact_id)
             raise
+        t3 = time.perf_counter()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
+        now = time.time()
+        inst = Instance(model=record.name, loaded=loaded, loaded_at=now, last_used=now)
         self.instances[record.name] = inst
         INSTANCES.set(len(self.instances))
-        self._cold[record.name] = (t0, phases)
+        self._cold[record.name] = (t0, phases, "resident" if resident else "store")
         log.info(
             "instance of %s ready",
             record.name,
             extra={"model": record.name, "init_s": phases.init_s, "load_s": phases.load_s,
-                   "profile_s": phases.profile_s, "started_at": started_at},
+                   "profile_s": phases.profile_s, "started_at": started_at, "resident": resident},
         )
-        if not inst.loaded_from_cache:
+        if not loaded.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(node_id=self.node, model=record.name, phases=phases,
-                             loaded_from_cache=inst.loaded_from_cache)
+                             loaded_from_cache=loaded.loaded_from_cache)
+
+    # --- resident models (Tangram reuse) -----------------------------------------------------
+
+    async def _acquire(self, artifact: Artifact) -> tuple[LoadedModel, bool, float]:
+        """The artifact's loaded model, from the resident pool or from the store; returns it,
+        whether it was resident, and when the load began (end of Init)."""
+        aid = artifact.artifact_id
+        async with self._artifact_locks.setdefault(aid, asyncio.Lock()):
+            now = time.time()
+            if aid in self.residents:
+                r, loaded = self.residents[aid]
+                r.users += 1
+                r.uses += 1
+                r.last_used = now
+                POOL_HITS.inc()
+                self._update_pool_metrics()
+                return loaded, True, time.perf_counter()
+            await self._reserve(f"weights:{aid}", artifact.weight_bytes)
+            t_load = time.perf_counter()
+            try:
+                loaded = await asyncio.get_running_loop().run_in_executor(
+                    self._load_pool, LoadedModel.load, self.core, artifact,
+                    self.settings.device, self.settings.inference_threads,
+                )
+            except BaseException:
+                await self._release_memory(f"weights:{aid}")
+                raise
+            reload_s = time.perf_counter() - t_load
+            self.residents[aid] = (Resident(aid, artifact.weight_bytes, reload_s, now, now, users=1), loaded)
+            self._update_pool_metrics()
+            return loaded, False, t_load
+
+    async def _release(self, aid: str) -> None:
+        """An instance stopped using the artifact: it stays resident within the pool budget."""
+        r, _ = self.residents[aid]
+        r.users -= 1
+        r.last_used = time.time()
+        excess = over_budget((r for r, _ in self.residents.values()), self.settings.pool_budget_bytes)
+        if excess:
+            await self._evict(choose_evictions((r for r, _ in self.residents.values()), excess, time.time()))
+        self._update_pool_metrics()
+
+    async def _evict(self, keys: list[str]) -> int:
+        freed = 0
+        for key in keys:
+            r, loaded = self.residents.pop(key)
+            del loaded  # the compiled model's memory goes with its last reference
+            freed += r.nbytes
+            await self._release_memory(f"weights:{key}")
+            POOL_EVICTIONS.inc()
+            log.info("evicted resident model %s (%d bytes)", key, r.nbytes)
+        self._update_pool_metrics()
+        return freed
+
+    def _update_pool_metrics(self) -> None:
+        RESIDENT_BYTES.set(sum(r.nbytes for r, _ in self.residents.values()))
+        POOL_IDLE_BYTES.set(sum(r.nbytes for r, _ in self.residents.values() if r.users == 0))
+
+    async def _reserve(self, owner: str, nbytes: int) -> None:
+        """Reserve, evicting idle residents at the lowest cost if the node is full."""
+        result = await self._reserve_memory(owner, nbytes)
+        if result.granted:
+            return
+        need = nbytes - (result.budget_bytes - result.used_bytes)
+        keys = choose_evictions((r for r, _ in self.residents.values()), need, time.time())
+        if keys:
+            await self._evict(keys)
+            result = await self._reserve_memory(owner, nbytes)
+            if result.granted:
+                return
+        raise TesseraError(
+            ErrorCode.NO_CAPACITY,
+            f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
+            retry_after_s=2,
+        )
+
+    async def on_evict(self, msg: Msg) -> None:
+        req = decode(msg.data, EvictResidents)
+        keys = [k for k, (r, _) in self.residents.items()
+                if r.users == 0 and (not req.artifact_id or k == req.artifact_id)]
+        freed = await self._evict(keys)
+        await self.bus.reply(msg, Evicted(node_id=self.node, artifact_ids=tuple(keys), freed_bytes=freed))
 
     async def on_stop(self, msg: Msg) -> None:
         req = decode(msg.data, StopInstance)
@@ -241,8 +325,9 @@ class EngineService:
             del self.instances[req.model]
             self._cold.pop(req.model, None)
             INSTANCES.set(len(self.instances))
-            del inst  # the pipeline's memory goes with the last reference
-            await self._release_memory(req.model)
+            inst.release_kv()
+            await self._release_memory(f"{req.model}:kv")
+            await self._release(inst.artifact.artifact_id)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
             reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True)
         await self.bus.reply(msg, reply)
@@ -323,7 +408,7 @@ class EngineService:
         pending = self._cold.pop(model, None)
         if pending is None:
             return
-        t0, phases = pending
+        t0, phases, source = pending
         loaded = t0 + phases.init_s + phases.load_s + phases.profile_s
         phases = ColdStartPhases(
             init_s=phases.init_s,
@@ -342,6 +427,7 @@ class EngineService:
             phases=phases,
             total_s=total,
             loaded_from_cache=inst.loaded_from_cache,
+            source=source,
         )
         log.info("cold start of %s: %.2fs", model, total, extra={"model": model, "phases": {
             "init_s": phases.init_s, "load_s": phases.load_s,

@@ -16,6 +16,8 @@ from shared.messages import (
     ClusterStatus,
     ClusterStatusQuery,
     ErrorCode,
+    Evicted,
+    EvictResidents,
     ImportModel,
     ModelChanged,
     ModelImported,
@@ -78,6 +80,21 @@ class Admin:
 
     async def cold_starts(self, limit: int) -> list[dict[str, Any]]:
         return [as_json(e) for e in await self.registry.cold_starts(limit)]
+
+    async def evict(self, artifact_id: str = "") -> list[dict[str, Any]]:
+        """Drop idle resident models on every live node (the next start loads from the store)."""
+        status = await self.bus.request(
+            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            timeout=self.settings.request_timeout_s,
+        )
+        results = []
+        for node in status.nodes:
+            evicted = await self.bus.request(
+                subjects.engine_evict(node.node_id), EvictResidents(artifact_id=artifact_id), Evicted,
+                timeout=self.settings.request_timeout_s,
+            )
+            results.append(as_json(evicted))
+        return results
 
     async def instances(self) -> dict[str, Any]:
         status = await self.bus.request(

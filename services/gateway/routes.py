@@ -110,6 +110,10 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     async def cold_starts(limit: int = 50) -> list[dict[str, object]]:
         return await admin.cold_starts(max(1, min(limit, 200)))
 
+    @app.post("/admin/cache/evict")
+    async def evict(artifact_id: str = "") -> list[dict[str, object]]:
+        return await admin.evict(artifact_id)
+
     @app.get("/admin/instances")
     async def instances() -> dict[str, object]:
         return await admin.instances()

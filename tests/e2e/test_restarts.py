@@ -3,7 +3,6 @@ engine killed mid-stream, and NATS lost and regained."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -11,17 +10,7 @@ import openai
 import pytest
 
 from shared.localcluster import SERVICES, LocalCluster
-from tests.conftest import start_cluster
 from tests.helpers.cluster import register, wait_for
-
-
-@pytest.fixture(scope="module")
-def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("restarts"), model_store)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def chat(cluster: LocalCluster, model: str, **kw: object) -> openai.types.chat.ChatCompletion:
