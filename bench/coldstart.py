@@ -5,9 +5,15 @@
 One run starts a local cluster in a temporary home, registers SmolLM2-135M-Instruct with a
 1-second keep-alive (so the scheduler scales it to zero between requests), and measures:
 
-- `tessera_cold_ttft_s`: request sent → first SSE content token, the model scaled to zero
-  (median of `--trials`; each trial's value in `tessera_cold_ttft_trials_s`), and the median
-  phases of those cold starts as the engine recorded them (`GET /admin/coldstarts`);
+- `tessera_cold_ttft_s`: request sent → first SSE content token, the model scaled to zero with
+  its compiled weights still resident in the engine (median of `--trials`; each trial's value
+  in `tessera_cold_ttft_trials_s`, its start's `source` in `tessera_cold_sources`), and the
+  median phases of those cold starts as the engine recorded them (`GET /admin/coldstarts`);
+- `tessera_cold_disk_ttft_s`, `tessera_disk_phases`: the same, but the resident weights are
+  evicted (`POST /admin/cache/evict`) after each scale to zero, so the start loads from the
+  model store on disk;
+- `burst`: 16 concurrent streamed first requests on the model scaled to zero (resident): TTFT
+  p50/p99, failures, and how many cold starts they caused (1 expected);
 - `tessera_warm_ttft_s`: the same on the loaded model (back-to-back requests);
 - `tessera_decode_tok_s`: (completion tokens - 1) / (last token - first token) of a
   128-token streamed request with `ignore_eos`.
@@ -16,12 +22,13 @@ Then, with the cluster stopped, each peer in a fresh process (`bench/peers.py`, 
 `--peer-runs`): llama.cpp (import → load → first token; decode) and OpenVINO GenAI loading
 the GGUF directly (import → load+convert → first token; then warm TTFT and decode in-process).
 
-Prints one JSON object and writes `<out>/coldstart.json` and `<out>/coldstart.png`.
+`targets` compares the ratios with the project's targets. Prints one JSON object and writes `<out>/coldstart.json` and `<out>/coldstart.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -49,9 +56,15 @@ COLD_MAX_TOKENS = 16
 DECODE_TOKENS = 128
 PHASES = ("init", "load", "profile", "prefill")
 
+BURST_SIZE = 16
+BURST_MAX_TOKENS = 8
+
 UNLOAD_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 300.0
 COLDSTART_LOG_TIMEOUT_S = 15.0
+EVICT_TIMEOUT_S = 30.0
+BURST_REQUEST_TIMEOUT_S = 180.0
+BURST_SETTLE_S = 2.0
 PEER_TIMEOUT_S = 600.0
 
 
@@ -61,6 +74,15 @@ def log(msg: str) -> None:
 
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
+    ys = sorted(xs)
+    k = (len(ys) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(ys) - 1)
+    return float(ys[lo] + (ys[hi] - ys[lo]) * (k - lo))
 
 
 def median_index(xs: list[float]) -> int:
@@ -103,14 +125,7 @@ class Tessera:
 
     def stream(self, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
         """One streamed chat request; times from just before sending it."""
-        body: dict[str, Any] = {
-            "model": MODEL_NAME,
-            "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = chat_body(max_tokens)
         if ignore_eos:
             body["ignore_eos"] = True
         sent_wall = time.time()
@@ -172,6 +187,122 @@ class Tessera:
             time.sleep(0.1)
         raise TimeoutError(f"no cold-start record for {MODEL_NAME} after {sent_wall} within {timeout_s}s")
 
+    def cold_starts_since(self, sent_wall: float) -> list[dict[str, Any]]:
+        return [e for e in self.cold_starts()
+                if e.get("model") == MODEL_NAME and e.get("started_at", 0) >= sent_wall - 0.05]
+
+    def evict(self, artifact_id: str, timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
+        """`POST /admin/cache/evict` until the bench model's artifact is among those dropped.
+
+        Right after the scheduler stops seeing the instance, the engine may still be releasing
+        it (the resident is not idle yet, so it is not evicted): then ask again."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        calls = 0
+        while True:
+            calls += 1
+            evicted = list(self.http.post("/admin/cache/evict", timeout=30).raise_for_status().json())
+            ids = [a for e in evicted for a in e.get("artifact_ids", ())]
+            if artifact_id in ids:
+                return {"freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in evicted),
+                        "artifact_ids": ids, "calls": calls, "evict_s": time.monotonic() - t0}
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"artifact {artifact_id} not evicted within {timeout_s}s "
+                                   f"({calls} calls, last answer {evicted})")
+            time.sleep(0.1)
+
+
+def chat_body(max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _burst_one(http: httpx.AsyncClient) -> dict[str, Any]:
+    """One streamed request of the burst: its TTFT, or the status/error that ended it."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    done = False
+    async with http.stream("POST", "/v1/chat/completions", json=chat_body(BURST_MAX_TOKENS)) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ok": False, "status": r.status_code, "error": r.text[:300]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            obj = json.loads(payload)
+            if "error" in obj:
+                return {"ok": False, "status": 200, "error": f"stream error: {obj['error']}"}
+            for choice in obj.get("choices") or []:
+                if first is None and (choice.get("delta") or {}).get("content"):
+                    first = time.perf_counter()
+    if first is None:
+        return {"ok": False, "status": 200, "error": "the stream carried no content"}
+    if not done:
+        return {"ok": False, "status": 200, "error": "the stream ended without [DONE]"}
+    return {"ok": True, "status": 200, "ttft_s": first - t0}
+
+
+async def _burst(base_url: str, n: int) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    timeout = httpx.Timeout(BURST_REQUEST_TIMEOUT_S, connect=10.0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http:
+
+        async def bounded(i: int) -> dict[str, Any]:
+            # A hard bound on the whole request (httpx's timeouts are per read, not total).
+            try:
+                return await asyncio.wait_for(_burst_one(http), BURST_REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                return {"ok": False, "status": None, "error": f"no end within {BURST_REQUEST_TIMEOUT_S}s"}
+            except httpx.HTTPError as e:
+                return {"ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
+
+        results = await asyncio.gather(*(bounded(i) for i in range(n)))
+    return [{"index": i, **r} for i, r in enumerate(results)]
+
+
+def burst(client: Tessera, n: int) -> dict[str, Any]:
+    """n concurrent first requests on the model scaled to zero; how many starts they caused."""
+    sent_wall = time.time()
+    t0 = time.perf_counter()
+    results = asyncio.run(_burst(client.base_url, n))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    # The start's record is written once its first token is out; wait for it (bounded), then a
+    # little longer so that a second start, if the burst caused one, is counted too.
+    starts: list[dict[str, Any]] = []
+    deadline = time.monotonic() + COLDSTART_LOG_TIMEOUT_S
+    while time.monotonic() < deadline:
+        starts = client.cold_starts_since(sent_wall)
+        if starts:
+            break
+        time.sleep(0.1)
+    time.sleep(BURST_SETTLE_S)
+    starts = client.cold_starts_since(sent_wall)
+    ttfts = [r["ttft_s"] for r in ok]
+    return {
+        "n": n,
+        "succeeded": len(ok),
+        "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
+        "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
+        "cold_starts": len(starts),
+        "errors": [{"index": r["index"], "status": r["status"], "error": r["error"]}
+                   for r in results if not r["ok"]],
+        "ttft_runs_s": sorted(ttfts),
+        "cold_start_sources": [e.get("source") for e in starts],
+        "wall_s": wall,
+        "max_tokens": BURST_MAX_TOKENS,
+    }
+
 
 def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     """CPU time (user + system) used so far by each process of the cluster, from /proc."""
@@ -188,6 +319,39 @@ def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     return out
 
 
+def cold_trials(client: Tessera, trials: int, what: str, evict: str | None = None) -> list[dict[str, Any]]:
+    """Cold starts from zero; with `evict` (an artifact id), the resident weights are evicted
+    after the scale to zero, so each start loads from the model store."""
+    out: list[dict[str, Any]] = []
+    for i in range(trials):
+        waited = client.wait_scaled_to_zero()
+        evicted = client.evict(evict) if evict else None
+        res = client.stream(COLD_MAX_TOKENS)
+        entry = client.cold_start_after(res["sent_wall"])
+        out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted,
+                    "record": entry, "text": res["text"]})
+        log(f"{what} trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
+            f"{entry['total_s']:.3f}s, source {entry.get('source')}, from cache "
+            f"{entry.get('loaded_from_cache')}, phases "
+            + ", ".join(f"{p} {entry['phases'][f'{p}_s']:.3f}" for p in PHASES))
+    return out
+
+
+def summarize_cold(cold: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ttft_s": median([c["ttft_s"] for c in cold]),
+        "ttft_trials_s": [c["ttft_s"] for c in cold],
+        "engine_total_trials_s": [c["record"]["total_s"] for c in cold],
+        "phases": {p: median([c["record"]["phases"][f"{p}_s"] for c in cold]) for p in PHASES},
+        "phase_trials": [{p: c["record"]["phases"][f"{p}_s"] for p in PHASES} for c in cold],
+        # Outside the engine's clock: gateway, scheduler, bus and HTTP, per trial.
+        "overhead_trials_s": [c["ttft_s"] - c["record"]["total_s"] for c in cold],
+        "waited_for_zero_s": [c["waited_for_zero_s"] for c in cold],
+        "sources": [c["record"].get("source") for c in cold],
+        "loaded_from_cache": [c["record"].get("loaded_from_cache") for c in cold],
+    }
+
+
 def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
     gguf = default_model_path()
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as home:
@@ -202,17 +366,26 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
             log(f"registered {MODEL_NAME} from {gguf.name} in {time.perf_counter() - t:.1f}s "
                 f"(converted={reg.get('converted')}, import_s={reg.get('import_s')})")
             client = Tessera(cluster.base_url)
+            artifact_id = str(reg["artifact"]["artifact_id"])  # type: ignore[index]
 
-            cold: list[dict[str, Any]] = []
-            for i in range(trials):
-                waited = client.wait_scaled_to_zero()
-                res = client.stream(COLD_MAX_TOKENS)
-                entry = client.cold_start_after(res["sent_wall"])
-                cold.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited,
-                             "record": entry, "text": res["text"]})
-                log(f"cold trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
-                    f"{entry['total_s']:.3f}s, phases "
-                    + ", ".join(f"{p} {entry['phases'][f'{p}_s']:.3f}" for p in PHASES))
+            # The very first start of the model loads it from the store; it is not one of the
+            # trials (which measure a start from zero with the weights still resident).
+            first = client.stream(COLD_MAX_TOKENS)
+            first_entry = client.cold_start_after(first["sent_wall"])
+            log(f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
+                f"engine total {first_entry['total_s']:.3f}s")
+
+            cold = cold_trials(client, trials, "cold (resident)")
+
+            client.wait_scaled_to_zero()
+            log(f"burst: {BURST_SIZE} concurrent streamed first requests on the model scaled to zero")
+            burst_result = burst(client, BURST_SIZE)
+            log(f"burst: {burst_result['succeeded']}/{BURST_SIZE} ok, ttft p50 "
+                f"{burst_result['ttft_p50_s']}, p99 {burst_result['ttft_p99_s']}, "
+                f"{burst_result['cold_starts']} cold start(s) {burst_result['cold_start_sources']}, "
+                f"errors {burst_result['errors']}")
+
+            disk = cold_trials(client, trials, "cold (evicted, from disk)", evict=artifact_id)
 
             # Warm: one request loads it (discarded), then back-to-back requests on the live instance.
             client.stream(COLD_MAX_TOKENS)
@@ -240,15 +413,24 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
                 client.close()
             cluster.stop()
 
+    c, d = summarize_cold(cold), summarize_cold(disk)
     return {
-        "cold_ttft_s": median([c["ttft_s"] for c in cold]),
-        "cold_ttft_trials_s": [c["ttft_s"] for c in cold],
-        "engine_total_trials_s": [c["record"]["total_s"] for c in cold],
-        "phases": {p: median([c["record"]["phases"][f"{p}_s"] for c in cold]) for p in PHASES},
-        "phase_trials": [{p: c["record"]["phases"][f"{p}_s"] for p in PHASES} for c in cold],
-        # Outside the engine's clock: gateway, scheduler, bus and HTTP, per trial.
-        "overhead_trials_s": [c["ttft_s"] - c["record"]["total_s"] for c in cold],
-        "waited_for_zero_s": [c["waited_for_zero_s"] for c in cold],
+        "cold_ttft_s": c["ttft_s"],
+        "cold_ttft_trials_s": c["ttft_trials_s"],
+        "engine_total_trials_s": c["engine_total_trials_s"],
+        "phases": c["phases"],
+        "phase_trials": c["phase_trials"],
+        "overhead_trials_s": c["overhead_trials_s"],
+        "waited_for_zero_s": c["waited_for_zero_s"],
+        "cold_sources": c["sources"],
+        "cold_loaded_from_cache": c["loaded_from_cache"],
+        "disk": d,
+        "disk_evictions": [x["evicted"] for x in disk],
+        "first_start": {"ttft_s": first["ttft_s"], "engine_total_s": first_entry["total_s"],
+                        "source": first_entry.get("source"),
+                        "loaded_from_cache": first_entry.get("loaded_from_cache"),
+                        "phases": {p: first_entry["phases"][f"{p}_s"] for p in PHASES}},
+        "burst": burst_result,
         "warm_ttft_s": median(warm),
         "warm_ttft_runs_s": warm,
         "cold_starts_during_warm": records_after - records_before,
@@ -294,27 +476,56 @@ def median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: median([r["phases"][k] for r in runs]) for k in runs[0]["phases"]}
 
 
+# --- targets -------------------------------------------------------------------------------------
+
+
+def targets(t_cold: float, t_disk: float, l_cold: float, o_cold: float,
+            t_warm: float, o_warm: float, t_decode: float, o_decode: float) -> dict[str, dict[str, Any]]:
+    """Each ratio with its target (and stretch target, where there is one) and whether it is met."""
+
+    def at_most(value: float, target: float, stretch: float | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"value": value, "target": f"<= {target}", "pass": value <= target}
+        if stretch is not None:
+            out |= {"stretch": f"<= {stretch}", "stretch_pass": value <= stretch}
+        return out
+
+    def at_least(value: float, target: float) -> dict[str, Any]:
+        return {"value": value, "target": f">= {target}", "pass": value >= target}
+
+    return {
+        "cold_ttft_ratio_vs_llamacpp": at_most(t_cold / l_cold, 1.0, stretch=0.5),
+        "naive_over_tessera_cold": at_least(o_cold / t_cold, 10.0),
+        "disk_ratio_vs_llamacpp": at_most(t_disk / l_cold, 2.0),
+        "warm_ttft_ratio_vs_inproc": at_most(t_warm / o_warm, 1.2),
+        "decode_ratio_vs_inproc": at_least(t_decode / o_decode, 0.9),
+    }
+
+
 # --- plot ----------------------------------------------------------------------------------------
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     # Each bar is the breakdown of the median run itself, so its segments add up to the median
     # total (medians of the phases taken one by one need not).
-    trials = result["tessera_cold_ttft_trials_s"]
-    i = median_index(trials)
-    tp = result["tessera_phase_trials_s"][i]
-    overhead = trials[i] - sum(tp.values())
+    def tessera_parts(trials: list[float], phase_trials: list[dict[str, float]]) -> list[tuple[str, float]]:
+        i = median_index(trials)
+        tp = phase_trials[i]
+        overhead = trials[i] - sum(tp.values())
+        return [("init", tp["init"]), ("load", tp["load"]), ("profile", tp["profile"]),
+                ("prefill", tp["prefill"]), ("stack overhead", max(0.0, overhead))]
+
     lp = result["llamacpp_phase_runs"][median_index(result["llamacpp_cold_ttft_runs_s"])]
     op = result["openvino_naive_phase_runs"][median_index(result["openvino_naive_cold_ttft_runs_s"])]
     systems = [
-        ("Tessera (scale from zero)", result["tessera_cold_ttft_s"],
-         [("init", tp["init"]), ("load", tp["load"]), ("profile", tp["profile"]),
-          ("prefill", tp["prefill"]), ("stack overhead", max(0.0, overhead))]),
+        ("Tessera, scaled to zero\n(resident)", result["tessera_cold_ttft_s"],
+         tessera_parts(result["tessera_cold_ttft_trials_s"], result["tessera_phase_trials_s"])),
+        ("Tessera, evicted\n(from disk)", result["tessera_cold_disk_ttft_s"],
+         tessera_parts(result["tessera_cold_disk_ttft_trials_s"], result["tessera_disk_phase_trials_s"])),
         ("llama.cpp (new process)", result["llamacpp_cold_ttft_s"],
          [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])]),
         ("OpenVINO on the GGUF\n(new process, converts at load)", result["openvino_naive_cold_ttft_s"],
@@ -326,7 +537,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
               "first token": "prefill / first token", "init": "init / import",
               "import": "init / import"}
 
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 5.0))
     seen: set[str] = set()
     longest = max(total for _, total, _ in systems)
     for y, (name, total, parts) in enumerate(systems):
@@ -373,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ov = bench_peer("openvino", args.peer_runs, gguf)
 
     t_cold = tessera["cold_ttft_s"]
+    t_disk = tessera["disk"]["ttft_s"]
     l_cold = median([r["cold_ttft_s"] for r in llama])
     o_cold = median([r["cold_ttft_s"] for r in ov])
     o_warm = median([r["warm_ttft_s"] for r in ov])
@@ -381,11 +593,25 @@ def main(argv: list[str] | None = None) -> int:
         "model": gguf.name,
         "tessera_cold_ttft_s": t_cold,
         "tessera_cold_ttft_trials_s": tessera["cold_ttft_trials_s"],
+        "tessera_cold_sources": tessera["cold_sources"],
+        "tessera_cold_loaded_from_cache": tessera["cold_loaded_from_cache"],
         "tessera_phases": tessera["phases"],
         "tessera_phase_trials_s": tessera["phase_trials"],
         "tessera_stack_overhead_s": median(tessera["overhead_trials_s"]),
         "tessera_stack_overhead_trials_s": tessera["overhead_trials_s"],
         "tessera_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
+        "tessera_cold_disk_ttft_s": t_disk,
+        "tessera_cold_disk_ttft_trials_s": tessera["disk"]["ttft_trials_s"],
+        "tessera_cold_disk_sources": tessera["disk"]["sources"],
+        "tessera_cold_disk_loaded_from_cache": tessera["disk"]["loaded_from_cache"],
+        "tessera_disk_phases": tessera["disk"]["phases"],
+        "tessera_disk_phase_trials_s": tessera["disk"]["phase_trials"],
+        "tessera_disk_stack_overhead_s": median(tessera["disk"]["overhead_trials_s"]),
+        "tessera_disk_stack_overhead_trials_s": tessera["disk"]["overhead_trials_s"],
+        "tessera_disk_engine_cold_total_trials_s": tessera["disk"]["engine_total_trials_s"],
+        "tessera_disk_evictions": tessera["disk_evictions"],
+        "tessera_first_start": tessera["first_start"],
+        "burst": tessera["burst"],
         "tessera_warm_ttft_s": tessera["warm_ttft_s"],
         "tessera_warm_ttft_runs_s": tessera["warm_ttft_runs_s"],
         "tessera_cold_starts_during_warm": tessera["cold_starts_during_warm"],
@@ -411,8 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         "openvino_inproc_decode_runs_tok_s": [r["decode_tok_s"] for r in ov],
         "cold_ttft_ratio_vs_llamacpp": t_cold / l_cold,
         "naive_over_tessera_cold": o_cold / t_cold,
+        "disk_ratio_vs_llamacpp": t_disk / l_cold,
         "warm_ttft_ratio_vs_inproc": tessera["warm_ttft_s"] / o_warm,
         "decode_ratio_vs_inproc": tessera["decode_tok_s"] / o_decode,
+        "targets": targets(t_cold, t_disk, l_cold, o_cold, tessera["warm_ttft_s"], o_warm,
+                           tessera["decode_tok_s"], o_decode),
         "samples": {"tessera": tessera["sample"], "llamacpp": llama[0]["sample"],
                     "openvino": ov[0]["sample"]},
         "versions": {"llama_cpp_python": llama[0]["version"], "openvino_genai": ov[0]["version"]},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ import openvino_genai as ov_genai
 from services.engine.sampling import Sampler
 from services.engine.stops import StopMatcher
 from shared.messages import Artifact, FinishReason, SamplingParams
+
+class Flag(Protocol):
+    def is_set(self) -> bool: ...
+
 
 Emit = Callable[[str, int], None]
 """emit(text, tokens): text to send and the tokens decoded since the last call."""
@@ -191,7 +196,7 @@ class Instance:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         emit: Emit,
-        cancelled: threading.Event,
+        cancelled: Flag,
         stream_interval_s: float = 0.0,
     ) -> GenerationResult:
         sampler = Sampler(params.temperature, params.top_p, params.seed)

@@ -1,36 +1,42 @@
 """Engine bus handlers: start and stop instances, generate, cancel, heartbeat, cold-start log.
 
-A cold start is timed in four phases (ARCHITECTURE, "A cold start"): Init (runtime objects
-for the instance), Load (weights onto the device), Profile (KV sizing and the memory
-reservation), Prefill (the first token of the request that caused the start).
+Instances run in worker processes (`workers.py`), taken pre-warmed from a pool (TIDAL §5). A
+worker is bound to one artifact (a compiled model) and serves every model name registered on
+it, each with its own KV cache. When a name scales to zero its KV cache goes; the worker and
+its weights stay resident until evicted at the lowest cost (Tangram §3.1–3.2), and evicting
+ends the process, which hands its memory back whole.
+
+A cold start is timed in four phases (ARCHITECTURE, "A cold start"): Init (memory admission
+and binding a worker), Load (restoring the materialized compiled model), Profile (KV sizing
+and its reservation), Prefill (the first token of the request that caused the start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.instance import GenerationResult, Instance, LoadedModel
 from services.engine.pool import Resident, choose_evictions, over_budget
 from services.engine.settings import EngineSettings
+from services.engine.worker import Chunk, Done, Run
+from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.messages import (
     Artifact,
     Cancel,
-    EvictResidents,
-    Evicted,
     ColdStartPhases,
     ColdStartRecorded,
     ErrorCode,
+    Evicted,
+    EvictResidents,
     Failed,
     Finished,
     FinishReason,
@@ -60,17 +66,21 @@ PHASE_SECONDS = Histogram(
 COLD_START_SECONDS = Histogram(
     "tessera_coldstart_seconds",
     "Start request received to first token of the request that caused it",
-    buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
 )
 DECODED_TOKENS = Counter("tessera_engine_decoded_tokens_total", "Tokens decoded by this engine")
 REQUESTS = Counter("tessera_engine_requests_total", "Generations ended", ["finish_reason"])
-INSTANCES = Gauge("tessera_engine_instances", "Model instances loaded on this engine")
-RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Bytes of compiled models held, in use or not")
+INSTANCES = Gauge("tessera_engine_instances", "Model instances serving on this engine")
+RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Weight bytes of bound workers, in use or not")
 POOL_IDLE_BYTES = Gauge(
-    "tessera_engine_pool_idle_bytes", "Bytes of compiled models kept resident with no instance (reusable)"
+    "tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)"
 )
 POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")
 POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
+PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
+PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
+WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
+COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -78,24 +88,46 @@ TTFT = Histogram(
 )
 
 
+@dataclass
+class Bound:
+    """A worker bound to one artifact: the unit that stays resident and is evicted."""
+
+    worker: Worker
+    artifact: Artifact
+    loaded_from_cache: bool
+    resident: Resident
+
+
+@dataclass
+class Served:
+    """A model name serving on a bound worker (its KV cache lives in the worker)."""
+
+    model: str
+    bound: Bound
+    loaded_at: float
+    last_used: float
+    active: int = 0
+
+
+@dataclass
+class PendingColdStart:
+    t0: float
+    phases: ColdStartPhases
+    source: str
+
+
 class EngineService:
     def __init__(self, settings: EngineSettings, bus: Bus) -> None:
         self.settings = settings
         self.bus = bus
         self.node = settings.node_id
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, Served] = {}
+        self.bound: dict[str, Bound] = {}
+        self.workers = WorkerPool(settings.worker_pool_size, settings.device, settings.inference_threads)
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
-        # Pending first tokens of fresh instances: model → (start time, phases so far).
-        self._cold: dict[str, tuple[float, ColdStartPhases, str]] = {}
-        self.residents: dict[str, tuple[Resident, LoadedModel]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
-        self._cancels: dict[str, threading.Event] = {}
-        # Loads get a pool of their own so that a cold start never waits behind generations.
-        self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
-        self.core = ov.Core()
-        self._gen_pool = ThreadPoolExecutor(
-            max_workers=settings.max_concurrent_generations, thread_name_prefix="gen"
-        )
+        self._cold: dict[str, PendingColdStart] = {}
+        self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -106,15 +138,17 @@ class EngineService:
         await self.bus.subscribe(subjects.engine_evict(self.node), self.on_evict)
         # A restarted engine holds nothing: drop whatever an earlier run had reserved.
         await self._release_memory("*")
+        self.workers.refill()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
 
     async def close(self) -> None:
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
-        for ev in self._cancels.values():
-            ev.set()
-        self._gen_pool.shutdown(wait=False, cancel_futures=True)
-        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        for cancelled, bound in self._cancels.values():
+            cancelled.flag = True
+        self.workers.close()
+        for bound in self.bound.values():
+            bound.worker.stop()
 
     # --- status ------------------------------------------------------------------------------
 
@@ -128,17 +162,26 @@ class EngineService:
                     active=i.active,
                     last_used=i.last_used,
                     loaded_at=i.loaded_at,
-                    weight_bytes=i.artifact.weight_bytes,
+                    weight_bytes=i.bound.artifact.weight_bytes,
                 )
                 for i in self.instances.values()
             ),
             starting=tuple(self._starting),
-            memory_used_bytes=sum(r.nbytes for r, _ in self.residents.values()),
+            memory_used_bytes=sum(b.artifact.weight_bytes for b in self.bound.values()),
         )
+
+    def _update_gauges(self) -> None:
+        INSTANCES.set(len(self.instances))
+        RESIDENT_BYTES.set(sum(b.resident.nbytes for b in self.bound.values()))
+        POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in self.bound.values() if b.resident.users == 0))
+        PREWARMED.set(len(self.workers.idle))
+        PREWARMED_BYTES.set(self.workers.idle_rss_bytes())
+        WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in self.bound.values()))
 
     async def _heartbeat(self) -> None:
         while True:
             try:
+                self._update_gauges()
                 if self.bus.connected.is_set():
                     await self.bus.publish(subjects.node_heartbeat(), self.status())
             except Exception:
@@ -161,6 +204,24 @@ class EngineService:
         except Exception:
             log.warning("could not release memory of %s", owner)
 
+    async def _reserve(self, owner: str, nbytes: int) -> None:
+        """Reserve, evicting idle residents at the lowest cost if the node is full."""
+        result = await self._reserve_memory(owner, nbytes)
+        if result.granted:
+            return
+        need = nbytes - (result.budget_bytes - result.used_bytes)
+        keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
+        if keys:
+            await self._evict(keys)
+            result = await self._reserve_memory(owner, nbytes)
+            if result.granted:
+                return
+        raise TesseraError(
+            ErrorCode.NO_CAPACITY,
+            f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
+            retry_after_s=2,
+        )
+
     # --- start / stop ------------------------------------------------------------------------
 
     async def on_start(self, msg: Msg) -> None:
@@ -171,7 +232,7 @@ class EngineService:
             reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
         except Exception as e:
             log.exception("start of %s failed", req.model.name)
-            reply = Rejected(code=ErrorCode.ENGINE_FAILED, message=f"start failed: {e}")
+            reply = Rejected(code=ErrorCode.ENGINE_FAILED, message=f"start failed: {e}", retry_after_s=1)
         await self.bus.reply(msg, reply)
 
     async def start_instance(self, req: StartInstance) -> InstanceReady:
@@ -182,6 +243,7 @@ class EngineService:
                 model=name,
                 phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
                 already_running=True,
+                loaded_from_cache=self.instances[name].bound.loaded_from_cache,
             )
         if name in self._starting:  # a second start of the same model waits for the first
             return await asyncio.shield(self._starting[name])
@@ -200,117 +262,101 @@ class EngineService:
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
-        t0 = time.perf_counter()
-        started_at = time.time()
-        # Init: the runtime is imported with the engine process; what is left is finding the
-        # model resident, or admitting its weights into the node's memory budget.
-        loaded, resident, t1 = await self._acquire(record.artifact)
-        t2 = time.perf_counter()
+        t0 = time.monotonic()
+        bound, hit, t1 = await self._acquire(record.artifact)
+        t2 = time.monotonic()
         try:
             # Profile: KV sizing was measured once at registration (bytes per token); here it
             # only becomes a reservation for a full context.
             kv_bytes = record.artifact.kv_bytes_per_token * record.artifact.context_length
             await self._reserve(f"{record.name}:kv", kv_bytes)
         except BaseException:
-            await self._release(record.artifact.artifact_id)
+            await self._release(bound)
             raise
-        t3 = time.perf_counter()
+        t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
-        inst = Instance(model=record.name, loaded=loaded, loaded_at=now, last_used=now)
-        self.instances[record.name] = inst
-        INSTANCES.set(len(self.instances))
-        self._cold[record.name] = (t0, phases, "resident" if resident else "store")
+        self.instances[record.name] = Served(record.name, bound, now, now)
+        self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else "store")
+        self._update_gauges()
         log.info(
             "instance of %s ready",
             record.name,
             extra={"model": record.name, "init_s": phases.init_s, "load_s": phases.load_s,
-                   "profile_s": phases.profile_s, "started_at": started_at, "resident": resident},
+                   "profile_s": phases.profile_s, "resident": hit, "worker_pid": bound.worker.pid},
         )
-        if not loaded.loaded_from_cache:
+        if not bound.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(node_id=self.node, model=record.name, phases=phases,
-                             loaded_from_cache=loaded.loaded_from_cache)
+                             loaded_from_cache=bound.loaded_from_cache)
 
-    # --- resident models (Tangram reuse) -----------------------------------------------------
+    def _start_cores(self) -> tuple[int, ...] | None:
+        """A bounded share of cores for a start while other instances are generating, so that
+        their decode keeps its pace; all cores when nothing else runs."""
+        if not any(i.active for i in self.instances.values()):
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, int(len(cores) * self.settings.start_cpu_share))
+        return tuple(cores[-share:]) if share < len(cores) else None
 
-    async def _acquire(self, artifact: Artifact) -> tuple[LoadedModel, bool, float]:
-        """The artifact's loaded model, from the resident pool or from the store; returns it,
-        whether it was resident, and when the load began (end of Init)."""
+    async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
+        """A worker bound to the artifact: the resident one, or a pre-warmed one loaded now.
+        Returns it, whether it was resident, and when Init ended (monotonic)."""
         aid = artifact.artifact_id
         async with self._artifact_locks.setdefault(aid, asyncio.Lock()):
             now = time.time()
-            if aid in self.residents:
-                r, loaded = self.residents[aid]
+            bound = self.bound.get(aid)
+            if bound is not None and not bound.worker.dead:
+                r = bound.resident
                 r.users += 1
                 r.uses += 1
                 r.last_used = now
                 POOL_HITS.inc()
-                self._update_pool_metrics()
-                return loaded, True, time.perf_counter()
+                return bound, True, time.monotonic()
             await self._reserve(f"weights:{aid}", artifact.weight_bytes)
-            t_load = time.perf_counter()
             try:
-                loaded = await asyncio.get_running_loop().run_in_executor(
-                    self._load_pool, LoadedModel.load, self.core, artifact,
-                    self.settings.device, self.settings.inference_threads,
-                )
+                worker, warm = await self.workers.take()
+                if not warm:
+                    COLD_WORKERS.inc()
+                t_load = time.monotonic()
+                try:
+                    loaded = await worker.load(artifact, self._start_cores(), self.settings.load_timeout_s)
+                except BaseException:
+                    await asyncio.to_thread(worker.stop)
+                    raise
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
-            reload_s = time.perf_counter() - t_load
-            self.residents[aid] = (Resident(aid, artifact.weight_bytes, reload_s, now, now, users=1), loaded)
-            self._update_pool_metrics()
-            return loaded, False, t_load
+            resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
+            bound = self.bound[aid] = Bound(worker, artifact, loaded.loaded_from_cache, resident)
+            return bound, False, t_load
 
-    async def _release(self, aid: str) -> None:
-        """An instance stopped using the artifact: it stays resident within the pool budget."""
-        r, _ = self.residents[aid]
-        r.users -= 1
-        r.last_used = time.time()
-        excess = over_budget((r for r, _ in self.residents.values()), self.settings.pool_budget_bytes)
+    async def _release(self, bound: Bound) -> None:
+        """An instance stopped using the worker: it stays resident within the pool budget."""
+        bound.resident.users -= 1
+        bound.resident.last_used = time.time()
+        residents = [b.resident for b in self.bound.values()]
+        excess = over_budget(residents, self.settings.pool_budget_bytes)
         if excess:
-            await self._evict(choose_evictions((r for r, _ in self.residents.values()), excess, time.time()))
-        self._update_pool_metrics()
+            await self._evict(choose_evictions(residents, excess, time.time()))
+        self._update_gauges()
 
     async def _evict(self, keys: list[str]) -> int:
         freed = 0
         for key in keys:
-            r, loaded = self.residents.pop(key)
-            del loaded  # the compiled model's memory goes with its last reference
-            freed += r.nbytes
+            bound = self.bound.pop(key)
+            await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
+            freed += bound.resident.nbytes
             await self._release_memory(f"weights:{key}")
             POOL_EVICTIONS.inc()
-            log.info("evicted resident model %s (%d bytes)", key, r.nbytes)
-        self._update_pool_metrics()
+            log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
+        self._update_gauges()
         return freed
-
-    def _update_pool_metrics(self) -> None:
-        RESIDENT_BYTES.set(sum(r.nbytes for r, _ in self.residents.values()))
-        POOL_IDLE_BYTES.set(sum(r.nbytes for r, _ in self.residents.values() if r.users == 0))
-
-    async def _reserve(self, owner: str, nbytes: int) -> None:
-        """Reserve, evicting idle residents at the lowest cost if the node is full."""
-        result = await self._reserve_memory(owner, nbytes)
-        if result.granted:
-            return
-        need = nbytes - (result.budget_bytes - result.used_bytes)
-        keys = choose_evictions((r for r, _ in self.residents.values()), need, time.time())
-        if keys:
-            await self._evict(keys)
-            result = await self._reserve_memory(owner, nbytes)
-            if result.granted:
-                return
-        raise TesseraError(
-            ErrorCode.NO_CAPACITY,
-            f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
-            retry_after_s=2,
-        )
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictResidents)
-        keys = [k for k, (r, _) in self.residents.items()
-                if r.users == 0 and (not req.artifact_id or k == req.artifact_id)]
+        keys = [k for k, b in self.bound.items()
+                if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)]
         freed = await self._evict(keys)
         await self.bus.reply(msg, Evicted(node_id=self.node, artifact_ids=tuple(keys), freed_bytes=freed))
 
@@ -322,23 +368,37 @@ class EngineService:
         elif inst.active > 0 or inst.last_used > req.idle_since:
             reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="busy")
         else:
-            del self.instances[req.model]
-            self._cold.pop(req.model, None)
-            INSTANCES.set(len(self.instances))
-            inst.release_kv()
-            await self._release_memory(f"{req.model}:kv")
-            await self._release(inst.artifact.artifact_id)
+            await self._unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
             reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True)
         await self.bus.reply(msg, reply)
+
+    async def _unload(self, inst: Served) -> None:
+        del self.instances[inst.model]
+        self._cold.pop(inst.model, None)
+        inst.bound.worker.drop_session(inst.model)  # its KV cache
+        await self._release_memory(f"{inst.model}:kv")
+        await self._release(inst.bound)
+
+    async def _lose_worker(self, bound: Bound) -> None:
+        """A worker died: its instances are gone; the next request starts them again."""
+        for inst in [i for i in self.instances.values() if i.bound is bound]:
+            del self.instances[inst.model]
+            await self._release_memory(f"{inst.model}:kv")
+        if self.bound.get(bound.artifact.artifact_id) is bound:
+            del self.bound[bound.artifact.artifact_id]
+            await self._release_memory(f"weights:{bound.artifact.artifact_id}")
+        self._update_gauges()
 
     # --- generation --------------------------------------------------------------------------
 
     async def on_cancel(self, msg: Msg) -> None:
         req = decode(msg.data, Cancel)
-        ev = self._cancels.get(req.request_id)
-        if ev is not None:
-            ev.set()
+        entry = self._cancels.get(req.request_id)
+        if entry is not None:
+            cancelled, bound = entry
+            cancelled.flag = True
+            bound.worker.cancel(req.request_id)
 
     async def on_generate(self, msg: Msg) -> None:
         req = decode(msg.data, Generate)
@@ -350,8 +410,8 @@ class EngineService:
                        message=f"{req.model} is not loaded on {self.node}"),
             )
             return
-        cancelled = threading.Event()
-        self._cancels[req.request_id] = cancelled
+        cancelled = Cancelled()
+        self._cancels[req.request_id] = (cancelled, inst.bound)
         inst.active += 1
         inst.last_used = time.time()
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
@@ -362,74 +422,70 @@ class EngineService:
             inst.last_used = time.time()
             del self._cancels[req.request_id]
 
-    async def _generate(self, inst: Instance, req: Generate, cancelled: threading.Event) -> None:
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-        received = time.perf_counter()
-
-        def emit(text: str, tokens: int) -> None:  # on the generation thread
-            loop.call_soon_threadsafe(
-                chunks.put_nowait, TokenChunk(request_id=req.request_id, text=text, tokens=tokens)
-            )
-
-        async def pump() -> None:
-            while (chunk := await chunks.get()) is not None:
-                DECODED_TOKENS.inc(chunk.tokens)
-                await self.bus.publish(req.stream_subject, chunk)
-
-        pumping = asyncio.create_task(pump())
-        final: Finished | Failed
+    async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
+        received = time.monotonic()
+        run = Run(0, req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s)
+        final: Finished | Failed = Finished(
+            request_id=req.request_id,
+            finish_reason=FinishReason.CANCELLED,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=0,
+        )
         try:
-            result: GenerationResult = await loop.run_in_executor(
-                self._gen_pool, inst.generate, req.prompt_ids, req.params, emit, cancelled,
-                self.settings.stream_interval_s,
-            )
-            final = Finished(
-                request_id=req.request_id,
-                finish_reason=result.finish_reason,
-                prompt_tokens=req.prompt_tokens,
-                completion_tokens=result.completion_tokens,
-            )
-            REQUESTS.labels(result.finish_reason.value).inc()
-            if result.first_token_at is not None:
-                TTFT.observe(result.first_token_at - received)
-                await self._maybe_record_cold_start(inst, result.first_token_at)
+            async for out in inst.bound.worker.generate(run, cancelled):
+                if isinstance(out, Chunk):
+                    DECODED_TOKENS.inc(out.tokens)
+                    await self.bus.publish(
+                        req.stream_subject,
+                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
+                    )
+                elif isinstance(out, Done):
+                    final = Finished(
+                        request_id=req.request_id,
+                        finish_reason=out.finish_reason,
+                        prompt_tokens=req.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                    )
+                    if out.first_token_at is not None:
+                        TTFT.observe(out.first_token_at - received)
+                        await self._maybe_record_cold_start(inst, out.first_token_at)
+            REQUESTS.labels(final.finish_reason.value).inc()
+        except WorkerDied as e:
+            log.error("worker of %s died during %s", inst.model, req.request_id)
+            REQUESTS.labels("error").inc()
+            final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED,
+                           message=f"the worker serving {inst.model} died ({e}); retry the request")
+            await self._lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", req.request_id)
             REQUESTS.labels("error").inc()
             final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
-        finally:
-            loop.call_soon_threadsafe(chunks.put_nowait, None)
-            await pumping
         await self.bus.publish(req.stream_subject, final)
 
-    async def _maybe_record_cold_start(self, inst: Instance, first_token_at: float) -> None:
-        model = inst.model
-        pending = self._cold.pop(model, None)
+    async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
+        pending = self._cold.pop(inst.model, None)
         if pending is None:
             return
-        t0, phases, source = pending
-        loaded = t0 + phases.init_s + phases.load_s + phases.profile_s
+        p = pending.phases
+        ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
         phases = ColdStartPhases(
-            init_s=phases.init_s,
-            load_s=phases.load_s,
-            profile_s=phases.profile_s,
-            prefill_s=max(0.0, first_token_at - loaded),
+            init_s=p.init_s, load_s=p.load_s, profile_s=p.profile_s,
+            prefill_s=max(0.0, first_token_at - ready_at),
         )
-        total = first_token_at - t0
+        total = first_token_at - pending.t0
         for name in ("init", "load", "profile", "prefill"):
             PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
         COLD_START_SECONDS.observe(total)
         event = ColdStartRecorded(
             node_id=self.node,
-            model=model,
-            started_at=time.time() - (time.perf_counter() - t0),
+            model=inst.model,
+            started_at=time.time() - (time.monotonic() - pending.t0),
             phases=phases,
             total_s=total,
-            loaded_from_cache=inst.loaded_from_cache,
-            source=source,
+            loaded_from_cache=inst.bound.loaded_from_cache,
+            source=pending.source,
         )
-        log.info("cold start of %s: %.2fs", model, total, extra={"model": model, "phases": {
+        log.info("cold start of %s: %.2fs", inst.model, total, extra={"model": inst.model, "phases": {
             "init_s": phases.init_s, "load_s": phases.load_s,
-            "profile_s": phases.profile_s, "prefill_s": phases.prefill_s}})
+            "profile_s": phases.profile_s, "prefill_s": phases.prefill_s}, "source": pending.source})
         await self.bus.publish(subjects.cold_start_recorded(), event)

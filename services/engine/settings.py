@@ -5,8 +5,11 @@ from shared.settings import CommonSettings
 
 class EngineSettings(CommonSettings):
     http_port: int = 8104
-    max_concurrent_generations: int = 4
-    """Threads running generations at once across instances of this node."""
+    worker_pool_size: int = 1
+    """Worker processes kept pre-warmed (runtime imported, bound to no model)."""
+    load_timeout_s: float = 300.0
+    start_cpu_share: float = 0.5
+    """Share of the node's cores a start may use while other instances are generating."""
     memory_request_timeout_s: float = 5.0
     pool_budget_bytes: int = 2 * 1024**3
     """Bytes of compiled models kept resident after their instances scaled to zero."""

@@ -1,0 +1,155 @@
+"""A worker process: the runtime imported and initialised, then bound to one model.
+
+TIDAL §3, §5: the engine keeps workers pre-warmed (OpenVINO, its CPU plugin and the tokenizer
+extension already loaded) so that a cold start's Init is off the critical path; a start binds
+one to a model. One worker holds one loaded model (an artifact) and one session (KV cache)
+per model name served from it; generations run one at a time. Unloading a model ends its
+worker, so its memory returns to the system whole.
+
+The engine talks to it over a `multiprocessing` pipe with the small dataclasses below (they
+never leave the node, so they are not bus messages); cancellation of the running generation
+is a shared value (the number of the run to stop), checked after every token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
+
+from shared.messages import Artifact, FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class Load:
+    artifact: Artifact
+    cores: tuple[int, ...] | None
+    """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    loaded_from_cache: bool
+    load_s: float
+
+
+@dataclass(frozen=True)
+class Run:
+    seq: int
+    """Numbers the runs of one worker: cancelling writes the running run's number into a
+    shared value, so a late cancel can never stop the next run."""
+    request_id: str
+    session: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream_interval_s: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: str
+    finish_reason: FinishReason
+    completion_tokens: int
+    first_token_at: float | None
+    """time.monotonic() of the first text (CLOCK_MONOTONIC: comparable across processes)."""
+
+
+@dataclass(frozen=True)
+class DropSession:
+    session: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str | None
+    message: str
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Cancelled:
+    def __init__(self, shared: Synchronized[int], seq: int) -> None:
+        self._shared = shared
+        self._seq = seq
+
+    def is_set(self) -> bool:
+        return bool(self._shared.value == self._seq)
+
+
+def worker_main(conn: Connection, cancel: Synchronized[int], device: str, threads: int) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
+    # The pre-warm: everything a start would otherwise import and initialise.
+    import openvino as ov
+
+    from services.engine.instance import Instance, LoadedModel
+
+    core = ov.Core()
+    core.get_versions(device)  # loads the device plugin now, not at the first compile
+    conn.send(Ready(pid=os.getpid()))
+
+    loaded: LoadedModel | None = None
+    sessions: dict[str, Instance] = {}
+    all_cores = os.sched_getaffinity(0)
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if isinstance(cmd, Load):
+                t0 = time.monotonic()
+                if cmd.cores:
+                    os.sched_setaffinity(0, cmd.cores)
+                # The first forward pass (the CPU plugin repacks weights then) also runs under
+                # the bounded share; all cores come back once it is done, in `Run`.
+                loaded = LoadedModel.load(core, cmd.artifact, device, threads)
+                conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
+            elif isinstance(cmd, Run):
+                assert loaded is not None, "Run before Load"
+                inst = sessions.get(cmd.session)
+                if inst is None:
+                    now = time.time()
+                    inst = sessions[cmd.session] = Instance(cmd.session, loaded, now, now)
+                first: list[float] = []
+
+                def emit(text: str, tokens: int, rid: str = cmd.request_id) -> None:
+                    if not first:
+                        first.append(time.monotonic())
+                    conn.send(Chunk(rid, text, tokens))
+
+                result = inst.generate(
+                    cmd.prompt_ids, cmd.params, emit, _Cancelled(cancel, cmd.seq), cmd.stream_interval_s
+                )
+                if os.sched_getaffinity(0) != all_cores:
+                    os.sched_setaffinity(0, all_cores)
+                conn.send(Done(cmd.request_id, result.finish_reason, result.completion_tokens,
+                               first[0] if first else None))
+            elif isinstance(cmd, DropSession):
+                dropped = sessions.pop(cmd.session, None)
+                if dropped is not None:
+                    dropped.release_kv()
+        except Exception as e:  # the engine turns this into an error for the request
+            conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
+

@@ -1,0 +1,221 @@
+"""The engine's side of its worker processes: start them pre-warmed, bind, drive, end.
+
+Each `Worker` reads its pipe on a thread of its own and hands what arrives to the event loop;
+`generate` yields the chunks of one request at a time (a worker runs one generation at once).
+`WorkerPool` keeps `size` workers warm and bound to nothing, and refills in the background
+whenever a start takes one (TIDAL §5: the process pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+
+from services.engine.worker import (
+    Chunk,
+    Done,
+    DropSession,
+    Failure,
+    Load,
+    Loaded,
+    Ready,
+    Run,
+    worker_main,
+)
+from shared.messages import Artifact
+
+log = logging.getLogger(__name__)
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, device: str, threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._cancel = ctx.Value("q", 0)
+        self._seq = 0
+        self.process = ctx.Process(
+            target=worker_main, args=(child, self._cancel, device, threads), daemon=True, name="tessera-worker"
+        )
+        self.process.start()
+        child.close()
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[Ready] = self._loop.create_future()
+        self._waiter: asyncio.Future[Loaded] | None = None
+        self._stream: asyncio.Queue[Chunk | Done | Failure | WorkerDied] | None = None
+        self._running: str | None = None
+        self._lock = asyncio.Lock()
+        self.dead = False
+        threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid or 0)
+
+    def rss_bytes(self) -> int:
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                return int(f.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def _read(self, conn: Connection) -> None:  # on the reader thread
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._on_death)
+                return
+            self._loop.call_soon_threadsafe(self._on_message, msg)
+
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, Ready):
+            if not self._ready.done():
+                self._ready.set_result(msg)
+        elif isinstance(msg, Loaded):
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(msg)
+        elif isinstance(msg, Failure) and msg.request_id is None:
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(RuntimeError(msg.message))
+        elif self._stream is not None and isinstance(msg, Chunk | Done | Failure):
+            self._stream.put_nowait(msg)
+
+    def _on_death(self) -> None:
+        self.dead = True
+        died = WorkerDied(f"worker {self.pid} exited")
+        for fut in (self._ready, self._waiter):
+            if fut is not None and not fut.done():
+                fut.set_exception(died)
+        if self._stream is not None:
+            self._stream.put_nowait(died)
+
+    async def ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+
+    async def load(self, artifact: Artifact, cores: tuple[int, ...] | None, timeout_s: float) -> Loaded:
+        self._waiter = self._loop.create_future()
+        self._conn.send(Load(artifact, cores))
+        try:
+            return await asyncio.wait_for(self._waiter, timeout_s)
+        finally:
+            self._waiter = None
+
+    async def generate(self, run: Run, is_cancelled: Cancelled) -> AsyncIterator[Chunk | Done]:
+        """Chunks of one generation, then its `Done`; queued behind the worker's current one."""
+        async with self._lock:
+            if is_cancelled():
+                return
+            if self.dead:
+                raise WorkerDied(f"worker {self.pid} is gone")
+            self._stream = asyncio.Queue()
+            self._seq += 1
+            run = dataclasses.replace(run, seq=self._seq)
+            self._running = run.request_id
+            self._conn.send(run)
+            try:
+                while True:
+                    msg = await self._stream.get()
+                    if isinstance(msg, WorkerDied):
+                        raise msg
+                    if isinstance(msg, Failure):
+                        raise RuntimeError(msg.message)
+                    yield msg
+                    if isinstance(msg, Done):
+                        return
+            finally:
+                self._running = None
+                self._stream = None
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop the running generation if it is this request's; True if it was."""
+        if self._running == request_id:
+            self._cancel.value = self._seq
+            return True
+        return False
+
+    def drop_session(self, session: str) -> None:
+        if not self.dead:
+            self._conn.send(DropSession(session))
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self._conn.close()
+
+
+class Cancelled:
+    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def __call__(self) -> bool:
+        return self.flag
+
+
+class WorkerPool:
+    """`size` pre-warmed workers bound to no model."""
+
+    def __init__(self, size: int, device: str, threads: int, ready_timeout_s: float = 120.0) -> None:
+        self.size = size
+        self.device = device
+        self.threads = threads
+        self.ready_timeout_s = ready_timeout_s
+        self.idle: list[Worker] = []
+        self._warming = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def refill(self) -> None:
+        while len(self.idle) + self._warming < self.size:
+            self._warming += 1
+            task = asyncio.create_task(self._warm_one())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _warm_one(self) -> None:
+        try:
+            worker = Worker(self.device, self.threads)
+            await worker.ready(self.ready_timeout_s)
+            self.idle.append(worker)
+        except Exception:
+            log.exception("a worker failed to warm up")
+        finally:
+            self._warming -= 1
+
+    async def take(self) -> tuple[Worker, bool]:
+        """A warm worker if there is one (True), else a new one started now (False)."""
+        while self.idle:
+            worker = self.idle.pop()
+            if not worker.dead:
+                self.refill()
+                return worker, True
+        worker = Worker(self.device, self.threads)
+        await worker.ready(self.ready_timeout_s)
+        self.refill()
+        return worker, False
+
+    def idle_rss_bytes(self) -> int:
+        return sum(w.rss_bytes() for w in self.idle)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for w in self.idle:
+            w.stop()
+        self.idle.clear()
