@@ -304,18 +304,38 @@ def burst(client: Tessera, n: int) -> dict[str, Any]:
     }
 
 
-def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
-    """CPU time (user + system) used so far by each process of the cluster, from /proc."""
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used: utime + stime) of every process, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for name, proc in cluster.procs.items():
-        if not proc.alive():
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
+            continue  # gone meanwhile
+        out[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    """CPU time (user + system) used so far by each process of the cluster and its live
+    descendants (the engine runs its instances in worker processes), from /proc."""
+    stats = _proc_stats()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {}
+    for name, proc in cluster.procs.items():
+        if not proc.alive() or proc.pid not in stats:
             continue
-        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        total, todo = 0.0, [proc.pid]
+        while todo:
+            pid = todo.pop()
+            total += stats[pid][1]
+            todo.extend(children.get(pid, ()))
+        out[name] = total
     return out
 
 

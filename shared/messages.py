@@ -101,6 +101,9 @@ class PlaceRequest(Message, frozen=True):
     model: str
     prompt_tokens: int
     max_tokens: int
+    not_on: str = ""
+    """A node that just answered it has no instance of the model: the scheduler's view of it
+    is stale (a scale-in or a lost worker raced this request)."""
 
 
 class Placement(Message, frozen=True):
@@ -173,6 +176,8 @@ class InstanceView(Message, frozen=True):
     last_used: float
     loaded_at: float
     weight_bytes: int = 0
+    worker_pid: int = 0
+    """The worker process serving it (operators: where its memory and CPU time are)."""
 
 
 class NodeStatus(Message, frozen=True):

@@ -27,8 +27,8 @@ def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("store")
 
 
-def start_cluster(home: Path, store: Path) -> LocalCluster:
-    cluster = LocalCluster(home=home, env=TEST_ENV, store=store)
+def start_cluster(home: Path, store: Path, **env: str) -> LocalCluster:
+    cluster = LocalCluster(home=home, env={**TEST_ENV, **env}, store=store)
     cluster.start(timeout_s=90)
     return cluster
 
@@ -47,7 +47,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iter
 def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     """A cluster for one test module alone: for tests that restart or kill its processes, or
     that need a node where nothing else is loaded."""
-    c = start_cluster(tmp_path_factory.mktemp("own"), model_store)
+    # Room for a burst of 16 concurrent first requests.
+    c = start_cluster(tmp_path_factory.mktemp("own"), model_store, TESSERA_MAX_INFLIGHT="32")
     try:
         yield c
     finally:

@@ -163,6 +163,7 @@ class EngineService:
                     last_used=i.last_used,
                     loaded_at=i.loaded_at,
                     weight_bytes=i.bound.artifact.weight_bytes,
+                    worker_pid=i.bound.worker.pid,
                 )
                 for i in self.instances.values()
             ),
@@ -389,6 +390,7 @@ class EngineService:
             del self.bound[bound.artifact.artifact_id]
             await self._release_memory(f"weights:{bound.artifact.artifact_id}")
         self._update_gauges()
+        await self.bus.publish(subjects.node_heartbeat(), self.status())  # tell the scheduler now
 
     # --- generation --------------------------------------------------------------------------
 

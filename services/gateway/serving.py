@@ -93,6 +93,7 @@ class Generation:
     async def open(self) -> None:
         self.gw.admit()
         self._admitted = True
+        not_on = ""
         for attempt in range(2):
             t0 = time.perf_counter()
             placement = await self.gw.bus.request(
@@ -102,6 +103,7 @@ class Generation:
                     model=self.prepared.record.name,
                     prompt_tokens=self.prepared.prompt_tokens,
                     max_tokens=self.prepared.params.max_tokens,
+                    not_on=not_on,
                 ),
                 Placement | Rejected,
                 timeout=self.gw.settings.placement_timeout_s,
@@ -130,6 +132,7 @@ class Generation:
                 return
             await self._sub.unsubscribe()
             self._sub = None
+            not_on = self.node_id
             # The instance was scaled in between placement and send: place once more.
             if accepted.code != ErrorCode.INSTANCE_NOT_LOADED or attempt == 1:
                 raise TesseraError(accepted.code, accepted.message, retry_after_s=1)

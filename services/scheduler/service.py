@@ -118,6 +118,8 @@ class SchedulerService:
         record = await self.registry.get(req.model)
         if record is None:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
+        if req.not_on:
+            self._set_instance(req.not_on, req.model, None)
         decision = policy.place(
             req.model,
             self.nodes.values(),

@@ -53,3 +53,70 @@ def test_scaled_to_zero_model_stays_resident_until_evicted(own_cluster: LocalClu
     starts = wait_for(lambda: (s := cold_starts(cluster, name)) and len(s) >= 3 and s, 30, "a third start")
     assert starts[0]["source"] == "store"
     assert starts[0]["loaded_from_cache"] is True
+
+
+def instance_of(cluster: LocalCluster, model: str) -> dict[str, object] | None:
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    return next((i for n in status["nodes"] for i in n["instances"] if i["model"] == model), None)
+
+
+def test_a_start_binds_a_prewarmed_worker_and_the_pool_refills(own_cluster: LocalCluster) -> None:
+    cluster = own_cluster
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_prewarmed_workers") == 1, 60, "a warm worker")
+    assert metric(cluster, ENGINE, "tessera_engine_prewarmed_rss_bytes") > 10 * 2**20  # runtime loaded
+    unwarmed = metric(cluster, ENGINE, "tessera_engine_unwarmed_starts_total")
+    httpx.post(f"{cluster.base_url}/admin/cache/evict", timeout=30)
+
+    register(cluster, "warm-bind")
+    ask(client, "warm-bind")
+    assert metric(cluster, ENGINE, "tessera_engine_unwarmed_starts_total") == unwarmed
+    inst = instance_of(cluster, "warm-bind")
+    assert inst is not None
+    engine_pid = cluster.procs[ENGINE].pid
+    assert inst["worker_pid"] not in (0, engine_pid)
+    # The pool refills in the background: a new worker, bound to nothing, is warm again.
+    wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_prewarmed_workers") == 1, 60, "the pool to refill")
+
+
+def test_a_worker_killed_mid_stream_gives_an_openai_error_and_the_next_request_recovers(
+    own_cluster: LocalCluster,
+) -> None:
+    import os
+    import signal
+
+    import pytest
+
+    cluster = own_cluster
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    register(cluster, "worker-victim")
+    ask(client, "worker-victim")
+    pid = int(instance_of(cluster, "worker-victim")["worker_pid"])  # type: ignore[index]
+    stream = client.chat.completions.create(
+        model="worker-victim", messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
+    )
+    with pytest.raises(openai.APIError) as e:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                os.kill(pid, signal.SIGKILL)
+    assert "died" in str(e.value.message)
+    ask(client, "worker-victim")  # started again on a fresh worker
+    assert int(instance_of(cluster, "worker-victim")["worker_pid"]) != pid  # type: ignore[index]
+
+
+async def test_a_burst_of_first_requests_to_a_model_at_zero_triggers_one_start(own_cluster: LocalCluster) -> None:
+    import asyncio
+
+    cluster = own_cluster
+    name = "burst16"
+    await asyncio.to_thread(register, cluster, name, 1.0)
+    await asyncio.to_thread(wait_for, lambda: name not in loaded_models(cluster), 30, "nothing loaded")
+    aclient = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    replies = await asyncio.gather(*(
+        aclient.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=3)
+        for i in range(16)
+    ))
+    assert len(replies) == 16 and all(r.choices[0].message.content is not None for r in replies)
+    starts = await asyncio.to_thread(wait_for, lambda: cold_starts(cluster, name), 30, "the start record")
+    assert len(starts) == 1
