@@ -57,28 +57,61 @@ def _warm_tokenizer(path: str) -> ov_genai.Tokenizer:
     return tok
 
 
+class IncrementalDetokenizer:
+    """Text of each new token as soon as it is whole (vLLM's incremental detokenization).
+
+    Decodes a short window of recent tokens twice, with and without the newest, and emits the
+    difference once it no longer ends in an incomplete UTF-8 sequence. OpenVINO GenAI's
+    TextStreamer instead holds the first text back for three tokens, which cost ≈ 45 ms of
+    TTFT here (measured: first text at 90 ms for a 45 ms prefill).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: text before it is final
+        self._read = 0  # tokens whose text has been emitted
+
+    def add(self, token: int) -> str:
+        self._ids.append(token)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held at the end (an incomplete sequence, as decoded)."""
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        self._read = len(self._ids)
+        return after[len(before) :]
+
+
 class _Text:
-    """Incremental detokenization with stop strings and cancellation."""
+    """Detokenized text through stop strings, counting the tokens behind each piece."""
 
     def __init__(self, tokenizer: ov_genai.Tokenizer, stops: StopMatcher, emit: Emit) -> None:
         self._stops = stops
         self._emit = emit
         self._pending = 0
-        self._streamer = ov_genai.TextStreamer(tokenizer, self._on_text)
+        self._detok = IncrementalDetokenizer(lambda ids: str(tokenizer.decode(ids)))
 
-    def _on_text(self, piece: str) -> ov_genai.StreamingStatus:
-        out = self._stops.feed(piece)
+    def _out(self, piece: str) -> None:
+        out = self._stops.feed(piece) if piece else ""
         if out:
             self._emit(out, self._pending)
             self._pending = 0
-        return ov_genai.StreamingStatus.RUNNING
 
     def write(self, token: int) -> None:
         self._pending += 1
-        self._streamer.write(token)
+        self._out(self._detok.add(token))
 
     def end(self) -> None:
-        self._streamer.end()
+        self._out(self._detok.flush())
         rest = self._stops.flush()
         if rest or self._pending:
             self._emit(rest, self._pending)

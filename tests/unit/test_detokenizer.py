@@ -1,0 +1,28 @@
+from services.engine.instance import IncrementalDetokenizer
+
+# A toy byte-level vocabulary: token i decodes to these bytes; "é" is split over two tokens.
+VOCAB = {1: b"Hel", 2: b"lo", 3: b" w", 4: b"orld", 5: "é".encode()[:1], 6: "é".encode()[1:], 7: b"!"}
+
+
+def decode(ids: list[int]) -> str:
+    return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_each_token_is_emitted_as_soon_as_it_decodes() -> None:
+    d = IncrementalDetokenizer(decode)
+    assert [d.add(t) for t in (1, 2, 3, 4)] == ["Hel", "lo", " w", "orld"]
+
+
+def test_a_character_split_over_tokens_waits_for_its_last_byte() -> None:
+    d = IncrementalDetokenizer(decode)
+    assert d.add(1) == "Hel"
+    assert d.add(5) == ""
+    assert d.add(6) == "é"
+    assert d.add(7) == "!"
+
+
+def test_the_pieces_add_up_to_the_whole_decode() -> None:
+    ids = [1, 2, 5, 6, 3, 4, 7, 5]
+    d = IncrementalDetokenizer(decode)
+    text = "".join(d.add(t) for t in ids) + d.flush()
+    assert text == decode(ids)
