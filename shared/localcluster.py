@@ -8,6 +8,7 @@ after a grace period); children also get SIGTERM if this process dies (PR_SET_PD
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -160,6 +161,11 @@ class LocalCluster:
         self.valkey_port = free_port()
         self.gateway_port = self.gateway_port or free_port()
         self.store = (self.store or self.home / "store").resolve()
+        # The loaders' host cache lives in tmpfs (host memory), one directory per cluster so
+        # that clusters side by side never share or wipe each other's.
+        shm = Path("/dev/shm")
+        tag = hashlib.sha1(str(self.home).encode()).hexdigest()[:10]
+        self.host_cache = shm / f"tessera-{tag}" if shm.is_dir() else self.home / "hostcache"
 
     @property
     def base_url(self) -> str:
@@ -181,6 +187,7 @@ class LocalCluster:
             TESSERA_HTTP_PORT=str(port),
             TESSERA_NODE_ID=node_id,
             TESSERA_MODEL_STORE=str(self.store),
+            TESSERA_HOST_CACHE_DIR=str(self.host_cache),
             PYTHONPATH=str(REPO_ROOT),
             PYTHONUNBUFFERED="1",
         )
@@ -269,6 +276,7 @@ class LocalCluster:
         # Services first (they flush to the bus and Valkey), then the servers they use.
         for p in reversed(list(self.procs.values())):
             p.stop()
+        shutil.rmtree(self.host_cache, ignore_errors=True)  # give the host memory back
 
     def register_default_model(self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME,
                                timeout_s: float = 600.0) -> dict[str, object]:

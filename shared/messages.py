@@ -166,7 +166,8 @@ class ColdStartRecorded(Message, frozen=True):
     """Start request received → first token of the request that caused it."""
     loaded_from_cache: bool = False
     source: str = "store"
-    """Where the weights came from: "resident" (kept after scale-to-zero) or "store"."""
+    """Where the weights came from: "resident" (a worker kept them after scale-to-zero),
+    "host" (the loader's host cache) or "store" (the model store on disk)."""
 
 
 class InstanceView(Message, frozen=True):
@@ -262,6 +263,29 @@ class Evicted(Message, frozen=True):
     node_id: str
     artifact_ids: tuple[str, ...]
     freed_bytes: int
+
+
+class StageArtifact(Message, frozen=True):
+    """Engine → its node's loader: put the artifact's compiled blob in host memory, verified."""
+
+    artifact: Artifact
+    device: str
+
+
+class Staged(Message, frozen=True):
+    cache_dir: str
+    """A directory holding the verified blob, for OpenVINO's CACHE_DIR."""
+    hit: bool
+    """True when the blob was already in the host cache (only bad blocks, if any, were re-read)."""
+    repaired_blocks: int
+    copied_bytes: int
+    seconds: float
+
+
+class EvictHostCache(Message, frozen=True):
+    artifact_id: str = ""
+    forget_store_pages: bool = False
+    """Also drop the store's copy from the OS page cache, so the next start reads the disk."""
 
 
 # --- memory ------------------------------------------------------------------------------------

@@ -67,6 +67,14 @@ def cold_start_recorded() -> str:
     return f"{_ROOT}.events.coldstart"
 
 
+def loader_stage(node_id: str) -> str:
+    return f"{_ROOT}.loader.{node_id}.stage"
+
+
+def loader_evict(node_id: str) -> str:
+    return f"{_ROOT}.loader.{node_id}.evict"
+
+
 def memory_reserve(node_id: str) -> str:
     return f"{_ROOT}.memory.{node_id}.reserve"
 

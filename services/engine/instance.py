@@ -42,8 +42,12 @@ def compiled_cache_dir(artifact: Artifact, device: str) -> Path:
     return Path(artifact.path) / "compiled" / device.lower()
 
 
-def compile_config(artifact: Artifact, device: str, threads: int) -> dict[str, object]:
-    config: dict[str, object] = {"CACHE_DIR": str(compiled_cache_dir(artifact, device))}
+def compile_config(
+    artifact: Artifact, device: str, threads: int, cache_dir: str | None = None
+) -> dict[str, object]:
+    """`cache_dir`: where the compiled blob is (the loader's host cache); the store's copy
+    when None."""
+    config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device))}
     if device == "CPU":
         config["INFERENCE_NUM_THREADS"] = threads
     return config
@@ -167,11 +171,13 @@ class LoadedModel:
     loaded_from_cache: bool
 
     @classmethod
-    def load(cls, core: ov.Core, artifact: Artifact, device: str, threads: int) -> LoadedModel:
+    def load(
+        cls, core: ov.Core, artifact: Artifact, device: str, threads: int, cache_dir: str | None = None
+    ) -> LoadedModel:
         xml = str(Path(artifact.path) / MODEL_XML)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
             tokenizer = side.submit(_warm_tokenizer, artifact.path)
-            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads))
+            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads, cache_dir))
             tok = tokenizer.result()
         return cls(
             artifact=artifact,

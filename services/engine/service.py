@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.pool import Resident, choose_evictions, over_budget
+from shared.eviction import Resident, choose_evictions, over_budget
 from services.engine.settings import EngineSettings
 from services.engine.worker import Chunk, Done, Run
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
@@ -48,6 +48,8 @@ from shared.messages import (
     NodeStatus,
     Rejected,
     Release,
+    StageArtifact,
+    Staged,
     Reserve,
     ReserveResult,
     StartInstance,
@@ -96,6 +98,8 @@ class Bound:
     artifact: Artifact
     loaded_from_cache: bool
     resident: Resident
+    source: str
+    """Where its load read the blob: "host" (the loader's cache) or "store"."""
 
 
 @dataclass
@@ -278,7 +282,7 @@ class EngineService:
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
         self.instances[record.name] = Served(record.name, bound, now, now)
-        self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else "store")
+        self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
         log.info(
             "instance of %s ready",
@@ -320,8 +324,12 @@ class EngineService:
                 if not warm:
                     COLD_WORKERS.inc()
                 t_load = time.monotonic()
+                staged = await self._stage(artifact)
                 try:
-                    loaded = await worker.load(artifact, self._start_cores(), self.settings.load_timeout_s)
+                    loaded = await worker.load(
+                        artifact, self._start_cores(), staged.cache_dir if staged else None,
+                        self.settings.load_timeout_s,
+                    )
                 except BaseException:
                     await asyncio.to_thread(worker.stop)
                     raise
@@ -329,8 +337,27 @@ class EngineService:
                 await self._release_memory(f"weights:{aid}")
                 raise
             resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
-            bound = self.bound[aid] = Bound(worker, artifact, loaded.loaded_from_cache, resident)
+            source = "host" if staged and staged.hit else "store"
+            bound = self.bound[aid] = Bound(worker, artifact, loaded.loaded_from_cache, resident, source)
             return bound, False, t_load
+
+    async def _stage(self, artifact: Artifact) -> Staged | None:
+        """The verified blob in host memory, from this node's loader; None (read the store's
+        copy) if the loader cannot be reached, so a start never depends on the cache."""
+        try:
+            staged = await self.bus.request(
+                subjects.loader_stage(self.node),
+                StageArtifact(artifact=artifact, device=self.settings.device),
+                Staged | Rejected,
+                timeout=self.settings.load_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("host cache unavailable (%s); loading %s from the store", e.message, artifact.artifact_id)
+            return None
+        if isinstance(staged, Rejected):
+            log.warning("host cache refused %s (%s); loading from the store", artifact.artifact_id, staged.message)
+            return None
+        return staged
 
     async def _release(self, bound: Bound) -> None:
         """An instance stopped using the worker: it stays resident within the pool budget."""

@@ -36,6 +36,8 @@ class Load:
     artifact: Artifact
     cores: tuple[int, ...] | None
     """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
+    cache_dir: str | None = None
+    """Where the verified compiled blob is (the loader's host cache); the store's when None."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def worker_main(conn: Connection, cancel: Synchronized[int], device: str, thread
                     os.sched_setaffinity(0, cmd.cores)
                 # The first forward pass (the CPU plugin repacks weights then) also runs under
                 # the bounded share; all cores come back once it is done, in `Run`.
-                loaded = LoadedModel.load(core, cmd.artifact, device, threads)
+                loaded = LoadedModel.load(core, cmd.artifact, device, threads, cmd.cache_dir)
                 conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
             elif isinstance(cmd, Run):
                 assert loaded is not None, "Run before Load"

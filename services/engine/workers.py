@@ -104,9 +104,11 @@ class Worker:
     async def ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
 
-    async def load(self, artifact: Artifact, cores: tuple[int, ...] | None, timeout_s: float) -> Loaded:
+    async def load(
+        self, artifact: Artifact, cores: tuple[int, ...] | None, cache_dir: str | None, timeout_s: float
+    ) -> Loaded:
         self._waiter = self._loop.create_future()
-        self._conn.send(Load(artifact, cores))
+        self._conn.send(Load(artifact, cores, cache_dir))
         try:
             return await asyncio.wait_for(self._waiter, timeout_s)
         finally:

@@ -17,6 +17,7 @@ from shared.messages import (
     ClusterStatusQuery,
     ErrorCode,
     Evicted,
+    EvictHostCache,
     EvictResidents,
     ImportModel,
     ModelChanged,
@@ -81,8 +82,12 @@ class Admin:
     async def cold_starts(self, limit: int) -> list[dict[str, Any]]:
         return [as_json(e) for e in await self.registry.cold_starts(limit)]
 
-    async def evict(self, artifact_id: str = "") -> list[dict[str, Any]]:
-        """Drop idle resident models on every live node (the next start loads from the store)."""
+    async def evict(self, tier: str, artifact_id: str = "") -> list[dict[str, Any]]:
+        """Drop cached models on every live node. `resident`: compiled models kept by idle
+        workers (the next start reads the host cache); `host`: also the loaders' host caches;
+        `all`: also the store's pages in the OS page cache (the next start reads the disk)."""
+        if tier not in ("resident", "host", "all"):
+            raise TesseraError(ErrorCode.INVALID_REQUEST, "tier must be resident, host or all", param="tier")
         status = await self.bus.request(
             subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
             timeout=self.settings.request_timeout_s,
@@ -93,7 +98,15 @@ class Admin:
                 subjects.engine_evict(node.node_id), EvictResidents(artifact_id=artifact_id), Evicted,
                 timeout=self.settings.request_timeout_s,
             )
-            results.append(as_json(evicted))
+            results.append({"tier": "resident", **as_json(evicted)})
+            if tier != "resident":
+                dropped = await self.bus.request(
+                    subjects.loader_evict(node.node_id),
+                    EvictHostCache(artifact_id=artifact_id, forget_store_pages=tier == "all"),
+                    Evicted,
+                    timeout=self.settings.request_timeout_s,
+                )
+                results.append({"tier": "host", **as_json(dropped)})
         return results
 
     async def instances(self) -> dict[str, Any]:

@@ -111,8 +111,8 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         return await admin.cold_starts(max(1, min(limit, 200)))
 
     @app.post("/admin/cache/evict")
-    async def evict(artifact_id: str = "") -> list[dict[str, object]]:
-        return await admin.evict(artifact_id)
+    async def evict(tier: str = "resident", artifact_id: str = "") -> list[dict[str, object]]:
+        return await admin.evict(tier, artifact_id)
 
     @app.get("/admin/instances")
     async def instances() -> dict[str, object]:

@@ -107,6 +107,9 @@ def materialize(artifact: Artifact, device: str, threads: int) -> None:
     })
     if not is_materialized(artifact, device):
         raise RuntimeError(f"compiling {artifact.artifact_id} for {device} left no blob in {cache}")
+    from services.loader.hostcache import write_manifest
+
+    write_manifest(artifact, device)
 
 
 def main(argv: list[str]) -> None:

@@ -10,14 +10,24 @@ from pathlib import Path
 
 import openvino as ov
 from nats.aio.msg import Msg
-from prometheus_client import Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.loader.settings import LoaderSettings
 from services.loader.convert import is_materialized
+from services.loader.hostcache import HostCache, forget_store_pages
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
 from shared.bus import Bus, decode
-from shared.messages import ErrorCode, ImportModel, ModelImported, Rejected
+from shared.messages import (
+    ErrorCode,
+    Evicted,
+    EvictHostCache,
+    ImportModel,
+    ModelImported,
+    Rejected,
+    StageArtifact,
+    Staged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +36,19 @@ IMPORT_SECONDS = Histogram(
     "Seconds to import a GGUF into the model store",
     ["converted"],
     buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160),
+)
+
+
+HOST_CACHE_BYTES = Gauge("tessera_loader_host_cache_bytes", "Bytes of blobs in the host block cache")
+HOST_CACHE_BUDGET = Gauge("tessera_loader_host_cache_budget_bytes", "Budget of the host block cache")
+HOST_CACHE_ENTRIES = Gauge("tessera_loader_host_cache_entries", "Artifacts in the host block cache")
+STAGES = Counter("tessera_loader_stages_total", "Artifacts staged for a start", ["result"])
+REPAIRED_BLOCKS = Counter(
+    "tessera_loader_corrupt_blocks_total", "Cached blocks that failed their checksum and were re-read"
+)
+STAGE_SECONDS = Histogram(
+    "tessera_loader_stage_seconds", "Seconds to stage an artifact in host memory", ["result"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4),
 )
 
 
@@ -39,10 +62,60 @@ class LoaderService:
         self.bus = bus
         self.store = settings.model_store.resolve()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._stage_lock = asyncio.Lock()
+        self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
+        HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
 
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
+        node = self.settings.node_id
         await self.bus.subscribe(subjects.import_model(), self.on_import, queue=subjects.LOADER_QUEUE)
+        await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
+        await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
+
+    def _update_gauges(self) -> None:
+        HOST_CACHE_BYTES.set(self.cache.used_bytes)
+        HOST_CACHE_ENTRIES.set(len(self.cache.entries))
+
+    async def on_stage(self, msg: Msg) -> None:
+        req = decode(msg.data, StageArtifact)
+        t0 = time.perf_counter()
+        try:
+            # One stage at a time: the cache's bookkeeping is not shared between threads.
+            async with self._stage_lock:
+                result = await asyncio.to_thread(self.cache.stage, req.artifact, req.device)
+        except Exception as e:
+            log.exception("staging %s failed", req.artifact.artifact_id)
+            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
+            return
+        seconds = time.perf_counter() - t0
+        label = "hit" if result.hit else "miss"
+        STAGES.labels(label).inc()
+        STAGE_SECONDS.labels(label).observe(seconds)
+        if result.repaired_blocks:
+            REPAIRED_BLOCKS.inc(result.repaired_blocks)
+            log.warning("re-read %d corrupt block(s) of %s from the store",
+                        result.repaired_blocks, req.artifact.artifact_id)
+        self._update_gauges()
+        await self.bus.reply(msg, Staged(
+            cache_dir=str(result.cache_dir), hit=result.hit, repaired_blocks=result.repaired_blocks,
+            copied_bytes=result.copied_bytes, seconds=seconds,
+        ))
+
+    async def on_evict(self, msg: Msg) -> None:
+        req = decode(msg.data, EvictHostCache)
+        async with self._stage_lock:
+            if req.artifact_id:
+                keys, freed = [req.artifact_id], self.cache.evict(req.artifact_id)
+            else:
+                keys, freed = self.cache.evict_all()
+            if req.forget_store_pages:
+                for dirpath in self.store.iterdir():
+                    artifact = read_artifact(dirpath)
+                    if artifact is not None and (not req.artifact_id or artifact.artifact_id == req.artifact_id):
+                        forget_store_pages(artifact, self.settings.device)
+        self._update_gauges()
+        await self.bus.reply(msg, Evicted(node_id=self.settings.node_id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     def _check_source(self, source: str) -> Path:
         path = Path(source).expanduser()

@@ -9,5 +9,8 @@ class LoaderSettings(CommonSettings):
     http_port: int = 8103
     import_timeout_s: float = 600.0
     """Longest a GGUF conversion may take before the import fails."""
+    host_cache_dir: Path = Path("/dev/shm/tessera")
+    """tmpfs directory of the host block cache (one subdirectory per node)."""
+    host_cache_bytes: int = 4 * 1024**3
     allowed_model_dirs: list[Path] = []
     """If set, imports may only read GGUFs under these directories."""

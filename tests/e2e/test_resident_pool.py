@@ -4,6 +4,8 @@ store, still restoring the materialized blob."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 
@@ -44,7 +46,7 @@ def test_scaled_to_zero_model_stays_resident_until_evicted(own_cluster: LocalClu
     assert newest["phases"]["load_s"] < 0.05  # nothing was loaded
 
     wait_for(lambda: name not in loaded_models(cluster), 30, f"{name} to scale to zero again")
-    evicted = httpx.post(f"{cluster.base_url}/admin/cache/evict", timeout=30).json()
+    evicted = httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=all", timeout=30).json()
     assert sum(e["freed_bytes"] for e in evicted) >= weights
     assert metric(cluster, ENGINE, "tessera_engine_pool_idle_bytes") == 0
     assert metric(cluster, MEMORY, "tessera_memory_used_bytes") <= used_resident - weights
@@ -66,13 +68,12 @@ def test_a_start_binds_a_prewarmed_worker_and_the_pool_refills(own_cluster: Loca
     wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_prewarmed_workers") == 1, 60, "a warm worker")
     assert metric(cluster, ENGINE, "tessera_engine_prewarmed_rss_bytes") > 10 * 2**20  # runtime loaded
     unwarmed = metric(cluster, ENGINE, "tessera_engine_unwarmed_starts_total")
-    httpx.post(f"{cluster.base_url}/admin/cache/evict", timeout=30)
+    httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=all", timeout=30)
 
     register(cluster, "warm-bind")
     ask(client, "warm-bind")
     assert metric(cluster, ENGINE, "tessera_engine_unwarmed_starts_total") == unwarmed
-    inst = instance_of(cluster, "warm-bind")
-    assert inst is not None
+    inst = wait_for(lambda: (i := instance_of(cluster, "warm-bind")) and i["worker_pid"] and i, 30, "its worker")
     engine_pid = cluster.procs[ENGINE].pid
     assert inst["worker_pid"] not in (0, engine_pid)
     # The pool refills in the background: a new worker, bound to nothing, is warm again.
@@ -91,7 +92,10 @@ def test_a_worker_killed_mid_stream_gives_an_openai_error_and_the_next_request_r
     client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     register(cluster, "worker-victim")
     ask(client, "worker-victim")
-    pid = int(instance_of(cluster, "worker-victim")["worker_pid"])  # type: ignore[index]
+    # The scheduler learns the worker's pid from the engine's next heartbeat.
+    pid = wait_for(lambda: int((instance_of(cluster, "worker-victim") or {}).get("worker_pid", 0)), 30,
+                   "the worker pid")
+    assert pid > 1 and pid != os.getpid()  # never signal a process group or ourselves
     stream = client.chat.completions.create(
         model="worker-victim", messages=[{"role": "user", "content": "Tell a long story."}],
         max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
@@ -120,3 +124,48 @@ async def test_a_burst_of_first_requests_to_a_model_at_zero_triggers_one_start(o
     assert len(replies) == 16 and all(r.choices[0].message.content is not None for r in replies)
     starts = await asyncio.to_thread(wait_for, lambda: cold_starts(cluster, name), 30, "the start record")
     assert len(starts) == 1
+
+
+LOADER = "loader@node-0"
+
+
+def test_host_cache_serves_starts_and_repairs_a_corrupted_block(own_cluster: LocalCluster) -> None:
+    cluster = own_cluster
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # Every name on this GGUF shares one worker: remove the other tests' names so that none
+    # holds it, and the starts below really go through the caches.
+    for m in httpx.get(f"{cluster.base_url}/admin/models", timeout=10).json():
+        httpx.delete(f"{cluster.base_url}/admin/models/{m['name']}", timeout=10)
+    wait_for(lambda: not loaded_models(cluster), 30, "every instance to stop")
+    name = "cached-smollm"
+    record = register(cluster, name, keep_alive_s=1.0)
+    aid = record["artifact"]["artifact_id"]  # type: ignore[index]
+    httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=host", timeout=30)
+    assert metric(cluster, LOADER, "tessera_loader_host_cache_bytes") == 0
+
+    def restart_from(tier: str) -> dict[str, object]:
+        """Scale the model to zero, drop caches down to `tier`, start it again; its record."""
+        wait_for(lambda: name not in loaded_models(cluster), 30, f"{name} to scale to zero")
+        before = len(cold_starts(cluster, name))
+        httpx.post(f"{cluster.base_url}/admin/cache/evict?tier={tier}", timeout=30)
+        ask(client, name)
+        return wait_for(lambda: (s := cold_starts(cluster, name)) and len(s) > before and s[0], 30, "the start")
+
+    ask(client, name)  # host cache empty: the blob is read from the store and cached
+    assert metric(cluster, LOADER, "tessera_loader_host_cache_bytes") > 0
+    start = restart_from("resident")
+    assert start["source"] == "host" and start["loaded_from_cache"] is True
+
+    cached = next((cluster.host_cache / "node-0" / aid).rglob("*.blob"))  # type: ignore[operator]
+    stored = next((Path(record["artifact"]["path"]) / "compiled").rglob("*.blob"))  # type: ignore[index]
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in one block
+    cached.write_bytes(bytes(data))
+    corrupt_before = metric(cluster, LOADER, "tessera_loader_corrupt_blocks_total")
+    start = restart_from("resident")
+    assert start["source"] == "host"
+    assert metric(cluster, LOADER, "tessera_loader_corrupt_blocks_total") == corrupt_before + 1
+    assert cached.read_bytes() == stored.read_bytes()
+
+    start = restart_from("host")
+    assert start["source"] == "store"

@@ -28,7 +28,9 @@ def test_an_incomplete_artifact_directory_is_not_an_artifact(tmp_path: Path) -> 
 def loader(tmp_path: Path) -> LoaderService:
     allowed = tmp_path / "models"
     allowed.mkdir()
-    settings = LoaderSettings(model_store=tmp_path / "store", allowed_model_dirs=[allowed])
+    settings = LoaderSettings(
+        model_store=tmp_path / "store", allowed_model_dirs=[allowed], host_cache_dir=tmp_path / "cache"
+    )
     return LoaderService(settings, bus=None)  # type: ignore[arg-type]
 
 

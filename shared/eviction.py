@@ -1,8 +1,9 @@
-"""Which resident models to evict when memory is needed (Tangram §3.2.2, minimal-cost eviction).
+"""What to evict when memory is needed (Tangram §3.2.2, minimal-cost eviction).
 
-A model whose instance was scaled to zero keeps its compiled weights resident (Tangram §3.1:
-parameters stay in memory after the instance is released; TIDAL's template kept warm), so the
-next start skips the load. When memory runs short, residents that no instance uses are evicted
+Used for two tiers: compiled models kept resident in an engine's workers after their
+instances scaled to zero (Tangram §3.1: parameters stay in memory after the instance is
+released; TIDAL's template kept warm), and artifacts in a loader's host block cache. When
+memory runs short, entries that nothing uses are evicted
 in ascending order of cost per byte freed. The cost of evicting one is what it would cost to
 need it again: its measured reload time, weighted by how likely it is to be needed (Tangram's
 p_m, estimated here from its access rate and how recently it was used) and by the model's

@@ -1,0 +1,115 @@
+"""The loader's host block cache: compiled models in host memory, checked block by block.
+
+TIDAL §4 and FaaScale §5 keep model bytes in host memory so that a start reads them from RAM,
+not from the store; Tangram §3.2 decides what to evict. Here an entry is an artifact's
+materialized blob, copied into a tmpfs directory (`/dev/shm` by default: host memory that the
+engine's workers map directly) under a byte budget. Every stage verifies the copy against the
+manifest written at materialization: a corrupted block is found by its checksum and re-read
+from the store, alone. Synchronous: the service runs it on a thread.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from services.engine.instance import compiled_cache_dir
+from services.loader.blocks import Manifest, bad_blocks, copy_blocks, drop_from_page_cache, manifest_of
+from shared.eviction import Resident, choose_evictions, over_budget
+from shared.messages import Artifact
+
+
+def manifest_path(artifact: Artifact, device: str) -> Path:
+    cache = compiled_cache_dir(artifact, device)
+    return cache.parent / f"{cache.name}.manifest"
+
+
+def write_manifest(artifact: Artifact, device: str) -> Manifest:
+    """Called once the blob is materialized: the checksums every later copy is held to."""
+    blobs = sorted(compiled_cache_dir(artifact, device).glob("*.blob"))
+    if len(blobs) != 1:
+        raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
+    manifest = manifest_of(blobs[0])
+    manifest_path(artifact, device).write_bytes(msgspec.msgpack.encode(manifest))
+    return manifest
+
+
+def read_manifest(artifact: Artifact, device: str) -> Manifest:
+    path = manifest_path(artifact, device)
+    if not path.exists():  # materialized before manifests existed: the store copy is the truth
+        return write_manifest(artifact, device)
+    return msgspec.msgpack.decode(path.read_bytes(), type=Manifest)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    cache_dir: Path
+    hit: bool
+    repaired_blocks: int
+    copied_bytes: int
+
+
+class HostCache:
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self.entries: dict[str, Resident] = {}
+        self.repaired_blocks_total = 0
+        shutil.rmtree(root, ignore_errors=True)  # a restarted loader starts empty and honest
+        root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def _dir(self, artifact: Artifact, device: str) -> Path:
+        return self.root / artifact.artifact_id / device.lower()
+
+    def stage(self, artifact: Artifact, device: str) -> StageResult:
+        """Make the artifact's compiled blob present and whole in host memory."""
+        manifest = read_manifest(artifact, device)
+        src = compiled_cache_dir(artifact, device) / manifest.name
+        dst_dir = self._dir(artifact, device)
+        dst = dst_dir / manifest.name
+        now = time.time()
+        entry = self.entries.get(artifact.artifact_id)
+        if entry is not None:
+            bad = bad_blocks(dst, manifest)
+            if bad:
+                copy_blocks(src, dst, manifest, bad)
+                self.repaired_blocks_total += len(bad)
+            entry.uses += 1
+            entry.last_used = now
+            return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
+        self._make_room(manifest.size, now)
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        copied = copy_blocks(src, dst, manifest)
+        self.entries[artifact.artifact_id] = Resident(
+            artifact.artifact_id, manifest.size, time.perf_counter() - t0, now, now
+        )
+        return StageResult(dst_dir, False, 0, copied.copied_bytes)
+
+    def _make_room(self, nbytes: int, now: float) -> None:
+        need = over_budget(self.entries.values(), self.budget_bytes - nbytes)
+        for key in choose_evictions(self.entries.values(), need, now):
+            self.evict(key)
+
+    def evict(self, artifact_id: str) -> int:
+        entry = self.entries.pop(artifact_id, None)
+        shutil.rmtree(self.root / artifact_id, ignore_errors=True)
+        return entry.nbytes if entry else 0
+
+    def evict_all(self) -> tuple[list[str], int]:
+        keys = list(self.entries)
+        return keys, sum(self.evict(k) for k in keys)
+
+
+def forget_store_pages(artifact: Artifact, device: str) -> None:
+    """Drop the store's copy of the blob from the OS page cache: the next start reads disk."""
+    for blob in compiled_cache_dir(artifact, device).glob("*.blob"):
+        drop_from_page_cache(blob)
