@@ -9,9 +9,13 @@ One run starts a local cluster in a temporary home, registers SmolLM2-135M-Instr
   its compiled weights still resident in the engine (median of `--trials`; each trial's value
   in `tessera_cold_ttft_trials_s`, its start's `source` in `tessera_cold_sources`), and the
   median phases of those cold starts as the engine recorded them (`GET /admin/coldstarts`);
-- `tessera_cold_disk_ttft_s`, `tessera_disk_phases`: the same, but the resident weights are
-  evicted (`POST /admin/cache/evict`) after each scale to zero, so the start loads from the
-  model store on disk;
+- `tessera_cold_host_ttft_s`, `tessera_host_phases`: the same, but after each scale to zero
+  the worker's resident compiled model is evicted (`POST /admin/cache/evict?tier=resident`),
+  so the start stages the blob from the loader's host cache (`source: "host"`);
+- `tessera_cold_disk_ttft_s`, `tessera_disk_phases`: the same, but every cache is dropped
+  after each scale to zero (`POST /admin/cache/evict?tier=all`: the resident model, the
+  loader's host cache, and the store files from the OS page cache), so the start reads the
+  model store from disk (`source: "store"`);
 - `burst`: 16 concurrent streamed first requests on the model scaled to zero (resident): TTFT
   p50/p99, failures, and how many cold starts they caused (1 expected);
 - `tessera_warm_ttft_s`: the same on the loaded model (back-to-back requests);
@@ -191,20 +195,29 @@ class Tessera:
         return [e for e in self.cold_starts()
                 if e.get("model") == MODEL_NAME and e.get("started_at", 0) >= sent_wall - 0.05]
 
-    def evict(self, artifact_id: str, timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
-        """`POST /admin/cache/evict` until the bench model's artifact is among those dropped.
+    def evict(self, artifact_id: str, tier: str = "resident",
+              timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
+        """`POST /admin/cache/evict?tier=<tier>` until the bench model's artifact is among the
+        resident models dropped (the entries with `"tier": "resident"`; `host` and `all` drop
+        the resident models too, then the deeper caches).
 
         Right after the scheduler stops seeing the instance, the engine may still be releasing
-        it (the resident is not idle yet, so it is not evicted): then ask again."""
+        it (the resident is not idle yet, so it is not evicted): then ask again (with `all`,
+        each call also drops the host and page caches again, which is harmless)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         calls = 0
+        freed: dict[str, int] = {}
         while True:
             calls += 1
-            evicted = list(self.http.post("/admin/cache/evict", timeout=30).raise_for_status().json())
-            ids = [a for e in evicted for a in e.get("artifact_ids", ())]
+            evicted = list(self.http.post("/admin/cache/evict", params={"tier": tier}, timeout=30)
+                           .raise_for_status().json())
+            for e in evicted:
+                t = str(e.get("tier"))
+                freed[t] = freed.get(t, 0) + int(e.get("freed_bytes", 0))
+            ids = [a for e in evicted if e.get("tier") == "resident" for a in e.get("artifact_ids", ())]
             if artifact_id in ids:
-                return {"freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in evicted),
+                return {"tier": tier, "freed_bytes": sum(freed.values()), "freed_bytes_by_tier": freed,
                         "artifact_ids": ids, "calls": calls, "evict_s": time.monotonic() - t0}
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"artifact {artifact_id} not evicted within {timeout_s}s "
@@ -339,15 +352,20 @@ def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     return out
 
 
-def cold_trials(client: Tessera, trials: int, what: str, evict: str | None = None) -> list[dict[str, Any]]:
-    """Cold starts from zero; with `evict` (an artifact id), the resident weights are evicted
-    after the scale to zero, so each start loads from the model store."""
+def cold_trials(client: Tessera, trials: int, what: str, expect: str,
+                evict: str | None = None, tier: str = "resident") -> list[dict[str, Any]]:
+    """Cold starts from zero; with `evict` (an artifact id), the caches down to `tier` are
+    dropped after each scale to zero (`resident`: the start stages the blob from the host
+    cache; `all`: it reads the model store from disk). A start whose `source` is not `expect`
+    is logged (and kept: its source is in the result)."""
     out: list[dict[str, Any]] = []
     for i in range(trials):
         waited = client.wait_scaled_to_zero()
-        evicted = client.evict(evict) if evict else None
+        evicted = client.evict(evict, tier) if evict else None
         res = client.stream(COLD_MAX_TOKENS)
         entry = client.cold_start_after(res["sent_wall"])
+        if entry.get("source") != expect:
+            log(f"WARNING: {what} trial {i + 1}: source {entry.get('source')!r}, expected {expect!r}")
         out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted,
                     "record": entry, "text": res["text"]})
         log(f"{what} trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
@@ -395,7 +413,7 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
             log(f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
                 f"engine total {first_entry['total_s']:.3f}s")
 
-            cold = cold_trials(client, trials, "cold (resident)")
+            cold = cold_trials(client, trials, "cold (resident)", expect="resident")
 
             client.wait_scaled_to_zero()
             log(f"burst: {BURST_SIZE} concurrent streamed first requests on the model scaled to zero")
@@ -405,7 +423,10 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
                 f"{burst_result['cold_starts']} cold start(s) {burst_result['cold_start_sources']}, "
                 f"errors {burst_result['errors']}")
 
-            disk = cold_trials(client, trials, "cold (evicted, from disk)", evict=artifact_id)
+            host = cold_trials(client, trials, "cold (worker evicted, host cache)", expect="host",
+                               evict=artifact_id, tier="resident")
+            disk = cold_trials(client, trials, "cold (all caches dropped, from disk)", expect="store",
+                               evict=artifact_id, tier="all")
 
             # Warm: one request loads it (discarded), then back-to-back requests on the live instance.
             client.stream(COLD_MAX_TOKENS)
@@ -433,7 +454,7 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
                 client.close()
             cluster.stop()
 
-    c, d = summarize_cold(cold), summarize_cold(disk)
+    c, h, d = summarize_cold(cold), summarize_cold(host), summarize_cold(disk)
     return {
         "cold_ttft_s": c["ttft_s"],
         "cold_ttft_trials_s": c["ttft_trials_s"],
@@ -444,6 +465,8 @@ def bench_tessera(trials: int, warm_runs: int) -> dict[str, Any]:
         "waited_for_zero_s": c["waited_for_zero_s"],
         "cold_sources": c["sources"],
         "cold_loaded_from_cache": c["loaded_from_cache"],
+        "host": h,
+        "host_evictions": [x["evicted"] for x in host],
         "disk": d,
         "disk_evictions": [x["evicted"] for x in disk],
         "first_start": {"ttft_s": first["ttft_s"], "engine_total_s": first_entry["total_s"],
@@ -499,7 +522,7 @@ def median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:
 # --- targets -------------------------------------------------------------------------------------
 
 
-def targets(t_cold: float, t_disk: float, l_cold: float, o_cold: float,
+def targets(t_cold: float, t_host: float, t_disk: float, l_cold: float, o_cold: float,
             t_warm: float, o_warm: float, t_decode: float, o_decode: float) -> dict[str, dict[str, Any]]:
     """Each ratio with its target (and stretch target, where there is one) and whether it is met."""
 
@@ -515,6 +538,7 @@ def targets(t_cold: float, t_disk: float, l_cold: float, o_cold: float,
     return {
         "cold_ttft_ratio_vs_llamacpp": at_most(t_cold / l_cold, 1.0, stretch=0.5),
         "naive_over_tessera_cold": at_least(o_cold / t_cold, 10.0),
+        "host_ratio_vs_llamacpp": at_most(t_host / l_cold, 1.0),
         "disk_ratio_vs_llamacpp": at_most(t_disk / l_cold, 2.0),
         "warm_ttft_ratio_vs_inproc": at_most(t_warm / o_warm, 1.2),
         "decode_ratio_vs_inproc": at_least(t_decode / o_decode, 0.9),
@@ -544,7 +568,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     systems = [
         ("Tessera, scaled to zero\n(resident)", result["tessera_cold_ttft_s"],
          tessera_parts(result["tessera_cold_ttft_trials_s"], result["tessera_phase_trials_s"])),
-        ("Tessera, evicted\n(from disk)", result["tessera_cold_disk_ttft_s"],
+        ("Tessera, worker evicted\n(host cache)", result["tessera_cold_host_ttft_s"],
+         tessera_parts(result["tessera_cold_host_ttft_trials_s"], result["tessera_host_phase_trials_s"])),
+        ("Tessera, all caches dropped\n(from disk)", result["tessera_cold_disk_ttft_s"],
          tessera_parts(result["tessera_cold_disk_ttft_trials_s"], result["tessera_disk_phase_trials_s"])),
         ("llama.cpp (new process)", result["llamacpp_cold_ttft_s"],
          [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])]),
@@ -557,7 +583,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
               "first token": "prefill / first token", "init": "init / import",
               "import": "init / import"}
 
-    fig, ax = plt.subplots(figsize=(10, 5.0))
+    fig, ax = plt.subplots(figsize=(10, 5.8))
     seen: set[str] = set()
     longest = max(total for _, total, _ in systems)
     for y, (name, total, parts) in enumerate(systems):
@@ -604,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     ov = bench_peer("openvino", args.peer_runs, gguf)
 
     t_cold = tessera["cold_ttft_s"]
+    t_host = tessera["host"]["ttft_s"]
     t_disk = tessera["disk"]["ttft_s"]
     l_cold = median([r["cold_ttft_s"] for r in llama])
     o_cold = median([r["cold_ttft_s"] for r in ov])
@@ -620,6 +647,16 @@ def main(argv: list[str] | None = None) -> int:
         "tessera_stack_overhead_s": median(tessera["overhead_trials_s"]),
         "tessera_stack_overhead_trials_s": tessera["overhead_trials_s"],
         "tessera_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
+        "tessera_cold_host_ttft_s": t_host,
+        "tessera_cold_host_ttft_trials_s": tessera["host"]["ttft_trials_s"],
+        "tessera_cold_host_sources": tessera["host"]["sources"],
+        "tessera_cold_host_loaded_from_cache": tessera["host"]["loaded_from_cache"],
+        "tessera_host_phases": tessera["host"]["phases"],
+        "tessera_host_phase_trials_s": tessera["host"]["phase_trials"],
+        "tessera_host_stack_overhead_s": median(tessera["host"]["overhead_trials_s"]),
+        "tessera_host_stack_overhead_trials_s": tessera["host"]["overhead_trials_s"],
+        "tessera_host_engine_cold_total_trials_s": tessera["host"]["engine_total_trials_s"],
+        "tessera_host_evictions": tessera["host_evictions"],
         "tessera_cold_disk_ttft_s": t_disk,
         "tessera_cold_disk_ttft_trials_s": tessera["disk"]["ttft_trials_s"],
         "tessera_cold_disk_sources": tessera["disk"]["sources"],
@@ -657,10 +694,11 @@ def main(argv: list[str] | None = None) -> int:
         "openvino_inproc_decode_runs_tok_s": [r["decode_tok_s"] for r in ov],
         "cold_ttft_ratio_vs_llamacpp": t_cold / l_cold,
         "naive_over_tessera_cold": o_cold / t_cold,
+        "host_ratio_vs_llamacpp": t_host / l_cold,
         "disk_ratio_vs_llamacpp": t_disk / l_cold,
         "warm_ttft_ratio_vs_inproc": tessera["warm_ttft_s"] / o_warm,
         "decode_ratio_vs_inproc": tessera["decode_tok_s"] / o_decode,
-        "targets": targets(t_cold, t_disk, l_cold, o_cold, tessera["warm_ttft_s"], o_warm,
+        "targets": targets(t_cold, t_host, t_disk, l_cold, o_cold, tessera["warm_ttft_s"], o_warm,
                            tessera["decode_tok_s"], o_decode),
         "samples": {"tessera": tessera["sample"], "llamacpp": llama[0]["sample"],
                     "openvino": ov[0]["sample"]},

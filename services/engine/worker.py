@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.sharedctypes import Synchronized
+from typing import Protocol
 
 import openvino as ov
 
@@ -92,8 +92,14 @@ def _die_with_parent() -> None:
         pass
 
 
+class SharedInt(Protocol):
+    """A number in shared memory (multiprocessing's RawValue)."""
+
+    value: int
+
+
 class _Cancelled:
-    def __init__(self, shared: Synchronized[int], seq: int) -> None:
+    def __init__(self, shared: SharedInt, seq: int) -> None:
         self._shared = shared
         self._seq = seq
 
@@ -117,7 +123,7 @@ def _touch_kernels(core: ov.Core, device: str, threads: int) -> None:
     compiled.create_infer_request().infer({0: np.ones((1, 4, 64), dtype=np.float32)})
 
 
-def worker_main(conn: Connection, cancel: Synchronized[int], device: str, threads: int) -> None:
+def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.

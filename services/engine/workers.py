@@ -43,7 +43,7 @@ class Worker:
     def __init__(self, device: str, threads: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._cancel = ctx.Value("q", 0)
+        self._cancel = ctx.Value("q", 0, lock=False)  # one writer; no lock, no resource tracker
         self._seq = 0
         self.process = ctx.Process(
             target=worker_main, args=(child, self._cancel, device, threads), daemon=True, name="tessera-worker"
@@ -180,25 +180,31 @@ class WorkerPool:
         self.threads = threads
         self.ready_timeout_s = ready_timeout_s
         self.idle: list[Worker] = []
-        self._warming = 0
+        self.warming: set[Worker] = set()
+        self._pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     def refill(self) -> None:
-        while len(self.idle) + self._warming < self.size:
-            self._warming += 1
+        while len(self.idle) + self._pending < self.size:
+            self._pending += 1
             task = asyncio.create_task(self._warm_one())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _warm_one(self) -> None:
+        worker = Worker(self.device, self.threads)
+        self.warming.add(worker)
         try:
-            worker = Worker(self.device, self.threads)
             await worker.ready(self.ready_timeout_s)
             self.idle.append(worker)
+        except asyncio.CancelledError:
+            raise
         except Exception:
             log.exception("a worker failed to warm up")
+            worker.stop()
         finally:
-            self._warming -= 1
+            self.warming.discard(worker)
+            self._pending -= 1
 
     async def take(self) -> tuple[Worker, bool]:
         """A warm worker if there is one (True), else a new one started now (False)."""
@@ -216,8 +222,10 @@ class WorkerPool:
         return sum(w.rss_bytes() for w in self.idle)
 
     def close(self) -> None:
+        """End every worker this pool started, warm or still warming."""
         for task in self._tasks:
             task.cancel()
-        for w in self.idle:
+        for w in [*self.idle, *self.warming]:
             w.stop()
         self.idle.clear()
+        self.warming.clear()
