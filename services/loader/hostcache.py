@@ -71,20 +71,32 @@ class HostCache:
 
     def stage(self, artifact: Artifact, device: str) -> StageResult:
         """Make the artifact's compiled blob present and whole in host memory."""
+        return self.verify(artifact, device) or self.fill(artifact, device)
+
+    def verify(self, artifact: Artifact, device: str) -> StageResult | None:
+        """A hit: the cached copy, checked block by block (bad blocks re-read from the store).
+        None when the artifact is not cached."""
+        entry = self.entries.get(artifact.artifact_id)
+        if entry is None:
+            return None
+        manifest = read_manifest(artifact, device)
+        dst_dir = self._dir(artifact, device)
+        dst = dst_dir / manifest.name
+        bad = bad_blocks(dst, manifest)
+        if bad:
+            copy_blocks(compiled_cache_dir(artifact, device) / manifest.name, dst, manifest, bad)
+            self.repaired_blocks_total += len(bad)
+        entry.uses += 1
+        entry.last_used = time.time()
+        return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
+
+    def fill(self, artifact: Artifact, device: str) -> StageResult:
+        """A miss: copy the blob in from the store, checking every block as it is read."""
         manifest = read_manifest(artifact, device)
         src = compiled_cache_dir(artifact, device) / manifest.name
         dst_dir = self._dir(artifact, device)
         dst = dst_dir / manifest.name
         now = time.time()
-        entry = self.entries.get(artifact.artifact_id)
-        if entry is not None:
-            bad = bad_blocks(dst, manifest)
-            if bad:
-                copy_blocks(src, dst, manifest, bad)
-                self.repaired_blocks_total += len(bad)
-            entry.uses += 1
-            entry.last_used = now
-            return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
         self._make_room(manifest.size, now)
         dst_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
