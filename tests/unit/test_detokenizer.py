@@ -26,3 +26,10 @@ def test_the_pieces_add_up_to_the_whole_decode() -> None:
     d = IncrementalDetokenizer(decode)
     text = "".join(d.add(t) for t in ids) + d.flush()
     assert text == decode(ids)
+
+
+def test_several_tokens_at_once_give_their_text_together() -> None:
+    d = IncrementalDetokenizer(decode)
+    assert d.add(1, 2) == "Hello"
+    assert d.add(5) == ""  # half a character waits for its other half
+    assert d.add(6, 7) == "é!"
