@@ -122,6 +122,7 @@ class LoaderService:
         task.add_done_callback(self._background.discard)
 
     async def _fill(self, artifact: Artifact, device: str) -> None:
+        await asyncio.sleep(self.settings.fill_delay_s)
         t0 = time.perf_counter()
         try:
             async with self._stage_lock:

@@ -12,5 +12,8 @@ class LoaderSettings(CommonSettings):
     host_cache_dir: Path = Path("/dev/shm/tessera")
     """tmpfs directory of the host block cache (one subdirectory per node)."""
     host_cache_bytes: int = 4 * 1024**3
+    fill_delay_s: float = 2.0
+    """After a miss, wait this long before copying the blob into the host cache, so that the
+    copy does not compete with the start that is reading it for the node's cores and disk."""
     allowed_model_dirs: list[Path] = []
     """If set, imports may only read GGUFs under these directories."""
