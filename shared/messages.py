@@ -168,6 +168,10 @@ class ColdStartRecorded(Message, frozen=True):
     source: str = "store"
     """Where the weights came from: "resident" (a worker kept them after scale-to-zero),
     "host" (the loader's host cache) or "store" (the model store on disk)."""
+    stage_s: float = 0.0
+    """Of Load: asking the loader for the blob (a host-cache hit verifies every block)."""
+    worker_load_s: float = 0.0
+    """Of Load: the worker importing the compiled blob and loading the tokenizer."""
 
 
 class InstanceView(Message, frozen=True):

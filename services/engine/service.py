@@ -100,6 +100,8 @@ class Bound:
     resident: Resident
     source: str
     """Where its load read the blob: "host" (the loader's cache) or "store"."""
+    stage_s: float = 0.0
+    worker_load_s: float = 0.0
 
 
 @dataclass
@@ -325,6 +327,7 @@ class EngineService:
                     COLD_WORKERS.inc()
                 t_load = time.monotonic()
                 staged = await self._stage(artifact)
+                stage_s = time.monotonic() - t_load
                 try:
                     loaded = await worker.load(
                         artifact, self._start_cores(), staged.cache_dir if staged else None,
@@ -338,7 +341,9 @@ class EngineService:
                 raise
             resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
             source = "host" if staged and staged.hit else "store"
-            bound = self.bound[aid] = Bound(worker, artifact, loaded.loaded_from_cache, resident, source)
+            bound = self.bound[aid] = Bound(
+                worker, artifact, loaded.loaded_from_cache, resident, source, stage_s, loaded.load_s
+            )
             return bound, False, t_load
 
     async def _stage(self, artifact: Artifact) -> Staged | None:
@@ -513,6 +518,8 @@ class EngineService:
             total_s=total,
             loaded_from_cache=inst.bound.loaded_from_cache,
             source=pending.source,
+            stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
+            worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
         )
         log.info("cold start of %s: %.2fs", inst.model, total, extra={"model": inst.model, "phases": {
             "init_s": phases.init_s, "load_s": phases.load_s,
