@@ -107,6 +107,16 @@ class _Cancelled:
         return bool(self._shared.value == self._seq)
 
 
+def _pin_all_threads(cores: set[int]) -> None:
+    """Set the CPU affinity of every thread of this process (sched_setaffinity on pid 0 moves
+    only the calling thread; the runtime's pool threads would keep every core)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:
+            pass  # a thread that just ended
+
+
 def _touch_kernels(core: ov.Core, device: str, threads: int) -> None:
     """TIDAL §5.1, proactive code loading with reduced input dimensions: compile and run a tiny
     matmul so that the device plugin, its thread pool and its JIT are initialised before any
@@ -146,7 +156,7 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
             if isinstance(cmd, Load):
                 t0 = time.monotonic()
                 if cmd.cores:
-                    os.sched_setaffinity(0, cmd.cores)
+                    _pin_all_threads(set(cmd.cores))
                 # The first forward pass (the CPU plugin repacks weights then) also runs under
                 # the bounded share; all cores come back once it is done, in `Run`.
                 loaded = LoadedModel.load(core, cmd.artifact, device, threads, cmd.cache_dir)
@@ -168,7 +178,7 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
                     cmd.prompt_ids, cmd.params, emit, _Cancelled(cancel, cmd.seq), cmd.stream_interval_s
                 )
                 if os.sched_getaffinity(0) != all_cores:
-                    os.sched_setaffinity(0, all_cores)
+                    _pin_all_threads(all_cores)
                 conn.send(Done(cmd.request_id, result.finish_reason, result.completion_tokens,
                                first[0] if first else None))
             elif isinstance(cmd, DropSession):
