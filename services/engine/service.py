@@ -129,7 +129,10 @@ class EngineService:
         self.node = settings.node_id
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
-        self.workers = WorkerPool(settings.worker_pool_size, settings.device, settings.inference_threads)
+        self.workers = WorkerPool(
+            settings.worker_pool_size, settings.device, settings.inference_threads,
+            refill_delay_s=settings.worker_refill_delay_s,
+        )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
         self._cold: dict[str, PendingColdStart] = {}
