@@ -352,6 +352,19 @@ def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     return out
 
 
+def quiesce(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has its pre-warmed worker and the loader its cached blob."""
+    from tests.helpers.cluster import metric
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (metric(cluster, "engine@node-0", "tessera_engine_prewarmed_workers") >= 1
+                and metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1):
+            return
+        time.sleep(0.2)
+    log("WARNING: the cluster did not settle before a side-by-side round")
+
+
 def cold_trials(client: Tessera, trials: int, what: str, expect: str,
                 evict: str | None = None, tier: str = "resident") -> list[dict[str, Any]]:
     """Cold starts from zero; with `evict` (an artifact id), the caches down to `tier` are
@@ -462,6 +475,9 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             # rounds, the peer in a fresh process on the same converted model, the cluster idle.
             side = []
             for i in range(max(1, decode_runs_n)):
+                # Steady state: a replacement worker warming or the host cache filling after the
+                # previous round's starts would share the cores with the runs below.
+                quiesce(cluster)
                 t_warm = median([client.stream(COLD_MAX_TOKENS)["ttft_s"] for _ in range(warm_runs)])
                 d = client.stream(DECODE_TOKENS, ignore_eos=True)
                 n_done = int((d["usage"] or {}).get("completion_tokens", 0))

@@ -503,6 +503,7 @@ class EngineService:
         pending = self._cold.pop(inst.model, None)
         if pending is None:
             return
+        self.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
         phases = ColdStartPhases(

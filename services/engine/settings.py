@@ -7,8 +7,9 @@ class EngineSettings(CommonSettings):
     http_port: int = 8104
     worker_pool_size: int = 1
     """Worker processes kept pre-warmed (runtime imported, bound to no model)."""
-    worker_refill_delay_s: float = 2.0
-    """How long after a start takes a warm worker its replacement begins warming."""
+    worker_refill_delay_s: float = 5.0
+    """Latest time after a start took a warm worker that its replacement begins warming (it
+    begins as soon as that start has its first token)."""
     load_timeout_s: float = 300.0
     start_cpu_share: float = 0.5
     """Share of the node's cores a start may use while other instances are generating."""
