@@ -50,10 +50,6 @@ def compile_config(
     config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device))}
     if device == "CPU":
         config["INFERENCE_NUM_THREADS"] = threads
-        # OpenVINO pins its inference threads to cores by default, which overrides the bounded
-        # core share of a start (bench/nostall.py measured the start's threads moving onto the
-        # busy instance's core); the engine sets affinity itself instead.
-        config["ENABLE_CPU_PINNING"] = False
     return config
 
 

@@ -11,8 +11,12 @@ class EngineSettings(CommonSettings):
     """Latest time after a start took a warm worker that its replacement begins warming (it
     begins as soon as that start has its first token)."""
     load_timeout_s: float = 300.0
-    start_cpu_share: float = 0.5
-    """Share of the node's cores a start may use while other instances are generating."""
+    start_cpu_share: float = 1.0
+    """Share of the node's cores a start may use while other instances are generating.
+    1.0 (no bound) by default: on 2 cores, bench/nostall.py measured a 0.5 share hurting the
+    busy instance more than it protected it (OpenVINO pins its inference threads, moving the
+    start's threads onto the busy one's core), and turning OpenVINO's pinning off to make the
+    bound hold cost decode speed. A bound pays on nodes with more cores than one instance uses."""
     memory_request_timeout_s: float = 5.0
     pool_budget_bytes: int = 2 * 1024**3
     """Bytes of compiled models kept resident after their instances scaled to zero."""
