@@ -153,7 +153,7 @@ class EngineService:
     async def close(self) -> None:
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
-        for cancelled, bound in self._cancels.values():
+        for cancelled, _ in self._cancels.values():
             cancelled.flag = True
         self.workers.close()
         for bound in self.bound.values():

@@ -169,7 +169,7 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
                     inst = sessions[cmd.session] = Instance(cmd.session, loaded, now, now)
                 first: list[float] = []
 
-                def emit(text: str, tokens: int, rid: str = cmd.request_id) -> None:
+                def emit(text: str, tokens: int, rid: str = cmd.request_id, first: list[float] = first) -> None:
                     if not first:
                         first.append(time.monotonic())
                     conn.send(Chunk(rid, text, tokens))

@@ -58,7 +58,6 @@ class HostCache:
         self.root = root
         self.budget_bytes = budget_bytes
         self.entries: dict[str, Resident] = {}
-        self.repaired_blocks_total = 0
         shutil.rmtree(root, ignore_errors=True)  # a restarted loader starts empty and honest
         root.mkdir(parents=True, exist_ok=True)
 
@@ -85,7 +84,6 @@ class HostCache:
         bad = bad_blocks(dst, manifest)
         if bad:
             copy_blocks(compiled_cache_dir(artifact, device) / manifest.name, dst, manifest, bad)
-            self.repaired_blocks_total += len(bad)
         entry.uses += 1
         entry.last_used = time.time()
         return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)

@@ -17,7 +17,6 @@ from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.messages import (
     ClusterStatus,
-    ClusterStatusQuery,
     ColdStartRecorded,
     ErrorCode,
     InstanceReady,
