@@ -4,8 +4,8 @@ The model is a stateful OpenVINO IR (the KV cache lives in the infer request's s
 compiled once, at registration, with `CACHE_DIR` pointing into the artifact (MEDUSA §2.5, §6:
 do offline what every start would otherwise derive); a start imports that blob, which
 OpenVINO reports as `LOADED_FROM_CACHE`. The tokenizer loads on a second thread meanwhile.
-Generation is a plain loop over the infer request, on a worker thread (OpenVINO releases the
-GIL while it computes), reporting each piece of text through `emit`.
+Generation is a plain loop over the infer request, run in a worker process (`worker.py`),
+reporting each piece of text through `emit`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import openvino as ov
@@ -26,7 +26,10 @@ from services.engine.sampling import Sampler
 from services.engine.stops import StopMatcher
 from shared.messages import Artifact, FinishReason, SamplingParams
 
+
 class Flag(Protocol):
+    """Anything that says whether the generation should stop (checked after every token)."""
+
     def is_set(self) -> bool: ...
 
 

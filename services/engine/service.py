@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.eviction import Resident, choose_evictions, over_budget
 from services.engine.settings import EngineSettings
 from services.engine.worker import Chunk, Done, Run
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
+from shared.eviction import Resident, choose_evictions, over_budget
 from shared.messages import (
     Artifact,
     Cancel,
@@ -48,10 +48,10 @@ from shared.messages import (
     NodeStatus,
     Rejected,
     Release,
-    StageArtifact,
-    Staged,
     Reserve,
     ReserveResult,
+    StageArtifact,
+    Staged,
     StartInstance,
     StopInstance,
     TokenChunk,

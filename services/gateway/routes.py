@@ -15,7 +15,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.admin import Admin
 from services.gateway.openai_format import Shape, finish_reason, sse
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, RegisterModel
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    RegisterModel,
+)
 from services.gateway.serving import Gateway, Generation
 from shared.errors import OPENAI_TYPE, TesseraError
 from shared.health import Readiness, health_routes

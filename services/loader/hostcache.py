@@ -18,7 +18,13 @@ from pathlib import Path
 import msgspec
 
 from services.engine.instance import compiled_cache_dir
-from services.loader.blocks import Manifest, bad_blocks, copy_blocks, drop_from_page_cache, manifest_of
+from services.loader.blocks import (
+    Manifest,
+    bad_blocks,
+    copy_blocks,
+    drop_from_page_cache,
+    manifest_of,
+)
 from shared.eviction import Resident, choose_evictions, over_budget
 from shared.messages import Artifact
 

@@ -14,10 +14,10 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.loader.settings import LoaderSettings
-from services.loader.convert import is_materialized
 from services.engine.instance import compiled_cache_dir
+from services.loader.convert import is_materialized
 from services.loader.hostcache import HostCache, forget_store_pages
+from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
 from shared.bus import Bus, decode

@@ -1,4 +1,12 @@
-from services.scheduler.policy import AwaitStart, NodeView, StartOn, StopOrder, UseNode, idle_instances, place
+from services.scheduler.policy import (
+    AwaitStart,
+    NodeView,
+    StartOn,
+    StopOrder,
+    UseNode,
+    idle_instances,
+    place,
+)
 from shared.messages import ErrorCode, InstanceView, Rejected
 
 NOW = 1000.0
