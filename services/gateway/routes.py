@@ -10,6 +10,8 @@ from contextlib import aclosing
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -76,6 +78,13 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def _state_down(_: Request, e: Exception) -> JSONResponse:
+        log.warning("Valkey unreachable: %s", e)
+        return error_response(503, "the state store is unreachable; retry shortly", "unavailable",
+                              retry_after_s=2)
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, e: Exception) -> JSONResponse:

@@ -99,3 +99,19 @@ def test_services_report_lost_nats_in_readyz_and_reconnect(own_cluster: LocalClu
             wait_for(lambda n=name: own_cluster.ready(n), 30, f"{name} to report ready again")
     r = wait_for(lambda: _try_chat(own_cluster, "after-nats"), 60, "a request after NATS came back", every_s=0.5)
     assert r.choices[0].message.content is not None
+
+
+def _valkey_check(cluster: LocalCluster) -> bool:
+    return bool(httpx.get(f"{cluster.base_url}/readyz", timeout=5).json()["checks"]["valkey"])
+
+
+def test_lost_valkey_shows_in_readyz_and_service_resumes(own_cluster: LocalCluster) -> None:
+    register(own_cluster, "after-valkey")
+    own_cluster.procs["valkey"].stop()
+    wait_for(lambda: not _valkey_check(own_cluster), 30, "the gateway to report Valkey lost")
+    r = httpx.get(f"{own_cluster.base_url}/v1/models", timeout=30)
+    assert r.status_code == 503 and r.headers["Retry-After"]  # an OpenAI-format error, not a hang
+    assert r.json()["error"]["code"] == "unavailable"
+    own_cluster.restart("valkey")
+    wait_for(lambda: _valkey_check(own_cluster), 30, "the gateway to reconnect to Valkey")
+    assert "after-valkey" in [m["id"] for m in httpx.get(f"{own_cluster.base_url}/v1/models").json()["data"]]
