@@ -36,8 +36,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,219 +48,93 @@ if __package__ in (None, ""):  # `python bench/coldstart.py`
 
 import httpx
 
+from bench.common import (
+    COLDSTART_LOG_TIMEOUT_S,
+    EVICT_TIMEOUT_S,
+    PHASES,
+    THREADS,
+    ChatStream,
+    TesseraClient,
+    chat_body,
+    machine_info,
+    make_log,
+    median,
+    median_index,
+    percentile,
+    resident_ids,
+    stream_chat,
+)
 from shared.localcluster import REPO_ROOT, LocalCluster, default_model_path
 
-THREADS = 2
 MODEL_NAME = "bench-smollm2-135m"
 KEEP_ALIVE_S = 1.0
 PROMPT = "Write a short poem about the sea."  # the same prompt as bench/peers.py
 COLD_MAX_TOKENS = 16
 DECODE_TOKENS = 128
-PHASES = ("init", "load", "profile", "prefill")
 
 BURST_SIZE = 16
 BURST_MAX_TOKENS = 8
 
-UNLOAD_TIMEOUT_S = 60.0
-REQUEST_TIMEOUT_S = 300.0
-COLDSTART_LOG_TIMEOUT_S = 15.0
-EVICT_TIMEOUT_S = 30.0
 BURST_REQUEST_TIMEOUT_S = 180.0
 BURST_SETTLE_S = 2.0
 PEER_TIMEOUT_S = 600.0
 
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
-    ys = sorted(xs)
-    k = (len(ys) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(ys) - 1)
-    return float(ys[lo] + (ys[hi] - ys[lo]) * (k - lo))
-
-
-def median_index(xs: list[float]) -> int:
-    """Index of the run at the median (the lower middle one for an even count)."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    return order[(len(xs) - 1) // 2]
+log = make_log("bench")
 
 
 # --- Tessera -------------------------------------------------------------------------------------
 
 
-class Tessera:
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
+class Tessera(TesseraClient):
+    """The client, with the bench model's streamed request and cache eviction."""
 
-    def close(self) -> None:
-        self.http.close()
-
-    def loaded(self) -> bool:
-        """Whether an instance of the bench model is loaded (or starting) anywhere."""
-        status = self.http.get("/admin/instances", timeout=10).raise_for_status().json()
-        if MODEL_NAME in status.get("starting", ()):
-            return True
-        for node in status.get("nodes", []):
-            if MODEL_NAME in node.get("starting", ()):
-                return True
-            if any(i.get("model") == MODEL_NAME for i in node.get("instances", [])):
-                return True
-        return False
-
-    def wait_scaled_to_zero(self, timeout_s: float = UNLOAD_TIMEOUT_S) -> float:
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        while time.monotonic() < deadline:
-            if not self.loaded():
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        raise TimeoutError(f"{MODEL_NAME} still loaded after {timeout_s}s (keep-alive {KEEP_ALIVE_S}s)")
+    def wait_zero(self) -> float:
+        """Wait until the bench model is scaled to zero; the seconds it took."""
+        return self.wait_scaled_to_zero(MODEL_NAME, note=f" (keep-alive {KEEP_ALIVE_S}s)")
 
     def stream(self, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
         """One streamed chat request; times from just before sending it."""
-        body = chat_body(max_tokens)
-        if ignore_eos:
-            body["ignore_eos"] = True
-        sent_wall = time.time()
-        t0 = time.perf_counter()
-        first: float | None = None
-        last: float | None = None
-        usage: dict[str, Any] | None = None
-        text: list[str] = []
-        done = False
-        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(payload)
-                if "error" in obj:
-                    raise RuntimeError(f"stream error: {obj['error']}")
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for choice in obj.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        now = time.perf_counter()
-                        if first is None:
-                            first = now
-                        last = now
-                        text.append(content)
-        if first is None or last is None:
-            raise RuntimeError("the stream carried no content")
-        if not done:
-            raise RuntimeError("the stream ended without [DONE]")
+        res = stream_chat(self.http, chat_body(MODEL_NAME, PROMPT, max_tokens, ignore_eos))
+        sent, arrivals = res["sent"], res["arrivals"]
         return {
-            "sent_wall": sent_wall,
-            "ttft_s": first - t0,
-            "first": first,
-            "last": last,
-            "usage": usage,
-            "text": "".join(text),
+            "sent_wall": res["sent_wall"],
+            "ttft_s": arrivals[0] - sent,
+            "first": arrivals[0],
+            "last": arrivals[-1],
+            "usage": res["usage"],
+            "text": "".join(res["chunks"]),
         }
-
-    def cold_starts(self) -> list[dict[str, Any]]:
-        return list(self.http.get("/admin/coldstarts", params={"limit": 200}, timeout=10)
-                    .raise_for_status().json())
-
-    def cold_start_after(self, sent_wall: float, timeout_s: float = COLDSTART_LOG_TIMEOUT_S) -> dict[str, Any]:
-        """The cold-start record of the bench model that began after `sent_wall` (it is written
-        once the first token is out, so it may trail the stream a little)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for entry in self.cold_starts():  # newest first
-                if entry.get("model") == MODEL_NAME and entry.get("started_at", 0) >= sent_wall - 0.05:
-                    return entry
-            time.sleep(0.1)
-        raise TimeoutError(f"no cold-start record for {MODEL_NAME} after {sent_wall} within {timeout_s}s")
-
-    def cold_starts_since(self, sent_wall: float) -> list[dict[str, Any]]:
-        return [e for e in self.cold_starts()
-                if e.get("model") == MODEL_NAME and e.get("started_at", 0) >= sent_wall - 0.05]
 
     def evict(self, artifact_id: str, tier: str = "resident",
               timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
         """`POST /admin/cache/evict?tier=<tier>` until the bench model's artifact is among the
-        resident models dropped (the entries with `"tier": "resident"`; `host` and `all` drop
-        the resident models too, then the deeper caches).
-
-        Right after the scheduler stops seeing the instance, the engine may still be releasing
-        it (the resident is not idle yet, so it is not evicted): then ask again (with `all`,
-        each call also drops the host and page caches again, which is harmless)."""
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        calls = 0
+        resident models dropped (`host` and `all` drop the resident models too, then the deeper
+        caches); see `TesseraClient.evict_until`."""
+        answers, evict_s = self.evict_until(artifact_id, {"tier": tier}, timeout_s)
         freed: dict[str, int] = {}
-        while True:
-            calls += 1
-            evicted = list(self.http.post("/admin/cache/evict", params={"tier": tier}, timeout=30)
-                           .raise_for_status().json())
-            for e in evicted:
-                t = str(e.get("tier"))
-                freed[t] = freed.get(t, 0) + int(e.get("freed_bytes", 0))
-            ids = [a for e in evicted if e.get("tier") == "resident" for a in e.get("artifact_ids", ())]
-            if artifact_id in ids:
-                return {"tier": tier, "freed_bytes": sum(freed.values()), "freed_bytes_by_tier": freed,
-                        "artifact_ids": ids, "calls": calls, "evict_s": time.monotonic() - t0}
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"artifact {artifact_id} not evicted within {timeout_s}s "
-                                   f"({calls} calls, last answer {evicted})")
-            time.sleep(0.1)
-
-
-def chat_body(max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+        for e in (e for answer in answers for e in answer):
+            t = str(e.get("tier"))
+            freed[t] = freed.get(t, 0) + int(e.get("freed_bytes", 0))
+        return {"tier": tier, "freed_bytes": sum(freed.values()), "freed_bytes_by_tier": freed,
+                "artifact_ids": resident_ids(answers[-1]), "calls": len(answers), "evict_s": evict_s}
 
 
 async def _burst_one(http: httpx.AsyncClient) -> dict[str, Any]:
     """One streamed request of the burst: its TTFT, or the status/error that ended it."""
     t0 = time.perf_counter()
-    first: float | None = None
-    done = False
-    async with http.stream("POST", "/v1/chat/completions", json=chat_body(BURST_MAX_TOKENS)) as r:
+    chat = ChatStream()
+    async with http.stream("POST", "/v1/chat/completions",
+                           json=chat_body(MODEL_NAME, PROMPT, BURST_MAX_TOKENS)) as r:
         if r.status_code != 200:
             await r.aread()
             return {"ok": False, "status": r.status_code, "error": r.text[:300]}
         async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                done = True
+            if not chat.feed(line):
                 break
-            obj = json.loads(payload)
-            if "error" in obj:
-                return {"ok": False, "status": 200, "error": f"stream error: {obj['error']}"}
-            for choice in obj.get("choices") or []:
-                if first is None and (choice.get("delta") or {}).get("content"):
-                    first = time.perf_counter()
-    if first is None:
-        return {"ok": False, "status": 200, "error": "the stream carried no content"}
-    if not done:
-        return {"ok": False, "status": 200, "error": "the stream ended without [DONE]"}
-    return {"ok": True, "status": 200, "ttft_s": first - t0}
+    problem = chat.problem()
+    if problem is not None:
+        return {"ok": False, "status": 200, "error": problem}
+    return {"ok": True, "status": 200, "ttft_s": chat.arrivals[0] - t0}
 
 
 async def _burst(base_url: str, n: int) -> list[dict[str, Any]]:
@@ -295,12 +167,12 @@ def burst(client: Tessera, n: int) -> dict[str, Any]:
     starts: list[dict[str, Any]] = []
     deadline = time.monotonic() + COLDSTART_LOG_TIMEOUT_S
     while time.monotonic() < deadline:
-        starts = client.cold_starts_since(sent_wall)
+        starts = client.cold_starts_since(MODEL_NAME, sent_wall)
         if starts:
             break
         time.sleep(0.1)
     time.sleep(BURST_SETTLE_S)
-    starts = client.cold_starts_since(sent_wall)
+    starts = client.cold_starts_since(MODEL_NAME, sent_wall)
     ttfts = [r["ttft_s"] for r in ok]
     return {
         "n": n,
@@ -373,10 +245,10 @@ def cold_trials(client: Tessera, trials: int, what: str, expect: str,
     is logged (and kept: its source is in the result)."""
     out: list[dict[str, Any]] = []
     for i in range(trials):
-        waited = client.wait_scaled_to_zero()
+        waited = client.wait_zero()
         evicted = client.evict(evict, tier) if evict else None
         res = client.stream(COLD_MAX_TOKENS)
-        entry = client.cold_start_after(res["sent_wall"])
+        entry = client.cold_start_after(MODEL_NAME, res["sent_wall"])
         if entry.get("source") != expect:
             log(f"WARNING: {what} trial {i + 1}: source {entry.get('source')!r}, expected {expect!r}")
         out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted,
@@ -422,13 +294,13 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             # The very first start of the model loads it from the store; it is not one of the
             # trials (which measure a start from zero with the weights still resident).
             first = client.stream(COLD_MAX_TOKENS)
-            first_entry = client.cold_start_after(first["sent_wall"])
+            first_entry = client.cold_start_after(MODEL_NAME, first["sent_wall"])
             log(f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
                 f"engine total {first_entry['total_s']:.3f}s")
 
             cold = cold_trials(client, trials, "cold (resident)", expect="resident")
 
-            client.wait_scaled_to_zero()
+            client.wait_zero()
             log(f"burst: {BURST_SIZE} concurrent streamed first requests on the model scaled to zero")
             burst_result = burst(client, BURST_SIZE)
             log(f"burst: {burst_result['succeeded']}/{BURST_SIZE} ok, ttft p50 "
@@ -767,14 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": THREADS,
         "trials": args.trials,
         "peer_runs": args.peer_runs,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "loadavg_before": list(load_before),
-            "loadavg_after": list(os.getloadavg()),
-        },
+        "machine": machine_info(load_before),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "bench_wall_s": time.perf_counter() - started,
     }

@@ -27,9 +27,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -42,9 +40,21 @@ if __package__ in (None, ""):  # `python bench/nostall.py`
 
 import httpx
 
+from bench.common import (
+    PHASES,
+    REQUEST_TIMEOUT_S,
+    THREADS,
+    TesseraClient,
+    chat_body,
+    machine_info,
+    make_log,
+    median,
+    median_index,
+    percentile,
+    stream_chat,
+)
 from shared.localcluster import REPO_ROOT, LocalCluster, default_model_path
 
-THREADS = 2
 A_NAME = "nostall-a"
 B_NAME = "nostall-b"
 A_KEEP_ALIVE_S = 600.0
@@ -57,41 +67,16 @@ CONTENDED_TOKENS = 600
 B_TOKENS = 4
 TRIGGER_CHUNKS = 40
 VARIANT_SUFFIX = b"tessera-variant"
-PHASES = ("init", "load", "profile", "prefill")
 
 CLUSTER_START_TIMEOUT_S = 120.0
 REGISTER_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 300.0
 TRIGGER_TIMEOUT_S = 60.0
-UNLOAD_TIMEOUT_S = 60.0
-EVICT_TIMEOUT_S = 30.0
-COLDSTART_LOG_TIMEOUT_S = 15.0
 QUIET_TIMEOUT_S = 30.0
 QUIET_BUSY = 0.15
 """The node counts as quiet when its CPUs are busy less than this share over 0.5 s."""
 
 
-def log(msg: str) -> None:
-    print(f"[nostall] {msg}", file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
-    ys = sorted(xs)
-    k = (len(ys) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(ys) - 1)
-    return float(ys[lo] + (ys[hi] - ys[lo]) * (k - lo))
-
-
-def median_index(xs: list[float]) -> int:
-    """Index of the run at the median (the lower middle one for an even count)."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    return order[(len(xs) - 1) // 2]
+log = make_log("nostall")
 
 
 def _cpu_times() -> tuple[float, float]:
@@ -121,13 +106,8 @@ def wait_quiet(timeout_s: float = QUIET_TIMEOUT_S) -> float:
 # --- client --------------------------------------------------------------------------------------
 
 
-class Client:
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S))
-
-    def close(self) -> None:
-        self.http.close()
+class Client(TesseraClient):
+    """The client, with registration and the eviction of B's caches."""
 
     def register(self, name: str, source: Path, keep_alive_s: float) -> dict[str, Any]:
         r = self.http.post("/admin/models", timeout=REGISTER_TIMEOUT_S, json={
@@ -137,100 +117,21 @@ class Client:
             raise RuntimeError(f"registering {name}: HTTP {r.status_code}: {r.text[:500]}")
         return dict(r.json())
 
-    def loaded(self, model: str) -> bool:
-        status = self.http.get("/admin/instances", timeout=10).raise_for_status().json()
-        if model in status.get("starting", ()):
-            return True
-        for node in status.get("nodes", []):
-            if model in node.get("starting", ()):
-                return True
-            if any(i.get("model") == model for i in node.get("instances", [])):
-                return True
-        return False
-
-    def wait_scaled_to_zero(self, model: str, timeout_s: float = UNLOAD_TIMEOUT_S) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() < t0 + timeout_s:
-            if not self.loaded(model):
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        raise TimeoutError(f"{model} still loaded after {timeout_s}s")
-
-    def evict(self, artifact_id: str, timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
+    def evict(self, artifact_id: str) -> dict[str, Any]:
         """`POST /admin/cache/evict?tier=all` for B's artifact until its resident copy is among
         those dropped (right after scale-to-zero the engine may still be releasing it)."""
-        t0 = time.monotonic()
-        calls = 0
-        while True:
-            calls += 1
-            answer = list(self.http.post("/admin/cache/evict", timeout=30,
-                                         params={"tier": "all", "artifact_id": artifact_id})
-                          .raise_for_status().json())
-            ids = [a for e in answer if e.get("tier") == "resident" for a in e.get("artifact_ids", ())]
-            if artifact_id in ids:
-                return {"calls": calls, "evict_s": time.monotonic() - t0,
-                        "freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in answer)}
-            if time.monotonic() >= t0 + timeout_s:
-                raise TimeoutError(f"{artifact_id} not evicted within {timeout_s}s: {answer}")
-            time.sleep(0.1)
-
-    def cold_start_after(self, model: str, sent_wall: float,
-                         timeout_s: float = COLDSTART_LOG_TIMEOUT_S) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            entries = self.http.get("/admin/coldstarts", params={"limit": 200}, timeout=10)
-            for e in entries.raise_for_status().json():  # newest first
-                if e.get("model") == model and e.get("started_at", 0) >= sent_wall - 0.05:
-                    return dict(e)
-            time.sleep(0.1)
-        raise TimeoutError(f"no cold-start record for {model} after {sent_wall} within {timeout_s}s")
+        answers, evict_s = self.evict_until(artifact_id, {"tier": "all", "artifact_id": artifact_id})
+        return {"calls": len(answers), "evict_s": evict_s,
+                "freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in answers[-1])}
 
 
 def stream(http: httpx.Client, model: str, prompt: str, max_tokens: int, ignore_eos: bool,
            on_chunk: Any = None) -> dict[str, Any]:
     """One streamed chat request: perf_counter arrival time of every content chunk."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if ignore_eos:
-        body["ignore_eos"] = True
-    sent_wall = time.time()
-    sent = time.perf_counter()
-    arrivals: list[float] = []
-    usage: dict[str, Any] = {}
-    done = False
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                done = True
-                break
-            obj = json.loads(payload)
-            if "error" in obj:
-                raise RuntimeError(f"{model}: stream error: {obj['error']}")
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for choice in obj.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    arrivals.append(time.perf_counter())
-                    if on_chunk is not None:
-                        on_chunk(len(arrivals))
-    if not arrivals:
-        raise RuntimeError(f"{model}: the stream carried no content")
-    if not done:
-        raise RuntimeError(f"{model}: the stream ended without [DONE]")
-    return {"sent": sent, "sent_wall": sent_wall, "arrivals": arrivals, "ttft_s": arrivals[0] - sent,
-            "completion_tokens": int(usage.get("completion_tokens", 0))}
+    res = stream_chat(http, chat_body(model, prompt, max_tokens, ignore_eos), on_chunk, label=model)
+    sent, arrivals = res["sent"], res["arrivals"]
+    return {"sent": sent, "sent_wall": res["sent_wall"], "arrivals": arrivals, "ttft_s": arrivals[0] - sent,
+            "completion_tokens": int((res["usage"] or {}).get("completion_tokens", 0))}
 
 
 def gap_stats(gaps: list[float], prefix: str) -> dict[str, Any]:
@@ -497,14 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             "during_start": "A's gaps whose chunk arrived in [B request sent, B first content chunk]",
             "percentiles": "linear between closest ranks",
         },
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "loadavg_before": list(load_before),
-            "loadavg_after": list(os.getloadavg()),
-        },
+        "machine": machine_info(load_before),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "bench_wall_s": time.perf_counter() - started,
     }

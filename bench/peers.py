@@ -32,8 +32,8 @@ WARM_RUNS = 5
 
 def llamacpp(gguf: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    import llama_cpp  # noqa: PLC0415 - timed on purpose
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
+    import llama_cpp
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     t1 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=gguf, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=2048,
@@ -85,7 +85,7 @@ def llamacpp(gguf: str) -> dict[str, Any]:
 
 def openvino(gguf: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    import openvino_genai as ov_genai  # noqa: PLC0415 - timed on purpose
+    import openvino_genai as ov_genai
 
     t1 = time.perf_counter()
     pipe = ov_genai.LLMPipeline(gguf, "CPU", INFERENCE_NUM_THREADS=THREADS)

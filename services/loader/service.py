@@ -6,9 +6,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import openvino as ov
 from nats.aio.msg import Msg
@@ -67,7 +65,8 @@ class LoaderService:
         self.store = settings.model_store.resolve()
         self._locks: dict[str, asyncio.Lock] = {}
         self._stage_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
+        self._fills: dict[str, asyncio.Task[None]] = {}
+        """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
         self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
         HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
 
@@ -97,7 +96,7 @@ class LoaderService:
                     cache_dir=str(compiled_cache_dir(req.artifact, req.device)), hit=False,
                     repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0,
                 ))
-                self._spawn(self._fill(req.artifact, req.device))
+                self._schedule_fill(req.artifact, req.device)
                 return
         except Exception as e:
             log.exception("staging %s failed", req.artifact.artifact_id)
@@ -116,13 +115,21 @@ class LoaderService:
             copied_bytes=result.copied_bytes, seconds=seconds,
         ))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _schedule_fill(self, artifact: Artifact, device: str) -> None:
+        aid = artifact.artifact_id
+        if aid in self._fills:
+            return
+        task = asyncio.create_task(self._fill(artifact, device))
+        self._fills[aid] = task
+        task.add_done_callback(lambda _: self._fills.pop(aid, None))
 
     async def _fill(self, artifact: Artifact, device: str) -> None:
-        await asyncio.sleep(self.settings.fill_delay_s)
+        await asyncio.sleep(self.settings.fill_delay_s)  # an eviction may cancel it here
+        # Once copying, it finishes even if cancelled: an eviction waiting on the lock then
+        # removes a whole copy, never a half-written one.
+        await asyncio.shield(self._fill_now(artifact, device))
+
+    async def _fill_now(self, artifact: Artifact, device: str) -> None:
         t0 = time.perf_counter()
         try:
             async with self._stage_lock:
@@ -136,6 +143,9 @@ class LoaderService:
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictHostCache)
+        for aid, task in list(self._fills.items()):
+            if not req.artifact_id or aid == req.artifact_id:
+                task.cancel()
         async with self._stage_lock:
             if req.artifact_id:
                 keys, freed = [req.artifact_id], self.cache.evict(req.artifact_id)
