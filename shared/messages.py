@@ -40,6 +40,14 @@ class FinishReason(StrEnum):
     CANCELLED = "cancelled"
 
 
+class Tier(StrEnum):
+    """Which compiled form of an artifact: a start loads START (cheapest first forward pass),
+    the worker tiers up to STEADY (fastest decode) once idle. Same weights, same logits."""
+
+    START = "start"
+    STEADY = "steady"
+
+
 # --- the model registry -------------------------------------------------------------------
 
 
@@ -172,6 +180,8 @@ class ColdStartRecorded(Message, frozen=True):
     """Of Load: asking the loader for the blob (a host-cache hit verifies every block)."""
     worker_load_s: float = 0.0
     """Of Load: the worker importing the compiled blob and loading the tokenizer."""
+    tier: str = ""
+    """The compiled tier the first token came from (`Tier`)."""
 
 
 class InstanceView(Message, frozen=True):
@@ -183,6 +193,8 @@ class InstanceView(Message, frozen=True):
     weight_bytes: int = 0
     worker_pid: int = 0
     """The worker process serving it (operators: where its memory and CPU time are)."""
+    tier: str = ""
+    """The compiled tier its worker serves (`Tier`): START right after a start, then STEADY."""
 
 
 class NodeStatus(Message, frozen=True):
@@ -274,6 +286,7 @@ class StageArtifact(Message, frozen=True):
 
     artifact: Artifact
     device: str
+    tier: Tier = Tier.STEADY
 
 
 class Staged(Message, frozen=True):

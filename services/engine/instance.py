@@ -24,7 +24,8 @@ import openvino_genai as ov_genai
 
 from services.engine.sampling import Sampler
 from services.engine.stops import StopMatcher
-from shared.messages import Artifact, FinishReason, SamplingParams
+from services.engine.layout import compiled_cache_dir, model_xml
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 
 class Flag(Protocol):
@@ -36,24 +37,26 @@ class Flag(Protocol):
 Emit = Callable[[str, int], None]
 """emit(text, tokens): text to send and the tokens decoded since the last call."""
 
-MODEL_XML = "openvino_model.xml"
-
-
-def compiled_cache_dir(artifact: Artifact, device: str) -> Path:
-    """Where the compiled blob for this device lives, inside the artifact (keyed by device;
-    the artifact itself is keyed by the OpenVINO version)."""
-    return Path(artifact.path) / "compiled" / device.lower()
-
-
 def compile_config(
-    artifact: Artifact, device: str, threads: int, cache_dir: str | None = None
+    artifact: Artifact, device: str, threads: int, cache_dir: str | None = None, tier: Tier = Tier.STEADY
 ) -> dict[str, object]:
     """`cache_dir`: where the compiled blob is (the loader's host cache); the store's copy
     when None."""
-    config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device))}
+    config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device, tier))}
     if device == "CPU":
         config["INFERENCE_NUM_THREADS"] = threads
     return config
+
+
+def first_pass(compiled: ov.CompiledModel) -> None:
+    """One token through a throwaway infer request: the CPU plugin repacks the weights on a
+    model's first forward pass, so after this the next pass runs at full speed."""
+    compiled.create_infer_request().infer({
+        "input_ids": np.ones((1, 1), dtype=np.int64),
+        "attention_mask": np.ones((1, 1), dtype=np.int64),
+        "position_ids": np.zeros((1, 1), dtype=np.int64),
+        "beam_idx": np.zeros(1, dtype=np.int32),
+    })
 
 
 def _warm_tokenizer(path: str) -> ov_genai.Tokenizer:
@@ -172,22 +175,36 @@ class LoadedModel:
     tokenizer: ov_genai.Tokenizer
     eos_ids: frozenset[int]
     loaded_from_cache: bool
+    tier: Tier = Tier.STEADY
 
     @classmethod
     def load(
-        cls, core: ov.Core, artifact: Artifact, device: str, threads: int, cache_dir: str | None = None
+        cls,
+        core: ov.Core,
+        artifact: Artifact,
+        device: str,
+        threads: int,
+        cache_dir: str | None = None,
+        tier: Tier = Tier.STEADY,
+        tokenizer: ov_genai.Tokenizer | None = None,
     ) -> LoadedModel:
-        xml = str(Path(artifact.path) / MODEL_XML)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
-            tokenizer = side.submit(_warm_tokenizer, artifact.path)
-            compiled = core.compile_model(xml, device, compile_config(artifact, device, threads, cache_dir))
-            tok = tokenizer.result()
+        """Import the tier's compiled blob (and load the tokenizer meanwhile, unless given)."""
+        xml = str(model_xml(artifact, tier))
+        config = compile_config(artifact, device, threads, cache_dir, tier)
+        if tokenizer is None:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
+                pending = side.submit(_warm_tokenizer, artifact.path)
+                compiled = core.compile_model(xml, device, config)
+                tokenizer = pending.result()
+        else:
+            compiled = core.compile_model(xml, device, config)
         return cls(
             artifact=artifact,
             compiled=compiled,
-            tokenizer=tok,
-            eos_ids=frozenset({int(tok.get_eos_token_id())}),
+            tokenizer=tokenizer,
+            eos_ids=frozenset({int(tokenizer.get_eos_token_id())}),
             loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
+            tier=tier,
         )
 
 

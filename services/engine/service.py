@@ -14,6 +14,7 @@ and its reservation), Prefill (the first token of the request that caused the st
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -23,7 +24,8 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine.settings import EngineSettings
-from services.engine.worker import Chunk, Done, Run
+from services.engine.layout import has_tier
+from services.engine.worker import Chunk, Done, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from shared import subjects
 from shared.bus import Bus, decode
@@ -54,6 +56,7 @@ from shared.messages import (
     Staged,
     StartInstance,
     StopInstance,
+    Tier,
     TokenChunk,
 )
 
@@ -83,6 +86,12 @@ PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
 COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
+TIER_UPS = Counter("tessera_engine_tier_ups_total", "Workers that swapped START for STEADY", ["result"])
+TIER_UP_SECONDS = Histogram(
+    "tessera_engine_tier_up_seconds",
+    "Seconds a background tier-up took (load of the STEADY blob and its first pass)",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
+)
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -132,6 +141,7 @@ class EngineService:
         self.workers = WorkerPool(
             settings.worker_pool_size, settings.device, settings.inference_threads,
             refill_delay_s=settings.worker_refill_delay_s,
+            tier_up_idle_s=settings.tier_up_idle_s if settings.start_tier else None,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -173,6 +183,7 @@ class EngineService:
                     loaded_at=i.loaded_at,
                     weight_bytes=i.bound.artifact.weight_bytes,
                     worker_pid=i.bound.worker.pid,
+                    tier=i.bound.worker.tier or "",
                 )
                 for i in self.instances.values()
             ),
@@ -329,12 +340,14 @@ class EngineService:
                 if not warm:
                     COLD_WORKERS.inc()
                 t_load = time.monotonic()
-                staged = await self._stage(artifact)
+                tier = self._start_tier(artifact)
+                staged = await self._stage(artifact, tier)
                 stage_s = time.monotonic() - t_load
+                worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
                 try:
                     loaded = await worker.load(
                         artifact, self._start_cores(), staged.cache_dir if staged else None,
-                        self.settings.load_timeout_s,
+                        self.settings.load_timeout_s, tier,
                     )
                 except BaseException:
                     await asyncio.to_thread(worker.stop)
@@ -349,13 +362,29 @@ class EngineService:
             )
             return bound, False, t_load
 
-    async def _stage(self, artifact: Artifact) -> Staged | None:
+    def _start_tier(self, artifact: Artifact) -> Tier:
+        """START when the artifact has one (materialized since tiers exist) and it is enabled."""
+        if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
+            return Tier.START
+        return Tier.STEADY
+
+    def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
+        if msg.error:
+            TIER_UPS.labels("failed").inc()
+            log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
+            return
+        TIER_UPS.labels("done").inc()
+        TIER_UP_SECONDS.observe(msg.load_s)
+        log.info("%s tiered up to %s in %.2fs", artifact.artifact_id, msg.tier, msg.load_s,
+                 extra={"artifact": artifact.artifact_id})
+
+    async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
         """The verified blob in host memory, from this node's loader; None (read the store's
         copy) if the loader cannot be reached, so a start never depends on the cache."""
         try:
             staged = await self.bus.request(
                 subjects.loader_stage(self.node),
-                StageArtifact(artifact=artifact, device=self.settings.device),
+                StageArtifact(artifact=artifact, device=self.settings.device, tier=tier),
                 Staged | Rejected,
                 timeout=self.settings.load_timeout_s,
             )
@@ -524,8 +553,10 @@ class EngineService:
             source=pending.source,
             stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
             worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
+            tier=inst.bound.worker.tier or "",
         )
         log.info("cold start of %s: %.2fs", inst.model, total, extra={"model": inst.model, "phases": {
             "init_s": phases.init_s, "load_s": phases.load_s,
-            "profile_s": phases.profile_s, "prefill_s": phases.prefill_s}, "source": pending.source})
+            "profile_s": phases.profile_s, "prefill_s": phases.prefill_s}, "source": pending.source,
+            "tier": inst.bound.worker.tier})
         await self.bus.publish(subjects.cold_start_recorded(), event)

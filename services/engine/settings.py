@@ -20,5 +20,11 @@ class EngineSettings(CommonSettings):
     memory_request_timeout_s: float = 5.0
     pool_budget_bytes: int = 2 * 1024**3
     """Bytes of compiled models kept resident after their instances scaled to zero."""
+    start_tier: bool = True
+    """Starts load the artifact's START tier (cheapest first forward pass) and tier up to the
+    STEADY one (fastest decode) once idle; False: starts load STEADY directly."""
+    tier_up_idle_s: float = 0.5
+    """How long a worker on the START tier waits with no command before it tiers up (the
+    tier-up takes ≈ 1 core-second; doing it while idle keeps it off every request's path)."""
     stream_interval_s: float = 0.03
     """Text produced within this interval travels as one message (the first piece at once)."""

@@ -6,6 +6,11 @@ one to a model. One worker holds one loaded model (an artifact) and one session 
 per model name served from it; generations run one at a time. Unloading a model ends its
 worker, so its memory returns to the system whole.
 
+A start loads the artifact's START tier (cheap first pass, `services/loader/start_ir.py`);
+once the worker has had no command for `tier_up_idle_s`, a background thread loads the STEADY
+tier from the store and runs its first pass, and the worker swaps to it between generations
+(sessions are rebuilt: no KV cache outlives a generation anyway).
+
 The engine talks to it over a `multiprocessing` pipe with the small dataclasses below (they
 never leave the node, so they are not bus messages); cancellation of the running generation
 is a shared value (the number of the run to stop), checked after every token.
@@ -16,14 +21,18 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import openvino as ov
 
-from shared.messages import Artifact, FinishReason, SamplingParams
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+
+if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
+    from services.engine.instance import Instance, LoadedModel
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,22 @@ class Load:
     """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
     cache_dir: str | None = None
     """Where the verified compiled blob is (the loader's host cache); the store's when None."""
+    tier: Tier = Tier.STEADY
 
 
 @dataclass(frozen=True)
 class Loaded:
     loaded_from_cache: bool
     load_s: float
+
+
+@dataclass(frozen=True)
+class TieredUp:
+    """The worker now serves the STEADY tier (or, with `error`, stays on START)."""
+
+    tier: Tier
+    load_s: float
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,11 +152,39 @@ def _touch_kernels(core: ov.Core, device: str, threads: int) -> None:
     compiled.create_infer_request().infer({0: np.ones((1, 4, 64), dtype=np.float32)})
 
 
-def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) -> None:
+class _TierUp:
+    """The STEADY tier, loaded on a thread of its own while the worker serves START."""
+
+    def __init__(self, core: ov.Core, start: LoadedModel, device: str, threads: int) -> None:
+        self.result: LoadedModel | None = None
+        self.error = ""
+        self.seconds = 0.0
+        self.done = threading.Event()
+        threading.Thread(
+            target=self._run, args=(core, start, device, threads), daemon=True, name="tier-up"
+        ).start()
+
+    def _run(self, core: ov.Core, start: LoadedModel, device: str, threads: int) -> None:
+        from services.engine.instance import LoadedModel, first_pass
+
+        t0 = time.monotonic()
+        try:
+            steady = LoadedModel.load(core, start.artifact, device, threads, tier=Tier.STEADY,
+                                      tokenizer=start.tokenizer)
+            first_pass(steady.compiled)
+            self.result = steady
+        except Exception as e:  # stays on the START tier, which serves correctly
+            self.error = f"{type(e).__name__}: {e}"
+        self.seconds = time.monotonic() - t0
+        self.done.set()
+
+
+def worker_main(
+    conn: Connection, cancel: SharedInt, device: str, threads: int, tier_up_idle_s: float | None = 0.5
+) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.
-
     from services.engine.instance import Instance, LoadedModel
 
     core = ov.Core()
@@ -145,10 +192,27 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
     conn.send(Ready(pid=os.getpid()))
 
     loaded: LoadedModel | None = None
+    tier_up: _TierUp | None = None
     sessions: dict[str, Instance] = {}
     all_cores = os.sched_getaffinity(0)
     while True:
+        if tier_up is not None and tier_up.done.is_set():
+            # Between generations: swap tiers (the START model is freed with its sessions).
+            if tier_up.result is not None:
+                loaded = tier_up.result
+                sessions.clear()
+            conn.send(TieredUp(loaded.tier if loaded else Tier.START, tier_up.seconds, tier_up.error))
+            tier_up = None
+        wait = None
+        if tier_up is not None:
+            wait = 0.05  # to swap soon after it is ready
+        elif loaded is not None and loaded.tier == Tier.START and tier_up_idle_s is not None:
+            wait = tier_up_idle_s
         try:
+            if wait is not None and not conn.poll(wait):
+                if tier_up is None and loaded is not None and loaded.tier == Tier.START:
+                    tier_up = _TierUp(core, loaded, device, threads)
+                continue
             cmd = conn.recv()
         except (EOFError, OSError):
             return
@@ -159,7 +223,7 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
                     _pin_all_threads(set(cmd.cores))
                 # The first forward pass (the CPU plugin repacks weights then) also runs under
                 # the bounded share; all cores come back once it is done, in `Run`.
-                loaded = LoadedModel.load(core, cmd.artifact, device, threads, cmd.cache_dir)
+                loaded = LoadedModel.load(core, cmd.artifact, device, threads, cmd.cache_dir, cmd.tier)
                 conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
             elif isinstance(cmd, Run):
                 assert loaded is not None, "Run before Load"
@@ -187,4 +251,3 @@ def worker_main(conn: Connection, cancel: SharedInt, device: str, threads: int) 
                     dropped.release_kv()
         except Exception as e:  # the engine turns this into an error for the request
             conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
-

@@ -14,7 +14,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from services.engine.worker import (
@@ -26,9 +26,10 @@ from services.engine.worker import (
     Loaded,
     Ready,
     Run,
+    TieredUp,
     worker_main,
 )
-from shared.messages import Artifact
+from shared.messages import Artifact, Tier
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ class WorkerDied(Exception):
 
 
 class Worker:
-    def __init__(self, device: str, threads: int) -> None:
+    def __init__(self, device: str, threads: int, tier_up_idle_s: float | None = 0.5) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._cancel = ctx.Value("q", 0, lock=False)  # one writer; no lock, no resource tracker
         self._seq = 0
         self.process = ctx.Process(
-            target=worker_main, args=(child, self._cancel, device, threads), daemon=True, name="tessera-worker"
+            target=worker_main, args=(child, self._cancel, device, threads, tier_up_idle_s), daemon=True,
+            name="tessera-worker",
         )
         self.process.start()
         child.close()
@@ -57,6 +59,9 @@ class Worker:
         self._running: str | None = None
         self._lock = asyncio.Lock()
         self.dead = False
+        self.tier: Tier | None = None
+        """The tier of the model it serves (None before a load)."""
+        self.on_tier_up: Callable[[TieredUp], None] | None = None
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
 
     @property
@@ -86,6 +91,10 @@ class Worker:
         elif isinstance(msg, Loaded):
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(msg)
+        elif isinstance(msg, TieredUp):
+            self.tier = msg.tier
+            if self.on_tier_up is not None:
+                self.on_tier_up(msg)
         elif isinstance(msg, Failure) and msg.request_id is None:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RuntimeError(msg.message))
@@ -105,14 +114,21 @@ class Worker:
         await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
 
     async def load(
-        self, artifact: Artifact, cores: tuple[int, ...] | None, cache_dir: str | None, timeout_s: float
+        self,
+        artifact: Artifact,
+        cores: tuple[int, ...] | None,
+        cache_dir: str | None,
+        timeout_s: float,
+        tier: Tier = Tier.STEADY,
     ) -> Loaded:
         self._waiter = self._loop.create_future()
-        self._conn.send(Load(artifact, cores, cache_dir))
+        self._conn.send(Load(artifact, cores, cache_dir, tier))
         try:
-            return await asyncio.wait_for(self._waiter, timeout_s)
+            loaded = await asyncio.wait_for(self._waiter, timeout_s)
         finally:
             self._waiter = None
+        self.tier = tier
+        return loaded
 
     async def generate(self, run: Run, is_cancelled: Cancelled) -> AsyncIterator[Chunk | Done]:
         """Chunks of one generation, then its `Done`; queued behind the worker's current one."""
@@ -175,9 +191,16 @@ class WorkerPool:
     """`size` pre-warmed workers bound to no model."""
 
     def __init__(
-        self, size: int, device: str, threads: int, ready_timeout_s: float = 120.0, refill_delay_s: float = 0.0
+        self,
+        size: int,
+        device: str,
+        threads: int,
+        ready_timeout_s: float = 120.0,
+        refill_delay_s: float = 0.0,
+        tier_up_idle_s: float | None = 0.5,
     ) -> None:
         self.size = size
+        self.tier_up_idle_s = tier_up_idle_s
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device
@@ -206,7 +229,7 @@ class WorkerPool:
             except TimeoutError:
                 pass
             self._kick.clear()
-        worker = Worker(self.device, self.threads)
+        worker = Worker(self.device, self.threads, self.tier_up_idle_s)
         self.warming.add(worker)
         try:
             await worker.ready(self.ready_timeout_s)
@@ -230,7 +253,7 @@ class WorkerPool:
             if not worker.dead:
                 self.refill(self.refill_delay_s)
                 return worker, True
-        worker = Worker(self.device, self.threads)
+        worker = Worker(self.device, self.threads, self.tier_up_idle_s)
         await worker.ready(self.ready_timeout_s)
         self.refill(self.refill_delay_s)
         return worker, False

@@ -4,9 +4,10 @@
 Two steps, each skipped when already done:
 1. GGUF → OpenVINO IR and compiled tokenizer/detokenizer (written into a temporary sibling
    and renamed into place, so a crash never leaves a half-written artifact that looks whole);
-2. materialization (MEDUSA §2.5, §6): compile the IR for the device into the artifact's
-   `compiled/<device>` cache, exactly as the engine will, and run one forward pass to check it.
-   A cold start then imports the blob instead of compiling.
+2. materialization (MEDUSA §2.5, §6): write the start tier's IR (`start_ir.py`), compile both
+   tiers for the device into the artifact's `compiled/<device>[-start]` caches, exactly as the
+   engine will, run one forward pass through each to check it, and write each blob's block
+   manifest. A cold start then imports a blob instead of compiling.
 Runs in a process of its own so that its memory (the whole model, twice) goes back to the
 system when it ends.
 """
@@ -19,13 +20,14 @@ import tempfile
 from pathlib import Path
 
 import gguf
-import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
 
-from services.engine.instance import MODEL_XML, compile_config, compiled_cache_dir
+from services.engine.instance import compile_config, first_pass
+from services.engine.layout import START_DIR, compiled_cache_dir, has_tier, model_xml
+from services.loader.start_ir import write_start_ir
 from services.loader.store import IR_FILES, kv_bytes_per_token, read_artifact, write_artifact
-from shared.messages import Artifact
+from shared.messages import Artifact, Tier
 
 
 def gguf_facts(source: Path) -> dict[str, int | str]:
@@ -85,31 +87,43 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
 
 
 def is_materialized(artifact: Artifact, device: str) -> bool:
-    cache = compiled_cache_dir(artifact, device)
-    return cache.is_dir() and any(cache.glob("*.blob"))
+    return all(has_tier(artifact, device, tier) for tier in Tier)
+
+
+def _write_start_ir(artifact: Artifact) -> None:
+    """Into a temporary sibling, then renamed: a crash never leaves half a start tier."""
+    final = Path(artifact.path) / START_DIR
+    if model_xml(artifact, Tier.START).is_file():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f".{START_DIR}-", dir=artifact.path))
+    try:
+        write_start_ir(model_xml(artifact, Tier.STEADY), tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def materialize(artifact: Artifact, device: str, threads: int) -> None:
-    """Compile at the artifact's final path (OpenVINO's cache key includes it) and check
-    that the compiled model runs."""
-    cache = compiled_cache_dir(artifact, device)
-    shutil.rmtree(cache, ignore_errors=True)
-    core = ov.Core()
-    compiled = core.compile_model(
-        str(Path(artifact.path) / MODEL_XML), device, compile_config(artifact, device, threads)
-    )
-    req = compiled.create_infer_request()
-    req.infer({
-        "input_ids": np.ones((1, 1), dtype=np.int64),
-        "attention_mask": np.ones((1, 1), dtype=np.int64),
-        "position_ids": np.zeros((1, 1), dtype=np.int64),
-        "beam_idx": np.zeros(1, dtype=np.int32),
-    })
-    if not is_materialized(artifact, device):
-        raise RuntimeError(f"compiling {artifact.artifact_id} for {device} left no blob in {cache}")
+    """Compile each missing tier at the artifact's final path (OpenVINO's cache key includes
+    it) and check that the compiled model runs."""
     from services.loader.hostcache import write_manifest
 
-    write_manifest(artifact, device)
+    _write_start_ir(artifact)
+    core = ov.Core()
+    for tier in Tier:
+        if has_tier(artifact, device, tier):
+            continue
+        cache = compiled_cache_dir(artifact, device, tier)
+        shutil.rmtree(cache, ignore_errors=True)
+        compiled = core.compile_model(
+            str(model_xml(artifact, tier)), device, compile_config(artifact, device, threads, tier=tier)
+        )
+        first_pass(compiled)
+        del compiled
+        if not has_tier(artifact, device, tier):
+            raise RuntimeError(f"compiling {artifact.artifact_id} ({tier}) for {device} left no blob in {cache}")
+        write_manifest(artifact, device, tier)
 
 
 def main(argv: list[str]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.engine.instance import compiled_cache_dir
+from services.engine.layout import compiled_cache_dir
 from services.loader.blocks import (
     Manifest,
     bad_blocks,
@@ -26,28 +26,28 @@ from services.loader.blocks import (
     manifest_of,
 )
 from shared.eviction import Resident, choose_evictions, over_budget
-from shared.messages import Artifact
+from shared.messages import Artifact, Tier
 
 
-def manifest_path(artifact: Artifact, device: str) -> Path:
-    cache = compiled_cache_dir(artifact, device)
+def manifest_path(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
+    cache = compiled_cache_dir(artifact, device, tier)
     return cache.parent / f"{cache.name}.manifest"
 
 
-def write_manifest(artifact: Artifact, device: str) -> Manifest:
+def write_manifest(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Manifest:
     """Called once the blob is materialized: the checksums every later copy is held to."""
-    blobs = sorted(compiled_cache_dir(artifact, device).glob("*.blob"))
+    blobs = sorted(compiled_cache_dir(artifact, device, tier).glob("*.blob"))
     if len(blobs) != 1:
         raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
     manifest = manifest_of(blobs[0])
-    manifest_path(artifact, device).write_bytes(msgspec.msgpack.encode(manifest))
+    manifest_path(artifact, device, tier).write_bytes(msgspec.msgpack.encode(manifest))
     return manifest
 
 
-def read_manifest(artifact: Artifact, device: str) -> Manifest:
-    path = manifest_path(artifact, device)
+def read_manifest(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Manifest:
+    path = manifest_path(artifact, device, tier)
     if not path.exists():  # materialized before manifests existed: the store copy is the truth
-        return write_manifest(artifact, device)
+        return write_manifest(artifact, device, tier)
     return msgspec.msgpack.decode(path.read_bytes(), type=Manifest)
 
 
@@ -64,6 +64,8 @@ class HostCache:
         self.root = root
         self.budget_bytes = budget_bytes
         self.entries: dict[str, Resident] = {}
+        self.tiers: dict[str, Tier] = {}
+        """The tier cached per artifact: one per artifact, the one its starts load."""
         shutil.rmtree(root, ignore_errors=True)  # a restarted loader starts empty and honest
         root.mkdir(parents=True, exist_ok=True)
 
@@ -71,36 +73,37 @@ class HostCache:
     def used_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def _dir(self, artifact: Artifact, device: str) -> Path:
-        return self.root / artifact.artifact_id / device.lower()
+    def _dir(self, artifact: Artifact, device: str, tier: Tier) -> Path:
+        return self.root / artifact.artifact_id / compiled_cache_dir(artifact, device, tier).name
 
-    def stage(self, artifact: Artifact, device: str) -> StageResult:
+    def stage(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
         """Make the artifact's compiled blob present and whole in host memory."""
-        return self.verify(artifact, device) or self.fill(artifact, device)
+        return self.verify(artifact, device, tier) or self.fill(artifact, device, tier)
 
-    def verify(self, artifact: Artifact, device: str) -> StageResult | None:
+    def verify(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult | None:
         """A hit: the cached copy, checked block by block (bad blocks re-read from the store).
-        None when the artifact is not cached."""
+        None when the artifact (this tier of it) is not cached."""
         entry = self.entries.get(artifact.artifact_id)
-        if entry is None:
+        if entry is None or self.tiers.get(artifact.artifact_id) != tier:
             return None
-        manifest = read_manifest(artifact, device)
-        dst_dir = self._dir(artifact, device)
+        manifest = read_manifest(artifact, device, tier)
+        dst_dir = self._dir(artifact, device, tier)
         dst = dst_dir / manifest.name
         bad = bad_blocks(dst, manifest)
         if bad:
-            copy_blocks(compiled_cache_dir(artifact, device) / manifest.name, dst, manifest, bad)
+            copy_blocks(compiled_cache_dir(artifact, device, tier) / manifest.name, dst, manifest, bad)
         entry.uses += 1
         entry.last_used = time.time()
         return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
 
-    def fill(self, artifact: Artifact, device: str) -> StageResult:
+    def fill(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
         """A miss: copy the blob in from the store, checking every block as it is read."""
-        manifest = read_manifest(artifact, device)
-        src = compiled_cache_dir(artifact, device) / manifest.name
-        dst_dir = self._dir(artifact, device)
+        manifest = read_manifest(artifact, device, tier)
+        src = compiled_cache_dir(artifact, device, tier) / manifest.name
+        dst_dir = self._dir(artifact, device, tier)
         dst = dst_dir / manifest.name
         now = time.time()
+        self.evict(artifact.artifact_id)  # another tier of it, if cached
         self._make_room(manifest.size, now)
         dst_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
@@ -108,6 +111,7 @@ class HostCache:
         self.entries[artifact.artifact_id] = Resident(
             artifact.artifact_id, manifest.size, time.perf_counter() - t0, now, now
         )
+        self.tiers[artifact.artifact_id] = tier
         return StageResult(dst_dir, False, 0, copied.copied_bytes)
 
     def _make_room(self, nbytes: int, now: float) -> None:
@@ -117,6 +121,7 @@ class HostCache:
 
     def evict(self, artifact_id: str) -> int:
         entry = self.entries.pop(artifact_id, None)
+        self.tiers.pop(artifact_id, None)
         shutil.rmtree(self.root / artifact_id, ignore_errors=True)
         return entry.nbytes if entry else 0
 
@@ -126,6 +131,7 @@ class HostCache:
 
 
 def forget_store_pages(artifact: Artifact, device: str) -> None:
-    """Drop the store's copy of the blob from the OS page cache: the next start reads disk."""
-    for blob in compiled_cache_dir(artifact, device).glob("*.blob"):
-        drop_from_page_cache(blob)
+    """Drop the store's copies of the blobs from the OS page cache: the next start reads disk."""
+    for tier in Tier:
+        for blob in compiled_cache_dir(artifact, device, tier).glob("*.blob"):
+            drop_from_page_cache(blob)

@@ -12,7 +12,7 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.instance import compiled_cache_dir
+from services.engine.layout import compiled_cache_dir
 from services.loader.convert import is_materialized
 from services.loader.hostcache import HostCache, forget_store_pages
 from services.loader.settings import LoaderSettings
@@ -29,6 +29,7 @@ from shared.messages import (
     Rejected,
     StageArtifact,
     Staged,
+    Tier,
 )
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,16 @@ class LoaderService:
         try:
             # One stage at a time: the cache's bookkeeping is not shared between threads.
             async with self._stage_lock:
-                result = await asyncio.to_thread(self.cache.verify, req.artifact, req.device)
+                result = await asyncio.to_thread(self.cache.verify, req.artifact, req.device, req.tier)
             if result is None:
                 # A miss: the start reads the store's copy now, and the cache fills behind it,
                 # off the start's critical path (TIDAL §5.2: overlap loading with the start).
                 STAGES.labels("miss").inc()
                 await self.bus.reply(msg, Staged(
-                    cache_dir=str(compiled_cache_dir(req.artifact, req.device)), hit=False,
+                    cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)), hit=False,
                     repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0,
                 ))
-                self._schedule_fill(req.artifact, req.device)
+                self._schedule_fill(req.artifact, req.device, req.tier)
                 return
         except Exception as e:
             log.exception("staging %s failed", req.artifact.artifact_id)
@@ -115,26 +116,26 @@ class LoaderService:
             copied_bytes=result.copied_bytes, seconds=seconds,
         ))
 
-    def _schedule_fill(self, artifact: Artifact, device: str) -> None:
+    def _schedule_fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
         aid = artifact.artifact_id
         if aid in self._fills:
             return
-        task = asyncio.create_task(self._fill(artifact, device))
+        task = asyncio.create_task(self._fill(artifact, device, tier))
         self._fills[aid] = task
         task.add_done_callback(lambda _: self._fills.pop(aid, None))
 
-    async def _fill(self, artifact: Artifact, device: str) -> None:
+    async def _fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
         await asyncio.sleep(self.settings.fill_delay_s)  # an eviction may cancel it here
         # Once copying, it finishes even if cancelled: an eviction waiting on the lock then
         # removes a whole copy, never a half-written one.
-        await asyncio.shield(self._fill_now(artifact, device))
+        await asyncio.shield(self._fill_now(artifact, device, tier))
 
-    async def _fill_now(self, artifact: Artifact, device: str) -> None:
+    async def _fill_now(self, artifact: Artifact, device: str, tier: Tier) -> None:
         t0 = time.perf_counter()
         try:
             async with self._stage_lock:
-                if artifact.artifact_id not in self.cache.entries:
-                    await asyncio.to_thread(self.cache.fill, artifact, device)
+                if self.cache.tiers.get(artifact.artifact_id) != tier:
+                    await asyncio.to_thread(self.cache.fill, artifact, device, tier)
         except Exception:
             log.exception("filling the host cache with %s failed", artifact.artifact_id)
             return

@@ -157,7 +157,7 @@ def test_host_cache_serves_starts_and_repairs_a_corrupted_block(own_cluster: Loc
     assert start["source"] == "host" and start["loaded_from_cache"] is True
 
     cached = next((cluster.host_cache / "node-0" / aid).rglob("*.blob"))  # type: ignore[operator]
-    stored = next((Path(record["artifact"]["path"]) / "compiled").rglob("*.blob"))  # type: ignore[index]
+    stored = next((Path(record["artifact"]["path"]) / "compiled").rglob(cached.name))  # type: ignore[index]
     data = bytearray(cached.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in one block
     cached.write_bytes(bytes(data))
@@ -169,3 +169,37 @@ def test_host_cache_serves_starts_and_repairs_a_corrupted_block(own_cluster: Loc
 
     start = restart_from("host")
     assert start["source"] == "store"
+
+
+def test_a_start_serves_the_start_tier_then_tiers_up_with_the_same_output(own_cluster: LocalCluster) -> None:
+    cluster = own_cluster
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for m in httpx.get(f"{cluster.base_url}/admin/models", timeout=10).json():
+        httpx.delete(f"{cluster.base_url}/admin/models/{m['name']}", timeout=10)
+    wait_for(lambda: not loaded_models(cluster), 30, "every instance to stop")
+    httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=resident", timeout=30)
+    name = "tiered-smollm"
+    record = register(cluster, name, keep_alive_s=600.0)
+    ups_before = metric(cluster, ENGINE, "tessera_engine_tier_ups_total", result="done")
+
+    def tier_of_instance() -> str:
+        nodes = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+        return next((i["tier"] for n in nodes for i in n["instances"] if i["model"] == name), "")
+
+    def greedy() -> str:
+        r = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+        )
+        return r.choices[0].message.content or ""
+
+    on_start_tier = greedy()
+    start = wait_for(lambda: (s := cold_starts(cluster, name)) and s[0], 30, "the cold start record")
+    assert start["tier"] == "start"
+    assert (Path(record["artifact"]["path"]) / "start" / "openvino_model.xml").is_file()  # type: ignore[index]
+    # Idle: the worker loads the STEADY tier in the background and swaps to it.
+    wait_for(lambda: tier_of_instance() == "steady", 60, "the worker to tier up")
+    assert metric(cluster, ENGINE, "tessera_engine_tier_ups_total", result="done") == ups_before + 1
+    # Same weights, same numbers: greedy decoding gives the same text on both tiers.
+    assert greedy() == on_start_tier
+    assert len(cold_starts(cluster, name)) == 1  # the swap is not a start
