@@ -1,0 +1,89 @@
+"""Efficiency-oriented defragmentation (LLM-Mesh §7).
+
+Proactive (§7.1): when neighbour instances on a node stop an instance from growing to take a
+request, it may preempt them; their requests are rescheduled elsewhere. Only neighbours with
+a lower batch than the preempting instance may be taken (taking a bigger one would break up an
+instance that had grown large, the fragmentation this is meant to cure), the lowest batch
+first, and only if every preempted request still validates somewhere else.
+
+Reactive (§7.2): when a model has to scale out anyway, new requests go to its instance with the
+highest batch, so the small (fragmented) ones drain and are reclaimed; and a new instance goes
+on the node it fills best (best fit) among those that validate, so whole nodes stay free for
+big instances.
+
+Pure: views in, a decision out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """Another model's instance on the node that a preemption could take."""
+
+    key: str
+    batch: int
+    nbytes: int
+    """Bytes it would free: weights and KV cache."""
+    relocatable: bool
+    """Every request it runs validates on some other instance (the caller checked, §7.1)."""
+
+
+@dataclass(frozen=True)
+class Preempt:
+    victims: tuple[str, ...]
+    freed_bytes: int
+
+
+def choose_preemption(
+    batch: int, need_bytes: int, neighbours: Iterable[Neighbour]
+) -> Preempt | None:
+    """Neighbours to preempt so an instance of `batch` gains `need_bytes`, or None.
+
+    Only lower-batch neighbours, lowest batch first (ties: the one freeing more first, so
+    fewer are disturbed); an idle neighbour (batch 0) is always relocatable. None when even
+    taking every eligible neighbour would not free enough.
+    """
+    if need_bytes <= 0:
+        return Preempt((), 0)
+    eligible = [n for n in neighbours if n.batch < batch and (n.relocatable or n.batch == 0)]
+    eligible.sort(key=lambda n: (n.batch, -n.nbytes, n.key))
+    victims: list[str] = []
+    freed = 0
+    for n in eligible:
+        if freed >= need_bytes:
+            break
+        victims.append(n.key)
+        freed += n.nbytes
+    return Preempt(tuple(victims), freed) if freed >= need_bytes else None
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    key: str
+    batch: int
+
+
+def fragmented(instances: Sequence[InstanceLoad]) -> list[str]:
+    """Instances of one model that are fragments: all but the one with the highest batch."""
+    if len(instances) < 2:
+        return []
+    keep = max(instances, key=lambda i: (i.batch, i.key))
+    return sorted(i.key for i in instances if i.key != keep.key)
+
+
+@dataclass(frozen=True)
+class Bin:
+    """A node that could take a new instance: free bytes after placing it."""
+
+    node_id: str
+    free_after_bytes: int
+
+
+def best_fit(bins: Iterable[Bin]) -> Bin | None:
+    """§7.2 bin-packing: the node left with the least free memory (ties by id), or None."""
+    fits = [b for b in bins if b.free_after_bytes >= 0]
+    return min(fits, key=lambda b: (b.free_after_bytes, b.node_id), default=None)

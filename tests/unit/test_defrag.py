@@ -1,0 +1,36 @@
+from services.scheduler.defrag import (
+    Bin,
+    InstanceLoad,
+    Neighbour,
+    best_fit,
+    choose_preemption,
+    fragmented,
+)
+
+
+def test_only_lower_batch_neighbours_are_preempted_lowest_first() -> None:
+    ns = [Neighbour("big", 9, 100, True), Neighbour("one", 1, 40, True),
+          Neighbour("two", 2, 40, True)]
+    p = choose_preemption(batch=5, need_bytes=60, neighbours=ns)
+    assert p is not None and p.victims == ("one", "two")
+
+
+def test_no_preemption_when_the_eligible_neighbours_cannot_free_enough() -> None:
+    ns = [Neighbour("big", 9, 500, True), Neighbour("one", 1, 40, True)]
+    assert choose_preemption(batch=5, need_bytes=60, neighbours=ns) is None
+
+
+def test_a_neighbour_whose_requests_do_not_validate_elsewhere_is_not_taken() -> None:
+    ns = [Neighbour("stuck", 1, 100, False), Neighbour("idle", 0, 30, False)]
+    assert choose_preemption(batch=3, need_bytes=50, neighbours=ns) is None
+    assert choose_preemption(batch=3, need_bytes=30, neighbours=ns).victims == ("idle",)
+
+
+def test_fig10c_the_lower_batch_instance_is_the_fragment() -> None:
+    # §7.2: LLM_B with bs=2 on Node-1 and bs=3 on Node-2: Node-1's instance is fragmented.
+    assert fragmented([InstanceLoad("node1", 2), InstanceLoad("node2", 3)]) == ["node1"]
+
+
+def test_best_fit_packs_the_node_left_with_least_free_memory() -> None:
+    assert best_fit([Bin("a", 50), Bin("b", 10), Bin("c", -5)]).node_id == "b"
+    assert best_fit([Bin("c", -5)]) is None

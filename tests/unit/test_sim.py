@@ -1,0 +1,33 @@
+from bench.sim import EXCLUSIVE, GPU_ONLY, TESSERA, Sim, simulate
+from bench.trace import generate
+
+
+def test_the_trace_is_seeded_and_heavy_tailed() -> None:
+    a = generate(3, 16, 120.0, 2.0)
+    b = generate(3, 16, 120.0, 2.0)
+    assert (a.arrival == b.arrival).all() and (a.model == b.model).all()
+    counts = sorted((a.model == m).sum() for m in range(16))
+    assert counts[-1] >= 4 * max(counts[len(counts) // 2], 1)
+
+
+def test_every_request_is_accounted_for_under_every_policy() -> None:
+    trace = generate(5, 12, 60.0, 1.5)
+    for policy in (TESSERA, EXCLUSIVE, GPU_ONLY):
+        sim = Sim(trace, 2, 2, policy)
+        st = sim.run()
+        outcomes = {r.outcome for r in sim.reqs}
+        assert outcomes <= {"met", "late", "rejected"}, (policy.name, outcomes)
+        assert st.met + st.late + st.rejected + st.unfinished == st.requests == len(trace)
+
+
+def test_sharing_beats_exclusive_when_models_outnumber_nodes() -> None:
+    trace = generate(3, 24, 60.0, 0.5)  # 24 models on 4 nodes
+    shared = simulate(trace, 2, 2, TESSERA)
+    exclusive = simulate(trace, 2, 2, EXCLUSIVE)
+    assert shared.attainment > exclusive.attainment
+
+
+def test_an_idle_model_restarts_from_its_resident_tensors() -> None:
+    trace = generate(11, 6, 120.0, 0.3)
+    st = simulate(trace, 1, 1, GPU_ONLY)
+    assert st.reuse_starts > 0
