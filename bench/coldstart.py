@@ -225,13 +225,16 @@ def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
 
 
 def quiesce(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
-    """Wait until the engine has its pre-warmed worker and the loader its cached blob."""
+    """Wait until the engine has its pre-warmed worker, the loader its cached blob, and the
+    bound worker its STEADY tier: the steady state that warm runs measure."""
     from tests.helpers.cluster import metric
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        # ... and no worker is still on the START tier (its tier-up would share the cores).
         if (metric(cluster, "engine@node-0", "tessera_engine_prewarmed_workers") >= 1
-                and metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1):
+                and metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1
+                and metric(cluster, "engine@node-0", "tessera_engine_bound_workers", tier="start") == 0):
             return
         time.sleep(0.2)
     log("WARNING: the cluster did not settle before a side-by-side round")
@@ -272,6 +275,10 @@ def summarize_cold(cold: list[dict[str, Any]]) -> dict[str, Any]:
         "waited_for_zero_s": [c["waited_for_zero_s"] for c in cold],
         "sources": [c["record"].get("source") for c in cold],
         "loaded_from_cache": [c["record"].get("loaded_from_cache") for c in cold],
+        # Load = asking the loader for the blob (a hit verifies its blocks) + the worker's import.
+        "stage_s": median([c["record"].get("stage_s", 0.0) for c in cold]),
+        "worker_load_s": median([c["record"].get("worker_load_s", 0.0) for c in cold]),
+        "tiers": [c["record"].get("tier") for c in cold],
     }
 
 
@@ -313,8 +320,11 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             disk = cold_trials(client, trials, "cold (all caches dropped, from disk)", expect="store",
                                evict=artifact_id, tier="all")
 
-            # Warm: one request loads it (discarded), then back-to-back requests on the live instance.
+            # Warm: one request loads it (discarded), then back-to-back requests on the live
+            # instance, once its worker has tiered up (a warm instance's steady state).
             client.stream(COLD_MAX_TOKENS)
+            quiesce(cluster)
+            client.stream(COLD_MAX_TOKENS)  # in case it scaled to zero meanwhile
             records_before = len(client.cold_starts())
             warm = [client.stream(COLD_MAX_TOKENS)["ttft_s"] for _ in range(warm_runs)]
             # Decode: the median of `peer_runs` requests, as the peers' decode is a median too
@@ -350,6 +360,7 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
                 # Steady state: a replacement worker warming or the host cache filling after the
                 # previous round's starts would share the cores with the runs below.
                 quiesce(cluster)
+                client.stream(COLD_MAX_TOKENS)  # a resident start if it scaled to zero
                 t_warm = median([client.stream(COLD_MAX_TOKENS)["ttft_s"] for _ in range(warm_runs)])
                 d = client.stream(DECODE_TOKENS, ignore_eos=True)
                 n_done = int((d["usage"] or {}).get("completion_tokens", 0))
@@ -579,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         "tessera_cold_host_sources": tessera["host"]["sources"],
         "tessera_cold_host_loaded_from_cache": tessera["host"]["loaded_from_cache"],
         "tessera_host_phases": tessera["host"]["phases"],
+        "tessera_host_stage_s": tessera["host"]["stage_s"],
+        "tessera_host_worker_load_s": tessera["host"]["worker_load_s"],
+        "tessera_host_tiers": tessera["host"]["tiers"],
         "tessera_host_phase_trials_s": tessera["host"]["phase_trials"],
         "tessera_host_stack_overhead_s": median(tessera["host"]["overhead_trials_s"]),
         "tessera_host_stack_overhead_trials_s": tessera["host"]["overhead_trials_s"],
@@ -589,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
         "tessera_cold_disk_sources": tessera["disk"]["sources"],
         "tessera_cold_disk_loaded_from_cache": tessera["disk"]["loaded_from_cache"],
         "tessera_disk_phases": tessera["disk"]["phases"],
+        "tessera_disk_stage_s": tessera["disk"]["stage_s"],
+        "tessera_disk_worker_load_s": tessera["disk"]["worker_load_s"],
+        "tessera_disk_tiers": tessera["disk"]["tiers"],
         "tessera_disk_phase_trials_s": tessera["disk"]["phase_trials"],
         "tessera_disk_stack_overhead_s": median(tessera["disk"]["overhead_trials_s"]),
         "tessera_disk_stack_overhead_trials_s": tessera["disk"]["overhead_trials_s"],

@@ -287,16 +287,27 @@ class StageArtifact(Message, frozen=True):
     artifact: Artifact
     device: str
     tier: Tier = Tier.STEADY
+    defer_verify: bool = False
+    """On a hit, answer with the blob's place at once and check its blocks after: the engine
+    imports it meanwhile and asks for the check's result (`VerifyStaged`) before serving."""
+
+
+class VerifyStaged(Message, frozen=True):
+    """Engine → loader, after a deferred-verify hit: the result of that check."""
+
+    artifact_id: str
 
 
 class Staged(Message, frozen=True):
     cache_dir: str
-    """A directory holding the verified blob, for OpenVINO's CACHE_DIR."""
+    """A directory holding the blob, for OpenVINO's CACHE_DIR."""
     hit: bool
     """True when the blob was already in the host cache (only bad blocks, if any, were re-read)."""
     repaired_blocks: int
     copied_bytes: int
     seconds: float
+    verified: bool = True
+    """False on a deferred-verify hit: its blocks are being checked (ask `VerifyStaged`)."""
 
 
 class EvictHostCache(Message, frozen=True):

@@ -71,6 +71,10 @@ def loader_stage(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.stage"
 
 
+def loader_verify(node_id: str) -> str:
+    return f"{_ROOT}.loader.{node_id}.verify"
+
+
 def loader_evict(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.evict"
 

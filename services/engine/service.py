@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.settings import EngineSettings
 from services.engine.layout import has_tier
-from services.engine.worker import Chunk, Done, Run, TieredUp
+from services.engine.settings import EngineSettings
+from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from shared import subjects
 from shared.bus import Bus, decode
@@ -58,6 +58,7 @@ from shared.messages import (
     StopInstance,
     Tier,
     TokenChunk,
+    VerifyStaged,
 )
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
 COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
+REIMPORTS = Counter(
+    "tessera_engine_reimports_total", "Starts that imported a blob again because its block check failed"
+)
+BOUND_BY_TIER = Gauge("tessera_engine_bound_workers", "Workers bound to a model, by compiled tier", ["tier"])
 TIER_UPS = Counter("tessera_engine_tier_ups_total", "Workers that swapped START for STEADY", ["result"])
 TIER_UP_SECONDS = Histogram(
     "tessera_engine_tier_up_seconds",
@@ -198,6 +203,8 @@ class EngineService:
         PREWARMED.set(len(self.workers.idle))
         PREWARMED_BYTES.set(self.workers.idle_rss_bytes())
         WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in self.bound.values()))
+        for tier in Tier:
+            BOUND_BY_TIER.labels(tier).set(sum(1 for b in self.bound.values() if b.worker.tier == tier))
 
     async def _heartbeat(self) -> None:
         while True:
@@ -345,13 +352,11 @@ class EngineService:
                 stage_s = time.monotonic() - t_load
                 worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
                 try:
-                    loaded = await worker.load(
-                        artifact, self._start_cores(), staged.cache_dir if staged else None,
-                        self.settings.load_timeout_s, tier,
-                    )
+                    loaded, waited_s = await self._load(worker, artifact, tier, staged)
                 except BaseException:
                     await asyncio.to_thread(worker.stop)
                     raise
+                stage_s += waited_s
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
@@ -362,6 +367,45 @@ class EngineService:
             )
             return bound, False, t_load
 
+    async def _load(
+        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
+    ) -> tuple[Loaded, float]:
+        """Import the staged blob into the worker. On a deferred-verify hit the loader checks
+        the copy's blocks meanwhile; a copy found corrupt (or not confirmed) is imported
+        again once repaired, so nothing is served from bytes that failed their check.
+        Returns the load and how long it then waited for the check."""
+        cores = self._start_cores()
+        timeout = self.settings.load_timeout_s
+        if staged is None or staged.verified:
+            return await worker.load(artifact, cores, staged.cache_dir if staged else None, timeout, tier), 0.0
+        check = asyncio.ensure_future(self._verified(artifact))
+        try:
+            loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier)
+        except BaseException:
+            check.cancel()
+            raise
+        t0 = time.monotonic()
+        checked = await check
+        waited = time.monotonic() - t0
+        if checked is not None and checked.repaired_blocks == 0:
+            return loaded, waited
+        REIMPORTS.inc()
+        log.warning("the host-cache copy of %s failed its check (%s); importing it again",
+                    artifact.artifact_id, f"{checked.repaired_blocks} block(s) repaired" if checked else "unconfirmed")
+        again = await worker.load(artifact, cores, checked.cache_dir if checked else None, timeout, tier)
+        return again, waited
+
+    async def _verified(self, artifact: Artifact) -> Staged | None:
+        try:
+            reply = await self.bus.request(
+                subjects.loader_verify(self.node), VerifyStaged(artifact_id=artifact.artifact_id),
+                Staged | Rejected, timeout=self.settings.load_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("no block check of %s (%s)", artifact.artifact_id, e.message)
+            return None
+        return reply if isinstance(reply, Staged) else None
+
     def _start_tier(self, artifact: Artifact) -> Tier:
         """START when the artifact has one (materialized since tiers exist) and it is enabled."""
         if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
@@ -369,6 +413,7 @@ class EngineService:
         return Tier.STEADY
 
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
+        self._update_gauges()
         if msg.error:
             TIER_UPS.labels("failed").inc()
             log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
@@ -384,7 +429,7 @@ class EngineService:
         try:
             staged = await self.bus.request(
                 subjects.loader_stage(self.node),
-                StageArtifact(artifact=artifact, device=self.settings.device, tier=tier),
+                StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True),
                 Staged | Rejected,
                 timeout=self.settings.load_timeout_s,
             )

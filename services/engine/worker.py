@@ -185,6 +185,8 @@ def worker_main(
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.
+    import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)
+
     from services.engine.instance import Instance, LoadedModel
 
     core = ov.Core()

@@ -83,17 +83,30 @@ class HostCache:
     def verify(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult | None:
         """A hit: the cached copy, checked block by block (bad blocks re-read from the store).
         None when the artifact (this tier of it) is not cached."""
+        if self.lookup(artifact, tier) is None:
+            return None
+        return self.check(artifact, device, tier)
+
+    def lookup(self, artifact: Artifact, tier: Tier = Tier.STEADY) -> Resident | None:
+        """The entry if this tier of the artifact is cached (counted as a use), unchecked."""
         entry = self.entries.get(artifact.artifact_id)
         if entry is None or self.tiers.get(artifact.artifact_id) != tier:
             return None
+        entry.uses += 1
+        entry.last_used = time.time()
+        return entry
+
+    def place(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
+        return self._dir(artifact, device, tier)
+
+    def check(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
+        """Check the cached copy block by block; re-read the bad blocks from the store."""
         manifest = read_manifest(artifact, device, tier)
         dst_dir = self._dir(artifact, device, tier)
         dst = dst_dir / manifest.name
         bad = bad_blocks(dst, manifest)
         if bad:
             copy_blocks(compiled_cache_dir(artifact, device, tier) / manifest.name, dst, manifest, bad)
-        entry.uses += 1
-        entry.last_used = time.time()
         return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
 
     def fill(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:

@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine.layout import compiled_cache_dir
 from services.loader.convert import is_materialized
-from services.loader.hostcache import HostCache, forget_store_pages
+from services.loader.hostcache import HostCache, StageResult, forget_store_pages
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
@@ -30,6 +30,7 @@ from shared.messages import (
     StageArtifact,
     Staged,
     Tier,
+    VerifyStaged,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class LoaderService:
         self.store = settings.model_store.resolve()
         self._locks: dict[str, asyncio.Lock] = {}
         self._stage_lock = asyncio.Lock()
+        self._checks: dict[str, asyncio.Future[StageResult]] = {}
+        """Block checks of deferred-verify hits, by artifact, until the engine asks."""
         self._fills: dict[str, asyncio.Task[None]] = {}
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
         self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
@@ -76,6 +79,7 @@ class LoaderService:
         node = self.settings.node_id
         await self.bus.subscribe(subjects.import_model(), self.on_import, queue=subjects.LOADER_QUEUE)
         await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
+        await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
         await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
 
     def _update_gauges(self) -> None:
@@ -84,37 +88,79 @@ class LoaderService:
 
     async def on_stage(self, msg: Msg) -> None:
         req = decode(msg.data, StageArtifact)
+        aid = req.artifact.artifact_id
         t0 = time.perf_counter()
         try:
-            # One stage at a time: the cache's bookkeeping is not shared between threads.
+            # One stage at a time: the cache's bookkeeping is not shared between threads. The
+            # lock is held until the blocks are checked, so no eviction or fill can touch the
+            # copy while an engine imports it.
             async with self._stage_lock:
-                result = await asyncio.to_thread(self.cache.verify, req.artifact, req.device, req.tier)
-            if result is None:
-                # A miss: the start reads the store's copy now, and the cache fills behind it,
-                # off the start's critical path (TIDAL §5.2: overlap loading with the start).
-                STAGES.labels("miss").inc()
-                await self.bus.reply(msg, Staged(
-                    cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)), hit=False,
-                    repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0,
-                ))
-                self._schedule_fill(req.artifact, req.device, req.tier)
-                return
+                if self.cache.lookup(req.artifact, req.tier) is None:
+                    # A miss: the start reads the store's copy now, and the cache fills behind
+                    # it, off the start's critical path (TIDAL §5.2: overlap loading).
+                    STAGES.labels("miss").inc()
+                    await self.bus.reply(msg, Staged(
+                        cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)), hit=False,
+                        repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0,
+                    ))
+                    self._schedule_fill(req.artifact, req.device, req.tier)
+                    return
+                checked: asyncio.Future[StageResult] | None = None
+                if req.defer_verify:
+                    # The engine imports the copy while its blocks are checked here (the check
+                    # is ≈ 0.1 s of a start otherwise); it asks for the result before serving.
+                    checked = self._checks[aid] = asyncio.get_running_loop().create_future()
+                    await self.bus.reply(msg, Staged(
+                        cache_dir=str(self.cache.place(req.artifact, req.device, req.tier)), hit=True,
+                        repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0, verified=False,
+                    ))
+                try:
+                    result = await asyncio.to_thread(self.cache.check, req.artifact, req.device, req.tier)
+                except Exception as e:
+                    if checked is not None:
+                        checked.set_exception(e)
+                    raise
+                if checked is not None:
+                    checked.set_result(result)
         except Exception as e:
-            log.exception("staging %s failed", req.artifact.artifact_id)
-            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
+            log.exception("staging %s failed", aid)
+            if not req.defer_verify:
+                await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
             return
         seconds = time.perf_counter() - t0
         STAGES.labels("hit").inc()
         STAGE_SECONDS.labels("hit").observe(seconds)
         if result.repaired_blocks:
             REPAIRED_BLOCKS.inc(result.repaired_blocks)
-            log.warning("re-read %d corrupt block(s) of %s from the store",
-                        result.repaired_blocks, req.artifact.artifact_id)
+            log.warning("re-read %d corrupt block(s) of %s from the store", result.repaired_blocks, aid)
         self._update_gauges()
-        await self.bus.reply(msg, Staged(
+        if not req.defer_verify:
+            await self.bus.reply(msg, self._staged(result, seconds))
+
+    @staticmethod
+    def _staged(result: StageResult, seconds: float) -> Staged:
+        return Staged(
             cache_dir=str(result.cache_dir), hit=result.hit, repaired_blocks=result.repaired_blocks,
             copied_bytes=result.copied_bytes, seconds=seconds,
-        ))
+        )
+
+    async def on_verify(self, msg: Msg) -> None:
+        req = decode(msg.data, VerifyStaged)
+        checked = self._checks.get(req.artifact_id)
+        if checked is None:
+            await self.bus.reply(msg, Rejected(
+                code=ErrorCode.ENGINE_FAILED, message=f"no check of {req.artifact_id} under way"))
+            return
+        t0 = time.perf_counter()
+        try:
+            result = await checked
+        except Exception as e:
+            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"checking failed: {e}"))
+            return
+        finally:
+            if self._checks.get(req.artifact_id) is checked:
+                del self._checks[req.artifact_id]
+        await self.bus.reply(msg, self._staged(result, time.perf_counter() - t0))
 
     def _schedule_fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
         aid = artifact.artifact_id

@@ -21,6 +21,7 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+
 def _unpack_u4(const: ov.Node) -> np.ndarray:
     """A u4 constant's values, one per byte (OpenVINO packs two per byte, low nibble first)."""
     shape = tuple(const.get_output_shape(0))

@@ -162,10 +162,13 @@ def test_host_cache_serves_starts_and_repairs_a_corrupted_block(own_cluster: Loc
     data[len(data) // 2] ^= 0xFF  # one flipped byte in one block
     cached.write_bytes(bytes(data))
     corrupt_before = metric(cluster, LOADER, "tessera_loader_corrupt_blocks_total")
+    reimports_before = metric(cluster, ENGINE, "tessera_engine_reimports_total")
     start = restart_from("resident")
     assert start["source"] == "host"
     assert metric(cluster, LOADER, "tessera_loader_corrupt_blocks_total") == corrupt_before + 1
     assert cached.read_bytes() == stored.read_bytes()
+    # The worker imported the copy while its blocks were checked: it imports it again, whole.
+    assert metric(cluster, ENGINE, "tessera_engine_reimports_total") == reimports_before + 1
 
     start = restart_from("host")
     assert start["source"] == "store"
