@@ -176,8 +176,9 @@ class LocalCluster:
     """Extra TESSERA_* settings for every service (tests shorten timeouts here)."""
     store: Path | None = None
     """Model store; defaults to `home/store`. Clusters may share one (conversions are reused)."""
-    auth: bool = True
-    """Gateways require API keys; `admin_key` guards /admin/*."""
+    auth: bool = False
+    """Gateways require API keys; `admin_key` guards /admin/*. Off unless asked for (`tessera
+    up` asks): benchmarks and most tests drive the cluster as an open local service."""
     admin_key: str | None = None
     """With auth on: given, or the one saved under `home` by an earlier run, or generated; saved
     under `home` (mode 0600) so that the CLI finds it."""
