@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import openai
 import pytest
 
 from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+
+# The suite calls the API as any OpenAI client would, with api_key="unused": clusters run with
+# auth off unless a test asks for it (tests/e2e/test_auth.py). The environment default also
+# covers gateways built in-process and `tessera up` run as a subprocess.
+os.environ.setdefault("TESSERA_AUTH", "off")
 
 # Short timings so that tests of keep-alive and engine death finish quickly; the values are
 # settings, not sleeps: tests wait on conditions with deadlines.
@@ -27,8 +33,8 @@ def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("store")
 
 
-def start_cluster(home: Path, store: Path, **env: str) -> LocalCluster:
-    cluster = LocalCluster(home=home, env={**TEST_ENV, **env}, store=store)
+def start_cluster(home: Path, store: Path, auth: bool = False, **env: str) -> LocalCluster:
+    cluster = LocalCluster(home=home, env={**TEST_ENV, **env}, store=store, auth=auth)
     cluster.start(timeout_s=90)
     return cluster
 

@@ -1,4 +1,5 @@
-"""Admin API: register, list and remove models; recent cold starts; where instances run."""
+"""Admin API: register, list and remove models; API keys; recent cold starts; where instances
+run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.protocol import RegisterModel
+from services.gateway.auth import ApiError, KeyStore
+from services.gateway.protocol import CreateApiKey, RegisterModel
 from services.gateway.settings import GatewaySettings
 from shared import subjects
 from shared.bus import Bus
@@ -47,6 +49,7 @@ class Admin:
         self.settings = settings
         self.bus = bus
         self.registry = registry
+        self.keys = KeyStore(registry)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
         imported = await self.bus.request(
@@ -78,6 +81,19 @@ class Admin:
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
         await self.bus.publish(subjects.model_changed(), ModelChanged(name=name, removed=True))
         return {"name": name, "removed": True}
+
+    async def create_key(self, req: CreateApiKey) -> dict[str, Any]:
+        secret, record = await self.keys.create(
+            req.name, req.models, req.requests_per_minute, req.tokens_per_minute)
+        return {**record.public(), "key": secret}
+
+    async def list_keys(self) -> list[dict[str, Any]]:
+        return [r.public() for r in await self.keys.all()]
+
+    async def delete_key(self, name: str) -> dict[str, Any]:
+        if not await self.keys.delete(name):
+            raise ApiError(404, f"no API key is named `{name}`", "key_not_found", param="name")
+        return {"name": name, "deleted": True}
 
     async def cold_starts(self, limit: int) -> list[dict[str, Any]]:
         return [as_json(e) for e in await self.registry.cold_starts(limit)]

@@ -130,3 +130,14 @@ class RegisterModel(BaseModel):
 
 def dump(obj: Any) -> dict[str, Any]:
     return obj.model_dump() if isinstance(obj, BaseModel) else dict(obj)
+
+
+class CreateApiKey(BaseModel):
+    """Admin API: make an API key; its secret is in the answer, once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    models: list[str] = Field(default_factory=list, description="Allowed models; empty: all")
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)

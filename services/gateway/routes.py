@@ -1,13 +1,16 @@
 """HTTP routes of the gateway: the OpenAI API, the admin API, health. Thin: logic lives in
-`serving` (requests) and `admin` (registrations)."""
+`serving` (requests), `admin` (registrations, keys) and `auth` (keys, quotas).
+
+/v1 needs an API key, /admin the admin key (unless auth is off); health and metrics are open."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,15 +19,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.admin import Admin
+from services.gateway.auth import ApiError, Auth, Grant, Principal, Quotas, check_model
 from services.gateway.openai_format import Shape, finish_reason, sse
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CreateApiKey,
     ModelCard,
     ModelList,
     RegisterModel,
 )
-from services.gateway.serving import Gateway, Generation
+from services.gateway.ratelimit import retry_after_header
+from services.gateway.serving import REJECTED, Gateway, Generation
 from shared.errors import OPENAI_TYPE, TesseraError
 from shared.health import Readiness, health_routes
 from shared.messages import Finished
@@ -33,8 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def error_response(status: int, message: str, code: str | None, param: str | None = None,
-                   retry_after_s: float | None = None) -> JSONResponse:
-    headers = {}
+                   retry_after_s: float | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
     body = {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"),
@@ -62,6 +69,15 @@ class BodyLimit:
 def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     app = FastAPI(title="Tessera", version="0.1.0", routes=health_routes(readiness))
     app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_body_bytes)
+    auth = Auth(gateway.settings, admin.keys)
+    quotas = Quotas(admin.keys)
+    app.state.auth = auth
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        REJECTED.labels(e.code).inc()
+        retry = None if e.retry_after_s is None else retry_after_header(e.retry_after_s)
+        return error_response(e.status, e.message, e.code, e.param, retry, e.headers)
 
     @app.exception_handler(TesseraError)
     async def _tessera_error(_: Request, e: TesseraError) -> JSONResponse:
@@ -92,88 +108,139 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         return error_response(500, "internal error", "internal_error")
 
     @app.get("/v1/models")
-    async def list_models() -> ModelList:
+    async def list_models(who: Caller) -> ModelList:
         records = await gateway.registry.all()
-        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at)) for r in records])
+        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at))
+                               for r in records if who.may_use(r.name)])
 
     @app.get("/v1/models/{name:path}")
-    async def get_model(name: str) -> ModelCard:
+    async def get_model(name: str, who: Caller) -> ModelCard:
+        check_model(who, name)
         r = await gateway.model(name)
         return ModelCard(id=r.name, created=int(r.created_at))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        return await _complete(gateway, req, chat=True)
+    async def chat(req: ChatCompletionRequest, who: Caller) -> JSONResponse | StreamingResponse:
+        return await _complete(gateway, quotas, who, req, chat=True)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> JSONResponse | StreamingResponse:
-        return await _complete(gateway, req, chat=False)
+    async def completions(req: CompletionRequest, who: Caller) -> JSONResponse | StreamingResponse:
+        return await _complete(gateway, quotas, who, req, chat=False)
 
-    @app.post("/admin/models", status_code=201)
-    async def register(req: RegisterModel) -> dict[str, object]:
-        return await admin.register(req)
-
-    @app.get("/admin/models")
-    async def models() -> list[dict[str, object]]:
-        return await admin.list()
-
-    @app.delete("/admin/models/{name:path}")
-    async def remove(name: str) -> dict[str, object]:
-        return await admin.remove(name)
-
-    @app.get("/admin/coldstarts")
-    async def cold_starts(limit: int = 50) -> list[dict[str, object]]:
-        return await admin.cold_starts(max(1, min(limit, 200)))
-
-    @app.post("/admin/cache/evict")
-    async def evict(tier: str = "resident", artifact_id: str = "") -> list[dict[str, object]]:
-        return await admin.evict(tier, artifact_id)
-
-    @app.get("/admin/instances")
-    async def instances() -> dict[str, object]:
-        return await admin.instances()
-
+    app.include_router(_admin_routes(admin))
     return app
 
 
-async def _complete(gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, chat: bool) -> JSONResponse | StreamingResponse:
+async def _caller(request: Request) -> Principal:
+    auth: Auth = request.app.state.auth
+    return await auth.principal(request)
+
+
+async def _admin_caller(request: Request) -> Principal:
+    auth: Auth = request.app.state.auth
+    return await auth.admin(request)
+
+
+Caller = Annotated[Principal, Depends(_caller)]
+
+
+def _admin_routes(admin: Admin) -> APIRouter:
+    router = APIRouter(prefix="/admin", dependencies=[Depends(_admin_caller)])
+
+    @router.post("/models", status_code=201)
+    async def register(req: RegisterModel) -> dict[str, object]:
+        return await admin.register(req)
+
+    @router.get("/models")
+    async def models() -> list[dict[str, object]]:
+        return await admin.list()
+
+    @router.delete("/models/{name:path}")
+    async def remove(name: str) -> dict[str, object]:
+        return await admin.remove(name)
+
+    @router.post("/keys", status_code=201)
+    async def create_key(req: CreateApiKey) -> dict[str, object]:
+        return await admin.create_key(req)
+
+    @router.get("/keys")
+    async def keys() -> list[dict[str, object]]:
+        return await admin.list_keys()
+
+    @router.delete("/keys/{name}")
+    async def delete_key(name: str) -> dict[str, object]:
+        return await admin.delete_key(name)
+
+    @router.get("/coldstarts")
+    async def cold_starts(limit: int = 50) -> list[dict[str, object]]:
+        return await admin.cold_starts(max(1, min(limit, 200)))
+
+    @router.post("/cache/evict")
+    async def evict(tier: str = "resident", artifact_id: str = "") -> list[dict[str, object]]:
+        return await admin.evict(tier, artifact_id)
+
+    @router.get("/instances")
+    async def instances() -> dict[str, object]:
+        return await admin.instances()
+
+    return router
+
+
+async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
+                    req: ChatCompletionRequest | CompletionRequest, chat: bool) -> JSONResponse | StreamingResponse:
+    check_model(who, req.model)
     prepared = await gateway.prepare(req)
-    gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
+    grant = await quotas.admit(who, prepared.prompt_tokens, prepared.params.max_tokens)
+    try:
+        gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
+    except BaseException:
+        await quotas.settle(grant, 0)
+        raise
     shape = Shape(chat, gen.request_id, prepared.record.name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(gen, shape, include_usage),
+            _stream(gen, shape, include_usage, quotas, grant),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    produced = 0
     try:
         parts: list[str] = []
         async with aclosing(gen.events()) as events:
             async for event in events:
                 if isinstance(event, Finished):
+                    produced = event.completion_tokens
                     return JSONResponse(shape.full("".join(parts), event))
                 parts.append(event.text)
+                produced += event.tokens
     finally:
         await gen.close()
+        await quotas.settle(grant, produced)
     raise AssertionError("stream ended without Finished")
 
 
-async def _stream(gen: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(gen: Generation, shape: Shape, include_usage: bool, quotas: Quotas,
+                  grant: Grant) -> AsyncIterator[str]:
+    produced = 0  # what the tokens-per-minute count keeps when the stream ends early
     try:
         if shape.chat:
             yield sse(shape.chunk("", role=True))
         async with aclosing(gen.events()) as events:
             async for event in events:
                 if isinstance(event, Finished):
+                    produced = event.completion_tokens
                     yield sse(shape.chunk(None if shape.chat else "", finish_reason(event)))
                     if include_usage:
                         yield sse(shape.usage_chunk(event))
-                elif event.text:
-                    yield sse(shape.chunk(event.text))
+                else:
+                    produced += event.tokens
+                    if event.text:
+                        yield sse(shape.chunk(event.text))
     except TesseraError as e:
         # Headers are gone already: the error travels as an SSE event the openai client raises.
         yield sse(e.body())
     finally:
         await gen.close()
+        await quotas.settle(grant, produced)
     yield sse("[DONE]")

@@ -14,3 +14,9 @@ class GatewaySettings(CommonSettings):
     liveness_check_s: float = 0.5
     import_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
+    auth: bool = True
+    """Require an API key (`Authorization: Bearer`) on /v1 and the admin key on /admin;
+    TESSERA_AUTH=off runs open (health and metrics are always open)."""
+    admin_key: str = ""
+    """Guards /admin/* (and may call /v1 without limits); generated and logged when empty.
+    Replicas behind one load balancer must share it."""
