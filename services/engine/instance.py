@@ -10,6 +10,7 @@ reporting each piece of text through `emit`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,15 @@ def first_pass(compiled: ov.CompiledModel) -> None:
 DETOKENIZER_XML = "openvino_detokenizer.xml"
 
 
+@functools.cache
+def _tokenizer_core() -> ov.Core:
+    """A Core with the string operations: importing openvino_tokenizers adds them to every
+    Core created after the import (a Core made earlier lacks them)."""
+    import openvino_tokenizers  # noqa: F401
+
+    return ov.Core()
+
+
 class Detokenizer:
     """The artifact's compiled detokenizer alone: token ids in, text out.
 
@@ -70,9 +80,8 @@ class Detokenizer:
     baked into the compiled detokenizer, as `Tokenizer.decode` uses it.
     """
 
-    def __init__(self, core: ov.Core, artifact_path: str) -> None:
-        import openvino_tokenizers  # noqa: F401  (registers the string operations)
-
+    def __init__(self, artifact_path: str) -> None:
+        core = _tokenizer_core()
         model = core.read_model(str(Path(artifact_path) / DETOKENIZER_XML))
         rt = model.get_rt_info()
         if "eos_token_id" not in rt:
@@ -214,7 +223,7 @@ class LoadedModel:
         config = compile_config(artifact, device, threads, cache_dir, tier)
         if tokenizer is None:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as side:
-                pending = side.submit(Detokenizer, core, artifact.path)
+                pending = side.submit(Detokenizer, artifact.path)
                 compiled = core.compile_model(xml, device, config)
                 tokenizer = pending.result()
         else:
