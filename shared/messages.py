@@ -332,6 +332,14 @@ class ReserveResult(Message, frozen=True):
 
 class Release(Message, frozen=True):
     owner: str
+    """A region (`weights:<artifact>`, `<model>:kv`), every `<owner>:*` region, or `*`."""
+
+
+class ReserveDone(Message, frozen=True):
+    """Engine → memory manager: the load or resize granted for `owner` has finished, so the
+    region now physically holds its new size (the reservation station's completion)."""
+
+    owner: str
 
 
 StreamEvent = TokenChunk | Finished | Failed

@@ -83,5 +83,9 @@ def memory_reserve(node_id: str) -> str:
     return f"{_ROOT}.memory.{node_id}.reserve"
 
 
+def memory_done(node_id: str) -> str:
+    return f"{_ROOT}.memory.{node_id}.done"
+
+
 def memory_release(node_id: str) -> str:
     return f"{_ROOT}.memory.{node_id}.release"

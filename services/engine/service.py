@@ -51,6 +51,7 @@ from shared.messages import (
     Rejected,
     Release,
     Reserve,
+    ReserveDone,
     ReserveResult,
     StageArtifact,
     Staged,
@@ -87,6 +88,9 @@ PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
 COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
+INSTANCE_EVICTIONS = Counter(
+    "tessera_engine_instance_evictions_total", "Idle instances ended early to make room for a start"
+)
 REIMPORTS = Counter(
     "tessera_engine_reimports_total", "Starts that imported a blob again because its block check failed"
 )
@@ -152,6 +156,8 @@ class EngineService:
         self._artifact_locks: dict[str, asyncio.Lock] = {}
         self._cold: dict[str, PendingColdStart] = {}
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
+        self._went_idle = asyncio.Event()
+        """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -227,28 +233,81 @@ class EngineService:
         )
 
     async def _release_memory(self, owner: str) -> None:
+        """Release and wait for the answer: a reservation sent next must see it (messages on
+        two subjects may be handled in either order)."""
         try:
-            await self.bus.publish(subjects.memory_release(self.node), Release(owner=owner))
+            await self.bus.request(subjects.memory_release(self.node), Release(owner=owner), ReserveResult,
+                                   timeout=self.settings.memory_request_timeout_s)
         except Exception:
             log.warning("could not release memory of %s", owner)
 
+    async def _evict_idle_instances(self, need: int) -> bool:
+        """Make room by ending instances that serve nothing now, before their keep-alive
+        (Tangram §3.2: minimal-cost eviction; here of whole instances, whose KV cache and,
+        for the last name on a worker, weights go). False if the idle ones cannot free enough."""
+        now = time.time()
+        idle = [i for i in self.instances.values() if i.active == 0]
+        kv = {i.model: i.bound.artifact.kv_bytes_per_token * i.bound.artifact.context_length for i in idle}
+        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        candidates = []
+        for i in idle:
+            sole = users.get(i.bound.artifact.artifact_id, 0) == 1
+            frees = kv[i.model] + (i.bound.resident.nbytes if sole else 0)
+            # Its restart costs a resident start at least, a full load if its weights go too.
+            reload_s = i.bound.resident.reload_s if sole else 0.1
+            candidates.append(Resident(i.model, frees, reload_s, i.loaded_at, i.last_used))
+        victims = choose_evictions(candidates, need, now)
+        if not victims:
+            return False
+        for model in victims:
+            inst = self.instances.get(model)
+            if inst is not None and inst.active == 0:
+                log.info("unloading idle %s to make room", model, extra={"model": model})
+                INSTANCE_EVICTIONS.inc()
+                await self._unload(inst)
+        return True
+
+    async def _memory_done(self, owner: str) -> None:
+        """Tell the memory manager the load or resize granted for `owner` is finished."""
+        try:
+            await self.bus.publish(subjects.memory_done(self.node), ReserveDone(owner=owner))
+        except Exception:
+            log.warning("could not report memory of %s done", owner)
+
     async def _reserve(self, owner: str, nbytes: int) -> None:
-        """Reserve, evicting idle residents at the lowest cost if the node is full."""
-        result = await self._reserve_memory(owner, nbytes)
-        if result.granted:
-            return
-        need = nbytes - (result.budget_bytes - result.used_bytes)
-        keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
-        if keys:
-            await self._evict(keys)
+        """Reserve; if the node is full, evict idle residents at the lowest cost, then idle
+        instances (whose memory then turns into residents, evicted in turn if need be)."""
+        deadline = time.monotonic() + self.settings.memory_wait_s
+        while True:
+            self._went_idle.clear()
             result = await self._reserve_memory(owner, nbytes)
+            for make_room in (self._evict_idle_residents, self._evict_idle_instances, self._evict_idle_residents):
+                if result.granted:
+                    return
+                if await make_room(nbytes - (result.budget_bytes - result.used_bytes)):
+                    result = await self._reserve_memory(owner, nbytes)
             if result.granted:
                 return
+            # Everything that could go is busy: wait (up to a deadline) for an instance to
+            # finish its requests, rather than refuse a start that will fit in a moment.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._went_idle.wait(), left)
+            except TimeoutError:
+                break
         raise TesseraError(
             ErrorCode.NO_CAPACITY,
             f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
             retry_after_s=2,
         )
+
+    async def _evict_idle_residents(self, need: int) -> bool:
+        keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
+        if keys:
+            await self._evict(keys)
+        return bool(keys)
 
     # --- start / stop ------------------------------------------------------------------------
 
@@ -298,6 +357,7 @@ class EngineService:
             # only becomes a reservation for a full context.
             kv_bytes = record.artifact.kv_bytes_per_token * record.artifact.context_length
             await self._reserve(f"{record.name}:kv", kv_bytes)
+            await self._memory_done(f"{record.name}:kv")  # allocated on demand by the runtime
         except BaseException:
             await self._release(bound)
             raise
@@ -357,6 +417,7 @@ class EngineService:
                     await asyncio.to_thread(worker.stop)
                     raise
                 stage_s += waited_s
+                await self._memory_done(f"weights:{aid}")
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
@@ -532,6 +593,8 @@ class EngineService:
             inst.active -= 1
             inst.last_used = time.time()
             del self._cancels[req.request_id]
+            if inst.active == 0:
+                self._went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()

@@ -18,6 +18,9 @@ class EngineSettings(CommonSettings):
     start's threads onto the busy one's core), and turning OpenVINO's pinning off to make the
     bound hold cost decode speed. A bound pays on nodes with more cores than one instance uses."""
     memory_request_timeout_s: float = 5.0
+    memory_wait_s: float = 30.0
+    """How long a start may wait for busy instances to go idle when the node is out of memory
+    (then it is refused, 503 with Retry-After)."""
     pool_budget_bytes: int = 2 * 1024**3
     """Bytes of compiled models kept resident after their instances scaled to zero."""
     start_tier: bool = True
