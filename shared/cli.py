@@ -1,22 +1,64 @@
-"""`tessera`: run the local cluster and manage models from a terminal."""
+"""`tessera`: run the local cluster, manage models and API keys, see what runs where.
+
+Every command but `up` talks to a gateway's admin API with the admin key: `--admin-key`, else
+TESSERA_ADMIN_KEY, else the key `tessera up` saved under `--home`.
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, admin_key_path, load_admin_key
 
 app = typer.Typer(help="Tessera: serverless LLM inference.", no_args_is_help=True)
 models = typer.Typer(help="Register, list and remove models.", no_args_is_help=True)
+keys = typer.Typer(help="Make, list and revoke API keys.", no_args_is_help=True)
 app.add_typer(models, name="models")
+app.add_typer(keys, name="keys")
 console = Console()
+
+URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="TESSERA_URL", help="Gateway URL.")
+ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TESSERA_ADMIN_KEY", show_default=False,
+                         help="Admin key (default: the one `tessera up` saved under --home).")
+HOME = typer.Option(Path(".tessera"), "--home", help="Local cluster home (where its admin key is).")
+MODELS = typer.Option([], "--model", "-m", help="A model the key may use (repeat); none: all.")
+RPM = typer.Option(None, "--rpm", min=1, help="Requests per minute (default: no limit).")
+TPM = typer.Option(None, "--tpm", min=1, help="Prompt + completion tokens per minute (default: no limit).")
+METRICS = typer.Option([], "--metrics", help="NODE=URL of a node service's HTTP port (loader, memory "
+                       "manager), repeatable: adds that node's host cache and memory from its /metrics.")
+STARTS = typer.Option(10, min=1, max=200, help="Recent cold starts to show.")
+
+
+@contextmanager
+def _admin(url: str, admin_key: str | None, home: Path) -> Iterator[httpx.Client]:
+    key = admin_key or load_admin_key(home.resolve())
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30) as client:
+        yield client
+
+
+def _ok(r: httpx.Response) -> Any:
+    """The answer's JSON, or its OpenAI error printed and exit status 1."""
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        console.print(f"[red]{r.status_code}: {message}[/]", highlight=False)
+        raise typer.Exit(1)
+    return r.json()
 
 
 @app.command()
@@ -24,9 +66,12 @@ def up(
     port: int = typer.Option(8000, help="Gateway port (the OpenAI API)."),
     home: Path = typer.Option(Path(".tessera"), help="Model store, Valkey data and logs."),
     nodes: int = typer.Option(1, min=1, help="Engine nodes to run."),
+    auth: bool = typer.Option(True, "--auth/--no-auth", envvar="TESSERA_AUTH",
+                              help="Require API keys (TESSERA_AUTH=off runs open)."),
+    admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """Start NATS, Valkey and every service; register the default model; wait for Ctrl-C."""
-    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes)
+    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes, auth=auth, admin_key=admin_key)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -38,8 +83,14 @@ def up(
         url = cluster.base_url
         console.print(f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})",
                       soft_wrap=True)
+        auth_header = ""
+        if cluster.admin_key:
+            console.print(f"admin key: [bold]{cluster.admin_key}[/]  (saved in "
+                          f"{admin_key_path(cluster.home)}; make API keys with `tessera keys add`)",
+                          soft_wrap=True, highlight=False)
+            auth_header = f"-H 'Authorization: Bearer {cluster.admin_key}' "
         console.print(
-            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"curl {url}/v1/chat/completions {auth_header}-H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{DEFAULT_MODEL_NAME}\", \"messages\": "
             f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}]}}'",
             soft_wrap=True,  # one line, ready to paste, whatever the terminal width
@@ -59,11 +110,11 @@ def up(
 
 
 @models.command("ls")
-def models_ls(url: str = typer.Option("http://127.0.0.1:8000", help="Gateway URL.")) -> None:
-    r = httpx.get(f"{url}/admin/models", timeout=10)
-    r.raise_for_status()
+def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+    with _admin(url, admin_key, home) as http:
+        found = _ok(http.get("/admin/models"))
     table = Table("name", "artifact", "context", "keep-alive s", "TTFT SLO s", "TPOT SLO s")
-    for m in r.json():
+    for m in found:
         table.add_row(m["name"], m["artifact"]["artifact_id"], str(m["artifact"]["context_length"]),
                       f"{m['keep_alive_s']:g}", f"{m['ttft_slo_s']:g}", f"{m['tpot_slo_s']:g}")
     console.print(table)
@@ -76,25 +127,143 @@ def models_add(
     keep_alive_s: float = 300.0,
     ttft_slo_s: float = 2.0,
     tpot_slo_s: float = 0.1,
-    url: str = typer.Option("http://127.0.0.1:8000", help="Gateway URL."),
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
 ) -> None:
-    with console.status(f"importing {source}…"):
-        r = httpx.post(f"{url}/admin/models", timeout=900, json={
+    with _admin(url, admin_key, home) as http, console.status(f"importing {source}…"):
+        r = http.post("/admin/models", timeout=900, json={
             "name": name, "source": str(source.resolve()), "keep_alive_s": keep_alive_s,
             "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})
-    if r.status_code >= 400:
-        console.print(f"[red]{r.json()['error']['message']}[/]")
-        raise typer.Exit(1)
+    _ok(r)
     console.print(f"registered {name}")
 
 
 @models.command("rm")
-def models_rm(name: str, url: str = typer.Option("http://127.0.0.1:8000", help="Gateway URL.")) -> None:
-    r = httpx.delete(f"{url}/admin/models/{name}", timeout=10)
-    if r.status_code >= 400:
-        console.print(f"[red]{r.json()['error']['message']}[/]")
-        raise typer.Exit(1)
+def models_rm(name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+    with _admin(url, admin_key, home) as http:
+        _ok(http.delete(f"/admin/models/{name}"))
     console.print(f"removed {name}")
+
+
+@keys.command("add")
+def keys_add(
+    name: str,
+    model: list[str] = MODELS,
+    rpm: int | None = RPM,
+    tpm: int | None = TPM,
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
+    """Make an API key; its secret is printed this once and never stored."""
+    with _admin(url, admin_key, home) as http:
+        made = _ok(http.post("/admin/keys", json={
+            "name": name, "models": model, "requests_per_minute": rpm, "tokens_per_minute": tpm}))
+    console.print(f"made API key {name}; its secret, shown only now:", highlight=False)
+    console.print(made["key"], soft_wrap=True, highlight=False, markup=False)
+
+
+@keys.command("ls")
+def keys_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+    with _admin(url, admin_key, home) as http:
+        found = _ok(http.get("/admin/keys"))
+    table = Table("name", "key starts", "models", "requests/min", "tokens/min", "created")
+    for k in found:
+        table.add_row(k["name"], k["hint"], ", ".join(k["models"]) or "all",
+                      _limit(k["requests_per_minute"]), _limit(k["tokens_per_minute"]),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])))
+    console.print(table)
+
+
+@keys.command("rm")
+def keys_rm(name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+    """Revoke an API key at once, on every gateway replica."""
+    with _admin(url, admin_key, home) as http:
+        _ok(http.delete(f"/admin/keys/{name}"))
+    console.print(f"revoked {name}")
+
+
+@app.command()
+def status(
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+    metrics: list[str] = METRICS,
+    starts: int = STARTS,
+) -> None:
+    """Nodes, instances (tier, worker pid), memory and host cache, and recent cold starts."""
+    with _admin(url, admin_key, home) as http:
+        cluster = _ok(http.get("/admin/instances"))
+        recent = _ok(http.get("/admin/coldstarts", params={"limit": starts}))
+    gauges: dict[str, dict[str, float]] = {}
+    for spec in metrics:
+        node, _, base = spec.partition("=")
+        if not base:
+            raise typer.BadParameter(f"{spec!r}: expected NODE=URL", param_hint="--metrics")
+        gauges.setdefault(node, {}).update(_gauges(base))
+    now = time.time()
+
+    nodes = Table("node", "memory used", "memory budget", "host cache", "instances", "starting",
+                  title="nodes")
+    for n in cluster["nodes"]:
+        g = gauges.get(n["node_id"], {})
+        used = g.get("tessera_memory_used_bytes", n["memory_used_bytes"])
+        budget = g.get("tessera_memory_budget_bytes", n["memory_budget_bytes"])
+        cache = "?"
+        if "tessera_loader_host_cache_bytes" in g:
+            cache = (f"{_bytes(g['tessera_loader_host_cache_bytes'])} / "
+                     f"{_bytes(g.get('tessera_loader_host_cache_budget_bytes', 0))} "
+                     f"({g.get('tessera_loader_host_cache_entries', 0):.0f} models)")
+        nodes.add_row(n["node_id"], _bytes(used), _bytes(budget), cache, str(len(n["instances"])),
+                      ", ".join(n["starting"]) or "-")
+    console.print(nodes)
+
+    instances = Table("node", "model", "tier", "worker pid", "active", "weights", "loaded", "idle",
+                      title="instances")
+    for n in cluster["nodes"]:
+        for i in n["instances"]:
+            instances.add_row(n["node_id"], i["model"], i["tier"] or "-", str(i["worker_pid"] or "-"),
+                              str(i["active"]), _bytes(i["weight_bytes"]), _ago(now - i["loaded_at"]),
+                              _ago(now - i["last_used"]))
+    console.print(instances)
+
+    colds = Table("when", "node", "model", "source", "tier", "init s", "load s", "profile s",
+                  "prefill s", "total s", title="recent cold starts")
+    for c in recent:
+        p = c["phases"]
+        colds.add_row(_ago(now - c["started_at"]) + " ago", c["node_id"], c["model"], c["source"],
+                      c["tier"] or "-", f"{p['init_s']:.2f}", f"{p['load_s']:.2f}",
+                      f"{p['profile_s']:.2f}", f"{p['prefill_s']:.2f}", f"{c['total_s']:.2f}")
+    console.print(colds)
+
+
+def _gauges(base: str) -> dict[str, float]:
+    """Every unlabelled sample of one service's /metrics, by name."""
+    text = httpx.get(f"{base.rstrip('/')}/metrics", timeout=10).raise_for_status().text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels}
+
+
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
 
 
 if __name__ == "__main__":
