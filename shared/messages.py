@@ -197,6 +197,17 @@ class InstanceView(Message, frozen=True):
     """The compiled tier its worker serves (`Tier`): START right after a start, then STEADY."""
 
 
+class PerfReport(Message, frozen=True):
+    """Recent measured iterations of one artifact on a node: what the scheduler fits its
+    performance model from (LLM-Mesh §5.2)."""
+
+    artifact_id: str
+    prefill: tuple[tuple[int, float], ...] = ()
+    """(input tokens, seconds) of recent prefills."""
+    decode: tuple[tuple[int, int, float], ...] = ()
+    """(batch, mean sentence length, seconds per iteration) of recent decodes."""
+
+
 class NodeStatus(Message, frozen=True):
     """Heartbeat of an engine: what it runs and how busy it is."""
 
@@ -206,6 +217,11 @@ class NodeStatus(Message, frozen=True):
     starting: tuple[str, ...] = ()
     memory_budget_bytes: int = 0
     memory_used_bytes: int = 0
+    kind: str = "cpu"
+    """"cpu" or "gpu": shadow validation tries CPU nodes first (LLM-Mesh §4)."""
+    resident: tuple[str, ...] = ()
+    """Artifacts whose weights stay loaded here with no instance (Tangram: reusable)."""
+    perf: tuple[PerfReport, ...] = ()
 
 
 class ClusterStatusQuery(Message, frozen=True):

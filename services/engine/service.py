@@ -18,7 +18,8 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
@@ -48,6 +49,7 @@ from shared.messages import (
     InstanceStopped,
     InstanceView,
     NodeStatus,
+    PerfReport,
     Rejected,
     Release,
     Reserve,
@@ -101,6 +103,8 @@ TIER_UP_SECONDS = Histogram(
     "Seconds a background tier-up took (load of the STEADY blob and its first pass)",
     buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
 )
+PERF_SAMPLES = 16
+"""Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -134,6 +138,21 @@ class Served:
 
 
 @dataclass
+class _Samples:
+    prefill: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PERF_SAMPLES))
+    decode: deque[tuple[int, int, float]] = field(default_factory=lambda: deque(maxlen=PERF_SAMPLES))
+
+    def add(self, done: Done) -> None:
+        if done.first_token_at is None:
+            return
+        self.prefill.append((done.prompt_tokens, round(done.prefill_s, 5)))
+        if done.completion_tokens >= 2 and done.decode_s > 0:
+            # One sequence at a time per worker: a batch of one, at the run's mean length.
+            mean_length = done.prompt_tokens + done.completion_tokens // 2
+            self.decode.append((1, mean_length, round(done.decode_s / (done.completion_tokens - 1), 5)))
+
+
+@dataclass
 class PendingColdStart:
     t0: float
     phases: ColdStartPhases
@@ -156,6 +175,10 @@ class EngineService:
         self._artifact_locks: dict[str, asyncio.Lock] = {}
         self._cold: dict[str, PendingColdStart] = {}
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
+        self._perf: dict[str, _Samples] = {}
+        """Recent measurements per artifact, sent with every heartbeat."""
+        self._memory_seen = (0, 0)
+        """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
         self._went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -199,7 +222,14 @@ class EngineService:
                 for i in self.instances.values()
             ),
             starting=tuple(self._starting),
-            memory_used_bytes=sum(b.artifact.weight_bytes for b in self.bound.values()),
+            memory_budget_bytes=self._memory_seen[0],
+            memory_used_bytes=self._memory_seen[1],
+            kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
+            resident=tuple(aid for aid, b in self.bound.items() if b.resident.users == 0),
+            perf=tuple(
+                PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
+                for aid, p in self._perf.items()
+            ),
         )
 
     def _update_gauges(self) -> None:
@@ -225,19 +255,22 @@ class EngineService:
     # --- memory ------------------------------------------------------------------------------
 
     async def _reserve_memory(self, owner: str, nbytes: int) -> ReserveResult:
-        return await self.bus.request(
+        result = await self.bus.request(
             subjects.memory_reserve(self.node),
             Reserve(owner=owner, nbytes=nbytes),
             ReserveResult,
             timeout=self.settings.memory_request_timeout_s,
         )
+        self._memory_seen = (result.budget_bytes, result.used_bytes)
+        return result
 
     async def _release_memory(self, owner: str) -> None:
         """Release and wait for the answer: a reservation sent next must see it (messages on
         two subjects may be handled in either order)."""
         try:
-            await self.bus.request(subjects.memory_release(self.node), Release(owner=owner), ReserveResult,
-                                   timeout=self.settings.memory_request_timeout_s)
+            result = await self.bus.request(subjects.memory_release(self.node), Release(owner=owner),
+                                            ReserveResult, timeout=self.settings.memory_request_timeout_s)
+            self._memory_seen = (result.budget_bytes, result.used_bytes)
         except Exception:
             log.warning("could not release memory of %s", owner)
 
@@ -614,6 +647,7 @@ class EngineService:
                         TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
                     )
                 elif isinstance(out, Done):
+                    self._perf.setdefault(inst.bound.artifact.artifact_id, _Samples()).add(out)
                     final = Finished(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,

@@ -91,6 +91,11 @@ class Done:
     completion_tokens: int
     first_token_at: float | None
     """time.monotonic() of the first text (CLOCK_MONOTONIC: comparable across processes)."""
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    """Start of the run to its first token: the prefill, measured where it ran."""
+    decode_s: float = 0.0
+    """First token to the end of the run: (completion_tokens - 1) decode iterations."""
 
 
 @dataclass(frozen=True)
@@ -240,13 +245,17 @@ def worker_main(
                         first.append(time.monotonic())
                     conn.send(Chunk(rid, text, tokens))
 
+                t_run = time.monotonic()
                 result = inst.generate(
                     cmd.prompt_ids, cmd.params, emit, _Cancelled(cancel, cmd.seq), cmd.stream_interval_s
                 )
+                t_end = time.monotonic()
                 if os.sched_getaffinity(0) != all_cores:
                     _pin_all_threads(all_cores)
-                conn.send(Done(cmd.request_id, result.finish_reason, result.completion_tokens,
-                               first[0] if first else None))
+                t_first = first[0] if first else None
+                conn.send(Done(cmd.request_id, result.finish_reason, result.completion_tokens, t_first,
+                               len(cmd.prompt_ids), (t_first or t_end) - t_run,
+                               t_end - t_first if t_first is not None else 0.0))
             elif isinstance(cmd, DropSession):
                 dropped = sessions.pop(cmd.session, None)
                 if dropped is not None:

@@ -1,7 +1,8 @@
 """Placement and keep-alive: pure functions of the cluster view and a clock.
 
-The LLM-Mesh shadow validation (§5.3) and Tangram's affinity (§3.4) replace `place`'s node
-choice in a later step; the contract (view + clock in, decision out) stays.
+With a demand and the models' profiles, `place` runs shadow validation and affinity
+(`placement.py`: LLM-Mesh §5.3, §7.2; Tangram §3.4); without them (no measurement yet) it
+falls back to the least busy instance, or the least loaded node for a start.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.scheduler import placement
+from services.scheduler.placement import Demand, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected
 
 
@@ -18,6 +21,11 @@ class NodeView:
     seen_at: float
     instances: Mapping[str, InstanceView] = field(default_factory=dict)
     starting: frozenset[str] = frozenset()
+    kind: str = "cpu"
+    resident: frozenset[str] = frozenset()
+    """Artifacts whose weights this node keeps loaded with no instance."""
+    memory_budget_bytes: int = 0
+    memory_used_bytes: int = 0
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -26,6 +34,10 @@ class NodeView:
             seen_at=status.sent_at,
             instances={i.model: i for i in status.instances},
             starting=frozenset(status.starting),
+            kind=status.kind,
+            resident=frozenset(status.resident),
+            memory_budget_bytes=status.memory_budget_bytes,
+            memory_used_bytes=status.memory_used_bytes,
         )
 
 
@@ -72,6 +84,8 @@ def place(
     *,
     node_timeout_s: float,
     max_active_per_instance: int,
+    demand: Demand | None = None,
+    profiles: Mapping[str, Profile] | None = None,
 ) -> Decision:
     """Where a request for `model` goes. `starts_in_flight` maps model → node starting it."""
     live = live_nodes(nodes, now, node_timeout_s)
@@ -81,6 +95,21 @@ def place(
         return Rejected(
             code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0
         )
+    profiles = profiles or {}
+    if demand is not None and model in profiles:
+        # Shadow validation: join the first instance where nobody would miss an SLO...
+        for n in placement.join_order(live, model):
+            if n.instances[model].active < max_active_per_instance and placement.validate(
+                n, model, demand, profiles
+            ).ok:
+                return UseNode(n.node_id)
+        # ... else scale out where the model can start soonest and validates ...
+        for n in placement.start_order(
+            [n for n in live if model not in n.instances and model not in n.starting], profiles[model]
+        ):
+            if placement.validate(n, model, demand, profiles).ok:
+                return StartOn(n.node_id)
+        # ... else queue on the least busy instance (below), and the SLO may be missed.
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
@@ -92,8 +121,9 @@ def place(
                 retry_after_s=1.0,
             )
         return UseNode(node.node_id)
-    # Spread instances: the node running the fewest models (and starting the fewest) wins.
-    target = min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
+    # First instance: where it can start soonest (its weights resident), else spread.
+    order = placement.start_order(live, profiles.get(model))
+    target = order[0] if order else min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
     return StartOn(target.node_id)
 
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
 from services.scheduler import policy
+from services.scheduler.perf_book import PerfBook
+from services.scheduler.placement import Demand
 from services.scheduler.policy import AwaitStart, NodeView, StartOn, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -37,6 +41,12 @@ log = logging.getLogger(__name__)
 PLACEMENTS = Counter("tessera_scheduler_placements_total", "Placement decisions", ["outcome"])
 LIVE_NODES = Gauge("tessera_scheduler_live_nodes", "Engine nodes with a fresh heartbeat")
 SCALE_INS = Counter("tessera_scheduler_scale_to_zero_total", "Instances unloaded after keep-alive")
+PLACEMENT_LAG_S = 0.1
+"""Longest a placed request may take to reach its engine and show in a heartbeat."""
+PROFILED = Gauge("tessera_scheduler_profiled_models", "Registered models with a fitted performance model")
+SCALE_OUTS = Counter(
+    "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
+)
 
 
 class SchedulerService:
@@ -48,8 +58,13 @@ class SchedulerService:
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
         self._changed_at: dict[str, float] = {}
         self._last_placed: dict[tuple[str, str], float] = {}
+        self._placed: dict[tuple[str, str], list[float]] = {}
+        """When requests were placed on (node, model): counted until a heartbeat covers them."""
         self._starts: dict[str, tuple[str, asyncio.Task[InstanceReady | Rejected]]] = {}
         self._keepalive: asyncio.Task[None] | None = None
+        self.perf = PerfBook()
+        self._records: dict[str, ModelRecord] = {}
+        """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.place(), self.on_place, queue=subjects.SCHEDULER_QUEUE)
@@ -68,6 +83,10 @@ class SchedulerService:
 
     async def on_heartbeat(self, msg: Msg) -> None:
         status = decode(msg.data, NodeStatus)
+        for report in status.perf:
+            self.perf.report(status.node_id, status.kind, report)
+        if status.perf:
+            PROFILED.set(len(self.perf.profiles(self._records.values())))
         if status.sent_at < self._changed_at.get(status.node_id, 0.0):
             return
         self.nodes[status.node_id] = NodeView.from_status(status)
@@ -119,27 +138,56 @@ class SchedulerService:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
+        self._records[record.name] = record
         decision = policy.place(
             req.model,
-            self.nodes.values(),
+            self._view(time.time()),
             {m: node for m, (node, _) in self._starts.items()},
             time.time(),
             node_timeout_s=self.settings.node_timeout_s,
             max_active_per_instance=self.settings.max_active_per_instance,
+            demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
+            profiles=self.perf.profiles(self._records.values()),
         )
+        if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
+            SCALE_OUTS.inc()
+            log.info("scale-out of %s to %s: no running instance validates", req.model, decision.node_id,
+                     extra={"model": req.model})
         match decision:
             case UseNode(node_id):
                 self._last_placed[(node_id, req.model)] = time.time()
+                self._placed.setdefault((node_id, req.model), []).append(time.time())
                 return Placement(request_id=req.request_id, node_id=node_id, cold_start=False)
             case AwaitStart(node_id) | StartOn(node_id):
                 ready = await self._ensure_started(record, node_id)
                 if isinstance(ready, Rejected):
                     return ready
                 self._last_placed[(ready.node_id, req.model)] = time.time()
+                self._placed.setdefault((ready.node_id, req.model), []).append(time.time())
                 return Placement(request_id=req.request_id, node_id=ready.node_id, cold_start=True)
             case Rejected():
                 return decision
         raise AssertionError(decision)
+
+    def _view(self, now: float) -> list[NodeView]:
+        """The heartbeats' view plus the placements made since each was sent: requests
+        placed a moment ago are queued on their instance even if no heartbeat says so yet."""
+        out = []
+        for n in self.nodes.values():
+            extra: dict[str, int] = {}
+            for model in n.instances:
+                times = self._placed.get((n.node_id, model), [])
+                # Older than the heartbeat (and the time a request takes to reach the engine):
+                # the heartbeat counts it, or it is over.
+                times[:] = [t for t in times if t > n.seen_at - PLACEMENT_LAG_S and t > now - 60]
+                if times:
+                    extra[model] = len(times)
+            if extra:
+                instances = {m: (msgspec.structs.replace(i, active=i.active + extra[m]) if m in extra else i)
+                             for m, i in n.instances.items()}
+                n = dataclasses.replace(n, instances=instances)
+            out.append(n)
+        return out
 
     async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         """Every request that needs the model while it starts waits for the same start."""
@@ -181,7 +229,9 @@ class SchedulerService:
             await asyncio.sleep(self.settings.keep_alive_check_s)
 
     async def scale_in_idle(self) -> None:
-        keep = {r.name: r.keep_alive_s for r in await self.registry.all()}
+        records = await self.registry.all()
+        self._records = {r.name: r for r in records}
+        keep = {r.name: r.keep_alive_s for r in records}
         now = time.time()
         live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
         for order in policy.idle_instances(live, keep, self._last_placed, now):

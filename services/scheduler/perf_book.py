@@ -1,0 +1,64 @@
+"""The scheduler's book of measurements: what the engines report, and the performance models
+fitted from it (LLM-Mesh §5.2), per artifact and kind of node.
+
+Engines send their recent prefills and decode iterations with every heartbeat. Lengths are
+grouped to the nearest power of two before fitting, as §5.2 samples them: measured lengths
+are arbitrary, and interpolating between two close, noisy points would extrapolate wildly.
+A model is refitted only when a report changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
+from services.scheduler.placement import Profile
+from shared.messages import ModelRecord, PerfReport
+
+
+def _bucket(length: float) -> int:
+    return 1 << max(0, round(math.log2(max(length, 1.0))))
+
+
+class PerfBook:
+    def __init__(self) -> None:
+        self._reports: dict[tuple[str, str], dict[str, PerfReport]] = {}
+        """(artifact, node kind) → node → its latest report."""
+        self._models: dict[tuple[str, str], PerfModel | None] = {}
+
+    def report(self, node_id: str, kind: str, report: PerfReport) -> None:
+        key = (report.artifact_id, kind)
+        by_node = self._reports.setdefault(key, {})
+        if by_node.get(node_id) != report:
+            by_node[node_id] = report
+            self._models.pop(key, None)
+
+    def model(self, artifact_id: str, kind: str = "cpu") -> PerfModel | None:
+        key = (artifact_id, kind)
+        if key not in self._models:
+            self._models[key] = self._fit(self._reports.get(key, {}).values())
+        return self._models[key]
+
+    @staticmethod
+    def _fit(reports: Iterable[PerfReport]) -> PerfModel | None:
+        prefill: list[PrefillSample] = []
+        decode: list[DecodeSample] = []
+        for r in reports:
+            prefill += [PrefillSample(_bucket(n), s) for n, s in r.prefill]
+            decode += [DecodeSample(1, _bucket(n), s) for b, n, s in r.decode if b == 1]
+        if not prefill or not decode:
+            return None
+        return PerfModel.fit(prefill, decode)
+
+    def profiles(self, records: Iterable[ModelRecord], kind: str = "cpu") -> dict[str, Profile]:
+        """A profile for every registered model whose artifact has been measured."""
+        out = {}
+        for r in records:
+            perf = self.model(r.artifact.artifact_id, kind)
+            if perf is not None:
+                out[r.name] = Profile(
+                    perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
+                    r.artifact.kv_bytes_per_token * r.artifact.context_length,
+                )
+        return out

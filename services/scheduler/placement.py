@@ -1,0 +1,153 @@
+"""SLO-aware placement: shadow validation (LLM-Mesh §5.3) for the engine as it runs, and
+affinity for scale-out (Tangram §3.4).
+
+The engine runs one sequence at a time per instance (a worker process), and the instances of
+a node decode at the same time on its cores. So, for a request joining an instance:
+
+1. it waits for the requests ahead of it on that instance to finish, then prefills: that must
+   fit in its TTFT SLO (LLM-Mesh's case 1, "the new request misses");
+2. while it decodes, every instance decoding on the node takes one iteration per round on
+   shared cores: the round must fit in the tightest TPOT SLO among them (case 3, "a decode
+   round exceeds the TPOT"; it is also what protects the requests already there, case 2).
+
+Every predicted time is taken 10 % longer (§5.3's overestimate). Times come from a
+performance model per model fitted from the engine's measurements (§5.2, `perf_model.py`).
+Candidates are tried CPU nodes first, then the busiest instance first (§7.2: bin-packing
+lets small instances drain, and scale-in can take them). When none validates, a scale-out
+goes to the node that can start the model soonest: the one that still holds its weights
+(Tangram's reusable tensors), else the one with the most room.
+
+Pure: the cluster view, the model profiles and a demand in; a decision out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from services.scheduler.affinity import Offer, rank_nodes
+from services.scheduler.perf_model import PerfModel
+
+if TYPE_CHECKING:
+    from services.scheduler.policy import NodeView
+
+OVERESTIMATE = 1.1
+TYPICAL_COMPLETION_TOKENS = 128
+"""What a request ahead in the queue is assumed to generate when nothing better is known:
+`max_tokens` defaults to the whole context, which would make every queue look endless."""
+LOAD_BANDWIDTH_BPS = 1e9
+"""Bytes per second a start reads weights at (store or host cache): only ranks nodes."""
+KIND_ORDER = ("cpu", "gpu")
+
+
+class Failure(StrEnum):
+    NEW_LATE = "new_request_late"
+    ROUND_TOO_LONG = "decode_round_exceeds_tpot"
+    NO_PROFILE = "no_performance_model"
+
+
+@dataclass(frozen=True)
+class Demand:
+    prompt_tokens: int
+    max_tokens: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What placement knows of a model: its performance, SLOs and footprint."""
+
+    perf: PerfModel
+    ttft_slo_s: float
+    tpot_slo_s: float
+    artifact_id: str = ""
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    failure: Failure | None = None
+    ttft_s: float = 0.0
+    round_s: float = 0.0
+
+
+def _tokens(max_tokens: int) -> int:
+    return max(1, min(max_tokens, TYPICAL_COMPLETION_TOKENS))
+
+
+def service_s(perf: PerfModel, prompt_tokens: int, tokens: int) -> float:
+    """One request from prefill to its last token, alone on its instance."""
+    return perf.prefill_s(prompt_tokens) + max(tokens - 1, 0) * perf.decode_s(1, prompt_tokens + tokens / 2)
+
+
+def validate(
+    node: NodeView,
+    model: str,
+    demand: Demand,
+    profiles: Mapping[str, Profile],
+    overestimate: float = OVERESTIMATE,
+) -> Verdict:
+    """Whether a request for `model` may join its instance on `node` (or a new instance there,
+    if it has none) without anyone on the node missing an SLO."""
+    own = profiles.get(model)
+    if own is None:
+        return Verdict(False, Failure.NO_PROFILE)
+    perf = own.perf
+    tokens = _tokens(demand.max_tokens)
+    inst = node.instances.get(model)
+    ahead = inst.active if inst is not None else 0
+    ttft = overestimate * (ahead * service_s(perf, demand.prompt_tokens, tokens) + perf.prefill_s(demand.prompt_tokens))
+    if ttft > demand.ttft_slo_s:
+        return Verdict(False, Failure.NEW_LATE, ttft)
+    length = demand.prompt_tokens + tokens / 2
+    round_s = perf.decode_s(1, length)
+    tightest = demand.tpot_slo_s
+    for other, view in node.instances.items():
+        if other == model or view.active == 0:
+            continue
+        p = profiles.get(other)
+        if p is None:
+            continue  # unknown to us (just registered, never measured): nothing to weigh
+        round_s += p.perf.decode_s(1, length)
+        tightest = min(tightest, p.tpot_slo_s)
+    round_s *= overestimate
+    if round_s > tightest:
+        return Verdict(False, Failure.ROUND_TOO_LONG, ttft, round_s)
+    return Verdict(True, None, ttft, round_s)
+
+
+def kind_rank(kind: str) -> int:
+    return KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
+
+
+def join_order(nodes: Iterable[NodeView], model: str) -> list[NodeView]:
+    """Nodes running `model`, in the order shadow validation tries them: CPU first, then the
+    busiest instance first."""
+    running = [n for n in nodes if model in n.instances]
+    return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, n.node_id))
+
+
+def start_order(nodes: Iterable[NodeView], profile: Profile | None) -> list[NodeView]:
+    """Nodes that could start the model, best first: CPU first, then the soonest start (its
+    weights still resident there: Tangram's affinity), then the fewest instances (they share
+    the node's cores), then the tightest fit. A node whose memory is known to be too small is
+    left out."""
+    nodes = list(nodes)
+    if profile is None:
+        return sorted(nodes, key=lambda n: (kind_rank(n.kind), len(n.instances) + len(n.starting), n.node_id))
+    offers = []
+    for n in nodes:
+        free = n.memory_budget_bytes - n.memory_used_bytes if n.memory_budget_bytes else 1 << 62
+        reusable = profile.weight_bytes if profile.artifact_id in n.resident else 0
+        offers.append(Offer(n.node_id, n.kind, max(free, 0), reusable, LOAD_BANDWIDTH_BPS))
+    fits = {c.node_id: c for c in rank_nodes(profile.weight_bytes, profile.weight_bytes + profile.kv_bytes, offers)}
+    by_id = {o.node_id: o for o in offers}
+    feasible = [n for n in nodes if n.node_id in fits]
+    return sorted(feasible, key=lambda n: (
+        kind_rank(n.kind), round(fits[n.node_id].load_s, 3), -by_id[n.node_id].reusable_bytes,
+        len(n.instances) + len(n.starting), by_id[n.node_id].free_bytes, n.node_id))

@@ -1,0 +1,63 @@
+"""Two nodes: the engines report measurements, the scheduler fits a performance model, and
+when a request would miss its TTFT SLO queued behind the running instance (shadow
+validation), the model scales out to the other node. Every request completes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.localcluster import LocalCluster, default_model_path
+from tests.conftest import TEST_ENV
+from tests.helpers.cluster import metric, wait_for
+
+NAME = "tight-ttft"
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(home=tmp_path_factory.mktemp("two"), env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
+                     store=model_store, nodes=2)
+    c.start(timeout_s=120)
+    try:
+        r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
+            "name": NAME, "source": str(default_model_path()), "keep_alive_s": 600.0,
+            # A request may wait about one other ahead of it: a queue of three must scale out.
+            "ttft_slo_s": 1.5, "tpot_slo_s": 0.2,
+        })
+        assert r.status_code == 201, r.text
+        yield c
+    finally:
+        c.stop()
+
+
+def nodes_running(cluster: LocalCluster, model: str) -> set[str]:
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    return {n["node_id"] for n in status["nodes"] for i in n["instances"] if i["model"] == model}
+
+
+async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node(two_nodes: LocalCluster) -> None:
+    cluster = two_nodes
+    client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def ask(tokens: int) -> str:
+        r = await client.completions.create(model=NAME, prompt="Write a story about a cat.", max_tokens=tokens,
+                                            extra_body={"ignore_eos": True})
+        return r.choices[0].finish_reason
+
+    # Measurements first: the engine reports prefill and decode times with its heartbeat.
+    for _ in range(2):
+        assert await ask(24) == "length"
+    assert len(nodes_running(cluster, NAME)) == 1
+    wait_for(lambda: metric(cluster, "scheduler", "tessera_scheduler_profiled_models") >= 1, 10,
+             "the scheduler to fit a performance model")
+    before = metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total")
+    results = await asyncio.gather(*(ask(48) for _ in range(4)))
+    assert results == ["length"] * 4
+    assert metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total") >= before + 1
+    assert nodes_running(cluster, NAME) == {"node-0", "node-1"}

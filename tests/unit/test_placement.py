@@ -1,0 +1,102 @@
+"""SLO-aware placement: shadow validation on the engine as it runs, scale-out by affinity."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.perf_book import PerfBook
+from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
+from services.scheduler.placement import Demand, Failure, Profile, service_s, start_order, validate
+from services.scheduler.policy import NodeView, StartOn, UseNode, place
+from shared.messages import Artifact, InstanceView, ModelRecord, PerfReport
+
+NOW = 1000.0
+# 2 ms per prompt token, 20 ms per decode iteration (flat in length): easy to add up by hand.
+PERF = PerfModel.fit([PrefillSample(1, 0.002), PrefillSample(1000, 2.0)],
+                     [DecodeSample(1, 1, 0.02), DecodeSample(1, 1000, 0.02)])
+
+
+def profile(ttft: float = 2.0, tpot: float = 0.1, aid: str = "a1") -> Profile:
+    return Profile(PERF, ttft, tpot, aid, weight_bytes=100, kv_bytes=10)
+
+
+def node(node_id: str, *instances: InstanceView, resident: frozenset[str] = frozenset(), kind: str = "cpu",
+         budget: int = 0, used: int = 0) -> NodeView:
+    return NodeView(node_id, NOW, {i.model: i for i in instances}, frozenset(), kind, resident, budget, used)
+
+
+def inst(model: str, active: int) -> InstanceView:
+    return InstanceView(model=model, active=active, last_used=NOW, loaded_at=NOW - 10)
+
+
+def demand(prompt: int = 100, max_tokens: int = 50, ttft: float = 2.0, tpot: float = 0.1) -> Demand:
+    return Demand(prompt, max_tokens, ttft, tpot)
+
+
+def test_service_time_is_prefill_plus_decode_iterations() -> None:
+    # 100 prompt tokens: 0.2 s; 49 more tokens at 20 ms: 0.98 s.
+    assert service_s(PERF, 100, 50) == pytest.approx(0.2 + 49 * 0.02, rel=1e-3)
+
+
+def test_a_request_joins_when_its_wait_and_prefill_fit_its_ttft() -> None:
+    v = validate(node("n", inst("m", active=1)), "m", demand(), {"m": profile()})
+    # One request ahead (1.18 s) then its own prefill (0.2 s), 10 % over: 1.518 s < 2 s.
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * (1.18 + 0.2), rel=1e-3)
+
+
+def test_a_long_queue_fails_the_new_requests_ttft() -> None:
+    v = validate(node("n", inst("m", active=2)), "m", demand(), {"m": profile()})
+    assert not v.ok and v.failure == Failure.NEW_LATE  # 1.1 * (2 * 1.18 + 0.2) = 2.8 s > 2 s
+
+
+def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
+    # Five instances decoding on the node: a round of 6 iterations is 0.132 s, over 0.1 s.
+    busy = [inst(f"o{i}", active=1) for i in range(5)]
+    profiles = {"m": profile(tpot=1.0), **{f"o{i}": profile(tpot=0.1) for i in range(5)}}
+    v = validate(node("n", *busy), "m", demand(tpot=1.0), profiles)
+    assert not v.ok and v.failure == Failure.ROUND_TOO_LONG
+    assert v.round_s == pytest.approx(1.1 * 6 * 0.02)
+
+
+def test_place_scales_out_to_where_the_weights_are_resident_when_no_instance_validates() -> None:
+    nodes = [node("a", inst("m", active=3)), node("b"), node("c", resident=frozenset({"a1"}))]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(), profiles={"m": profile()})
+    assert d == StartOn("c")
+
+
+def test_place_tries_the_busiest_validating_instance_first() -> None:
+    nodes = [node("a", inst("m", active=0)), node("b", inst("m", active=1))]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(), profiles={"m": profile()})
+    assert d == UseNode("b")
+
+
+def test_place_queues_on_the_least_busy_instance_when_nothing_validates_and_no_node_is_free() -> None:
+    nodes = [node("a", inst("m", active=3)), node("b", inst("m", active=2))]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(), profiles={"m": profile()})
+    assert d == UseNode("b")
+
+
+def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_room() -> None:
+    nodes = [node("gpu", kind="gpu", resident=frozenset({"a1"})), node("full", budget=100, used=95),
+             node("cpu1", inst("x", 0)), node("cpu2", resident=frozenset({"a1"}), budget=1000, used=900)]
+    assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
+
+
+def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:
+    book = PerfBook()
+    assert book.model("a1") is None
+    book.report("n0", "cpu", PerfReport("a1", prefill=((30, 0.06), (34, 0.07)), decode=((1, 60, 0.015),)))
+    book.report("n1", "cpu", PerfReport("a1", prefill=((500, 1.0),), decode=((1, 70, 0.017),)))
+    perf = book.model("a1")
+    assert perf is not None
+    assert perf.prefill_s(32) == pytest.approx(0.065)  # 30 and 34 both count as 32
+    assert perf.decode_s(1, 64) == pytest.approx(0.016)
+    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
+                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
+                                                         context_length=100, kv_bytes_per_token=2,
+                                                         weight_bytes=5))
+    (p,) = book.profiles([record]).values()
+    assert p.kv_bytes == 200 and p.weight_bytes == 5 and p.tpot_slo_s == 0.1
