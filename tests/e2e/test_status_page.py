@@ -1,0 +1,139 @@
+"""The status page (/ui) in a real headless Chromium against a real cluster with auth on: it asks
+for the admin key, then shows the model, the instance with its tier and worker pid, the cold
+start as a bar stacked by phase, and the TTFT of a request made while it is open.
+
+Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`,
+about 120 MB to download) and selenium from the `test` extra; skipped when the browser or its
+driver is missing. Selenium Manager is never used: it downloads drivers, and nothing can be
+downloaded here. The screenshot goes to bench/results/status_page.png.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+from tests.conftest import start_cluster
+from tests.helpers.cluster import wait_for
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+CHROMEDRIVER = shutil.which("chromedriver")
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="headless Chromium is not installed (apt-get install -y chromium chromium-driver)",
+)
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+By = pytest.importorskip("selenium.webdriver.common.by").By
+
+SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "status_page.png"
+PHASE_NAMES = {"init", "load", "profile", "prefill", "other"}
+PAGE_TIMEOUT_S = 30.0
+"""The page polls every 2 s; a few polls at most, with room for a loaded 2-core machine."""
+
+
+@pytest.fixture(scope="module")
+def auth_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("ui"), model_store, auth=True)
+    try:
+        c.register_default_model()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    # --no-sandbox: the tests may run as root in a container, where Chromium's sandbox cannot start.
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def chat(cluster: LocalCluster) -> None:
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", headers=cluster.admin_headers, timeout=300,
+                   json={"model": DEFAULT_MODEL_NAME, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+
+
+def admin_get(cluster: LocalCluster, path: str) -> Any:
+    r = httpx.get(f"{cluster.base_url}{path}", headers=cluster.admin_headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_and_ttft(
+    auth_cluster: LocalCluster, browser: Any
+) -> None:
+    cluster, driver = auth_cluster, browser
+    chat(cluster)  # nothing runs yet: this request cold-starts the model
+    # The engine publishes the record once the first token is out; it is stored a moment later.
+    start = wait_for(lambda: next((s for s in admin_get(cluster, "/admin/coldstarts")
+                                   if s["model"] == DEFAULT_MODEL_NAME), None), 30, "the cold-start record")
+    nodes = admin_get(cluster, "/admin/instances")["nodes"]
+    instance = next(i for n in nodes for i in n["instances"] if i["model"] == DEFAULT_MODEL_NAME)
+
+    page = httpx.get(f"{cluster.base_url}/ui", timeout=10)
+    assert page.status_code == 200, "no /ui: create_app must include services.gateway.ui.ui_router"
+    # The page is open; its data is not.
+    assert httpx.get(f"{cluster.base_url}/ui/api/summary", timeout=10).status_code == 401
+
+    def visible(css: str) -> Any:
+        found = driver.find_elements(By.CSS_SELECTOR, css)
+        return found[0] if found and found[0].is_displayed() else None
+
+    driver.get(f"{cluster.base_url}/ui")
+    key_input = wait_for(lambda: visible("#key-input"), PAGE_TIMEOUT_S, "the page to ask for the admin key")
+    assert driver.find_element(By.ID, "state").get_attribute("data-state") == "key"
+    key_input.send_keys(cluster.admin_key)
+    driver.find_element(By.CSS_SELECTOR, "#key-form button[type=submit]").click()
+
+    row = wait_for(lambda: visible(f'#models tr[data-model="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
+                   "the model in the models table")
+    assert driver.find_element(By.ID, "state").get_attribute("data-state") == "ok"
+    assert "running on node-0" in row.text
+
+    inst = wait_for(lambda: visible(f'#nodes tr[data-instance="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
+                    "the instance in its node's table")
+    assert inst.find_element(By.CSS_SELECTOR, ".pid").text == str(instance["worker_pid"])
+    # The worker may tier up between the two reads; it stays the same process.
+    assert inst.find_element(By.CSS_SELECTOR, ".tier").text in ("start", "steady")
+
+    bar = wait_for(lambda: visible(f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
+                   "a cold-start bar")
+    assert bar.get_attribute("data-source") == start["source"]
+    rects = bar.find_elements(By.CSS_SELECTOR, "rect")
+    shown = {r.get_attribute("data-phase"): float(r.get_attribute("data-seconds")) for r in rects}
+    assert {"load", "prefill"} <= set(shown) <= PHASE_NAMES, shown
+    assert shown["load"] == pytest.approx(start["phases"]["load_s"])
+    # The stack is the whole start: the four phases and what the record's total holds beyond them.
+    assert sum(shown.values()) == pytest.approx(start["total_s"], rel=1e-6)
+    heights = [float(r.get_attribute("height")) for r in rects]
+    assert all(h > 0 for h in heights)
+
+    # Live: a request made while the page is open shows up as a TTFT point.
+    chat(cluster)
+    wait_for(lambda: int(driver.find_element(By.ID, "ttft-chart").get_attribute("data-points") or 0) >= 1,
+             PAGE_TIMEOUT_S, "a TTFT point for the request made while the page is open")
+    assert driver.find_elements(By.CSS_SELECTOR, '#ttft-chart circle[data-quantile="p99"]')
+
+    # The whole page in one image: a viewport as tall as the document.
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": 1400, "height": int(height), "deviceScaleFactor": 1, "mobile": False})
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(SCREENSHOT))
