@@ -182,6 +182,9 @@ class LocalCluster:
     admin_key: str | None = None
     """With auth on: given, or the one saved under `home` by an earlier run, or generated; saved
     under `home` (mode 0600) so that the CLI finds it."""
+    node_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Extra settings per node id (`node-0`, …) for its node services: each node its own
+    memory budget (`TESSERA_MEMORY_BUDGET_BYTES`) and cores (`TESSERA_CPU_CORES`)."""
     procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -239,6 +242,7 @@ class LocalCluster:
             PYTHONUNBUFFERED="1",
         )
         env.update(self.env)
+        env.update(self.node_env.get(node_id, {}))
         return env
 
     def _define(self) -> None:

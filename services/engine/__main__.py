@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from services.engine.service import EngineService
-from services.engine.settings import EngineSettings
+from services.engine.settings import EngineSettings, parse_cores
 from shared.health import health_app
 from shared.logs import setup_logging
 from shared.runtime import ServiceRuntime
@@ -14,6 +15,9 @@ from shared.runtime import ServiceRuntime
 async def main() -> None:
     settings = EngineSettings()
     setup_logging("engine", settings.log_level)
+    if settings.cpu_cores:
+        # Workers are spawned from this process and inherit its cores.
+        os.sched_setaffinity(0, parse_cores(settings.cpu_cores))
     async with ServiceRuntime("engine", settings) as rt:
         engine = EngineService(settings, rt.bus)
         await engine.start()

@@ -11,6 +11,9 @@ class EngineSettings(CommonSettings):
     """Latest time after a start took a warm worker that its replacement begins warming (it
     begins as soon as that start has its first token)."""
     load_timeout_s: float = 300.0
+    cpu_cores: str = ""
+    """The node's cores (`0-1,3`), applied to the engine and so to its workers; empty: all.
+    Nodes sharing a machine get their own core share this way."""
     start_cpu_share: float = 1.0
     """Share of the node's cores a start may use while other instances are generating.
     1.0 (no bound) by default: on 2 cores, bench/nostall.py measured a 0.5 share hurting the
@@ -31,3 +34,17 @@ class EngineSettings(CommonSettings):
     tier-up takes ≈ 1 core-second; doing it while idle keeps it off every request's path)."""
     stream_interval_s: float = 0.03
     """Text produced within this interval travels as one message (the first piece at once)."""
+
+
+def parse_cores(spec: str) -> set[int]:
+    """`0-1,3` → {0, 1, 3}."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    if not cores:
+        raise ValueError(f"no cores in {spec!r}")
+    return cores

@@ -128,6 +128,7 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         return await _complete(gateway, quotas, who, req, chat=False)
 
     app.include_router(_admin_routes(admin))
+    app.include_router(ui_router(admin, _admin_caller))
     return app
 
 

@@ -17,12 +17,15 @@ from tests.conftest import TEST_ENV
 from tests.helpers.cluster import metric, wait_for
 
 NAME = "tight-ttft"
+NODE1_BUDGET = 3 * 1024**3
 
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    # node-1 is its own share of the machine: one core, a smaller memory budget.
     c = LocalCluster(home=tmp_path_factory.mktemp("two"), env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
-                     store=model_store, nodes=2)
+                     store=model_store, nodes=2,
+                     node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}})
     c.start(timeout_s=120)
     try:
         r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
@@ -61,3 +64,11 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     assert results == ["length"] * 4
     assert metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total") >= before + 1
     assert nodes_running(cluster, NAME) == {"node-0", "node-1"}
+    # Each node has its own memory budget and cores; node-1's worker runs on its one core.
+    assert metric(cluster, "memory_manager@node-1", "tessera_memory_budget_bytes") == NODE1_BUDGET
+    assert metric(cluster, "memory_manager@node-0", "tessera_memory_budget_bytes") != NODE1_BUDGET
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    (pid,) = [i["worker_pid"] for n in status["nodes"] if n["node_id"] == "node-1" for i in n["instances"]]
+    allowed = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("Cpus_allowed_list"))
+    assert allowed.split()[-1] == "1"

@@ -100,3 +100,12 @@ def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:
                                                          weight_bytes=5))
     (p,) = book.profiles([record]).values()
     assert p.kv_bytes == 200 and p.weight_bytes == 5 and p.tpot_slo_s == 0.1
+
+
+def test_a_nodes_cores_are_read_from_a_cpu_list() -> None:
+    from services.engine.settings import parse_cores
+
+    assert parse_cores("0-2,5") == {0, 1, 2, 5}
+    assert parse_cores("1") == {1}
+    with pytest.raises(ValueError):
+        parse_cores(" , ")
