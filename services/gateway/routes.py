@@ -31,6 +31,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.ratelimit import retry_after_header
 from services.gateway.serving import REJECTED, Gateway, Generation
+from services.gateway.ui import ui_router
 from shared.errors import OPENAI_TYPE, TesseraError
 from shared.health import Readiness, health_routes
 from shared.messages import Finished
