@@ -5,13 +5,14 @@
 One run starts a local cluster in a temporary home, registers SmolLM2-135M-Instruct with a
 1-second keep-alive (so the scheduler scales it to zero between requests), and measures:
 
-- `tessera_cold_ttft_s`: request sent → first SSE content token, the model scaled to zero with
-  its compiled weights still resident in the engine (median of `--trials`; each trial's value
-  in `tessera_cold_ttft_trials_s`, its start's `source` in `tessera_cold_sources`), and the
-  median phases of those cold starts as the engine recorded them (`GET /admin/coldstarts`);
-- `tessera_cold_host_ttft_s`, `tessera_host_phases`: the same, but after each scale to zero
-  the worker's resident compiled model is evicted (`POST /admin/cache/evict?tier=resident`),
-  so the start stages the blob from the loader's host cache (`source: "host"`);
+- `tessera_cold_ttft_s` (= `tessera_cold_host_ttft_s`, the issue's "host-cache hit"): request
+  sent → first SSE content token, the model scaled to zero and its worker evicted
+  (`POST /admin/cache/evict?tier=resident`), so the start stages the blob from the loader's
+  host cache (`source: "host"`); its median phases in `tessera_host_phases`, and the split of
+  Load into the loader's answer (`tessera_host_stage_s`) and the worker's import
+  (`tessera_host_worker_load_s`);
+- `tessera_cold_resident_ttft_s`: the same with the compiled weights still resident in an idle
+  worker (`source: "resident"`, a tier above the host cache; `tessera_resident_phases`);
 - `tessera_cold_disk_ttft_s`, `tessera_disk_phases`: the same, but every cache is dropped
   after each scale to zero (`POST /admin/cache/evict?tier=all`: the resident model, the
   loader's host cache, and the store files from the OS page cache), so the start reads the
@@ -471,12 +472,14 @@ def targets(t_cold: float, t_host: float, t_disk: float, l_cold: float, o_cold: 
     def at_least(value: float, target: float) -> dict[str, Any]:
         return {"value": value, "target": f">= {target}", "pass": value >= target}
 
+    # The issue's `tessera_cold_ttft_s` is the host-cache hit; scaled to zero with the weights
+    # still resident in a worker is a tier above it, reported beside.
     return {
-        "cold_ttft_ratio_vs_llamacpp": at_most(t_cold / l_cold, 1.0, stretch=0.5),
-        "naive_over_tessera_cold": at_least(o_cold / t_cold, 10.0),
-        "host_ratio_vs_llamacpp": at_most(t_host / l_cold, 1.0),
+        "cold_ttft_ratio_vs_llamacpp": at_most(t_host / l_cold, 1.0, stretch=0.5),
+        "naive_over_tessera_cold": at_least(o_cold / t_host, 10.0),
+        "resident_ratio_vs_llamacpp": at_most(t_cold / l_cold, 1.0, stretch=0.5),
         "disk_ratio_vs_llamacpp": at_most(t_disk / l_cold, 2.0),
-        "host_ratio_vs_llamacpp_side_by_side": at_most(side_host, 1.0),
+        "host_ratio_vs_llamacpp_side_by_side": at_most(side_host, 1.0, stretch=0.5),
         "disk_ratio_vs_llamacpp_side_by_side": at_most(side_disk, 2.0),
         "warm_ttft_ratio_vs_inproc": at_most(warm_ratio, 1.2),
         "decode_ratio_vs_inproc": at_least(decode_ratio, 0.9),
@@ -504,9 +507,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     lp = result["llamacpp_phase_runs"][median_index(result["llamacpp_cold_ttft_runs_s"])]
     op = result["openvino_naive_phase_runs"][median_index(result["openvino_naive_cold_ttft_runs_s"])]
     systems = [
-        ("Tessera, scaled to zero\n(resident)", result["tessera_cold_ttft_s"],
-         tessera_parts(result["tessera_cold_ttft_trials_s"], result["tessera_phase_trials_s"])),
-        ("Tessera, worker evicted\n(host cache)", result["tessera_cold_host_ttft_s"],
+        ("Tessera, scaled to zero\n(weights resident)", result["tessera_cold_resident_ttft_s"],
+         tessera_parts(result["tessera_cold_resident_ttft_trials_s"], result["tessera_resident_phase_trials_s"])),
+        ("Tessera, worker evicted\n(host-cache hit)", result["tessera_cold_host_ttft_s"],
          tessera_parts(result["tessera_cold_host_ttft_trials_s"], result["tessera_host_phase_trials_s"])),
         ("Tessera, all caches dropped\n(from disk)", result["tessera_cold_disk_ttft_s"],
          tessera_parts(result["tessera_cold_disk_ttft_trials_s"], result["tessera_disk_phase_trials_s"])),
@@ -576,15 +579,16 @@ def main(argv: list[str] | None = None) -> int:
     o_decode = median([r["decode_tok_s"] for r in ov])
     result: dict[str, Any] = {
         "model": gguf.name,
-        "tessera_cold_ttft_s": t_cold,
-        "tessera_cold_ttft_trials_s": tessera["cold_ttft_trials_s"],
-        "tessera_cold_sources": tessera["cold_sources"],
-        "tessera_cold_loaded_from_cache": tessera["cold_loaded_from_cache"],
-        "tessera_phases": tessera["phases"],
-        "tessera_phase_trials_s": tessera["phase_trials"],
-        "tessera_stack_overhead_s": median(tessera["overhead_trials_s"]),
-        "tessera_stack_overhead_trials_s": tessera["overhead_trials_s"],
-        "tessera_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
+        "tessera_cold_ttft_s": t_host,
+        "tessera_cold_resident_ttft_s": t_cold,
+        "tessera_cold_resident_ttft_trials_s": tessera["cold_ttft_trials_s"],
+        "tessera_cold_resident_sources": tessera["cold_sources"],
+        "tessera_cold_resident_loaded_from_cache": tessera["cold_loaded_from_cache"],
+        "tessera_resident_phases": tessera["phases"],
+        "tessera_resident_phase_trials_s": tessera["phase_trials"],
+        "tessera_resident_stack_overhead_s": median(tessera["overhead_trials_s"]),
+        "tessera_resident_stack_overhead_trials_s": tessera["overhead_trials_s"],
+        "tessera_resident_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
         "tessera_cold_host_ttft_s": t_host,
         "tessera_cold_host_ttft_trials_s": tessera["host"]["ttft_trials_s"],
         "tessera_cold_host_sources": tessera["host"]["sources"],
@@ -637,9 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         "openvino_inproc_ttft_s": o_warm,
         "openvino_inproc_decode_tok_s": o_decode,
         "openvino_inproc_decode_runs_tok_s": [r["decode_tok_s"] for r in ov],
-        "cold_ttft_ratio_vs_llamacpp": t_cold / l_cold,
-        "naive_over_tessera_cold": o_cold / t_cold,
-        "host_ratio_vs_llamacpp": t_host / l_cold,
+        "cold_ttft_ratio_vs_llamacpp": t_host / l_cold,
+        "naive_over_tessera_cold": o_cold / t_host,
+        "resident_ratio_vs_llamacpp": t_cold / l_cold,
         "disk_ratio_vs_llamacpp": t_disk / l_cold,
         "warm_ttft_ratio_vs_inproc": tessera["side_by_side"]["warm_ttft_ratio"],
         "decode_ratio_vs_inproc": tessera["side_by_side"]["decode_ratio"],

@@ -86,8 +86,13 @@ def place(
     max_active_per_instance: int,
     demand: Demand | None = None,
     profiles: Mapping[str, Profile] | None = None,
+    exclusive: bool = False,
 ) -> Decision:
-    """Where a request for `model` goes. `starts_in_flight` maps model → node starting it."""
+    """Where a request for `model` goes. `starts_in_flight` maps model → node starting it.
+
+    `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
+    has its node to itself, requests queue on the model's one instance, and a model with no
+    instance starts only on a node running nothing."""
     live = live_nodes(nodes, now, node_timeout_s)
     if model in starts_in_flight:
         return AwaitStart(starts_in_flight[model])
@@ -96,6 +101,8 @@ def place(
             code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0
         )
     profiles = profiles or {}
+    if exclusive:
+        return _place_exclusive(model, live, max_active_per_instance)
     if demand is not None and model in profiles:
         # Shadow validation: join the first instance where nobody would miss an SLO...
         for n in placement.join_order(live, model):
@@ -125,6 +132,21 @@ def place(
     order = placement.start_order(live, profiles.get(model))
     target = order[0] if order else min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
     return StartOn(target.node_id)
+
+
+def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: int) -> Decision:
+    running = [(n, n.instances[model]) for n in live if model in n.instances]
+    if running:
+        node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
+        if inst.active >= max_active_per_instance:
+            return Rejected(code=ErrorCode.OVERLOADED, message=f"model {model!r} is at its limit of "
+                            f"{max_active_per_instance} concurrent requests; retry shortly", retry_after_s=1.0)
+        return UseNode(node.node_id)
+    free = [n for n in live if not n.instances and not n.starting]
+    if not free:
+        return Rejected(code=ErrorCode.NO_CAPACITY, message="every node is taken by another model's "
+                        "instance (exclusive placement); retry shortly", retry_after_s=1.0)
+    return StartOn(min(free, key=lambda n: n.node_id).node_id)
 
 
 def idle_instances(

@@ -148,6 +148,7 @@ class SchedulerService:
             max_active_per_instance=self.settings.max_active_per_instance,
             demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
             profiles=self.perf.profiles(self._records.values()),
+            exclusive=self.settings.placement == "exclusive",
         )
         if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
             SCALE_OUTS.inc()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from shared.settings import CommonSettings
 
 
@@ -10,3 +12,6 @@ class SchedulerSettings(CommonSettings):
     max_active_per_instance: int = 16
     """Requests running or queued on one instance before new ones are turned away (429)."""
     keep_alive_check_s: float = 0.25
+    placement: Literal["tessera", "exclusive"] = "tessera"
+    """"exclusive": the baseline of bench/cluster.py (one model per node, no sharing, no
+    scale-out, fixed keep-alive), as a Knative or ServerlessLLM deployment places."""

@@ -15,7 +15,7 @@ from services.loader.convert import gguf_facts
 from services.loader.store import kv_bytes_per_token
 from shared.localcluster import LocalCluster, default_model_path
 from tests.conftest import start_cluster
-from tests.helpers.cluster import loaded_models, metric, register
+from tests.helpers.cluster import loaded_models, metric, register, wait_for
 
 ENGINE, MEMORY = "engine@node-0", "memory_manager@node-0"
 NAMES = [f"mem-{i}" for i in range(4)]
@@ -55,8 +55,10 @@ def test_a_fourth_model_ends_an_idle_instance_to_start(tight: LocalCluster) -> N
     before = metric(tight, ENGINE, "tessera_engine_instance_evictions_total")
     ask(NAMES[3])
     assert metric(tight, ENGINE, "tessera_engine_instance_evictions_total") == before + 1
-    loaded = loaded_models(tight) & set(NAMES)
-    assert NAMES[3] in loaded and len(loaded) == 3
+    # The cluster view follows the engines' heartbeats: it shows the eviction shortly.
+    loaded = wait_for(lambda: m if len(m := loaded_models(tight) & set(NAMES)) == 3 else None, 10,
+                      "the view to show three instances")
+    assert NAMES[3] in loaded
     assert metric(tight, MEMORY, "tessera_memory_used_bytes") <= budget_for_three()
     assert metric(tight, MEMORY, "tessera_memory_denied_total") >= 1
 

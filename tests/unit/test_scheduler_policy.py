@@ -67,3 +67,13 @@ def test_a_recent_placement_keeps_an_instance_alive_before_its_request_arrives()
 def test_instance_of_a_removed_model_is_stopped() -> None:
     nodes = [node("a", inst("gone"))]
     assert idle_instances(nodes, {}, {}, NOW) == [StopOrder("a", "gone", NOW)]
+
+
+def test_exclusive_placement_gives_each_model_a_node_of_its_own() -> None:
+    def excl(model: str, nodes: list[NodeView]):
+        return place(model, nodes, {}, NOW, node_timeout_s=3.0, max_active_per_instance=4, exclusive=True)
+
+    assert excl("m", [node("a", inst("x")), node("b")]) == StartOn("b")
+    assert excl("m", [node("a", inst("m", active=3)), node("b")]) == UseNode("a")  # queues, no scale-out
+    full = excl("m", [node("a", inst("x")), node("b", inst("y"))])
+    assert isinstance(full, Rejected) and full.code == ErrorCode.NO_CAPACITY and full.retry_after_s

@@ -1,0 +1,284 @@
+"""SLO attainment on the real local cluster: Tessera's placement against the exclusive baseline.
+
+    python -m bench.cluster [--duration 60] [--nodes 3] [--seed 1] [--out bench/results]
+
+For each policy (`TESSERA_PLACEMENT=tessera`, then `exclusive`), a fresh `LocalCluster` with
+`--nodes` engine nodes (one model store shared by both runs, so each GGUF converts once)
+serves three models with different SLOs, each a different artifact (the default GGUF, and two
+copies with bytes appended: stand-ins for fine-tunes):
+
+| model | TTFT SLO | TPOT SLO | load |
+|---|---|---|---|
+| `chat` | 1.5 s | 0.25 s | bursts: every 6 s (±), 4 requests at once |
+| `assist` | 3.0 s | 0.25 s | Poisson, 0.25 req/s |
+| `batch` | 8.0 s | 0.5 s | Poisson, 0.15 req/s |
+
+Every request streams 32 tokens (`ignore_eos`). A request meets its SLO when it completes, its
+first content arrives within the TTFT SLO of its send (retries after a 429/503 included), and
+its mean time per output token is within the TPOT SLO. One warm-up request per model precedes
+the load (not counted; the models start and the engines report their first measurements).
+The arrival times come from `--seed`, the same for both policies.
+
+Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance has a node to
+itself and its requests queue on it; no sharing, no scale-out. Tessera: shadow validation on
+measured performance, scale-out to other nodes (sharing them) when the queue would miss the
+TTFT SLO. On this 2-core machine every node shares the same two cores, so scale-out adds
+concurrency, not compute.
+
+Prints one JSON object and writes `<out>/cluster.json` and `<out>/cluster.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/cluster.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from bench.common import machine_info, make_log, percentile
+from shared.localcluster import LocalCluster, default_model_path
+
+log = make_log("cluster")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 32
+RETRY_BUDGET_S = 30.0
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    ttft_slo_s: float
+    tpot_slo_s: float
+    suffix: bytes  # appended to the GGUF: b"" is the default model itself
+
+
+MODELS = (
+    Model("chat", 1.5, 0.25, b""),
+    Model("assist", 3.0, 0.25, b"\x00tessera-bench-assist"),
+    Model("batch", 8.0, 0.5, b"\x00tessera-bench-batch"),
+)
+
+
+def arrivals(seed: int, duration_s: float) -> list[tuple[float, str]]:
+    """(seconds after the start, model) for every request of the run."""
+    rng = random.Random(seed)
+    out: list[tuple[float, str]] = []
+    t = 2.0
+    while t < duration_s:  # chat: bursts of 4
+        out += [(t, "chat")] * 4
+        t += rng.uniform(4.5, 7.5)
+    for name, rate in (("assist", 0.25), ("batch", 0.15)):
+        t = rng.expovariate(rate)
+        while t < duration_s:
+            out.append((t, name))
+            t += rng.expovariate(rate)
+    return sorted(out)
+
+
+async def one_request(http: httpx.AsyncClient, model: Model, prompt: str) -> dict[str, Any]:
+    """Stream one request; retry 429/503 after Retry-After while the TTFT budget lasts."""
+    sent = time.perf_counter()
+    body = {"model": model.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
+            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    retries = 0
+    while True:
+        first = last = None
+        tokens = 0
+        status = 0
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                status = r.status_code
+                if status in (429, 503) and time.perf_counter() - sent < RETRY_BUDGET_S:
+                    retries += 1
+                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                    continue
+                if status != 200:
+                    return {"model": model.name, "ok": False, "error": f"http {status}", "retries": retries}
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return {"model": model.name, "ok": False, "error": event["error"].get("code"),
+                                "retries": retries}
+                    if event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+                    if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        first = first or now
+                        last = now
+        except httpx.HTTPError as e:
+            return {"model": model.name, "ok": False, "error": type(e).__name__, "retries": retries}
+        if first is None or last is None:
+            return {"model": model.name, "ok": False, "error": "no content", "retries": retries}
+        ttft = first - sent
+        tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+        return {"model": model.name, "ok": True, "ttft_s": ttft, "tpot_s": tpot, "tokens": tokens,
+                "retries": retries,
+                "slo_met": ttft <= model.ttft_slo_s and tpot <= model.tpot_slo_s}
+
+
+async def drive(base_url: str, plan: list[tuple[float, str]]) -> list[dict[str, Any]]:
+    by_name = {m.name: m for m in MODELS}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
+        start = time.perf_counter()
+
+        async def at(t: float, name: str, i: int) -> dict[str, Any]:
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            res = await one_request(http, by_name[name], f"Request {i}: tell me about the sea.")
+            return {"at_s": t, **res}
+
+        return list(await asyncio.gather(*(at(t, n, i) for i, (t, n) in enumerate(plan))))
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in rs if r["ok"]]
+        ttft = [r["ttft_s"] for r in ok]
+        tpot = [r["tpot_s"] for r in ok]
+        return {
+            "requests": len(rs),
+            "completed": len(ok),
+            "slo_met": sum(1 for r in ok if r["slo_met"]),
+            "slo_attainment": sum(1 for r in ok if r["slo_met"]) / len(rs) if rs else None,
+            "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+            "ttft_p99_s": percentile(ttft, 99) if ttft else None,
+            "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+            "tpot_p99_s": percentile(tpot, 99) if tpot else None,
+            "errors": sorted({r["error"] for r in rs if not r["ok"]}),
+            "retries": sum(r["retries"] for r in rs),
+        }
+
+    return {"all": stats(results), **{m.name: stats([r for r in results if r["model"] == m.name]) for m in MODELS}}
+
+
+def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]]
+               ) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
+        cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, env={
+            "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
+            "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1",
+        })
+        try:
+            t = time.perf_counter()
+            cluster.start(timeout_s=180)
+            log(f"{policy}: {nodes} nodes up in {time.perf_counter() - t:.1f}s")
+            for m in MODELS:
+                r = httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
+                    "name": m.name, "source": str(sources[m.name]), "keep_alive_s": 600.0,
+                    "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s})
+                r.raise_for_status()
+            warm = asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))
+            log(f"{policy}: warm-up {[(w['model'], w['ok']) for w in warm]}")
+            t = time.perf_counter()
+            results = asyncio.run(drive(cluster.base_url, plan))
+            wall = time.perf_counter() - t
+            status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+            placed = {n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]}
+        finally:
+            cluster.stop()
+    summary = summarize(results)
+    log(f"{policy}: SLO attainment {summary['all']['slo_attainment']:.3f} "
+        + ", ".join(f"{m.name} {summary[m.name]['slo_attainment']:.2f}" for m in MODELS)
+        + f"; instances at the end {placed}")
+    return {"policy": policy, "summary": summary, "instances_at_end": placed, "wall_s": wall, "results": results}
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = ["all", *(m.name for m in MODELS)]
+    width = 0.38
+    for k, run in enumerate(runs):
+        vals = [run["summary"][n]["slo_attainment"] or 0 for n in names]
+        axes[0].bar([i + k * width for i in range(len(names))], vals, width, label=run["policy"])
+    axes[0].axhline(0.95, color="red", linestyle="--", linewidth=1, label="95 %")
+    axes[0].set_xticks([i + width / 2 for i in range(len(names))], names)
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_ylabel("SLO attainment")
+    axes[0].legend(fontsize=8)
+    for run in runs:
+        chat = sorted((r["at_s"], r["ttft_s"]) for r in run["results"] if r["ok"] and r["model"] == "chat")
+        axes[1].scatter([c[0] for c in chat], [c[1] for c in chat], s=10, label=run["policy"])
+    axes[1].axhline(MODELS[0].ttft_slo_s, color="red", linestyle="--", linewidth=1, label="chat TTFT SLO")
+    axes[1].set_xlabel("request sent (s after the start)")
+    axes[1].set_ylabel("chat TTFT (s)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Three models with different SLOs on a local cluster: Tessera vs exclusive placement")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+    plan = arrivals(args.seed, args.duration)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="tessera-cluster-shared-") as tmp:
+        gguf = default_model_path()
+        sources = {}
+        for m in MODELS:
+            if not m.suffix:
+                sources[m.name] = gguf
+                continue
+            copy = Path(tmp) / f"{gguf.stem}-{m.name}.gguf"
+            shutil.copyfile(gguf, copy)
+            with copy.open("ab") as f:
+                f.write(m.suffix)
+            sources[m.name] = copy
+        store = Path(tmp) / "store"
+        log(f"{len(plan)} requests over {args.duration:.0f}s on {args.nodes} nodes")
+        for policy in ("tessera", "exclusive"):
+            runs.append(run_policy(policy, args.nodes, store, sources, plan))
+    result = {
+        "slo_attainment_tessera": runs[0]["summary"]["all"]["slo_attainment"],
+        "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],
+        "target": "tessera >= 0.95 where exclusive is below",
+        "target_met": runs[0]["summary"]["all"]["slo_attainment"] >= 0.95 > runs[1]["summary"]["all"]["slo_attainment"],
+        "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
+        "nodes": args.nodes,
+        "duration_s": args.duration,
+        "seed": args.seed,
+        "tokens_per_request": TOKENS,
+        "runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
+        "requests": {r["policy"]: r["results"] for r in runs},
+        "machine": machine_info(load_before),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "bench_wall_s": time.perf_counter() - started,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cluster.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(runs, args.out / "cluster.png")
+    log(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
