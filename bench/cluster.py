@@ -3,8 +3,9 @@
     python -m bench.cluster [--duration 60] [--nodes 3] [--seed 1] [--out bench/results]
 
 For each policy (`TESSERA_PLACEMENT=tessera`, then `exclusive`), a fresh `LocalCluster` with
-`--nodes` engine nodes (one model store shared by both runs, so each GGUF converts once)
-serves three models with different SLOs, each a different artifact (the default GGUF, and two
+`--nodes` engine nodes, each pinned to its own cores with as many inference threads (one model
+store shared by both runs, so each GGUF converts once), serves three models with different
+SLOs and the same keep-alive (`--keep-alive`, 10 s), each a different artifact (the default GGUF, and two
 copies with bytes appended: stand-ins for fine-tunes):
 
 | model | TTFT SLO | TPOT SLO | load |
@@ -22,8 +23,8 @@ The arrival times come from `--seed`, the same for both policies.
 Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance has a node to
 itself and its requests queue on it; no sharing, no scale-out. Tessera: shadow validation on
 measured performance, scale-out to other nodes (sharing them) when the queue would miss the
-TTFT SLO. On this 2-core machine every node shares the same two cores, so scale-out adds
-concurrency, not compute.
+TTFT SLO. Nodes are at most one per core: on a 2-core machine that is two nodes, so exclusive
+placement can hold two of the three models at once.
 
 Prints one JSON object and writes `<out>/cluster.json` and `<out>/cluster.png`.
 """
@@ -167,10 +168,23 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"all": stats(results), **{m.name: stats([r for r in results if r["model"] == m.name]) for m in MODELS}}
 
 
-def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]]
-               ) -> dict[str, Any]:
+def node_cores(nodes: int) -> list[list[int]]:
+    """Each node its own cores (round-robin over this machine's): nodes that share cores would
+    hide the contention from the scheduler, which sees one node at a time."""
+    cores = sorted(os.sched_getaffinity(0))
+    if nodes > len(cores):
+        raise SystemExit(f"{nodes} nodes need {nodes} cores, this machine has {len(cores)}")
+    return [cores[i::nodes] for i in range(nodes)]
+
+
+def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
+               keep_alive_s: float) -> dict[str, Any]:
+    per_node = {
+        f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
+        for i, cs in enumerate(node_cores(nodes))
+    }
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
-        cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, env={
+        cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, node_env=per_node, env={
             "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
             "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1",
         })
@@ -180,7 +194,7 @@ def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], p
             log(f"{policy}: {nodes} nodes up in {time.perf_counter() - t:.1f}s")
             for m in MODELS:
                 r = httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
-                    "name": m.name, "source": str(sources[m.name]), "keep_alive_s": 600.0,
+                    "name": m.name, "source": str(sources[m.name]), "keep_alive_s": keep_alive_s,
                     "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s})
                 r.raise_for_status()
             warm = asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))
@@ -232,7 +246,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=min(3, len(os.sched_getaffinity(0))),
+                    help="engine nodes, each pinned to its own cores (at most one per core)")
+    ap.add_argument("--keep-alive", type=float, default=10.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         store = Path(tmp) / "store"
         log(f"{len(plan)} requests over {args.duration:.0f}s on {args.nodes} nodes")
         for policy in ("tessera", "exclusive"):
-            runs.append(run_policy(policy, args.nodes, store, sources, plan))
+            runs.append(run_policy(policy, args.nodes, store, sources, plan, args.keep_alive))
     result = {
         "slo_attainment_tessera": runs[0]["summary"]["all"]["slo_attainment"],
         "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],
@@ -263,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_met": runs[0]["summary"]["all"]["slo_attainment"] >= 0.95 > runs[1]["summary"]["all"]["slo_attainment"],
         "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
         "nodes": args.nodes,
+        "node_cores": node_cores(args.nodes),
+        "keep_alive_s": args.keep_alive,
         "duration_s": args.duration,
         "seed": args.seed,
         "tokens_per_request": TOKENS,

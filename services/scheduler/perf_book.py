@@ -10,6 +10,8 @@ A model is refitted only when a report changes.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 
 from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
@@ -26,6 +28,15 @@ class PerfBook:
         self._reports: dict[tuple[str, str], dict[str, PerfReport]] = {}
         """(artifact, node kind) → node → its latest report."""
         self._models: dict[tuple[str, str], PerfModel | None] = {}
+        self._starts: dict[str, deque[float]] = {}
+        """Artifact → seconds of its recent starts that loaded weights (not resident)."""
+
+    def start(self, artifact_id: str, seconds: float) -> None:
+        self._starts.setdefault(artifact_id, deque(maxlen=16)).append(seconds)
+
+    def start_s(self, artifact_id: str, default: float = 1.0) -> float:
+        starts = self._starts.get(artifact_id)
+        return statistics.median(starts) if starts else default
 
     def report(self, node_id: str, kind: str, report: PerfReport) -> None:
         key = (report.artifact_id, kind)
@@ -60,5 +71,6 @@ class PerfBook:
                 out[r.name] = Profile(
                     perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
                     r.artifact.kv_bytes_per_token * r.artifact.context_length,
+                    self.start_s(r.artifact.artifact_id),
                 )
         return out

@@ -119,7 +119,11 @@ class SchedulerService:
         )
 
     async def on_cold_start(self, msg: Msg) -> None:
-        await self.registry.record_cold_start(decode(msg.data, ColdStartRecorded))
+        event = decode(msg.data, ColdStartRecorded)
+        record = self._records.get(event.model)
+        if record is not None and event.source != "resident":
+            self.perf.start(record.artifact.artifact_id, event.total_s)
+        await self.registry.record_cold_start(event)
 
     # --- placement ----------------------------------------------------------------------------
 

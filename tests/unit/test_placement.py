@@ -109,3 +109,11 @@ def test_a_nodes_cores_are_read_from_a_cpu_list() -> None:
     assert parse_cores("1") == {1}
     with pytest.raises(ValueError):
         parse_cores(" , ")
+
+
+def test_a_new_instance_counts_its_start_resident_weights_start_sooner() -> None:
+    prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=0.9)
+    cold = validate(node("b"), "m", demand(ttft=1.0), {"m": prof})
+    assert not cold.ok and cold.failure == Failure.NEW_LATE  # 1.1 * (0.9 + 0.2) > 1.0
+    warm = validate(node("c", resident=frozenset({"a1"})), "m", demand(ttft=1.0), {"m": prof})
+    assert warm.ok and warm.ttft_s == pytest.approx(1.1 * (0.1 + 0.2))
