@@ -202,6 +202,11 @@ def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], p
             t = time.perf_counter()
             results = asyncio.run(drive(cluster.base_url, plan))
             wall = time.perf_counter() - t
+            sched = httpx.get(f"http://127.0.0.1:{cluster.procs['scheduler'].http_port}/metrics", timeout=10).text
+            counters = {name: sum(float(line.split()[-1]) for line in sched.splitlines()
+                                  if line.startswith(name) and not line.startswith(name + "_created"))
+                        for name in ("tessera_scheduler_scale_outs_total", "tessera_scheduler_scale_to_zero_total")}
+            starts = len(httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json())
             status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
             placed = {n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]}
         finally:
@@ -210,7 +215,10 @@ def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], p
     log(f"{policy}: SLO attainment {summary['all']['slo_attainment']:.3f} "
         + ", ".join(f"{m.name} {summary[m.name]['slo_attainment']:.2f}" for m in MODELS)
         + f"; instances at the end {placed}")
-    return {"policy": policy, "summary": summary, "instances_at_end": placed, "wall_s": wall, "results": results}
+    return {"policy": policy, "summary": summary, "instances_at_end": placed, "wall_s": wall,
+            "scale_outs": counters["tessera_scheduler_scale_outs_total"],
+            "scale_to_zero": counters["tessera_scheduler_scale_to_zero_total"], "cold_starts": starts,
+            "results": results}
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:

@@ -111,12 +111,27 @@ def place(
             ).ok:
                 return UseNode(n.node_id)
         # ... else scale out where the model can start soonest and validates ...
-        for n in placement.start_order(
+        outs = placement.start_order(
             [n for n in live if model not in n.instances and model not in n.starting], profiles[model]
-        ):
+        )
+        for n in outs:
             if placement.validate(n, model, demand, profiles).ok:
                 return StartOn(n.node_id)
-        # ... else queue on the least busy instance (below), and the SLO may be missed.
+        # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
+        # a queue or a new instance (which also serves the requests after this one), as long
+        # as it keeps the node's decode rounds within every TPOT SLO.
+        options: list[tuple[float, int, Decision]] = []
+        for n in live:
+            inst = n.instances.get(model)
+            if inst is not None and inst.active >= max_active_per_instance:
+                continue
+            if inst is None and n not in outs:
+                continue
+            v = placement.validate(n, model, demand, profiles)
+            if v.failure is placement.Failure.NEW_LATE:
+                options.append((v.ttft_s, inst is None, UseNode(n.node_id) if inst else StartOn(n.node_id)))
+        if options:
+            return min(options, key=lambda o: (o[0], o[1]))[2]
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))

@@ -117,3 +117,17 @@ def test_a_new_instance_counts_its_start_resident_weights_start_sooner() -> None
     assert not cold.ok and cold.failure == Failure.NEW_LATE  # 1.1 * (0.9 + 0.2) > 1.0
     warm = validate(node("c", resident=frozenset({"a1"})), "m", demand(ttft=1.0), {"m": prof})
     assert warm.ok and warm.ttft_s == pytest.approx(1.1 * (0.1 + 0.2))
+
+
+def test_when_nothing_validates_the_soonest_first_token_wins_a_new_instance_included() -> None:
+    prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=0.9)
+    # Queued behind three on "a": 1.1 * (3 * 1.18 + 0.2) = 4.1 s; a start on "b": 1.21 s.
+    nodes = [node("a", inst("m", active=3)), node("b")]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(ttft=1.0), profiles={"m": prof})
+    assert d == StartOn("b")
+    # A slow start (1.1 * 3.2 = 3.5 s) against one request ahead (1.1 * 1.38 = 1.5 s): the queue.
+    slow = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=3.0)
+    d = place("m", [node("a", inst("m", active=1)), node("b")], {}, NOW, node_timeout_s=3,
+              max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": slow})
+    assert d == UseNode("a")
