@@ -78,15 +78,31 @@ class PerfModel:
         """Seconds for one decode iteration of `batch` requests of mean length `mean_length`."""
         if batch <= 0:
             return 0.0
+        # `_segment` inlined on both axes: this is the simulator's and shadow validation's
+        # innermost call.
         bs, ls, grid = self.decode_batches, self.decode_lengths, self.decode_seconds
-        i, u = _segment(bs, batch)
-        j, v = _segment(ls, mean_length)
-        i1 = i + 1 if len(bs) > 1 else i
-        j1 = j + 1 if len(ls) > 1 else j
+        nb, nl = len(bs), len(ls)
+        if nb > 1:
+            i = bisect_right(bs, batch) - 1
+            i = 0 if i < 0 else (min(i, nb - 2))
+            u = (batch - bs[i]) / (bs[i + 1] - bs[i])
+            i1 = i + 1
+        else:
+            i = i1 = 0
+            u = 0.0
+        if nl > 1:
+            j = bisect_right(ls, mean_length) - 1
+            j = 0 if j < 0 else (min(j, nl - 2))
+            v = (mean_length - ls[j]) / (ls[j + 1] - ls[j])
+            j1 = j + 1
+        else:
+            j = j1 = 0
+            v = 0.0
         row0, row1 = grid[i], grid[i1]
         low = row0[j] + (row0[j1] - row0[j]) * v
         high = row1[j] + (row1[j1] - row1[j]) * v
-        return max(low + (high - low) * u, 0.0)
+        out = low + (high - low) * u
+        return max(0.0, out)
 
     def max_batch(self, mean_length: float, tpot_s: float, limit: int = 1024) -> int:
         """The largest batch whose decode iteration alone stays within `tpot_s` (0 if none)."""

@@ -71,3 +71,60 @@ class C:
 def test_candidates_go_cpu_first_then_highest_batch_first() -> None:
     cs = [C("g8", "gpu", 8), C("c1", "cpu", 1), C("c4", "cpu", 4), C("g2", "gpu", 2)]
     assert [c.name for c in order_candidates(cs)] == ["c4", "c1", "g8", "g2"]
+
+
+# --- validate_fifo: the closed form for a node run prefill-first --------------------------
+
+
+def test_fifo_accepts_a_request_that_fits() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    v = validate_fifo(0.1, 3.0, [], Prefill(0.5, 2.0), 0.25)
+    assert v.ok
+
+
+def test_fifo_refuses_a_round_over_tpot_with_the_ten_percent() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    assert validate_fifo(0.23, 9.0, [], Prefill(0.1, 2.0), 0.25).failure is (
+        Failure.ROUND_TOO_LONG)  # 0.253 > 0.25
+    assert validate_fifo(0.22, 9.0, [], Prefill(0.1, 2.0), 0.25).ok  # 0.242
+
+
+def test_fifo_new_request_waits_behind_the_queue() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    queued = [Prefill(1.0, 5.0), Prefill(0.5, 5.0)]
+    # 1.1 + 0.55 + 0.44 = 2.09 > 2.0
+    v = validate_fifo(0.0, float("inf"), queued, Prefill(0.4, 2.0), 0.25)
+    assert not v.ok and v.failure is Failure.NEW_LATE
+    assert validate_fifo(0.0, float("inf"), queued, Prefill(0.4, 2.2), 0.25).ok
+
+
+def test_fifo_decoding_requests_absorb_every_prefill() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    # Least decoding headroom 1.0 s; 0.5 + 0.4 of prefill = 0.99 s with 10%: fits; 0.5 + 0.5
+    # = 1.1 s: the decoding request would go negative.
+    assert validate_fifo(0.1, 1.0, [Prefill(0.5, 5.0)], Prefill(0.4, 5.0), 0.25).ok
+    v = validate_fifo(0.1, 1.0, [Prefill(0.5, 5.0)], Prefill(0.5, 5.0), 0.25)
+    assert not v.ok and v.failure is Failure.EXISTING_LATE
+
+
+def test_fifo_a_request_still_loading_is_delayed_by_one_that_runs_first() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    # "w" becomes eligible in 0.5 s with 1.2 s of headroom and a 0.5 s prefill: alone it
+    # finishes at 0.5 + 0.55 = 1.05 s. A new 0.5 s prefill eligible now runs 0..0.55, then w
+    # 0.55..1.1, fine; one eligible at 0.4 s runs 0.4..0.95 and pushes w to 1.5 s: refused.
+    w = Prefill(0.5, 1.2, eligible_in_s=0.5)
+    assert validate_fifo(0.0, float("inf"), [w], Prefill(0.5, 5.0), 0.25).ok
+    v = validate_fifo(0.0, float("inf"), [w], Prefill(0.5, 5.0, eligible_in_s=0.4), 0.25)
+    assert not v.ok and v.failure is Failure.EXISTING_LATE
+
+
+def test_fifo_a_request_already_lost_does_not_veto_the_node() -> None:
+    from services.scheduler.shadow import Prefill, validate_fifo
+
+    lost = Prefill(2.0, 0.5)  # misses whatever is decided
+    assert validate_fifo(0.0, float("inf"), [lost], Prefill(0.1, 5.0), 0.25).ok
