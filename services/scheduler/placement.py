@@ -24,16 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from services.scheduler.affinity import Offer, rank_nodes
 from services.scheduler.perf_model import PerfModel
+from services.scheduler.shadow import OVERESTIMATE, Failure
 
 if TYPE_CHECKING:
     from services.scheduler.policy import NodeView
 
-OVERESTIMATE = 1.1
 TYPICAL_COMPLETION_TOKENS = 128
 """What a request ahead in the queue is assumed to generate when nothing better is known:
 `max_tokens` defaults to the whole context, which would make every queue look endless."""
@@ -42,12 +41,6 @@ LOAD_BANDWIDTH_BPS = 1e9
 KIND_ORDER = ("cpu", "gpu")
 RESIDENT_START_S = 0.1
 """A start whose weights are still loaded in an idle worker (measured ≈ 0.08 s)."""
-
-
-class Failure(StrEnum):
-    NEW_LATE = "new_request_late"
-    ROUND_TOO_LONG = "decode_round_exceeds_tpot"
-    NO_PROFILE = "no_performance_model"
 
 
 @dataclass(frozen=True)
@@ -100,7 +93,7 @@ def validate(
     if it has none) without anyone on the node missing an SLO."""
     own = profiles.get(model)
     if own is None:
-        return Verdict(False, Failure.NO_PROFILE)
+        return Verdict(False)  # never measured: nothing to validate with
     perf = own.perf
     tokens = _tokens(demand.max_tokens)
     inst = node.instances.get(model)
