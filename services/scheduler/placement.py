@@ -97,7 +97,12 @@ def validate(
     perf = own.perf
     tokens = _tokens(demand.max_tokens)
     inst = node.instances.get(model)
-    ahead = inst.active if inst is not None else 0
+    # Names on one artifact share a worker, which runs one sequence at a time: every request
+    # on that worker is ahead, whichever name it came for.
+    ahead = 0
+    if inst is not None:
+        ahead = inst.active if not inst.worker_pid else sum(
+            v.active for v in node.instances.values() if v.worker_pid == inst.worker_pid)
     # A new instance must start first: quickly where its weights are resident, else a load.
     ready_in = 0.0 if inst is not None else (RESIDENT_START_S if own.artifact_id in node.resident else own.start_s)
     ttft = overestimate * (ready_in + ahead * service_s(perf, demand.prompt_tokens, tokens)
@@ -107,14 +112,19 @@ def validate(
     length = demand.prompt_tokens + tokens / 2
     round_s = perf.decode_s(1, length)
     tightest = demand.tpot_slo_s
+    # One decode iteration per busy worker per round (a worker decodes one sequence at once).
+    counted = {inst.worker_pid} if inst is not None and inst.worker_pid else set()
     for other, view in node.instances.items():
         if other == model or view.active == 0:
             continue
         p = profiles.get(other)
         if p is None:
             continue  # unknown to us (just registered, never measured): nothing to weigh
-        round_s += p.perf.decode_s(1, length)
         tightest = min(tightest, p.tpot_slo_s)
+        if view.worker_pid and view.worker_pid in counted:
+            continue
+        counted.add(view.worker_pid)
+        round_s += p.perf.decode_s(1, length)
     round_s *= overestimate
     if round_s > tightest:
         return Verdict(False, Failure.ROUND_TOO_LONG, ttft, round_s)

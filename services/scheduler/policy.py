@@ -15,6 +15,11 @@ from services.scheduler.placement import Demand, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected
 
 
+REJECT_OVER_SLO = 4.0
+"""A request whose predicted first token is more than this many TTFT SLOs away is refused
+(429 with Retry-After) rather than queued."""
+
+
 @dataclass(frozen=True)
 class NodeView:
     node_id: str
@@ -131,7 +136,17 @@ def place(
             if v.failure is placement.Failure.NEW_LATE:
                 options.append((v.ttft_s, inst is None, UseNode(n.node_id) if inst else StartOn(n.node_id)))
         if options:
-            return min(options, key=lambda o: (o[0], o[1]))[2]
+            ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
+            if ttft > REJECT_OVER_SLO * demand.ttft_slo_s:
+                # Admission: so far past its SLO that queueing it only delays the requests
+                # that can still make theirs. Say so now, with when to come back.
+                return Rejected(
+                    code=ErrorCode.OVERLOADED,
+                    message=f"model {model!r} would answer in about {ttft:.1f} s, past its "
+                    f"{demand.ttft_slo_s:g} s TTFT SLO; retry shortly",
+                    retry_after_s=max(1.0, ttft - demand.ttft_slo_s),
+                )
+            return decision
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))

@@ -131,3 +131,19 @@ def test_when_nothing_validates_the_soonest_first_token_wins_a_new_instance_incl
     d = place("m", [node("a", inst("m", active=1)), node("b")], {}, NOW, node_timeout_s=3,
               max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": slow})
     assert d == UseNode("a")
+
+
+def test_names_sharing_a_worker_queue_behind_each_other() -> None:
+    shared = [InstanceView(model=m, active=1, last_used=NOW, loaded_at=NOW, worker_pid=7) for m in ("m", "m2")]
+    v = validate(node("n", *shared), "m", demand(), {"m": profile(), "m2": profile()})
+    assert not v.ok and v.failure == Failure.NEW_LATE  # two ahead on worker 7: 1.1 * 2.56 s
+    assert v.ttft_s == pytest.approx(1.1 * (2 * 1.18 + 0.2), rel=1e-3)
+
+
+def test_a_request_hopelessly_past_its_slo_is_refused_early_with_retry_after() -> None:
+    from shared.messages import ErrorCode, Rejected
+
+    d = place("m", [node("a", inst("m", active=12))], {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(), profiles={"m": profile()})
+    assert isinstance(d, Rejected) and d.code == ErrorCode.OVERLOADED
+    assert d.retry_after_s and d.retry_after_s > 1
