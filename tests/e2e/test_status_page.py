@@ -5,12 +5,15 @@ start as a bar stacked by phase, and the TTFT of a request made while it is open
 Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`,
 about 120 MB to download) and selenium from the `test` extra; skipped when the browser or its
 driver is missing. Selenium Manager is never used: it downloads drivers, and nothing can be
-downloaded here. The screenshot goes to bench/results/status_page.png.
+downloaded here. The screenshot goes to bench/results/status_page.png when
+TESSERA_WRITE_SCREENSHOT=1 (so that a test run leaves the tree clean), else to a temporary file.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,5 +138,6 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
                            {"width": 1400, "height": int(height), "deviceScaleFactor": 1, "mobile": False})
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    assert driver.save_screenshot(str(SCREENSHOT))
+    shot = SCREENSHOT if os.environ.get("TESSERA_WRITE_SCREENSHOT") == "1" else Path(tempfile.mkdtemp()) / SCREENSHOT.name
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(shot))
