@@ -5,7 +5,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _unicode(v: str) -> str:
+    # JSON may escape a lone surrogate ("\ud800") that no UTF-8 encoder takes: refuse it here,
+    # not as a 500 from the tokenizer, the bus codec or Valkey later.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (a lone surrogate \\ud800-\\udfff is not)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Lenient(BaseModel):
@@ -18,12 +31,12 @@ class StreamOptions(_Lenient):
 
 class ContentPart(_Lenient):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -43,8 +56,9 @@ class _Sampling(_Lenient):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # What numpy's generator and the msgpack codec take; a negative seed is mapped into it.
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: Text | list[Text] | None = None
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,7 +98,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     echo: bool = False
 
     @field_validator("prompt")
@@ -122,10 +136,19 @@ class RegisterModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    source: str = Field(min_length=1, description="Absolute path of a .gguf file")
+    source: Text = Field(min_length=1, description="Absolute path of a .gguf file")
     ttft_slo_s: float = Field(default=2.0, gt=0)
     tpot_slo_s: float = Field(default=0.1, gt=0)
     keep_alive_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("source")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
+        # raise instead of answering (the import would wait for its timeout).
+        if "\x00" in v or not v.startswith(("/", "~/")):
+            raise ValueError("must be an absolute path to a .gguf file")
+        return v
 
 
 def dump(obj: Any) -> dict[str, Any]:
@@ -138,6 +161,6 @@ class CreateApiKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    models: list[str] = Field(default_factory=list, description="Allowed models; empty: all")
+    models: list[Text] = Field(default_factory=list, description="Allowed models; empty: all")
     requests_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.admin import Admin
 from services.gateway.auth import ApiError, Auth, Grant, Principal, Quotas, check_model
@@ -59,12 +59,35 @@ class BodyLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            too_large = error_response(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_bytes:
-                resp = error_response(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
-                await resp(scope, receive, send)
+                await too_large(scope, receive, send)
                 return
+            if length is None:
+                # No length given (chunked): read it here, up to the limit, then hand it on.
+                messages: list[Message] = []
+                size = 0
+                while True:
+                    message = await receive()
+                    messages.append(message)
+                    if message["type"] != "http.request":
+                        break
+                    size += len(message.get("body", b""))
+                    if size > self.max_bytes:
+                        await too_large(scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+                receive = _replay(messages, receive)
         await self.app(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    async def replayed() -> Message:
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
 
 
 def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:

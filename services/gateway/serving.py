@@ -170,6 +170,16 @@ class Generation:
                 yield event
             else:
                 self._done = True
+                if tokens < event.completion_tokens:
+                    # Chunks published while the bus was reconnecting never reached us: the text
+                    # has a hole. Say so rather than pass it off as the completion.
+                    raise TesseraError(
+                        ErrorCode.UNAVAILABLE,
+                        f"{event.completion_tokens - tokens} of the {event.completion_tokens} tokens "
+                        "generated were lost on the way from the engine (the bus was interrupted); "
+                        "the request can be retried",
+                        retry_after_s=1,
+                    )
                 if first_at is not None and tokens > 1:
                     TPOT.observe((time.perf_counter() - first_at) / (tokens - 1))
                 yield event
@@ -273,7 +283,7 @@ class Gateway:
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            seed=req.seed,
+            seed=None if req.seed is None else req.seed % 2**64,  # numpy takes no negative seed
             stop=req.stops(),
             ignore_eos=req.ignore_eos,
         )
