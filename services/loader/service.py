@@ -260,4 +260,7 @@ class LoaderService:
             reply: ModelImported | Rejected = await self.import_model(req.source)
         except ImportRefused as e:
             reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=str(e))
+        except Exception as e:  # an unreadable path, a symlink loop: answer, never leave it waiting
+            log.exception("import of %r failed", req.source)
+            reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=f"cannot import {req.source!r}: {type(e).__name__}: {e}")
         await self.bus.reply(msg, reply)
