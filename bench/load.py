@@ -3,7 +3,8 @@
     python -m bench.load [--clients 200] [--duration 60] [--out bench/results]
 
 A `LocalCluster` on loopback (one node) serves three names on the default GGUF: `load-a`,
-`load-b` (keep-alive 300 s) and `load-c` (keep-alive 3 s). `--clients` asyncio clients each
+`load-b` (keep-alive 300 s) and `load-c` (keep-alive 3 s), with `TESSERA_REJECT_OVER_SLO=4`
+(a request predicted past 4 × its TTFT SLO is refused with 429 rather than queued). `--clients` asyncio clients each
 loop for `--duration` seconds: pick a model (round-robin by client), stream a chat request
 (`max_tokens` 16), record how it ended, go again; a 429/503 is an answer too (recorded by
 kind), after which the client waits the `Retry-After` it was given. The clients of `load-c`
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as home:
-        cluster = LocalCluster(home=Path(home), env={"TESSERA_KEEP_ALIVE_CHECK_S": "0.25"})
+        # Admission refuses what would be far past its SLO (429) instead of queueing it.
+        cluster = LocalCluster(home=Path(home), env={"TESSERA_KEEP_ALIVE_CHECK_S": "0.25",
+                                                     "TESSERA_REJECT_OVER_SLO": "4"})
         try:
             cluster.start(timeout_s=120)
             for name, keep in MODELS:

@@ -15,11 +15,6 @@ from services.scheduler.placement import Demand, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected
 
 
-REJECT_OVER_SLO = 4.0
-"""A request whose predicted first token is more than this many TTFT SLOs away is refused
-(429 with Retry-After) rather than queued."""
-
-
 @dataclass(frozen=True)
 class NodeView:
     node_id: str
@@ -92,8 +87,12 @@ def place(
     demand: Demand | None = None,
     profiles: Mapping[str, Profile] | None = None,
     exclusive: bool = False,
+    reject_over_slo: float | None = None,
 ) -> Decision:
     """Where a request for `model` goes. `starts_in_flight` maps model → node starting it.
+
+    `reject_over_slo`: refuse (429, Retry-After) a request whose predicted first token is more
+    than this many TTFT SLOs away, rather than queue it (None: always queue).
 
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
@@ -137,7 +136,7 @@ def place(
                 options.append((v.ttft_s, inst is None, UseNode(n.node_id) if inst else StartOn(n.node_id)))
         if options:
             ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
-            if ttft > REJECT_OVER_SLO * demand.ttft_slo_s:
+            if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
                 # Admission: so far past its SLO that queueing it only delays the requests
                 # that can still make theirs. Say so now, with when to come back.
                 return Rejected(

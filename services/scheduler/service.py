@@ -153,6 +153,7 @@ class SchedulerService:
             demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
             profiles=self.perf.profiles(self._records.values()),
             exclusive=self.settings.placement == "exclusive",
+            reject_over_slo=self.settings.reject_over_slo,
         )
         if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
             SCALE_OUTS.inc()

@@ -12,6 +12,10 @@ class SchedulerSettings(CommonSettings):
     max_active_per_instance: int = 16
     """Requests running or queued on one instance before new ones are turned away (429)."""
     keep_alive_check_s: float = 0.25
+    reject_over_slo: float | None = None
+    """Admission: refuse a request predicted to get its first token more than this many TTFT
+    SLOs late (429 with Retry-After) instead of queueing it; unset: queue every request the
+    in-flight limits admit."""
     placement: Literal["tessera", "exclusive"] = "tessera"
     """"exclusive": the baseline of bench/cluster.py (one model per node, no sharing, no
     scale-out, fixed keep-alive), as a Knative or ServerlessLLM deployment places."""

@@ -143,7 +143,11 @@ def test_names_sharing_a_worker_queue_behind_each_other() -> None:
 def test_a_request_hopelessly_past_its_slo_is_refused_early_with_retry_after() -> None:
     from shared.messages import ErrorCode, Rejected
 
-    d = place("m", [node("a", inst("m", active=12))], {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(), profiles={"m": profile()})
+    nodes = [node("a", inst("m", active=12))]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(), profiles={"m": profile()}, reject_over_slo=4.0)
     assert isinstance(d, Rejected) and d.code == ErrorCode.OVERLOADED
     assert d.retry_after_s and d.retry_after_s > 1
+    # Off by default: it queues.
+    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+                 demand=demand(), profiles={"m": profile()}) == UseNode("a")
