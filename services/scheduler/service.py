@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 PLACEMENTS = Counter("tessera_scheduler_placements_total", "Placement decisions", ["outcome"])
 LIVE_NODES = Gauge("tessera_scheduler_live_nodes", "Engine nodes with a fresh heartbeat")
 SCALE_INS = Counter("tessera_scheduler_scale_to_zero_total", "Instances unloaded after keep-alive")
-PLACEMENT_LAG_S = 0.1
-"""Longest a placed request may take to reach its engine and show in a heartbeat."""
 PROFILED = Gauge("tessera_scheduler_profiled_models", "Registered models with a fitted performance model")
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
@@ -183,9 +181,10 @@ class SchedulerService:
             extra: dict[str, int] = {}
             for model in n.instances:
                 times = self._placed.get((n.node_id, model), [])
-                # Older than the heartbeat (and the time a request takes to reach the engine):
-                # the heartbeat counts it, or it is over.
-                times[:] = [t for t in times if t > n.seen_at - PLACEMENT_LAG_S and t > now - 60]
+                # Placed before the heartbeat was sent: the heartbeat counts it (or it is over).
+                # One placed a moment earlier may not have reached the engine yet and is then
+                # counted by neither, briefly; counting it twice would refuse requests.
+                times[:] = [t for t in times if t > n.seen_at and t > now - 60]
                 if times:
                     extra[model] = len(times)
             if extra:
