@@ -5,7 +5,7 @@
 For each policy (`TESSERA_PLACEMENT=tessera`, then `exclusive`), a fresh `LocalCluster` with
 `--nodes` engine nodes, each pinned to its own cores with as many inference threads (one model
 store shared by both runs, so each GGUF converts once), serves three models with different
-SLOs and the same keep-alive (`--keep-alive`, 10 s), each a different artifact (the default GGUF, and two
+SLOs and the same keep-alive (`--keep-alive`, 30 s), each a different artifact (the default GGUF, and two
 copies with bytes appended: stand-ins for fine-tunes):
 
 | model | TTFT SLO | TPOT SLO | load |
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--nodes", type=int, default=min(3, len(os.sched_getaffinity(0))),
                     help="engine nodes, each pinned to its own cores (at most one per core)")
-    ap.add_argument("--keep-alive", type=float, default=10.0, help="every model's keep-alive (s)")
+    ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)

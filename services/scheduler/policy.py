@@ -106,7 +106,7 @@ def place(
         )
     profiles = profiles or {}
     if exclusive:
-        return _place_exclusive(model, live, max_active_per_instance)
+        return _place_exclusive(model, live, max_active_per_instance, set(starts_in_flight.values()))
     if demand is not None and model in profiles:
         # Shadow validation: join the first instance where nobody would miss an SLO...
         for n in placement.join_order(live, model):
@@ -163,7 +163,8 @@ def place(
     return StartOn(target.node_id)
 
 
-def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: int) -> Decision:
+def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: int, starting_on: set[str]
+                     ) -> Decision:
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
@@ -171,7 +172,8 @@ def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: 
             return Rejected(code=ErrorCode.OVERLOADED, message=f"model {model!r} is at its limit of "
                             f"{max_active_per_instance} concurrent requests; retry shortly", retry_after_s=1.0)
         return UseNode(node.node_id)
-    free = [n for n in live if not n.instances and not n.starting]
+    # A node a start is under way on is taken, though no heartbeat may say so yet.
+    free = [n for n in live if not n.instances and not n.starting and n.node_id not in starting_on]
     if not free:
         return Rejected(code=ErrorCode.NO_CAPACITY, message="every node is taken by another model's "
                         "instance (exclusive placement); retry shortly", retry_after_s=1.0)
