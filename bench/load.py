@@ -9,7 +9,8 @@ loop for `--duration` seconds: pick a model (round-robin by client), stream a ch
 (`max_tokens` 16), record how it ended, go again; a 429/503 is an answer too (recorded by
 kind), after which the client waits the `Retry-After` it was given. The clients of `load-c`
 pause from 40 % to 60 % of the run, so `load-c` scales to zero and its next requests
-cold-start under load. After the deadline no client starts a request, and those in flight get
+cold-start under load. Before the clock starts, three requests per model warm it up (and give
+the scheduler the measurements its admission uses). After the deadline no client starts a request, and those in flight get
 up to 60 s to end; any that has not is "lost" (the target is none).
 
 Reports `requests`, `completed`, `errors` by kind, `lost`, TTFT and TPOT percentiles (all
@@ -193,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, keep in MODELS:
                 httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
                     "name": name, "source": str(default_model_path()), "keep_alive_s": keep}).raise_for_status()
+            # Warm-up, not measured: each model starts and the engine reports the measurements
+            # the scheduler's performance model (and so its admission) is fitted from.
+            for name, _ in MODELS:
+                for _ in range(3):
+                    httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=120, json={
+                        "model": name, "max_tokens": TOKENS,
+                        "messages": [{"role": "user", "content": "Say something about rivers."}]}).raise_for_status()
             log(f"{args.clients} clients for {args.duration:.0f}s at {cluster.base_url}")
             before = time.time()
             results, started, wall = asyncio.run(drive(cluster.base_url, args.clients, args.duration))
