@@ -105,6 +105,11 @@ TIER_UP_SECONDS = Histogram(
 )
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
+QUEUE_WAIT = Histogram(
+    "tessera_engine_queue_wait_seconds",
+    "Generate received to its run starting on the worker (requests ahead on the same worker)",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+)
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -639,7 +644,10 @@ class EngineService:
             completion_tokens=0,
         )
         try:
-            async for out in inst.bound.worker.generate(run, cancelled):
+            def started() -> None:
+                QUEUE_WAIT.observe(time.monotonic() - received)
+
+            async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
                     DECODED_TOKENS.inc(out.tokens)
                     await self.bus.publish(

@@ -130,9 +130,14 @@ class Worker:
         self.tier = tier
         return loaded
 
-    async def generate(self, run: Run, is_cancelled: Cancelled) -> AsyncIterator[Chunk | Done]:
-        """Chunks of one generation, then its `Done`; queued behind the worker's current one."""
+    async def generate(
+        self, run: Run, is_cancelled: Cancelled, on_start: Callable[[], None] | None = None
+    ) -> AsyncIterator[Chunk | Done]:
+        """Chunks of one generation, then its `Done`; queued behind the worker's current one
+        (`on_start` is called when its turn comes)."""
         async with self._lock:
+            if on_start is not None:
+                on_start()
             if is_cancelled():
                 return
             if self.dead:
