@@ -196,6 +196,7 @@ def status(
     with _admin(url, admin_key, home) as http:
         cluster = _ok(http.get("/admin/instances"))
         recent = _ok(http.get("/admin/coldstarts", params={"limit": starts}))
+        caches = {c["node_id"]: c for c in _ok(http.get("/admin/cache")) if "error" not in c}
     gauges: dict[str, dict[str, float]] = {}
     for spec in metrics:
         node, _, base = spec.partition("=")
@@ -211,7 +212,11 @@ def status(
         used = g.get("tessera_memory_used_bytes", n["memory_used_bytes"])
         budget = g.get("tessera_memory_budget_bytes", n["memory_budget_bytes"])
         cache = "?"
-        if "tessera_loader_host_cache_bytes" in g:
+        if n["node_id"] in caches:
+            c = caches[n["node_id"]]
+            cache = (f"{_bytes(c['used_bytes'])} / {_bytes(c['budget_bytes'])} "
+                     f"({len(c['entries'])} models)")
+        elif "tessera_loader_host_cache_bytes" in g:
             cache = (f"{_bytes(g['tessera_loader_host_cache_bytes'])} / "
                      f"{_bytes(g.get('tessera_loader_host_cache_budget_bytes', 0))} "
                      f"({g.get('tessera_loader_host_cache_entries', 0):.0f} models)")

@@ -326,6 +326,25 @@ class Staged(Message, frozen=True):
     """False on a deferred-verify hit: its blocks are being checked (ask `VerifyStaged`)."""
 
 
+class CacheQuery(Message, frozen=True):
+    """Gateway → a node's loader: what its host block cache holds."""
+
+
+class CachedArtifact(Message, frozen=True):
+    artifact_id: str
+    nbytes: int
+    tier: str
+    uses: int
+    last_used: float
+
+
+class CacheStatus(Message, frozen=True):
+    node_id: str
+    budget_bytes: int
+    used_bytes: int
+    entries: tuple[CachedArtifact, ...] = ()
+
+
 class EvictHostCache(Message, frozen=True):
     artifact_id: str = ""
     forget_store_pages: bool = False

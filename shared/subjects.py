@@ -75,6 +75,10 @@ def loader_verify(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.verify"
 
 
+def loader_cache(node_id: str) -> str:
+    return f"{_ROOT}.loader.{node_id}.cache"
+
+
 def loader_evict(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.evict"
 

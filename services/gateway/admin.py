@@ -15,6 +15,8 @@ from shared import subjects
 from shared.bus import Bus
 from shared.errors import TesseraError
 from shared.messages import (
+    CacheQuery,
+    CacheStatus,
     ClusterStatus,
     ClusterStatusQuery,
     ErrorCode,
@@ -124,6 +126,22 @@ class Admin:
                 )
                 results.append({"tier": "host", **as_json(dropped)})
         return results
+
+    async def cache(self) -> list[dict[str, Any]]:
+        """Each node's host block cache: budget, use and the artifacts in it."""
+        status = await self.bus.request(
+            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            timeout=self.settings.request_timeout_s,
+        )
+        out: list[dict[str, Any]] = []
+        for node in status.nodes:
+            try:
+                cache = await self.bus.request(subjects.loader_cache(node.node_id), CacheQuery(), CacheStatus,
+                                               timeout=self.settings.request_timeout_s)
+                out.append(as_json(cache))
+            except TesseraError as e:  # one silent loader does not hide the others
+                out.append({"node_id": node.node_id, "error": e.message})
+        return out
 
     async def instances(self) -> dict[str, Any]:
         status = await self.bus.request(

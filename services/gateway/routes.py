@@ -208,6 +208,10 @@ def _admin_routes(admin: Admin) -> APIRouter:
     async def instances() -> dict[str, object]:
         return await admin.instances()
 
+    @router.get("/cache")
+    async def cache() -> list[dict[str, object]]:
+        return await admin.cache()
+
     return router
 
 

@@ -21,6 +21,8 @@ from shared import subjects
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,
+    CachedArtifact,
+    CacheStatus,
     ErrorCode,
     Evicted,
     EvictHostCache,
@@ -81,6 +83,7 @@ class LoaderService:
         await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
         await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
         await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
+        await self.bus.subscribe(subjects.loader_cache(node), self.on_cache)
 
     def _update_gauges(self) -> None:
         HOST_CACHE_BYTES.set(self.cache.used_bytes)
@@ -187,6 +190,15 @@ class LoaderService:
             return
         STAGE_SECONDS.labels("fill").observe(time.perf_counter() - t0)
         self._update_gauges()
+
+    async def on_cache(self, msg: Msg) -> None:
+        entries = tuple(
+            CachedArtifact(artifact_id=aid, nbytes=e.nbytes, tier=str(self.cache.tiers.get(aid, "")),
+                           uses=e.uses, last_used=e.last_used)
+            for aid, e in sorted(self.cache.entries.items())
+        )
+        await self.bus.reply(msg, CacheStatus(node_id=self.settings.node_id, budget_bytes=self.cache.budget_bytes,
+                                              used_bytes=self.cache.used_bytes, entries=entries))
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictHostCache)

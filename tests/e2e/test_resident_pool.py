@@ -155,6 +155,10 @@ def test_host_cache_serves_starts_and_repairs_a_corrupted_block(own_cluster: Loc
     wait_for(lambda: metric(cluster, LOADER, "tessera_loader_host_cache_bytes") > 0, 30, "the cache to fill")
     start = restart_from("resident")
     assert start["source"] == "host" and start["loaded_from_cache"] is True
+    # The admin API (and `tessera status`) show what each node's host cache holds.
+    (node0,) = [c for c in httpx.get(f"{cluster.base_url}/admin/cache", timeout=10).json() if c["node_id"] == "node-0"]
+    (entry,) = [e for e in node0["entries"] if e["artifact_id"] == aid]
+    assert entry["tier"] == "start" and entry["nbytes"] > 0 and node0["used_bytes"] >= entry["nbytes"]
 
     cached = next((cluster.host_cache / "node-0" / aid).rglob("*.blob"))  # type: ignore[operator]
     stored = next((Path(record["artifact"]["path"]) / "compiled").rglob(cached.name))  # type: ignore[index]
