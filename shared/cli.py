@@ -6,6 +6,7 @@ TESSERA_ADMIN_KEY, else the key `tessera up` saved under `--home`.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ import httpx
 import typer
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, admin_key_path, load_admin_key
@@ -61,6 +63,16 @@ def _ok(r: httpx.Response) -> Any:
     return r.json()
 
 
+@contextlib.contextmanager
+def _working(what: str) -> Iterator[None]:
+    """A progress line for long work whose length is not known in advance (the import converts
+    and compiles in one loader call): a pulsing bar and the time elapsed."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        progress.add_task(what, total=None)
+        yield
+
+
 @app.command()
 def up(
     port: int = typer.Option(8000, help="Gateway port (the OpenAI API)."),
@@ -78,7 +90,7 @@ def up(
     with console.status("starting NATS, Valkey and the services…"):
         cluster.start()
     try:
-        with console.status(f"importing {DEFAULT_MODEL_NAME} (converted once, then reused)…"):
+        with _working(f"importing {DEFAULT_MODEL_NAME} (converted and materialized once, then reused)"):
             cluster.register_default_model()
         url = cluster.base_url
         console.print(f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})",
@@ -131,7 +143,7 @@ def models_add(
     admin_key: str | None = ADMIN_KEY,
     home: Path = HOME,
 ) -> None:
-    with _admin(url, admin_key, home) as http, console.status(f"importing {source}…"):
+    with _admin(url, admin_key, home) as http, _working(f"importing {source} (GGUF → IR → compiled tiers)"):
         r = http.post("/admin/models", timeout=900, json={
             "name": name, "source": str(source.resolve()), "keep_alive_s": keep_alive_s,
             "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})

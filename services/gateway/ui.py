@@ -65,9 +65,16 @@ def ui_router(admin: Admin, admin_guard: Callable[..., Awaitable[object]]) -> AP
             instances = await admin.instances()
         except TesseraError as e:
             instances_error = e.message
+        caches: list[dict[str, Any]] = []
+        if instances is not None:
+            try:
+                caches = await admin.cache()
+            except TesseraError:
+                caches = []
         return {
             "models": await admin.list(),
             "instances": instances,
+            "caches": caches,
             "instances_error": instances_error,
             "cold_starts": await admin.cold_starts(COLD_STARTS_SHOWN),
             "latency": {"ttft": histogram_snapshot(TTFT), "tpot": histogram_snapshot(TPOT)},

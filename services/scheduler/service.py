@@ -98,7 +98,7 @@ class SchedulerService:
             instances.pop(model, None)
         else:
             instances[model] = inst
-        self.nodes[node_id] = NodeView(node_id, old.seen_at, instances, old.starting - {model})
+        self.nodes[node_id] = dataclasses.replace(old, instances=instances, starting=old.starting - {model})
         self._changed_at[node_id] = now
 
     async def on_status(self, msg: Msg) -> None:
@@ -109,7 +109,9 @@ class SchedulerService:
             ClusterStatus(
                 nodes=tuple(
                     NodeStatus(node_id=n.node_id, sent_at=n.seen_at, instances=tuple(n.instances.values()),
-                               starting=tuple(n.starting))
+                               starting=tuple(n.starting), memory_budget_bytes=n.memory_budget_bytes,
+                               memory_used_bytes=n.memory_used_bytes, kind=n.kind,
+                               resident=tuple(sorted(n.resident)))
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),
                 starting=tuple(self._starts),

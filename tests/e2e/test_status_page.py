@@ -115,6 +115,10 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     assert inst.find_element(By.CSS_SELECTOR, ".pid").text == str(instance["worker_pid"])
     # The worker may tier up between the two reads; it stays the same process.
     assert inst.find_element(By.CSS_SELECTOR, ".tier").text in ("start", "steady")
+    # The node's host cache and what it holds (the first start fills it behind itself).
+    cache = wait_for(lambda: (e := visible('#nodes [data-cache-node="node-0"]')) and "(start," in e.text and e,
+                     PAGE_TIMEOUT_S, "the host cache contents on the page")
+    assert "host cache" in cache.text
 
     bar = wait_for(lambda: visible(f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
                    "a cold-start bar")
