@@ -24,17 +24,26 @@ from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
+VALKEY_CONNECTIONS = 64
+"""Connections per service to Valkey: enough for its concurrent calls, far below maxclients."""
+
 
 def connect_valkey(url: str) -> aioredis.Redis:
     """A Valkey client that retries through a restart of the server instead of failing."""
-    return aioredis.Redis.from_url(
+    # A blocking pool: under a burst, a call waits (up to `timeout`) for a connection to come
+    # free instead of failing with "Too many connections" (measured: 100 of 200 concurrent
+    # clients got a 503 that way).
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=VALKEY_CONNECTIONS,
+        timeout=10,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         socket_connect_timeout=2,
         socket_timeout=5,
         health_check_interval=5,
     )
+    return aioredis.Redis(connection_pool=pool)
 
 
 class ServiceRuntime:
