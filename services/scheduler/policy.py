@@ -109,31 +109,27 @@ def place(
         return _place_exclusive(model, live, max_active_per_instance, set(starts_in_flight.values()))
     if demand is not None and model in profiles:
         # Shadow validation: join the first instance where nobody would miss an SLO...
+        options: list[tuple[float, bool, Decision]] = []
         for n in placement.join_order(live, model):
-            if n.instances[model].active < max_active_per_instance and placement.validate(
-                n, model, demand, profiles
-            ).ok:
+            if n.instances[model].active >= max_active_per_instance:
+                continue
+            v = placement.validate(n, model, demand, profiles)
+            if v.ok:
                 return UseNode(n.node_id)
+            if v.failure is placement.Failure.NEW_LATE:
+                options.append((v.ttft_s, False, UseNode(n.node_id)))
         # ... else scale out where the model can start soonest and validates ...
-        outs = placement.start_order(
+        for n in placement.start_order(
             [n for n in live if model not in n.instances and model not in n.starting], profiles[model]
-        )
-        for n in outs:
-            if placement.validate(n, model, demand, profiles).ok:
+        ):
+            v = placement.validate(n, model, demand, profiles)
+            if v.ok:
                 return StartOn(n.node_id)
+            if v.failure is placement.Failure.NEW_LATE:
+                options.append((v.ttft_s, True, StartOn(n.node_id)))
         # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
         # a queue or a new instance (which also serves the requests after this one), as long
         # as it keeps the node's decode rounds within every TPOT SLO.
-        options: list[tuple[float, int, Decision]] = []
-        for n in live:
-            inst = n.instances.get(model)
-            if inst is not None and inst.active >= max_active_per_instance:
-                continue
-            if inst is None and n not in outs:
-                continue
-            v = placement.validate(n, model, demand, profiles)
-            if v.failure is placement.Failure.NEW_LATE:
-                options.append((v.ttft_s, inst is None, UseNode(n.node_id) if inst else StartOn(n.node_id)))
         if options:
             ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
             if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
