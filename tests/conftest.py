@@ -61,6 +61,17 @@ def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> 
         c.stop()
 
 
+@pytest.fixture(scope="module")
+def auth_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    """A cluster of one test module with API keys on and the default model registered."""
+    c = start_cluster(tmp_path_factory.mktemp("auth"), model_store, auth=True)
+    try:
+        c.register_default_model()
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.fixture(scope="session")
 def model() -> str:
     return DEFAULT_MODEL_NAME

@@ -20,18 +20,12 @@ from typer.testing import CliRunner
 
 from shared import cli
 from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, free_port
-from tests.conftest import start_cluster
 from tests.helpers.cluster import wait_for
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("cli"), model_store, auth=True)
-    try:
-        c.register_default_model()
-        yield c
-    finally:
-        c.stop()
+def secure(auth_cluster: LocalCluster) -> LocalCluster:
+    return auth_cluster
 
 
 @pytest.fixture

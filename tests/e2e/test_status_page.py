@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
-from tests.conftest import start_cluster
 from tests.helpers.cluster import wait_for
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -39,16 +38,6 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "status
 PHASE_NAMES = {"init", "load", "profile", "prefill", "other"}
 PAGE_TIMEOUT_S = 30.0
 """The page polls every 2 s; a few polls at most, with room for a loaded 2-core machine."""
-
-
-@pytest.fixture(scope="module")
-def auth_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("ui"), model_store, auth=True)
-    try:
-        c.register_default_model()
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
