@@ -241,8 +241,28 @@ def quiesce(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
     log("WARNING: the cluster did not settle before a side-by-side round")
 
 
+def settle(cluster: LocalCluster, idle_cpu_s: float = 0.02, window_s: float = 0.2,
+           timeout_s: float = 10.0) -> float:
+    """Wait until the cluster's processes together use under `idle_cpu_s` of CPU in a
+    `window_s` window (an evicted worker's exit, the loader's re-check and the pool's refill
+    are done): a scaled-to-zero model's next request finds the node quiet, as the peers'
+    starts do. Returns the seconds waited."""
+    t0 = time.monotonic()
+    before = sum(cpu_seconds(cluster).values())
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(window_s)
+        now = sum(cpu_seconds(cluster).values())
+        if now - before < idle_cpu_s:
+            break
+        before = now
+    else:
+        log(f"WARNING: the cluster did not go quiet within {timeout_s}s")
+    return time.monotonic() - t0
+
+
 def cold_trials(client: Tessera, trials: int, what: str, expect: str,
-                evict: str | None = None, tier: str = "resident") -> list[dict[str, Any]]:
+                evict: str | None = None, tier: str = "resident",
+                cluster: LocalCluster | None = None) -> list[dict[str, Any]]:
     """Cold starts from zero; with `evict` (an artifact id), the caches down to `tier` are
     dropped after each scale to zero (`resident`: the start stages the blob from the host
     cache; `all`: it reads the model store from disk). A start whose `source` is not `expect`
@@ -251,11 +271,12 @@ def cold_trials(client: Tessera, trials: int, what: str, expect: str,
     for i in range(trials):
         waited = client.wait_zero()
         evicted = client.evict(evict, tier) if evict else None
+        settled = settle(cluster) if cluster is not None else 0.0
         res = client.stream(COLD_MAX_TOKENS)
         entry = client.cold_start_after(MODEL_NAME, res["sent_wall"])
         if entry.get("source") != expect:
             log(f"WARNING: {what} trial {i + 1}: source {entry.get('source')!r}, expected {expect!r}")
-        out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted,
+        out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted, "settled_s": settled,
                     "record": entry, "text": res["text"]})
         log(f"{what} trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
             f"{entry['total_s']:.3f}s, source {entry.get('source')}, from cache "
@@ -306,7 +327,7 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             log(f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
                 f"engine total {first_entry['total_s']:.3f}s")
 
-            cold = cold_trials(client, trials, "cold (resident)", expect="resident")
+            cold = cold_trials(client, trials, "cold (resident)", expect="resident", cluster=cluster)
 
             client.wait_zero()
             log(f"burst: {BURST_SIZE} concurrent streamed first requests on the model scaled to zero")
@@ -317,9 +338,9 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
                 f"errors {burst_result['errors']}")
 
             host = cold_trials(client, trials, "cold (worker evicted, host cache)", expect="host",
-                               evict=artifact_id, tier="resident")
+                               evict=artifact_id, tier="resident", cluster=cluster)
             disk = cold_trials(client, trials, "cold (all caches dropped, from disk)", expect="store",
-                               evict=artifact_id, tier="all")
+                               evict=artifact_id, tier="all", cluster=cluster)
 
             # Warm: one request loads it (discarded), then back-to-back requests on the live
             # instance, once its worker has tiered up (a warm instance's steady state).
@@ -368,8 +389,10 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
                 t_dec = (n_done - 1) / (d["last"] - d["first"])
                 peer = run_peer("openvino", Path(str(reg["artifact"]["path"])))  # type: ignore[index]
                 llama_round = run_peer("llamacpp", gguf)
-                (h,) = cold_trials(client, 1, "side-by-side host", "host", evict=artifact_id, tier="resident")
-                (k,) = cold_trials(client, 1, "side-by-side disk", "store", evict=artifact_id, tier="all")
+                (h,) = cold_trials(client, 1, "side-by-side host", "host", evict=artifact_id, tier="resident",
+                                   cluster=cluster)
+                (k,) = cold_trials(client, 1, "side-by-side disk", "store", evict=artifact_id, tier="all",
+                                   cluster=cluster)
                 side.append({"tessera_warm_ttft_s": t_warm, "inproc_warm_ttft_s": peer["warm_ttft_s"],
                              "tessera_decode_tok_s": t_dec, "inproc_decode_tok_s": peer["decode_tok_s"],
                              "tessera_host_ttft_s": h["ttft_s"], "tessera_disk_ttft_s": k["ttft_s"],

@@ -175,6 +175,7 @@ class EngineService:
             settings.worker_pool_size, settings.device, settings.inference_threads,
             refill_delay_s=settings.worker_refill_delay_s,
             tier_up_idle_s=settings.tier_up_idle_s if settings.start_tier else None,
+            prefault_bytes=settings.worker_prefault_mb << 20,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
