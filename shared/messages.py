@@ -222,6 +222,8 @@ class NodeStatus(Message, frozen=True):
     resident: tuple[str, ...] = ()
     """Artifacts whose weights stay loaded here with no instance (Tangram: reusable)."""
     perf: tuple[PerfReport, ...] = ()
+    max_batch: int = 1
+    """Requests one worker here decodes together (queued ones join the next batch)."""
 
 
 class ClusterStatusQuery(Message, frozen=True):

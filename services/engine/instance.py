@@ -11,7 +11,6 @@ reporting each piece of text through `emit`.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +21,10 @@ from typing import Protocol
 import numpy as np
 import openvino as ov
 
+from services.engine.batch import BatchItem, RowEmit, RowResult, generate_batch
 from services.engine.layout import compiled_cache_dir, model_xml
-from services.engine.sampling import Sampler
 from services.engine.stops import StopMatcher
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+from shared.messages import Artifact, FinishReason, Tier
 
 
 class Flag(Protocol):
@@ -238,103 +237,59 @@ class LoadedModel:
         )
 
 
+class TextStream:
+    """A row's text: detokenized, through its stop strings, coalesced per stream interval."""
+
+    def __init__(self, tokenizer: Detokenizer, stops: StopMatcher, emit: Emit, interval_s: float) -> None:
+        self._out = _Coalesce(emit, interval_s)
+        self._text = _Text(tokenizer, stops, self._out)
+
+    def write(self, tokens: Sequence[int]) -> None:
+        self._text.write(tokens)
+
+    def end(self) -> None:
+        self._text.end()
+        self._out.flush()
+
+
 @dataclass
-class Instance:
-    """A model name serving requests: a loaded model plus its own KV cache (infer request)."""
+class Batcher:
+    """Generation on one loaded model for every name served from it: one infer request (its
+    state is the KV cache of the batch running; no KV cache outlives a generation), created
+    on the first request and released when no name is left."""
 
-    model: str
     loaded: LoadedModel
-    loaded_at: float
-    last_used: float
-    active: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    names: set[str] = field(default_factory=set)
     _request: ov.InferRequest | None = None
+    _rows: int = 0
 
-    @property
-    def artifact(self) -> Artifact:
-        return self.loaded.artifact
-
-    @property
-    def loaded_from_cache(self) -> bool:
-        return self.loaded.loaded_from_cache
-
-    @property
-    def request(self) -> ov.InferRequest:
-        # The infer request holds the KV cache: it exists only while the instance serves.
-        if self._request is None:
-            self._request = self.loaded.compiled.create_infer_request()
-        return self._request
-
-    def release_kv(self) -> None:
-        self._request = None
-
-    def _forward(self, ids: Sequence[int], past: int) -> np.ndarray:
-        n = len(ids)
-        req = self.request
-        req.infer({
-            "input_ids": np.asarray(ids, dtype=np.int64)[None, :],
-            "attention_mask": np.ones((1, past + n), dtype=np.int64),
-            "position_ids": np.arange(past, past + n, dtype=np.int64)[None, :],
-            "beam_idx": np.zeros(1, dtype=np.int32),
-        })
-        logits: np.ndarray = req.get_tensor("logits").data[0, -1]
-        return logits
+    def drop(self, name: str) -> bool:
+        """Forget `name`; True when that released the infer request (and its memory)."""
+        self.names.discard(name)
+        if not self.names and self._request is not None:
+            self._request = None
+            self._rows = 0
+            return True
+        return False
 
     def generate(
         self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        emit: Emit,
-        cancelled: Flag,
+        items: Sequence[BatchItem],
+        emit: RowEmit,
+        is_cancelled: Callable[[str], bool],
         stream_interval_s: float = 0.0,
-    ) -> GenerationResult:
-        sampler = Sampler(params.temperature, params.top_p, params.seed)
-        stops = StopMatcher(params.stop)
-        first: list[float] = []
+        between_steps: Callable[[], None] | None = None,
+    ) -> list[RowResult]:
+        if self._request is None or len(items) > self._rows:
+            # A batch wider than any this request has run needs a new one: after
+            # `reset_state`, OpenVINO 2026.4's CPU plugin kept the rows beyond the old width
+            # wrong once the cache grew (measured: those rows' text diverged after ≈ 7 tokens).
+            self._request = self.loaded.compiled.create_infer_request()
+            self._rows = len(items)
+        tokenizer = self.loaded.tokenizer
 
-        def timed_emit(text: str, tokens: int) -> None:
-            if not first:
-                first.append(time.perf_counter())
-            emit(text, tokens)
+        def text(row_emit: RowEmit, request_id: str, stops: StopMatcher) -> TextStream:
+            return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
 
-        out = _Coalesce(timed_emit, stream_interval_s)
-        text = _Text(self.loaded.tokenizer, stops, out)
-        # Detokenizing costs two detokenizer runs; without stop strings to watch, it is done
-        # once per stream interval for the tokens since, not once per token (measured ≈ 8 % of
-        # decode time per token otherwise). With stop strings, every token is checked at once
-        # so that generation ends exactly at the stop.
-        batch_s = 0.0 if params.stop else stream_interval_s
-        held: list[int] = []
-        last_text: float | None = None
-        produced = 0
-        reason = FinishReason.LENGTH
-        with self.lock:  # one sequence at a time on this infer request
-            self.request.reset_state()
-            logits = self._forward(prompt_ids, 0)
-            past = len(prompt_ids)
-            while produced < params.max_tokens:
-                token = sampler.pick(logits)
-                if token in self.loaded.eos_ids and not params.ignore_eos:
-                    reason = FinishReason.STOP
-                    break
-                produced += 1
-                held.append(token)
-                now = time.perf_counter()
-                if last_text is None or now - last_text >= batch_s:
-                    text.write(held)
-                    held.clear()
-                    last_text = now
-                if stops.stopped:
-                    reason = FinishReason.STOP
-                    break
-                if cancelled.is_set():
-                    reason = FinishReason.CANCELLED
-                    break
-                if produced == params.max_tokens:
-                    break
-                logits = self._forward((token,), past)
-                past += 1
-            text.write(held)
-            text.end()
-            out.flush()
-        return GenerationResult(reason, produced, first[0] if first else None)
+        return generate_batch(self._request, items, self.loaded.eos_ids, text, emit, is_cancelled,
+                              stream_interval_s, between_steps)

@@ -110,6 +110,11 @@ QUEUE_WAIT = Histogram(
     "Generate received to its run starting on the worker (requests ahead on the same worker)",
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
 )
+BATCHED_REQUESTS = Counter(
+    "tessera_engine_batched_requests_total",
+    "Requests run, by the size of the batch they ran in",
+    ["batch"],
+)
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -150,11 +155,13 @@ class _Samples:
     def add(self, done: Done) -> None:
         if done.first_token_at is None:
             return
-        self.prefill.append((done.prompt_tokens, round(done.prefill_s, 5)))
+        # A batch prefills every row at once: the positions it computed took that long.
+        self.prefill.append((done.prefill_tokens or done.prompt_tokens, round(done.prefill_s, 5)))
         if done.completion_tokens >= 2 and done.decode_s > 0:
-            # One sequence at a time per worker: a batch of one, at the run's mean length.
+            # Its iterations decoded the batch it ran in (rows that end early leave it, so
+            # this overstates a long row's batch: the iteration time errs long, the safe way).
             mean_length = done.prompt_tokens + done.completion_tokens // 2
-            self.decode.append((1, mean_length, round(done.decode_s / (done.completion_tokens - 1), 5)))
+            self.decode.append((done.batch, mean_length, round(done.decode_s / (done.completion_tokens - 1), 5)))
 
 
 @dataclass
@@ -176,6 +183,7 @@ class EngineService:
             refill_delay_s=settings.worker_refill_delay_s,
             tier_up_idle_s=settings.tier_up_idle_s if settings.start_tier else None,
             prefault_bytes=settings.worker_prefault_mb << 20,
+            max_batch=settings.max_batch,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -236,6 +244,7 @@ class EngineService:
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self._perf.items()
             ),
+            max_batch=self.settings.max_batch,
         )
 
     def _update_gauges(self) -> None:
@@ -637,7 +646,7 @@ class EngineService:
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()
-        run = Run(0, req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s)
+        run = Run(req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s)
         final: Finished | Failed = Finished(
             request_id=req.request_id,
             finish_reason=FinishReason.CANCELLED,
@@ -645,8 +654,9 @@ class EngineService:
             completion_tokens=0,
         )
         try:
-            def started() -> None:
+            def started(batch: int) -> None:
                 QUEUE_WAIT.observe(time.monotonic() - received)
+                BATCHED_REQUESTS.labels(str(batch)).inc()
 
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):

@@ -10,6 +10,10 @@ class EngineSettings(CommonSettings):
     worker_refill_delay_s: float = 5.0
     """Latest time after a start took a warm worker that its replacement begins warming (it
     begins as soon as that start has its first token)."""
+    max_batch: int = 16
+    """Most requests a worker decodes together (`batch.py`); a batch also stays within one
+    name's KV reservation (rows × (longest prompt + largest max_tokens) ≤ the context
+    length). 1: one request at a time."""
     worker_prefault_mb: int = 320
     """Heap each pre-warmed worker touches before it is bound (its pages are then reused by
     the start instead of faulting in on its path; ≈ 0.06 s of a start measured); counted in

@@ -2,18 +2,21 @@
 
 TIDAL §3, §5: the engine keeps workers pre-warmed (OpenVINO, its CPU plugin and the tokenizer
 extension already loaded) so that a cold start's Init is off the critical path; a start binds
-one to a model. One worker holds one loaded model (an artifact) and one session (KV cache)
-per model name served from it; generations run one at a time. Unloading a model ends its
-worker, so its memory returns to the system whole.
+one to a model. One worker holds one loaded model (an artifact) and serves every model name
+on that artifact. Unloading a model ends its worker, so its memory returns to the system
+whole.
 
 A start loads the artifact's START tier (cheap first pass, `services/loader/start_ir.py`);
 once the worker has had no command for `tier_up_idle_s`, a background thread loads the STEADY
-tier from the store and runs its first pass, and the worker swaps to it between generations
-(sessions are rebuilt: no KV cache outlives a generation anyway).
+tier from the store and runs its first pass, and the worker swaps to it between batches (no
+KV cache outlives a batch anyway).
+
+Requests queue in the worker; whenever it is free, it runs what is queued as one batch
+(`batch.py`), reading new commands between decode steps: a cancel stops its row after the
+current token, new requests wait for the next batch.
 
 The engine talks to it over a `multiprocessing` pipe with the small dataclasses below (they
-never leave the node, so they are not bus messages); cancellation of the running generation
-is a shared value (the number of the run to stop), checked after every token.
+never leave the node, so they are not bus messages).
 """
 
 from __future__ import annotations
@@ -23,16 +26,18 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import openvino as ov
 
+from services.engine.batch import BatchItem, take_batch
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
-    from services.engine.instance import Instance, LoadedModel
+    from services.engine.instance import Batcher, LoadedModel
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,8 @@ class TieredUp:
 
 @dataclass(frozen=True)
 class Run:
-    seq: int
-    """Numbers the runs of one worker: cancelling writes the running run's number into a
-    shared value, so a late cancel can never stop the next run."""
+    """A request for the worker's queue: it runs in the next batch formed (`batch.py`)."""
+
     request_id: str
     session: str
     prompt_ids: tuple[int, ...]
@@ -96,6 +100,25 @@ class Done:
     """Start of the run to its first token: the prefill, measured where it ran."""
     decode_s: float = 0.0
     """First token to the end of the run: (completion_tokens - 1) decode iterations."""
+    batch: int = 1
+    """Sequences in the batch it ran in (its decode iterations were for that many)."""
+    prefill_tokens: int = 0
+    """Positions the batch's prefill computed (rows × the longest prompt)."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request left the worker's queue: its batch begins."""
+
+    request_id: str
+    batch: int
+
+
+@dataclass(frozen=True)
+class CancelRun:
+    """Stop this request: queued, it ends at once; running, after its current token."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -114,21 +137,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-class SharedInt(Protocol):
-    """A number in shared memory (multiprocessing's RawValue)."""
-
-    value: int
-
-
-class _Cancelled:
-    def __init__(self, shared: SharedInt, seq: int) -> None:
-        self._shared = shared
-        self._seq = seq
-
-    def is_set(self) -> bool:
-        return bool(self._shared.value == self._seq)
 
 
 def _pin_all_threads(cores: set[int]) -> None:
@@ -234,85 +242,164 @@ class _TierUp:
         self.done.set()
 
 
+class _Loop:
+    """The worker's commands, its queue of requests and the batches run from it."""
+
+    def __init__(self, conn: Connection, core: ov.Core, device: str, threads: int,
+                 tier_up_idle_s: float | None, max_batch: int) -> None:
+        self.conn = conn
+        self.core = core
+        self.device = device
+        self.threads = threads
+        self.tier_up_idle_s = tier_up_idle_s
+        self.max_batch = max(1, max_batch)
+        self.batcher: Batcher | None = None
+        self.tier_up: _TierUp | None = None
+        self.queue: deque[Run] = deque()
+        self.running: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.all_cores = os.sched_getaffinity(0)
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.batcher.loaded if self.batcher is not None else None
+
+    def serve(self) -> None:
+        while True:
+            self._maybe_swap_tier()
+            try:
+                if not self.queue and not self._wait():
+                    continue
+                self._read_commands()
+            except (EOFError, OSError):
+                return
+            if self.queue:
+                self._run_batch()
+
+    def _wait(self) -> bool:
+        """Block until a command arrives (True), or until it is time to look at the tier-up."""
+        loaded = self.loaded
+        wait = None
+        if self.tier_up is not None:
+            wait = 0.05  # to swap soon after it is ready
+        elif loaded is not None and loaded.tier == Tier.START and self.tier_up_idle_s is not None:
+            wait = self.tier_up_idle_s
+        if wait is not None and not self.conn.poll(wait):
+            if self.tier_up is None and loaded is not None and loaded.tier == Tier.START:
+                self.tier_up = _TierUp(self.core, loaded, self.device, self.threads)
+            return False
+        return True
+
+    def _maybe_swap_tier(self) -> None:
+        tier_up = self.tier_up
+        if tier_up is None or not tier_up.done.is_set() or self.queue:
+            return
+        # Between batches: swap tiers (the START model is freed with its infer request).
+        if tier_up.result is not None and self.batcher is not None:
+            from services.engine.instance import Batcher
+
+            self.batcher = Batcher(tier_up.result, self.batcher.names)
+            _trim_heap()
+        loaded = self.loaded
+        self.conn.send(TieredUp(loaded.tier if loaded else Tier.START, tier_up.seconds, tier_up.error))
+        self.tier_up = None
+
+    def _read_commands(self) -> None:
+        """Every command waiting in the pipe (called between decode steps too)."""
+        while self.conn.poll(0):
+            self._handle(self.conn.recv())
+
+    def _handle(self, cmd: object) -> None:
+        try:
+            if isinstance(cmd, Run):
+                self.queue.append(cmd)
+            elif isinstance(cmd, CancelRun):
+                self._cancel(cmd.request_id)
+            elif isinstance(cmd, Load):
+                from services.engine.instance import Batcher, LoadedModel
+
+                t0 = time.monotonic()
+                if cmd.cores:
+                    _pin_all_threads(set(cmd.cores))
+                # The first forward pass (the CPU plugin repacks weights then) also runs under
+                # the bounded share; all cores come back once the first batch is done.
+                loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir,
+                                          cmd.tier)
+                self.batcher = Batcher(loaded)
+                self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
+            elif isinstance(cmd, DropSession):
+                if self.batcher is not None and self.batcher.drop(cmd.session):
+                    _trim_heap()
+        except Exception as e:  # the engine turns this into an error for the request
+            self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.cancelled.add(request_id)
+            return
+        for run in self.queue:
+            if run.request_id == request_id:
+                self.queue.remove(run)
+                self.conn.send(Done(request_id, FinishReason.CANCELLED, 0, None, len(run.prompt_ids)))
+                return
+
+    def _take(self) -> list[Run]:
+        assert self.batcher is not None, "Run before Load"
+        budget = self.batcher.loaded.artifact.context_length
+        n = take_batch([(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch, budget)
+        return [self.queue.popleft() for _ in range(n)]
+
+    def _run_batch(self) -> None:
+        if self.batcher is None:
+            for run in self.queue:
+                self.conn.send(Failure(run.request_id, "no model loaded in this worker"))
+            self.queue.clear()
+            return
+        runs = self._take()
+        for run in runs:
+            self.batcher.names.add(run.session)
+            self.running.add(run.request_id)
+            self.conn.send(Started(run.request_id, len(runs)))
+        conn = self.conn
+
+        def emit(request_id: str, text: str, tokens: int) -> None:
+            conn.send(Chunk(request_id, text, tokens))
+
+        t_run = time.monotonic()
+        try:
+            results = self.batcher.generate(
+                [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs], emit,
+                self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands,
+            )
+        except Exception as e:  # every request of the batch fails; the worker lives on
+            for run in runs:
+                conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self.running.clear()
+            self.cancelled.clear()
+        t_end = time.monotonic()
+        if os.sched_getaffinity(0) != self.all_cores:
+            _pin_all_threads(self.all_cores)
+        width = max(len(r.prompt_ids) for r in runs)
+        for run, res in zip(runs, results, strict=True):
+            t_first = res.first_token_at
+            conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
+                           len(run.prompt_ids), (t_first or t_end) - t_run,
+                           t_end - t_first if t_first is not None else 0.0, len(runs), width * len(runs)))
+
+
 def worker_main(
-    conn: Connection, cancel: SharedInt, device: str, threads: int, tier_up_idle_s: float | None = 0.5,
-    prefault_bytes: int = 0,
+    conn: Connection, device: str, threads: int, tier_up_idle_s: float | None = 0.5,
+    prefault_bytes: int = 0, max_batch: int = 1,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.
     import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)
 
-    from services.engine.instance import Instance, LoadedModel
-
     core = ov.Core()
     _touch_kernels(core, device, threads)
     _prefault_heap(prefault_bytes)
     conn.send(Ready(pid=os.getpid()))
-
-    loaded: LoadedModel | None = None
-    tier_up: _TierUp | None = None
-    sessions: dict[str, Instance] = {}
-    all_cores = os.sched_getaffinity(0)
-    while True:
-        if tier_up is not None and tier_up.done.is_set():
-            # Between generations: swap tiers (the START model is freed with its sessions).
-            if tier_up.result is not None:
-                loaded = tier_up.result
-                sessions.clear()
-                _trim_heap()
-            conn.send(TieredUp(loaded.tier if loaded else Tier.START, tier_up.seconds, tier_up.error))
-            tier_up = None
-        wait = None
-        if tier_up is not None:
-            wait = 0.05  # to swap soon after it is ready
-        elif loaded is not None and loaded.tier == Tier.START and tier_up_idle_s is not None:
-            wait = tier_up_idle_s
-        try:
-            if wait is not None and not conn.poll(wait):
-                if tier_up is None and loaded is not None and loaded.tier == Tier.START:
-                    tier_up = _TierUp(core, loaded, device, threads)
-                continue
-            cmd = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if isinstance(cmd, Load):
-                t0 = time.monotonic()
-                if cmd.cores:
-                    _pin_all_threads(set(cmd.cores))
-                # The first forward pass (the CPU plugin repacks weights then) also runs under
-                # the bounded share; all cores come back once it is done, in `Run`.
-                loaded = LoadedModel.load(core, cmd.artifact, device, threads, cmd.cache_dir, cmd.tier)
-                conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
-            elif isinstance(cmd, Run):
-                assert loaded is not None, "Run before Load"
-                inst = sessions.get(cmd.session)
-                if inst is None:
-                    now = time.time()
-                    inst = sessions[cmd.session] = Instance(cmd.session, loaded, now, now)
-                first: list[float] = []
-
-                def emit(text: str, tokens: int, rid: str = cmd.request_id, first: list[float] = first) -> None:
-                    if not first:
-                        first.append(time.monotonic())
-                    conn.send(Chunk(rid, text, tokens))
-
-                t_run = time.monotonic()
-                result = inst.generate(
-                    cmd.prompt_ids, cmd.params, emit, _Cancelled(cancel, cmd.seq), cmd.stream_interval_s
-                )
-                t_end = time.monotonic()
-                if os.sched_getaffinity(0) != all_cores:
-                    _pin_all_threads(all_cores)
-                t_first = first[0] if first else None
-                conn.send(Done(cmd.request_id, result.finish_reason, result.completion_tokens, t_first,
-                               len(cmd.prompt_ids), (t_first or t_end) - t_run,
-                               t_end - t_first if t_first is not None else 0.0))
-            elif isinstance(cmd, DropSession):
-                dropped = sessions.pop(cmd.session, None)
-                if dropped is not None:
-                    dropped.release_kv()
-                    _trim_heap()
-        except Exception as e:  # the engine turns this into an error for the request
-            conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
+    _Loop(conn, core, device, threads, tier_up_idle_s, max_batch).serve()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -20,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from services.engine.worker import (
     MALLOC_ENV,
+    CancelRun,
     Chunk,
     Done,
     DropSession,
@@ -28,6 +28,7 @@ from services.engine.worker import (
     Loaded,
     Ready,
     Run,
+    Started,
     TieredUp,
     worker_main,
 )
@@ -59,13 +60,11 @@ class WorkerDied(Exception):
 
 class Worker:
     def __init__(self, device: str, threads: int, tier_up_idle_s: float | None = 0.5,
-                 prefault_bytes: int = 0) -> None:
+                 prefault_bytes: int = 0, max_batch: int = 1) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._cancel = ctx.Value("q", 0, lock=False)  # one writer; no lock, no resource tracker
-        self._seq = 0
         self.process = ctx.Process(
-            target=worker_main, args=(child, self._cancel, device, threads, tier_up_idle_s, prefault_bytes),
+            target=worker_main, args=(child, device, threads, tier_up_idle_s, prefault_bytes, max_batch),
             daemon=True, name="tessera-worker",
         )
         with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
@@ -74,9 +73,8 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[Ready] = self._loop.create_future()
         self._waiter: asyncio.Future[Loaded] | None = None
-        self._stream: asyncio.Queue[Chunk | Done | Failure | WorkerDied] | None = None
-        self._running: str | None = None
-        self._lock = asyncio.Lock()
+        self._streams: dict[str, asyncio.Queue[Chunk | Done | Failure | Started | WorkerDied]] = {}
+        """Each request sent and not yet done: where its messages go."""
         self.dead = False
         self.tier: Tier | None = None
         """The tier of the model it serves (None before a load)."""
@@ -117,8 +115,10 @@ class Worker:
         elif isinstance(msg, Failure) and msg.request_id is None:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RuntimeError(msg.message))
-        elif self._stream is not None and isinstance(msg, Chunk | Done | Failure):
-            self._stream.put_nowait(msg)
+        elif isinstance(msg, Chunk | Done | Failure | Started):
+            stream = self._streams.get(str(msg.request_id))
+            if stream is not None:
+                stream.put_nowait(msg)
 
     def _on_death(self) -> None:
         self.dead = True
@@ -126,8 +126,8 @@ class Worker:
         for fut in (self._ready, self._waiter):
             if fut is not None and not fut.done():
                 fut.set_exception(died)
-        if self._stream is not None:
-            self._stream.put_nowait(died)
+        for stream in self._streams.values():
+            stream.put_nowait(died)
 
     async def ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
@@ -149,47 +149,64 @@ class Worker:
         self.tier = tier
         return loaded
 
+    @property
+    def queued(self) -> int:
+        """Requests sent to this worker and not yet done (running or in its queue)."""
+        return len(self._streams)
+
     async def generate(
-        self, run: Run, is_cancelled: Cancelled, on_start: Callable[[], None] | None = None
+        self, run: Run, is_cancelled: Cancelled, on_start: Callable[[int], None] | None = None
     ) -> AsyncIterator[Chunk | Done]:
-        """Chunks of one generation, then its `Done`; queued behind the worker's current one
-        (`on_start` is called when its turn comes)."""
-        async with self._lock:
-            if on_start is not None:
-                on_start()
-            if is_cancelled():
-                return
-            if self.dead:
-                raise WorkerDied(f"worker {self.pid} is gone")
-            self._stream = asyncio.Queue()
-            self._seq += 1
-            run = dataclasses.replace(run, seq=self._seq)
-            self._running = run.request_id
-            self._conn.send(run)
+        """Chunks of one generation, then its `Done`. The worker queues it and runs it in its
+        next batch (`on_start(batch size)` is called when that begins)."""
+        if is_cancelled():
+            return
+        if self.dead:
+            raise WorkerDied(f"worker {self.pid} is gone")
+        stream: asyncio.Queue[Chunk | Done | Failure | Started | WorkerDied] = asyncio.Queue()
+        self._streams[run.request_id] = stream
+        done = False
+        try:
             try:
-                while True:
-                    msg = await self._stream.get()
-                    if isinstance(msg, WorkerDied):
-                        raise msg
-                    if isinstance(msg, Failure):
-                        raise RuntimeError(msg.message)
-                    yield msg
-                    if isinstance(msg, Done):
-                        return
-            finally:
-                self._running = None
-                self._stream = None
+                self._conn.send(run)
+            except (OSError, ValueError) as e:
+                raise WorkerDied(f"worker {self.pid} is gone ({e})") from e
+            while True:
+                msg = await stream.get()
+                if isinstance(msg, WorkerDied):
+                    raise msg
+                if isinstance(msg, Failure):
+                    done = True
+                    raise RuntimeError(msg.message)
+                if isinstance(msg, Started):
+                    if on_start is not None:
+                        on_start(msg.batch)
+                    continue
+                yield msg
+                if isinstance(msg, Done):
+                    done = True
+                    return
+        finally:
+            del self._streams[run.request_id]
+            if not done and not self.dead:
+                self._send(CancelRun(run.request_id))  # nobody reads it any more
 
     def cancel(self, request_id: str) -> bool:
-        """Stop the running generation if it is this request's; True if it was."""
-        if self._running == request_id:
-            self._cancel.value = self._seq
+        """Stop this request, queued or running; True if this worker has it."""
+        if request_id in self._streams:
+            self._send(CancelRun(request_id))
             return True
         return False
 
+    def _send(self, msg: object) -> None:
+        try:
+            self._conn.send(msg)
+        except (OSError, ValueError):
+            pass  # the worker is gone: its reader thread reports the death
+
     def drop_session(self, session: str) -> None:
         if not self.dead:
-            self._conn.send(DropSession(session))
+            self._send(DropSession(session))
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -224,10 +241,11 @@ class WorkerPool:
         tier_up_idle_s: float | None = 0.5,
         spawn: Callable[[], Worker] | None = None,
         prefault_bytes: int = 0,
+        max_batch: int = 1,
     ) -> None:
         """`spawn` starts one worker (a real process by default; tests pass a fake)."""
         self.size = size
-        self._spawn = spawn or (lambda: Worker(device, threads, tier_up_idle_s, prefault_bytes))
+        self._spawn = spawn or (lambda: Worker(device, threads, tier_up_idle_s, prefault_bytes, max_batch))
         self.tier_up_idle_s = tier_up_idle_s
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()

@@ -55,12 +55,16 @@ class PerfBook:
     def _fit(reports: Iterable[PerfReport]) -> PerfModel | None:
         prefill: list[PrefillSample] = []
         decode: list[DecodeSample] = []
+        batched: list[tuple[int, int, float]] = []
         for r in reports:
             prefill += [PrefillSample(_bucket(n), s) for n, s in r.prefill]
             decode += [DecodeSample(1, _bucket(n), s) for b, n, s in r.decode if b == 1]
+            batched += [(_bucket(b), n, s) for b, n, s in r.decode if b > 1]
         if not prefill or not decode:
             return None
-        return PerfModel.fit(prefill, decode)
+        alone = PerfModel.fit(prefill, decode)
+        return _with_batches(alone, batched) if batched else alone
+
 
     def profiles(self, records: Iterable[ModelRecord], kind: str = "cpu") -> dict[str, Profile]:
         """A profile for every registered model whose artifact has been measured."""
@@ -74,3 +78,23 @@ class PerfBook:
                     self.start_s(r.artifact.artifact_id),
                 )
         return out
+
+
+def _with_batches(alone: PerfModel, batched: list[tuple[int, int, float]]) -> PerfModel:
+    """Batched iterations arrive at whatever lengths the batches had, never on a full grid:
+    each batch size's row is the batch-of-one row scaled by its measured ratio (the median
+    over its samples), kept non-decreasing in the batch (a wider batch never iterates faster)."""
+    ratios: dict[int, list[float]] = {}
+    for b, n, s in batched:
+        base = alone.decode_s(1, n)
+        if base > 0:
+            ratios.setdefault(b, []).append(s / base)
+    rows = [alone.decode_seconds[0]]
+    batches = [1.0]
+    floor = 1.0
+    for b in sorted(ratios):
+        floor = max(floor, statistics.median(ratios[b]))
+        batches.append(float(b))
+        rows.append(tuple(x * floor for x in alone.decode_seconds[0]))
+    return PerfModel(alone.prefill_lengths, alone.prefill_seconds, tuple(batches), alone.decode_lengths,
+                     tuple(rows))

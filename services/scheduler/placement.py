@@ -1,14 +1,17 @@
 """SLO-aware placement: shadow validation (LLM-Mesh §5.3) for the engine as it runs, and
 affinity for scale-out (Tangram §3.4).
 
-The engine runs one sequence at a time per instance (a worker process), and the instances of
-a node decode at the same time on its cores. So, for a request joining an instance:
+The engine runs an instance's requests in batches (a worker process decodes up to the node's
+`max_batch` together; requests that arrive meanwhile wait for the next batch), and the
+instances of a node decode at the same time on its cores. So, for a request joining an
+instance:
 
-1. it waits for the requests ahead of it on that instance to finish, then prefills: that must
-   fit in its TTFT SLO (LLM-Mesh's case 1, "the new request misses");
-2. while it decodes, every instance decoding on the node takes one iteration per round on
-   shared cores: the round must fit in the tightest TPOT SLO among them (case 3, "a decode
-   round exceeds the TPOT"; it is also what protects the requests already there, case 2).
+1. it waits for the batches ahead of it on that instance to finish, then prefills with the
+   batch it joins: that must fit in its TTFT SLO (LLM-Mesh's case 1, "the new request misses");
+2. while it decodes, every instance decoding on the node takes one iteration (of its batch)
+   per round on shared cores: the round must fit in the tightest TPOT SLO among them (case 3,
+   "a decode round exceeds the TPOT"; it is also what protects the requests already there,
+   case 2).
 
 Every predicted time is taken 10 % longer (§5.3's overestimate). Times come from a
 performance model per model fitted from the engine's measurements (§5.2, `perf_model.py`).
@@ -77,9 +80,10 @@ def _tokens(max_tokens: int) -> int:
     return max(1, min(max_tokens, TYPICAL_COMPLETION_TOKENS))
 
 
-def service_s(perf: PerfModel, prompt_tokens: int, tokens: int) -> float:
-    """One request from prefill to its last token, alone on its instance."""
-    return perf.prefill_s(prompt_tokens) + max(tokens - 1, 0) * perf.decode_s(1, prompt_tokens + tokens / 2)
+def service_s(perf: PerfModel, prompt_tokens: int, tokens: int, batch: int = 1) -> float:
+    """A batch of `batch` such requests from prefill to its last token, alone on its instance."""
+    return (perf.prefill_s(prompt_tokens * batch)
+            + max(tokens - 1, 0) * perf.decode_s(batch, prompt_tokens + tokens / 2))
 
 
 def validate(
@@ -97,22 +101,26 @@ def validate(
     perf = own.perf
     tokens = _tokens(demand.max_tokens)
     inst = node.instances.get(model)
-    # Names on one artifact share a worker, which runs one sequence at a time: every request
-    # on that worker is ahead, whichever name it came for.
+    # Names on one artifact share a worker: every request on that worker is ahead, whichever
+    # name it came for. Taken as running or queued in full batches ahead of this one (the
+    # request may find the worker idle, or join a batch that is still forming: this errs long).
     ahead = 0
     if inst is not None:
         ahead = inst.active if not inst.worker_pid else sum(
             v.active for v in node.instances.values() if v.worker_pid == inst.worker_pid)
+    width = max(1, node.max_batch)
+    batches_ahead = -(-ahead // width)
+    batch_ahead = min(ahead, width)
     # A new instance must start first: quickly where its weights are resident, else a load.
     ready_in = 0.0 if inst is not None else (RESIDENT_START_S if own.artifact_id in node.resident else own.start_s)
-    ttft = overestimate * (ready_in + ahead * service_s(perf, demand.prompt_tokens, tokens)
+    ttft = overestimate * (ready_in + batches_ahead * service_s(perf, demand.prompt_tokens, tokens, batch_ahead)
                            + perf.prefill_s(demand.prompt_tokens))
     if ttft > demand.ttft_slo_s:
         return Verdict(False, Failure.NEW_LATE, ttft)
     length = demand.prompt_tokens + tokens / 2
-    round_s = perf.decode_s(1, length)
+    round_s = perf.decode_s(min(ahead + 1, width), length)
     tightest = demand.tpot_slo_s
-    # One decode iteration per busy worker per round (a worker decodes one sequence at once).
+    # One decode iteration (of its batch) per busy worker per round.
     counted = {inst.worker_pid} if inst is not None and inst.worker_pid else set()
     for other, view in node.instances.items():
         if other == model or view.active == 0:
@@ -124,7 +132,9 @@ def validate(
         if view.worker_pid and view.worker_pid in counted:
             continue
         counted.add(view.worker_pid)
-        round_s += p.perf.decode_s(1, length)
+        busy = view.active if not view.worker_pid else sum(
+            v.active for v in node.instances.values() if v.worker_pid == view.worker_pid)
+        round_s += p.perf.decode_s(min(busy, width), length)
     round_s *= overestimate
     if round_s > tightest:
         return Verdict(False, Failure.ROUND_TOO_LONG, ttft, round_s)

@@ -26,6 +26,8 @@ class NodeView:
     """Artifacts whose weights this node keeps loaded with no instance."""
     memory_budget_bytes: int = 0
     memory_used_bytes: int = 0
+    max_batch: int = 1
+    """Requests one worker here decodes together."""
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -38,6 +40,7 @@ class NodeView:
             resident=frozenset(status.resident),
             memory_budget_bytes=status.memory_budget_bytes,
             memory_used_bytes=status.memory_used_bytes,
+            max_batch=max(1, status.max_batch),
         )
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -24,9 +26,24 @@ from shared.bus import encode
 from shared.errors import TesseraError
 from shared.localcluster import LocalCluster
 from shared.messages import Finished, FinishReason, TokenChunk
+from tests.conftest import start_cluster
 from tests.helpers.cluster import metric, register, wait_for
 
 PROMPT = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
+
+
+@pytest.fixture(scope="module")
+def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    """This module's own cluster, one request per batch: the NATS test checks each completion
+    against a reference run alone, and a batched run's greedy text may differ from it in
+    late tokens (kernels round differently at another batch width; batching is tested in
+    test_batching.py)."""
+    c = start_cluster(tmp_path_factory.mktemp("faults"), model_store, TESSERA_MAX_INFLIGHT="32",
+                      TESSERA_MAX_BATCH="1")
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 def body(model: str, max_tokens: int, stream: bool) -> dict[str, object]:

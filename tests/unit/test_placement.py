@@ -49,6 +49,18 @@ def test_a_long_queue_fails_the_new_requests_ttft() -> None:
     assert not v.ok and v.failure == Failure.NEW_LATE  # 1.1 * (2 * 1.18 + 0.2) = 2.8 s > 2 s
 
 
+def test_with_batching_the_requests_ahead_finish_as_one_batch() -> None:
+    # Batches of 4: the 2 ahead run together (one batch: prefill of 200 tokens 0.4 s, then 49
+    # iterations at 20 ms, flat in batch here) before this request prefills (0.2 s).
+    wide = NodeView("n", NOW, {"m": inst("m", active=2)}, max_batch=4)
+    v = validate(wide, "m", demand(), {"m": profile()})
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * (0.4 + 0.98 + 0.2), rel=1e-3)
+    # Five ahead are two batches (of 4, then 1, taken as full: it errs long).
+    five = NodeView("n", NOW, {"m": inst("m", active=5)}, max_batch=4)
+    assert validate(five, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(
+        1.1 * (2 * (0.8 + 0.98) + 0.2), rel=1e-3)
+
+
 def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
     # Five instances decoding on the node: a round of 6 iterations is 0.132 s, over 0.1 s.
     busy = [inst(f"o{i}", active=1) for i in range(5)]
@@ -83,6 +95,19 @@ def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_r
     nodes = [node("gpu", kind="gpu", resident=frozenset({"a1"})), node("full", budget=100, used=95),
              node("cpu1", inst("x", 0)), node("cpu2", resident=frozenset({"a1"}), budget=1000, used=900)]
     assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
+
+
+def test_perf_book_scales_batched_iterations_from_the_batch_of_one() -> None:
+    book = PerfBook()
+    # Alone: 10 ms at length 64. Batches of 4 (bucketed from 3 and 4) took 1.5× that; of 16, 1.2×
+    # (noise): a wider batch is kept at least as slow as a narrower one.
+    book.report("n0", "cpu", PerfReport("a1", prefill=((64, 0.1),), decode=(
+        (1, 64, 0.010), (3, 64, 0.015), (4, 64, 0.015), (16, 64, 0.012))))
+    perf = book.model("a1")
+    assert perf is not None
+    assert perf.decode_s(1, 64) == pytest.approx(0.010)
+    assert perf.decode_s(4, 64) == pytest.approx(0.015)
+    assert perf.decode_s(16, 64) == pytest.approx(0.015)
 
 
 def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:

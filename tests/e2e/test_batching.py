@@ -1,0 +1,114 @@
+"""Batching (services/engine/batch.py) on the real model: padded rows decode as they would
+alone, concurrent requests share batches, and a row that ends or is cancelled leaves the
+others whole."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import openai
+import openvino as ov
+import pytest
+
+from services.engine.batch import BatchItem, generate_batch
+from services.engine.instance import LoadedModel
+from services.engine.stops import StopMatcher
+from shared.localcluster import LocalCluster
+from shared.messages import Artifact, SamplingParams
+from tests.helpers.cluster import metric, register, wait_for
+
+ENGINE = "engine@node-0"
+
+
+class TokenSink:
+    """Collects a row's token ids (instead of text)."""
+
+    def __init__(self, out: list[int]) -> None:
+        self.out = out
+
+    def write(self, tokens: Sequence[int]) -> None:
+        self.out.extend(tokens)
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def loaded(cluster: LocalCluster, model_store: Path) -> LoadedModel:
+    """The default model as registered (the session cluster registered it), loaded here."""
+    (meta,) = [p for p in model_store.glob("*/artifact.msgpack") if (p.parent / "compiled").is_dir()][:1]
+    artifact = msgspec.structs.replace(msgspec.msgpack.decode(meta.read_bytes(), type=Artifact),
+                                       path=str(meta.parent))
+    return LoadedModel.load(ov.Core(), artifact, "CPU", 2)
+
+
+def tokens_of(loaded: LoadedModel, request: ov.InferRequest, prompts: list[list[int]],
+              max_tokens: list[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    items = [BatchItem(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+
+    def sink(emit: object, request_id: str, stops: StopMatcher) -> TokenSink:
+        return TokenSink(out[request_id])
+
+    results = generate_batch(request, items, loaded.eos_ids, sink, lambda *a: None, lambda rid: False)
+    assert [r.completion_tokens for r in results] == max_tokens
+    return out
+
+
+def test_padded_rows_decode_as_they_would_alone(loaded: LoadedModel) -> None:
+    # Prompts of different lengths: the shorter ones are left-padded. A wrong mask or position
+    # would change their tokens from the first one on.
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 11173, 30], [1, 4093, 1115, 2], list(range(100, 140))]
+    max_tokens = [8, 3, 8]  # the middle row leaves the batch early
+    alone: dict[str, list[int]] = {}
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        alone[f"r{i}"] = tokens_of(loaded, loaded.compiled.create_infer_request(), [p], [m])["r0"]
+    together = tokens_of(loaded, loaded.compiled.create_infer_request(), prompts, max_tokens)
+    assert together == alone
+
+
+async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_rest_whole(
+    own_cluster: LocalCluster,
+) -> None:
+    cluster = own_cluster
+    name = "batched"
+    await asyncio.to_thread(register, cluster, name)
+    client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    before = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total")
+    alone = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total", batch="1")
+    cancelled = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_requests_total",
+                                        finish_reason="cancelled")
+    n = 24
+
+    async def complete(i: int) -> int:
+        r = await client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=n,
+            extra_body={"ignore_eos": True})
+        assert r.usage is not None
+        return r.usage.completion_tokens
+
+    async def abandon() -> None:
+        stream = await client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=200,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break  # its first text, then the client goes away
+        await stream.close()
+
+    results = await asyncio.gather(*(complete(i) for i in range(6)), abandon())
+    assert results[:6] == [n] * 6
+    after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total")
+    alone_after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total",
+                                          batch="1")
+    assert after - before == 7
+    assert alone_after - alone < 7, "no request shared a batch"
+    # The abandoned stream's row was stopped, not run to its 200 tokens.
+    await asyncio.to_thread(
+        wait_for, lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
+        > cancelled, 30, "the abandoned request to be cancelled in the engine")
