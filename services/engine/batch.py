@@ -87,6 +87,23 @@ def take_batch(queue: Sequence[tuple[int, int]], max_batch: int, kv_tokens: int)
     return n
 
 
+def joinable(running: Sequence[tuple[int, int]], queue: Sequence[tuple[int, int]], max_batch: int,
+             kv_tokens: int, recompute_tokens: int) -> int:
+    """How many queued requests, each (prompt tokens, max_tokens), join the running batch
+    whose rows are each (context tokens, tokens left): within `max_batch` and the KV budget,
+    and only while re-prefilling the running rows costs at most `recompute_tokens` positions
+    (else they wait for the next batch)."""
+    if not running or not queue or sum(c for c, _ in running) > recompute_tokens:
+        return 0
+    n = 0
+    while len(running) + n < max_batch and n < len(queue):
+        rows = [*running, *queue[: n + 1]]
+        if batch_tokens([c for c, _ in rows], [m for _, m in rows]) > kv_tokens:
+            break
+        n += 1
+    return n
+
+
 class _Row:
     """One sequence's decoding state: sampling, stop strings, text out, why it ended."""
 
@@ -114,6 +131,13 @@ class _Row:
         self.last_text: float | None = None
         self.produced = 0
         self.reason = FinishReason.LENGTH
+        self.context: list[int] = list(seq.prompt_ids)
+        """Its prompt and every token it has generated (what a re-prefill feeds)."""
+
+    @property
+    def left(self) -> int:
+        """Tokens it may still generate."""
+        return self.seq.params.max_tokens - self.produced
 
     def step(self, logits: np.ndarray, cancelled: bool) -> int | None:
         """The row's next token from its logits, or None once it has ended."""
@@ -124,6 +148,7 @@ class _Row:
             return None
         self.produced += 1
         self.held.append(token)
+        self.context.append(token)
         now = time.perf_counter()
         if self.last_text is None or now - self.last_text >= self.hold_s:
             self.text.write(self.held)
@@ -146,8 +171,33 @@ class _Row:
         return RowResult(self.seq.request_id, self.reason, self.produced, self.first)
 
 
+Join = Callable[[Sequence[tuple[int, int]]], Sequence[BatchItem]]
+"""join(rows): requests to add to the running batch now, given each running row's (context
+tokens so far, tokens it may still generate); none to keep the batch as it is."""
+
+
+def _prefill(request: ov.InferRequest, contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Reset the cache and prefill `contexts` left-padded to the longest: the rows' logits at
+    their last position, and the attention mask the decode steps extend."""
+    lengths = [len(c) for c in contexts]
+    width = max(lengths)
+    b = len(contexts)
+    ids = np.full((b, width), PAD_ID, dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.int64)
+    positions = np.zeros((b, width), dtype=np.int64)
+    for i, c in enumerate(contexts):
+        n = lengths[i]
+        ids[i, width - n:] = c
+        mask[i, width - n:] = 1
+        positions[i, width - n:] = np.arange(n)
+    request.reset_state()
+    request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                   "beam_idx": np.arange(b, dtype=np.int32)})
+    return request.get_tensor("logits").data[:, -1], mask
+
+
 def generate_batch(
-    request: ov.InferRequest,
+    request_for: Callable[[int], ov.InferRequest],
     seqs: Sequence[BatchItem],
     eos_ids: frozenset[int],
     text: TextFactory,
@@ -155,27 +205,22 @@ def generate_batch(
     is_cancelled: Callable[[str], bool],
     interval_s: float = 0.0,
     between_steps: Callable[[], None] | None = None,
+    join: Join | None = None,
 ) -> list[RowResult]:
-    """Generate every sequence of `seqs` together on `request` (its state is reset first).
-    `between_steps` runs once per decode step (the worker reads cancels and new requests)."""
+    """Generate every sequence of `seqs` together, on `request_for(rows)` (an infer request
+    fit for that many rows; its state is reset first). `between_steps` runs once per decode
+    step (the worker reads cancels and new requests); `join` may then add requests.
+
+    A request that joins a running batch cannot take a row of the cache as it is (every row is
+    at the same position): the batch is prefilled again, each running row with its prompt and
+    the tokens it has generated so far, the newcomers with their prompts (vLLM's recomputation,
+    used here to join instead of to preempt). Rows keep their sampling and text state, so a
+    running request's stream goes on as if nothing happened; `join` bounds what that costs."""
     rows = [_Row(s, eos_ids, text, emit, interval_s) for s in seqs]
-    lengths = [len(s.prompt_ids) for s in seqs]
-    width = max(lengths)
-    b = len(seqs)
-    ids = np.full((b, width), PAD_ID, dtype=np.int64)
-    mask = np.zeros((b, width), dtype=np.int64)
-    positions = np.zeros((b, width), dtype=np.int64)
-    for i, s in enumerate(seqs):
-        n = lengths[i]
-        ids[i, width - n:] = s.prompt_ids
-        mask[i, width - n:] = 1
-        positions[i, width - n:] = np.arange(n)
-    request.reset_state()
-    request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                   "beam_idx": np.arange(b, dtype=np.int32)})
-    logits = request.get_tensor("logits").data[:, -1]
-    active = list(range(b))  # rows of `rows` in the order of the cache's rows
-    next_pos = np.asarray(lengths, dtype=np.int64)
+    request = request_for(len(rows))
+    logits, mask = _prefill(request, [s.prompt_ids for s in seqs])
+    active = list(range(len(rows)))  # rows of `rows` in the order of the cache's rows
+    next_pos = np.asarray([len(s.prompt_ids) for s in seqs], dtype=np.int64)
     results: dict[int, RowResult] = {}
     while active:
         if between_steps is not None:
@@ -190,14 +235,23 @@ def generate_batch(
             else:
                 keep.append(k)
                 tokens.append(token)
+        active = [active[k] for k in keep]
+        joining = join([(len(rows[i].context), rows[i].left) for i in active]) if join is not None else ()
+        if joining:
+            first = len(rows)
+            rows += [_Row(s, eos_ids, text, emit, interval_s) for s in joining]
+            active += list(range(first, len(rows)))
+            request = request_for(len(active))
+            logits, mask = _prefill(request, [rows[i].context for i in active])
+            next_pos = np.asarray([len(r.context) for r in rows], dtype=np.int64)
+            continue
         if not keep:
             break
         idx = np.asarray(keep)
-        active = [active[k] for k in keep]
         mask = np.concatenate([mask[idx], np.ones((len(keep), 1), dtype=np.int64)], axis=1)
         pos = next_pos[active][:, None]
         request.infer({"input_ids": np.asarray(tokens, dtype=np.int64)[:, None], "attention_mask": mask,
                        "position_ids": pos, "beam_idx": idx.astype(np.int32)})
         next_pos[active] += 1
         logits = request.get_tensor("logits").data[:, -1]
-    return [results[i] for i in range(b)]
+    return [results[i] for i in range(len(rows))]

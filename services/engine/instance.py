@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import openvino as ov
 
-from services.engine.batch import BatchItem, RowEmit, RowResult, generate_batch
+from services.engine.batch import BatchItem, Join, RowEmit, RowResult, generate_batch
 from services.engine.layout import compiled_cache_dir, model_xml
 from services.engine.stops import StopMatcher
 from shared.messages import Artifact, FinishReason, Tier
@@ -272,6 +272,15 @@ class Batcher:
             return True
         return False
 
+    def _request_for(self, rows: int) -> ov.InferRequest:
+        if self._request is None or rows > self._rows:
+            # A batch wider than any this request has run needs a new one: after
+            # `reset_state`, OpenVINO 2026.4's CPU plugin kept the rows beyond the old width
+            # wrong once the cache grew (measured: those rows' text diverged after ≈ 7 tokens).
+            self._request = self.loaded.compiled.create_infer_request()
+            self._rows = rows
+        return self._request
+
     def generate(
         self,
         items: Sequence[BatchItem],
@@ -279,17 +288,12 @@ class Batcher:
         is_cancelled: Callable[[str], bool],
         stream_interval_s: float = 0.0,
         between_steps: Callable[[], None] | None = None,
+        join: Join | None = None,
     ) -> list[RowResult]:
-        if self._request is None or len(items) > self._rows:
-            # A batch wider than any this request has run needs a new one: after
-            # `reset_state`, OpenVINO 2026.4's CPU plugin kept the rows beyond the old width
-            # wrong once the cache grew (measured: those rows' text diverged after ≈ 7 tokens).
-            self._request = self.loaded.compiled.create_infer_request()
-            self._rows = len(items)
         tokenizer = self.loaded.tokenizer
 
         def text(row_emit: RowEmit, request_id: str, stops: StopMatcher) -> TextStream:
             return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
 
-        return generate_batch(self._request, items, self.loaded.eos_ids, text, emit, is_cancelled,
-                              stream_interval_s, between_steps)
+        return generate_batch(self._request_for, items, self.loaded.eos_ids, text, emit, is_cancelled,
+                              stream_interval_s, between_steps, join)

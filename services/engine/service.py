@@ -181,9 +181,9 @@ class EngineService:
         self.workers = WorkerPool(
             settings.worker_pool_size, settings.device, settings.inference_threads,
             refill_delay_s=settings.worker_refill_delay_s,
-            tier_up_idle_s=settings.tier_up_idle_s if settings.start_tier else None,
             prefault_bytes=settings.worker_prefault_mb << 20,
             max_batch=settings.max_batch,
+            join_recompute_tokens=settings.join_recompute_tokens,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -196,6 +196,7 @@ class EngineService:
         self._went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._tier_up_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.engine_start(self.node), self.on_start)
@@ -207,10 +208,13 @@ class EngineService:
         await self._release_memory("*")
         self.workers.refill()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        if self.settings.start_tier:
+            self._tier_up_task = asyncio.create_task(self._tier_ups())
 
     async def close(self) -> None:
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
+        for task in (self._heartbeat_task, self._tier_up_task):
+            if task:
+                task.cancel()
         for cancelled, _ in self._cancels.values():
             cancelled.flag = True
         self.workers.close()
@@ -256,6 +260,33 @@ class EngineService:
         WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in self.bound.values()))
         for tier in Tier:
             BOUND_BY_TIER.labels(tier).set(sum(1 for b in self.bound.values() if b.worker.tier == tier))
+
+    def _node_idle_since(self) -> float | None:
+        """time.time() since which nothing has run on this node (None: something runs or starts)."""
+        if self._starting or any(i.active for i in self.instances.values()):
+            return None
+        return max((i.last_used for i in self.instances.values()), default=0.0)
+
+    async def _tier_ups(self) -> None:
+        """Tier up one START worker at a time, once the whole node has been idle for
+        `tier_up_idle_s`: the tier-up takes ≈ 1 core-second, which on a node with other
+        instances decoding would be taken from them (measured on 1-core nodes: neighbours'
+        TPOT past their SLO). A busy node keeps serving from START meanwhile."""
+        period = min(0.1, self.settings.tier_up_idle_s)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                idle_since = self._node_idle_since()
+                if idle_since is None or time.time() - idle_since < self.settings.tier_up_idle_s:
+                    continue
+                workers = [b.worker for b in self.bound.values() if not b.worker.dead]
+                if any(w.tiering for w in workers):
+                    continue
+                todo = next((w for w in workers if w.tier == Tier.START), None)
+                if todo is not None:
+                    todo.tier_up()
+            except Exception:
+                log.exception("tier-up check failed")
 
     async def _heartbeat(self) -> None:
         while True:

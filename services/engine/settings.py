@@ -14,6 +14,10 @@ class EngineSettings(CommonSettings):
     """Most requests a worker decodes together (`batch.py`); a batch also stays within one
     name's KV reservation (rows × (longest prompt + largest max_tokens) ≤ the context
     length). 1: one request at a time."""
+    join_recompute_tokens: int = 256
+    """A request may join a running batch (instead of waiting for it to end) while the running
+    rows' prompts and output so far total at most this many tokens: joining prefills them again
+    (≈ 1 ms per token on one core here). 0: requests wait for the next batch."""
     worker_prefault_mb: int = 320
     """Heap each pre-warmed worker touches before it is bound (its pages are then reused by
     the start instead of faulting in on its path; ≈ 0.06 s of a start measured); counted in
@@ -38,8 +42,9 @@ class EngineSettings(CommonSettings):
     """Starts load the artifact's START tier (cheapest first forward pass) and tier up to the
     STEADY one (fastest decode) once idle; False: starts load STEADY directly."""
     tier_up_idle_s: float = 0.5
-    """How long a worker on the START tier waits with no command before it tiers up (the
-    tier-up takes ≈ 1 core-second; doing it while idle keeps it off every request's path)."""
+    """How long the whole node must have been idle before a worker on the START tier tiers up
+    (the tier-up takes ≈ 1 core-second; doing it while nothing runs keeps it off every
+    request's path, the neighbours' included)."""
     stream_interval_s: float = 0.03
     """Text produced within this interval travels as one message (the first piece at once)."""
 

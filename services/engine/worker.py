@@ -7,9 +7,9 @@ on that artifact. Unloading a model ends its worker, so its memory returns to th
 whole.
 
 A start loads the artifact's START tier (cheap first pass, `services/loader/start_ir.py`);
-once the worker has had no command for `tier_up_idle_s`, a background thread loads the STEADY
-tier from the store and runs its first pass, and the worker swaps to it between batches (no
-KV cache outlives a batch anyway).
+when the engine says so (`TierUpNow`: the node has been idle a while), a background thread
+loads the STEADY tier from the store and runs its first pass, and the worker swaps to it
+between batches (no KV cache outlives a batch anyway).
 
 Requests queue in the worker; whenever it is free, it runs what is queued as one batch
 (`batch.py`), reading new commands between decode steps: a cancel stops its row after the
@@ -27,13 +27,14 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import openvino as ov
 
-from services.engine.batch import BatchItem, take_batch
+from services.engine.batch import BatchItem, joinable, take_batch
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
@@ -112,6 +113,12 @@ class Started:
 
     request_id: str
     batch: int
+
+
+@dataclass(frozen=True)
+class TierUpNow:
+    """Load the STEADY tier in the background and swap to it between batches (the engine
+    sends it when the whole node is idle, so that the tier-up slows nobody)."""
 
 
 @dataclass(frozen=True)
@@ -246,17 +253,18 @@ class _Loop:
     """The worker's commands, its queue of requests and the batches run from it."""
 
     def __init__(self, conn: Connection, core: ov.Core, device: str, threads: int,
-                 tier_up_idle_s: float | None, max_batch: int) -> None:
+                 max_batch: int, join_recompute_tokens: int = 0) -> None:
         self.conn = conn
         self.core = core
         self.device = device
         self.threads = threads
-        self.tier_up_idle_s = tier_up_idle_s
         self.max_batch = max(1, max_batch)
+        self.join_recompute_tokens = join_recompute_tokens
         self.batcher: Batcher | None = None
         self.tier_up: _TierUp | None = None
         self.queue: deque[Run] = deque()
-        self.running: set[str] = set()
+        self.running: dict[str, tuple[Run, float, int]] = {}
+        """Requests of the running batch: each with when it joined and the batch's width then."""
         self.cancelled: set[str] = set()
         self.all_cores = os.sched_getaffinity(0)
 
@@ -277,18 +285,8 @@ class _Loop:
                 self._run_batch()
 
     def _wait(self) -> bool:
-        """Block until a command arrives (True), or until it is time to look at the tier-up."""
-        loaded = self.loaded
-        wait = None
-        if self.tier_up is not None:
-            wait = 0.05  # to swap soon after it is ready
-        elif loaded is not None and loaded.tier == Tier.START and self.tier_up_idle_s is not None:
-            wait = self.tier_up_idle_s
-        if wait is not None and not self.conn.poll(wait):
-            if self.tier_up is None and loaded is not None and loaded.tier == Tier.START:
-                self.tier_up = _TierUp(self.core, loaded, self.device, self.threads)
-            return False
-        return True
+        """Block until a command arrives (True); while a tier-up runs, look at it every 50 ms."""
+        return self.tier_up is None or self.conn.poll(0.05)
 
     def _maybe_swap_tier(self) -> None:
         tier_up = self.tier_up
@@ -315,6 +313,12 @@ class _Loop:
                 self.queue.append(cmd)
             elif isinstance(cmd, CancelRun):
                 self._cancel(cmd.request_id)
+            elif isinstance(cmd, TierUpNow):
+                loaded = self.loaded
+                if self.tier_up is None and loaded is not None and loaded.tier == Tier.START:
+                    self.tier_up = _TierUp(self.core, loaded, self.device, self.threads)
+                elif self.tier_up is None:  # nothing to do: say so, the engine waits for an answer
+                    self.conn.send(TieredUp(loaded.tier if loaded else Tier.STEADY, 0.0, "not on the START tier"))
             elif isinstance(cmd, Load):
                 from services.engine.instance import Batcher, LoadedModel
 
@@ -349,6 +353,24 @@ class _Loop:
         n = take_batch([(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch, budget)
         return [self.queue.popleft() for _ in range(n)]
 
+    def _start(self, runs: list[Run], width: int) -> None:
+        assert self.batcher is not None
+        now = time.monotonic()
+        for run in runs:
+            self.batcher.names.add(run.session)
+            self.running[run.request_id] = (run, now, width)
+            self.conn.send(Started(run.request_id, width))
+
+    def _join(self, rows: Sequence[tuple[int, int]]) -> list[BatchItem]:
+        """Queued requests that join the running batch now (`batch.joinable`)."""
+        if not self.queue or self.batcher is None:
+            return []
+        n = joinable(rows, [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch,
+                     self.batcher.loaded.artifact.context_length, self.join_recompute_tokens)
+        runs = [self.queue.popleft() for _ in range(n)]
+        self._start(runs, len(rows) + n)
+        return [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs]
+
     def _run_batch(self) -> None:
         if self.batcher is None:
             for run in self.queue:
@@ -356,42 +378,40 @@ class _Loop:
             self.queue.clear()
             return
         runs = self._take()
-        for run in runs:
-            self.batcher.names.add(run.session)
-            self.running.add(run.request_id)
-            self.conn.send(Started(run.request_id, len(runs)))
+        self._start(runs, len(runs))
         conn = self.conn
 
         def emit(request_id: str, text: str, tokens: int) -> None:
             conn.send(Chunk(request_id, text, tokens))
 
-        t_run = time.monotonic()
         try:
             results = self.batcher.generate(
                 [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs], emit,
-                self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands,
+                self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands, self._join,
             )
         except Exception as e:  # every request of the batch fails; the worker lives on
-            for run in runs:
+            for run, _, _ in self.running.values():
                 conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
             return
         finally:
+            started = dict(self.running)
             self.running.clear()
             self.cancelled.clear()
         t_end = time.monotonic()
         if os.sched_getaffinity(0) != self.all_cores:
             _pin_all_threads(self.all_cores)
-        width = max(len(r.prompt_ids) for r in runs)
-        for run, res in zip(runs, results, strict=True):
+        for res in results:
+            run, t_run, width = started[res.request_id]
             t_first = res.first_token_at
             conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
                            len(run.prompt_ids), (t_first or t_end) - t_run,
-                           t_end - t_first if t_first is not None else 0.0, len(runs), width * len(runs)))
+                           t_end - t_first if t_first is not None else 0.0, width,
+                           width * len(run.prompt_ids)))
 
 
 def worker_main(
-    conn: Connection, device: str, threads: int, tier_up_idle_s: float | None = 0.5,
-    prefault_bytes: int = 0, max_batch: int = 1,
+    conn: Connection, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
+    join_recompute_tokens: int = 0,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
@@ -402,4 +422,4 @@ def worker_main(
     _touch_kernels(core, device, threads)
     _prefault_heap(prefault_bytes)
     conn.send(Ready(pid=os.getpid()))
-    _Loop(conn, core, device, threads, tier_up_idle_s, max_batch).serve()
+    _Loop(conn, core, device, threads, max_batch, join_recompute_tokens).serve()

@@ -30,6 +30,7 @@ from services.engine.worker import (
     Run,
     Started,
     TieredUp,
+    TierUpNow,
     worker_main,
 )
 from shared.messages import Artifact, Tier
@@ -59,12 +60,12 @@ class WorkerDied(Exception):
 
 
 class Worker:
-    def __init__(self, device: str, threads: int, tier_up_idle_s: float | None = 0.5,
-                 prefault_bytes: int = 0, max_batch: int = 1) -> None:
+    def __init__(self, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
+                 join_recompute_tokens: int = 0) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=worker_main, args=(child, device, threads, tier_up_idle_s, prefault_bytes, max_batch),
+            target=worker_main, args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens),
             daemon=True, name="tessera-worker",
         )
         with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
@@ -79,6 +80,8 @@ class Worker:
         self.tier: Tier | None = None
         """The tier of the model it serves (None before a load)."""
         self.on_tier_up: Callable[[TieredUp], None] | None = None
+        self.tiering = False
+        """A tier-up was asked for and has not answered yet."""
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
 
     @property
@@ -110,6 +113,7 @@ class Worker:
                 self._waiter.set_result(msg)
         elif isinstance(msg, TieredUp):
             self.tier = msg.tier
+            self.tiering = False
             if self.on_tier_up is not None:
                 self.on_tier_up(msg)
         elif isinstance(msg, Failure) and msg.request_id is None:
@@ -204,6 +208,12 @@ class Worker:
         except (OSError, ValueError):
             pass  # the worker is gone: its reader thread reports the death
 
+    def tier_up(self) -> None:
+        """Ask for the STEADY tier (`TierUpNow`); `tiering` until it answers."""
+        if not self.dead and not self.tiering:
+            self.tiering = True
+            self._send(TierUpNow())
+
     def drop_session(self, session: str) -> None:
         if not self.dead:
             self._send(DropSession(session))
@@ -238,15 +248,14 @@ class WorkerPool:
         threads: int,
         ready_timeout_s: float = 120.0,
         refill_delay_s: float = 0.0,
-        tier_up_idle_s: float | None = 0.5,
         spawn: Callable[[], Worker] | None = None,
         prefault_bytes: int = 0,
         max_batch: int = 1,
+        join_recompute_tokens: int = 0,
     ) -> None:
         """`spawn` starts one worker (a real process by default; tests pass a fake)."""
         self.size = size
-        self._spawn = spawn or (lambda: Worker(device, threads, tier_up_idle_s, prefault_bytes, max_batch))
-        self.tier_up_idle_s = tier_up_idle_s
+        self._spawn = spawn or (lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens))
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device

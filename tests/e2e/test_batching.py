@@ -45,17 +45,28 @@ def loaded(cluster: LocalCluster, model_store: Path) -> LoadedModel:
     return LoadedModel.load(ov.Core(), artifact, "CPU", 2)
 
 
-def tokens_of(loaded: LoadedModel, request: ov.InferRequest, prompts: list[list[int]],
-              max_tokens: list[int]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    items = [BatchItem(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+def item(i: int, prompt: list[int], max_tokens: int) -> BatchItem:
+    return BatchItem(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def tokens_of(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int],
+              join_at: dict[int, list[BatchItem]] | None = None) -> dict[str, list[int]]:
+    """Each row's tokens; `join_at`: after that many decode steps, these requests join."""
+    items = [item(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+    late = [it for its in (join_at or {}).values() for it in its]
+    out: dict[str, list[int]] = {it.request_id: [] for it in [*items, *late]}
+    steps = [0]
 
     def sink(emit: object, request_id: str, stops: StopMatcher) -> TokenSink:
         return TokenSink(out[request_id])
 
-    results = generate_batch(request, items, loaded.eos_ids, sink, lambda *a: None, lambda rid: False)
-    assert [r.completion_tokens for r in results] == max_tokens
+    def join(rows: object) -> list[BatchItem]:
+        steps[0] += 1
+        return (join_at or {}).get(steps[0], [])
+
+    results = generate_batch(lambda rows: loaded.compiled.create_infer_request(), items, loaded.eos_ids, sink,
+                             lambda *a: None, lambda rid: False, join=join)
+    assert [r.completion_tokens for r in results] == [*max_tokens, *(it.params.max_tokens for it in late)]
     return out
 
 
@@ -66,9 +77,14 @@ def test_padded_rows_decode_as_they_would_alone(loaded: LoadedModel) -> None:
     max_tokens = [8, 3, 8]  # the middle row leaves the batch early
     alone: dict[str, list[int]] = {}
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
-        alone[f"r{i}"] = tokens_of(loaded, loaded.compiled.create_infer_request(), [p], [m])["r0"]
-    together = tokens_of(loaded, loaded.compiled.create_infer_request(), prompts, max_tokens)
+        alone[f"r{i}"] = tokens_of(loaded, [p], [m])["r0"]
+    together = tokens_of(loaded, prompts, max_tokens)
     assert together == alone
+    # Joining a running batch re-prefills its rows with their output so far: the running rows
+    # go on with the tokens they would have had, the newcomers get theirs.
+    joined = tokens_of(loaded, prompts[:1], max_tokens[:1],
+                       join_at={2: [item(1, prompts[1], max_tokens[1])], 4: [item(2, prompts[2], max_tokens[2])]})
+    assert joined == alone
 
 
 async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_rest_whole(

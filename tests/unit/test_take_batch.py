@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine.batch import batch_tokens, take_batch
+from services.engine.batch import batch_tokens, joinable, take_batch
 
 
 def test_rows_are_padded_to_the_longest_prompt_and_completion() -> None:
@@ -31,3 +31,14 @@ def test_the_first_request_always_runs_even_alone_over_budget() -> None:
 
 def test_a_batch_of_one_when_batching_is_off() -> None:
     assert take_batch([(10, 16)] * 4, max_batch=1, kv_tokens=2048) == 1
+
+
+def test_queued_requests_join_a_running_batch_while_recomputing_it_is_cheap() -> None:
+    running = [(40, 20)]  # one row: 40 tokens of context, 20 left
+    assert joinable(running, [(30, 16)] * 3, max_batch=16, kv_tokens=2048, recompute_tokens=256) == 3
+    assert joinable(running, [(30, 16)] * 3, max_batch=2, kv_tokens=2048, recompute_tokens=256) == 1
+    # Re-prefilling 300 tokens of running rows costs more than the newcomers would wait.
+    assert joinable([(300, 20)], [(30, 16)], max_batch=16, kv_tokens=2048, recompute_tokens=256) == 0
+    # Nor beyond the KV budget: 3 rows × (100 + 100).
+    assert joinable([(100, 100)], [(100, 100)] * 3, max_batch=16, kv_tokens=600, recompute_tokens=256) == 2
+    assert joinable([], [(30, 16)], max_batch=16, kv_tokens=2048, recompute_tokens=256) == 0
