@@ -23,14 +23,17 @@ NODE1_BUDGET = 3 * 1024**3
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     # node-1 is its own share of the machine: one core, a smaller memory budget.
-    c = LocalCluster(home=tmp_path_factory.mktemp("two"), env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
+    # Batches of two: a queue of six holds three batches, and waiting for two of them misses
+    # the TTFT SLO (placement counts whole batches ahead).
+    c = LocalCluster(home=tmp_path_factory.mktemp("two"),
+                     env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16", "TESSERA_MAX_BATCH": "2"},
                      store=model_store, nodes=2,
                      node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}})
     c.start(timeout_s=120)
     try:
         r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
             "name": NAME, "source": str(default_model_path()), "keep_alive_s": 600.0,
-            # A request may wait about one other ahead of it: a queue of three must scale out.
+            # A request may wait about one batch ahead of it: a queue of six must scale out.
             "ttft_slo_s": 1.5, "tpot_slo_s": 0.2,
         })
         assert r.status_code == 201, r.text
@@ -60,8 +63,8 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     wait_for(lambda: metric(cluster, "scheduler", "tessera_scheduler_profiled_models") >= 1, 10,
              "the scheduler to fit a performance model")
     before = metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total")
-    results = await asyncio.gather(*(ask(48) for _ in range(4)))
-    assert results == ["length"] * 4
+    results = await asyncio.gather(*(ask(48) for _ in range(6)))
+    assert results == ["length"] * 6
     assert metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total") >= before + 1
     assert nodes_running(cluster, NAME) == {"node-0", "node-1"}
     # Each node has its own memory budget and cores; node-1's worker runs on its one core.
