@@ -286,7 +286,7 @@ class _Loop:
 
     def _wait(self) -> bool:
         """Block until a command arrives (True); while a tier-up runs, look at it every 50 ms."""
-        return self.tier_up is None or self.conn.poll(0.05)
+        return self.conn.poll(0.05 if self.tier_up is not None else None)
 
     def _maybe_swap_tier(self) -> None:
         tier_up = self.tier_up

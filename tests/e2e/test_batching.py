@@ -5,9 +5,12 @@ others whole."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import openvino as ov
@@ -128,3 +131,25 @@ async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_
     await asyncio.to_thread(
         wait_for, lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
         > cancelled, 30, "the abandoned request to be cancelled in the engine")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_worker_waits_without_using_the_cpu(own_cluster: LocalCluster) -> None:
+    """The worker blocks on its pipe between batches (a poll loop would burn a core)."""
+    cluster = own_cluster
+    register(cluster, "idle-worker")
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client.chat.completions.create(model="idle-worker", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # Idle also means its tier-up is done (it runs once the node is idle).
+    wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_bound_workers", tier="start") == 0, 60,
+             "the tier-up")
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    pid = next(int(i["worker_pid"]) for n in status["nodes"] for i in n["instances"] if i["model"] == "idle-worker")
+    before, t0 = cpu_s(pid), time.monotonic()
+    time.sleep(1.0)  # a measurement window, not a wait for anything
+    used = cpu_s(pid) - before
+    assert used < 0.3 * (time.monotonic() - t0), f"an idle worker used {used:.2f} s of CPU in a second"
