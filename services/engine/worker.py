@@ -260,6 +260,8 @@ class _Loop:
         self.threads = threads
         self.max_batch = max(1, max_batch)
         self.join_recompute_tokens = join_recompute_tokens
+        self._arriving = 0
+        """Queue length seen at the last decode step (joins wait while it grows)."""
         self.batcher: Batcher | None = None
         self.tier_up: _TierUp | None = None
         self.queue: deque[Run] = deque()
@@ -364,7 +366,14 @@ class _Loop:
     def _join(self, rows: Sequence[tuple[int, int]]) -> list[BatchItem]:
         """Queued requests that join the running batch now (`batch.joinable`)."""
         if not self.queue or self.batcher is None:
+            self._arriving = 0
             return []
+        if len(self.queue) > self._arriving:
+            # Still arriving (a burst reaches the worker over a few steps): wait a step, so
+            # that they join in one re-prefill rather than one each.
+            self._arriving = len(self.queue)
+            return []
+        self._arriving = 0
         n = joinable(rows, [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch,
                      self.batcher.loaded.artifact.context_length, self.join_recompute_tokens)
         runs = [self.queue.popleft() for _ in range(n)]
