@@ -282,7 +282,7 @@ class EngineService:
                 workers = [b.worker for b in self.bound.values() if not b.worker.dead]
                 if any(w.tiering for w in workers):
                     continue
-                todo = next((w for w in workers if w.tier == Tier.START), None)
+                todo = next((w for w in workers if w.tier == Tier.START and not w.tier_up_failed), None)
                 if todo is not None:
                     todo.tier_up()
             except Exception:

@@ -82,6 +82,8 @@ class Worker:
         self.on_tier_up: Callable[[TieredUp], None] | None = None
         self.tiering = False
         """A tier-up was asked for and has not answered yet."""
+        self.tier_up_failed = False
+        """Its tier-up failed: it stays on START (asking again would fail again, a core-second each)."""
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
 
     @property
@@ -114,6 +116,7 @@ class Worker:
         elif isinstance(msg, TieredUp):
             self.tier = msg.tier
             self.tiering = False
+            self.tier_up_failed = bool(msg.error)
             if self.on_tier_up is not None:
                 self.on_tier_up(msg)
         elif isinstance(msg, Failure) and msg.request_id is None:
