@@ -12,12 +12,14 @@ same position. So a batch is formed when the worker is free (whatever is queued,
 `max_batch` and the KV budget), its prompts left-padded to the longest (padding masked out by
 `attention_mask`, positions counted per row), and decoded together; a row that finishes
 leaves the batch at once (`beam_idx` gathers the remaining rows of the cache, as beam search
-does), so it costs nothing further. Requests that arrive meanwhile wait for the next batch.
+does), so it costs nothing further. A request that arrives meanwhile joins the running batch
+when re-prefilling it is cheap (`joinable`, `generate_batch`), else it waits for the next one.
 A batch of one feeds exactly the inputs a single sequence always did.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,13 +80,7 @@ def batch_tokens(prompts: Sequence[int], max_tokens: Sequence[int]) -> int:
 def take_batch(queue: Sequence[tuple[int, int]], max_batch: int, kv_tokens: int) -> int:
     """How many of the queued requests, each (prompt tokens, max_tokens), in order, to run as
     one batch: as many as `max_batch` and the KV budget allow, and always the first."""
-    n = 1
-    while n < min(len(queue), max_batch):
-        head = queue[: n + 1]
-        if batch_tokens([p for p, _ in head], [m for _, m in head]) > kv_tokens:
-            break
-        n += 1
-    return n
+    return 1 + joinable(queue[:1], queue[1:], max_batch, kv_tokens, recompute_tokens=sys.maxsize)
 
 
 def joinable(running: Sequence[tuple[int, int]], queue: Sequence[tuple[int, int]], max_batch: int,

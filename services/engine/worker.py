@@ -13,7 +13,8 @@ between batches (no KV cache outlives a batch anyway).
 
 Requests queue in the worker; whenever it is free, it runs what is queued as one batch
 (`batch.py`), reading new commands between decode steps: a cancel stops its row after the
-current token, new requests wait for the next batch.
+current token, and new requests join the running batch when that is cheap, else wait for
+the next one.
 
 The engine talks to it over a `multiprocessing` pipe with the small dataclasses below (they
 never leave the node, so they are not bus messages).
@@ -104,7 +105,7 @@ class Done:
     batch: int = 1
     """Sequences in the batch it ran in (its decode iterations were for that many)."""
     prefill_tokens: int = 0
-    """Positions the batch's prefill computed (rows × the longest prompt)."""
+    """Positions the prefill it ran in computed (rows × the longest context padded to)."""
 
 
 @dataclass(frozen=True)
@@ -265,8 +266,9 @@ class _Loop:
         self.batcher: Batcher | None = None
         self.tier_up: _TierUp | None = None
         self.queue: deque[Run] = deque()
-        self.running: dict[str, tuple[Run, float, int]] = {}
-        """Requests of the running batch: each with when it joined and the batch's width then."""
+        self.running: dict[str, tuple[Run, float, int, int]] = {}
+        """Requests of the running batch: each with when it joined, and the batch's width and
+        prefilled positions then."""
         self.cancelled: set[str] = set()
         self.all_cores = os.sched_getaffinity(0)
 
@@ -355,12 +357,13 @@ class _Loop:
         n = take_batch([(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch, budget)
         return [self.queue.popleft() for _ in range(n)]
 
-    def _start(self, runs: list[Run], width: int) -> None:
+    def _start(self, runs: list[Run], width: int, longest: int) -> None:
+        """`runs` enter a batch of `width` rows whose prefill pads them to `longest` tokens."""
         assert self.batcher is not None
         now = time.monotonic()
         for run in runs:
             self.batcher.names.add(run.session)
-            self.running[run.request_id] = (run, now, width)
+            self.running[run.request_id] = (run, now, width, width * longest)
             self.conn.send(Started(run.request_id, width))
 
     def _join(self, rows: Sequence[tuple[int, int]]) -> list[BatchItem]:
@@ -377,7 +380,9 @@ class _Loop:
         n = joinable(rows, [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch,
                      self.batcher.loaded.artifact.context_length, self.join_recompute_tokens)
         runs = [self.queue.popleft() for _ in range(n)]
-        self._start(runs, len(rows) + n)
+        if runs:
+            longest = max([c for c, _ in rows] + [len(r.prompt_ids) for r in runs])
+            self._start(runs, len(rows) + n, longest)
         return [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs]
 
     def _run_batch(self) -> None:
@@ -387,7 +392,7 @@ class _Loop:
             self.queue.clear()
             return
         runs = self._take()
-        self._start(runs, len(runs))
+        self._start(runs, len(runs), max(len(r.prompt_ids) for r in runs))
         conn = self.conn
 
         def emit(request_id: str, text: str, tokens: int) -> None:
@@ -399,7 +404,7 @@ class _Loop:
                 self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands, self._join,
             )
         except Exception as e:  # every request of the batch fails; the worker lives on
-            for run, _, _ in self.running.values():
+            for run, *_ in self.running.values():
                 conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
             return
         finally:
@@ -410,12 +415,11 @@ class _Loop:
         if os.sched_getaffinity(0) != self.all_cores:
             _pin_all_threads(self.all_cores)
         for res in results:
-            run, t_run, width = started[res.request_id]
+            run, t_run, width, positions = started[res.request_id]
             t_first = res.first_token_at
             conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
                            len(run.prompt_ids), (t_first or t_end) - t_run,
-                           t_end - t_first if t_first is not None else 0.0, width,
-                           width * len(run.prompt_ids)))
+                           t_end - t_first if t_first is not None else 0.0, width, positions))
 
 
 def worker_main(

@@ -156,11 +156,6 @@ class Worker:
         self.tier = tier
         return loaded
 
-    @property
-    def queued(self) -> int:
-        """Requests sent to this worker and not yet done (running or in its queue)."""
-        return len(self._streams)
-
     async def generate(
         self, run: Run, is_cancelled: Cancelled, on_start: Callable[[int], None] | None = None
     ) -> AsyncIterator[Chunk | Done]:
