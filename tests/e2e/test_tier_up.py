@@ -42,7 +42,7 @@ def test_a_failed_tier_up_keeps_the_start_tier_serving_and_is_not_retried(
 
     assert ask()
     wait_for(lambda: failed_tier_ups(cluster) >= before + 1, 60, "the tier-up to fail")
-    time.sleep(1.5)  # a window of idle time in which a retry would have been asked for
+    time.sleep(1.5)  # sync-ok: an idle window in which a retry would have been asked for (asserts an absence)
     assert failed_tier_ups(cluster) == before + 1
     assert ask()  # still served, from the START tier
     status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
