@@ -32,6 +32,13 @@ class CommonSettings(BaseSettings):
     """OpenVINO device of this node's engine; artifacts are materialized for it."""
     inference_threads: int = 2
     """OpenVINO inference threads per instance; part of the materialized compile config."""
+    kv_min_tokens: int = 0
+    """L_min of LLM-Mesh's eq. 2: the fewest tokens an instance's KV reservation covers (it
+    grows with the requests running, by the watermark rule). 0: the model's context length,
+    as the paper sets it. The scheduler places instances at this size, the engine reserves it."""
+    kv_watermark: float = 0.2
+    """w of §6.2: a KV reservation grows to 1 + w times what its requests need, and shrinks
+    only once that is w below what it holds."""
     heartbeat_interval_s: float = 0.5
     node_timeout_s: float = 3.0
     """A node whose heartbeat is older than this is taken for dead: its streams fail, it gets no work."""

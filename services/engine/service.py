@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.engine.kv_account import KvAccount
 from services.engine.layout import has_tier
 from services.engine.settings import EngineSettings
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
@@ -32,6 +33,7 @@ from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.eviction import Resident, choose_evictions, over_budget
+from services.memory_manager.kv_watermark import Action, KvPlan
 from shared.messages import (
     Artifact,
     Cancel,
@@ -115,11 +117,31 @@ BATCHED_REQUESTS = Counter(
     "Requests run, by the size of the batch they ran in",
     ["batch"],
 )
+KV_RESERVED = Gauge(
+    "tessera_engine_kv_reserved_bytes",
+    "KV cache bytes reserved per serving model name (LLM-Mesh eq. 2 with the watermark)",
+    ["model"],
+)
+KV_RESIZES = Counter(
+    "tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"]
+)
+KV_UNDERESTIMATES = Counter(
+    "tessera_engine_kv_underestimates_total",
+    "Requests that outgrew their instance's KV reservation when the node could not grow it "
+    "(the runtime allocates on demand: the node is then over its optimistic budget)",
+)
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8),
 )
+
+
+def _forget_kv_gauge(model: str) -> None:
+    try:
+        KV_RESERVED.remove(model)
+    except KeyError:
+        pass
 
 
 @dataclass
@@ -144,7 +166,10 @@ class Served:
     bound: Bound
     loaded_at: float
     last_used: float
+    kv: KvAccount
     active: int = 0
+    kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
 
 
 @dataclass
@@ -326,7 +351,7 @@ class EngineService:
         for the last name on a worker, weights go). False if the idle ones cannot free enough."""
         now = time.time()
         idle = [i for i in self.instances.values() if i.active == 0]
-        kv = {i.model: i.bound.artifact.kv_bytes_per_token * i.bound.artifact.context_length for i in idle}
+        kv = {i.model: i.kv.reserved_bytes for i in idle}
         users = {aid: b.resident.users for aid, b in self.bound.items()}
         candidates = []
         for i in idle:
@@ -382,6 +407,80 @@ class EngineService:
             retry_after_s=2,
         )
 
+    # --- KV reservations (LLM-Mesh §6.2, §6.4) -------------------------------------------------
+
+    def _kv_account(self, artifact: Artifact) -> KvAccount:
+        ctx = artifact.context_length
+        floor = min(self.settings.kv_min_tokens, ctx) if self.settings.kv_min_tokens > 0 else ctx
+        return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
+
+    def _available(self) -> int:
+        """Bytes the node could still grant, as its memory manager last answered (the station
+        has the last word: a grow it refuses falls back to the requirement)."""
+        budget, used = self._memory_seen
+        return max(0, budget - used) if budget else 0
+
+    async def _kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
+        """Move `inst`'s reservation to `plan`: the recommended size, else (refused) the
+        requirement, else, with `wait`, make room or wait for it like a start does. False when
+        the node could not grant even the requirement."""
+        owner = f"{inst.model}:kv"
+        old = inst.kv.reserved_bytes
+        targets = [plan.target_bytes] if plan.action is not Action.REFUSE else []
+        if required not in targets and required > old:
+            targets.append(required)
+        granted = None
+        for target in targets:
+            if (await self._reserve_memory(owner, target)).granted:
+                granted = target
+                break
+        if granted is None and wait and required > old:
+            await self._reserve(owner, required)  # raises NO_CAPACITY once out of time
+            granted = required
+        if granted is None:
+            return False
+        await self._memory_done(owner)
+        inst.kv.reserved_bytes = granted
+        KV_RESERVED.labels(inst.model).set(granted)
+        KV_RESIZES.labels("grow" if granted > old else "shrink").inc()
+        return True
+
+    async def _kv_admit(self, inst: Served, req: Generate) -> None:
+        """Count the request into its instance's KV reservation, growing it first if it falls
+        short (early, to the watermark). Raises NO_CAPACITY when the node cannot grant it."""
+        ctx = inst.bound.artifact.context_length
+        cap = req.params.max_tokens if req.params.max_tokens > 0 else ctx - req.prompt_tokens
+        async with inst.kv_lock:
+            plan = inst.kv.admit(req.request_id, req.prompt_tokens, cap, self._available())
+            if plan.action is Action.KEEP:
+                return
+            try:
+                await self._kv_resize(inst, plan, inst.kv.required(), wait=True)
+            except BaseException:
+                inst.kv.forget(req.request_id)
+                raise
+
+    async def _kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
+        """A request decoding past what eq. 2 assumed for it (the mean output): grow the
+        reservation if the node can; if it cannot, count the underestimate (§6.4 would evict
+        the request with the most headroom; the runtime allocates on demand, so it runs on)."""
+        if inst.kv_lock.locked():
+            return  # a resize is under way; the next chunk looks again
+        async with inst.kv_lock:
+            plan = inst.kv.progress(request_id, generated, self._available())
+            if plan.action is Action.KEEP:
+                return
+            if not await self._kv_resize(inst, plan, inst.kv.required(), wait=False):
+                KV_UNDERESTIMATES.inc()
+
+    async def _kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
+        """A request left: Ō learns its length, and the reservation shrinks if it is now well
+        over what the rest need (lazily, below the watermark only)."""
+        async with inst.kv_lock:
+            plan = inst.kv.complete(request_id, generated, finished)
+            if plan.action is Action.SHRINK and self.instances.get(inst.model) is inst:
+                await self._kv_resize(inst, plan, plan.target_bytes, wait=False)
+
     async def _evict_idle_residents(self, need: int) -> bool:
         keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
         if keys:
@@ -434,8 +533,9 @@ class EngineService:
         try:
             # Profile: KV sizing was measured once at registration (bytes per token); here it
             # only becomes a reservation for a full context.
-            kv_bytes = record.artifact.kv_bytes_per_token * record.artifact.context_length
-            await self._reserve(f"{record.name}:kv", kv_bytes)
+            kv = self._kv_account(record.artifact)
+            kv.reserved_bytes = kv.required()  # eq. 2 with nothing running: the L_min floor
+            await self._reserve(f"{record.name}:kv", kv.reserved_bytes)
             await self._memory_done(f"{record.name}:kv")  # allocated on demand by the runtime
         except BaseException:
             await self._release(bound)
@@ -443,7 +543,8 @@ class EngineService:
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
-        self.instances[record.name] = Served(record.name, bound, now, now)
+        self.instances[record.name] = Served(record.name, bound, now, now, kv)
+        KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
         log.info(
@@ -625,6 +726,7 @@ class EngineService:
 
     async def _unload(self, inst: Served) -> None:
         del self.instances[inst.model]
+        _forget_kv_gauge(inst.model)
         self._cold.pop(inst.model, None)
         inst.bound.worker.drop_session(inst.model)  # its KV cache
         await self._release_memory(f"{inst.model}:kv")
@@ -634,6 +736,7 @@ class EngineService:
         """A worker died: its instances are gone; the next request starts them again."""
         for inst in [i for i in self.instances.values() if i.bound is bound]:
             del self.instances[inst.model]
+            _forget_kv_gauge(inst.model)
             await self._release_memory(f"{inst.model}:kv")
         if self.bound.get(bound.artifact.artifact_id) is bound:
             del self.bound[bound.artifact.artifact_id]
@@ -667,6 +770,13 @@ class EngineService:
         inst.last_used = time.time()
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
+            try:
+                await self._kv_admit(inst, req)
+            except TesseraError as e:
+                REQUESTS.labels("error").inc()
+                await self.bus.publish(req.stream_subject, Failed(
+                    request_id=req.request_id, code=e.code, message=e.message))
+                return
             await self._generate(inst, req, cancelled)
         finally:
             inst.active -= 1
@@ -677,7 +787,9 @@ class EngineService:
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()
-        run = Run(req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s)
+        run = Run(req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s,
+                  inst.kv.reserved_tokens)
+        generated = 0
         final: Finished | Failed = Finished(
             request_id=req.request_id,
             finish_reason=FinishReason.CANCELLED,
@@ -692,6 +804,8 @@ class EngineService:
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
                     DECODED_TOKENS.inc(out.tokens)
+                    generated += out.tokens
+                    await self._kv_progress(inst, req.request_id, generated)
                     await self.bus.publish(
                         req.stream_subject,
                         TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
@@ -719,6 +833,8 @@ class EngineService:
             REQUESTS.labels("error").inc()
             final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
         await self.bus.publish(req.stream_subject, final)
+        finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
+        await self._kv_complete(inst, req.request_id, generated, finished)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
         pending = self._cold.pop(inst.model, None)

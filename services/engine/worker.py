@@ -81,6 +81,9 @@ class Run:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     stream_interval_s: float
+    kv_tokens: int = 0
+    """Tokens its name's KV reservation covered when it was sent (LLM-Mesh eq. 2, grown for
+    it): a batch may hold that many, or one context, whichever is more."""
 
 
 @dataclass(frozen=True)
@@ -353,9 +356,15 @@ class _Loop:
 
     def _take(self) -> list[Run]:
         assert self.batcher is not None, "Run before Load"
-        budget = self.batcher.loaded.artifact.context_length
+        budget = self._kv_budget(self.queue)
         n = take_batch([(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch, budget)
         return [self.queue.popleft() for _ in range(n)]
+
+    def _kv_budget(self, runs: Sequence[Run]) -> int:
+        """Tokens a batch may hold: one context, or more where the engine grew the KV
+        reservation for the requests it sent (`Run.kv_tokens`)."""
+        assert self.batcher is not None
+        return max([self.batcher.loaded.artifact.context_length, *(r.kv_tokens for r in runs)])
 
     def _start(self, runs: list[Run], width: int, longest: int) -> None:
         """`runs` enter a batch of `width` rows whose prefill pads them to `longest` tokens."""
@@ -378,7 +387,7 @@ class _Loop:
             return []
         self._arriving = 0
         n = joinable(rows, [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch,
-                     self.batcher.loaded.artifact.context_length, self.join_recompute_tokens)
+                     self._kv_budget(self.queue), self.join_recompute_tokens)
         runs = [self.queue.popleft() for _ in range(n)]
         if runs:
             longest = max([c for c, _ in rows] + [len(r.prompt_ids) for r in runs])

@@ -28,12 +28,18 @@ DEFAULT_WATERMARK = 0.2
 
 def required_bytes(
     per_token_bytes: int,
-    requests: Iterable[tuple[int, int]],
+    requests: Iterable[tuple[int, int] | tuple[int, int, int]],
     mean_output: float,
     min_tokens: int,
 ) -> int:
-    """Eq. 2 over (input_len, generated) of each running request."""
-    tokens = sum(i + max(o, mean_output) for i, o in requests)
+    """Eq. 2 over (input_len, generated) of each running request. A third element, where
+    given, caps the request's output (its `max_tokens`): it can never hold more than that,
+    whatever the mean says."""
+    tokens = 0.0
+    for r in requests:
+        i, o = r[0], r[1]
+        out = max(o, mean_output)
+        tokens += i + (min(out, max(r[2], o)) if len(r) > 2 else out)
     return math.ceil(per_token_bytes * max(tokens, min_tokens))
 
 

@@ -66,15 +66,20 @@ class PerfBook:
         return _with_batches(alone, batched) if batched else alone
 
 
-    def profiles(self, records: Iterable[ModelRecord], kind: str = "cpu") -> dict[str, Profile]:
-        """A profile for every registered model whose artifact has been measured."""
+    def profiles(
+        self, records: Iterable[ModelRecord], kind: str = "cpu", kv_min_tokens: int = 0
+    ) -> dict[str, Profile]:
+        """A profile for every registered model whose artifact has been measured. Its KV bytes
+        are what an engine reserves at a start: L_min tokens (`kv_min_tokens`; 0: the
+        context length), the floor of LLM-Mesh's eq. 2."""
         out = {}
         for r in records:
             perf = self.model(r.artifact.artifact_id, kind)
             if perf is not None:
                 out[r.name] = Profile(
                     perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
-                    r.artifact.kv_bytes_per_token * r.artifact.context_length,
+                    r.artifact.kv_bytes_per_token * (min(kv_min_tokens, r.artifact.context_length)
+                                                     if kv_min_tokens > 0 else r.artifact.context_length),
                     self.start_s(r.artifact.artifact_id),
                 )
         return out

@@ -84,7 +84,7 @@ class SchedulerService:
         for report in status.perf:
             self.perf.report(status.node_id, status.kind, report)
         if status.perf:
-            PROFILED.set(len(self.perf.profiles(self._records.values())))
+            PROFILED.set(len(self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens)))
         if status.sent_at < self._changed_at.get(status.node_id, 0.0):
             return
         self.nodes[status.node_id] = NodeView.from_status(status)
@@ -151,7 +151,7 @@ class SchedulerService:
             node_timeout_s=self.settings.node_timeout_s,
             max_active_per_instance=self.settings.max_active_per_instance,
             demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
-            profiles=self.perf.profiles(self._records.values()),
+            profiles=self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens),
             exclusive=self.settings.placement == "exclusive",
             reject_over_slo=self.settings.reject_over_slo,
         )
