@@ -23,8 +23,8 @@ The arrival times come from `--seed`, the same for both policies.
 Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance has a node to
 itself and its requests queue on it; no sharing, no scale-out. Tessera: shadow validation on
 measured performance, scale-out to other nodes (sharing them) when the queue would miss the
-TTFT SLO. Nodes are at most one per core: on a 2-core machine that is two nodes, so exclusive
-placement can hold two of the three models at once.
+TTFT SLO. `--nodes` defaults to 3, the issue's cluster; on a machine with fewer cores some
+nodes share a core (`node_cores`), which the JSON records.
 
 Prints one JSON object and writes `<out>/cluster.json` and `<out>/cluster.png`.
 """
@@ -169,16 +169,28 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def node_cores(nodes: int) -> list[list[int]]:
-    """Each node its own cores (round-robin over this machine's): nodes that share cores would
-    hide the contention from the scheduler, which sees one node at a time."""
+    """Each node its own cores (round-robin over this machine's). With more nodes than cores,
+    each node gets one core and some share theirs (node i and node i + cores): the scheduler
+    does not see that contention (it sees one node at a time), so the run is harder on it
+    than a machine with a core per node; both policies get the same nodes."""
     cores = sorted(os.sched_getaffinity(0))
     if nodes > len(cores):
-        raise SystemExit(f"{nodes} nodes need {nodes} cores, this machine has {len(cores)}")
+        return [[cores[i % len(cores)]] for i in range(nodes)]
     return [cores[i::nodes] for i in range(nodes)]
 
 
-def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
+VARIANTS = {
+    "tessera": ("tessera", {}),
+    "exclusive": ("exclusive", {}),
+    # Ablation: Tessera's placement with instances on a node left to the OS scheduler instead
+    # of taking turns by headroom (LLM-Mesh §5.1, services/engine/step_gate.py).
+    "tessera-no-interleave": ("tessera", {"TESSERA_INTERLEAVE": "false"}),
+}
+
+
+def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
                keep_alive_s: float) -> dict[str, Any]:
+    policy, extra = VARIANTS[variant]
     per_node = {
         f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
         for i, cs in enumerate(node_cores(nodes))
@@ -186,7 +198,7 @@ def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], p
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
         cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, node_env=per_node, env={
             "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
-            "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1",
+            "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1", **extra,
         })
         try:
             t = time.perf_counter()
@@ -212,10 +224,10 @@ def run_policy(policy: str, nodes: int, store: Path, sources: dict[str, Path], p
         finally:
             cluster.stop()
     summary = summarize(results)
-    log(f"{policy}: SLO attainment {summary['all']['slo_attainment']:.3f} "
+    log(f"{variant}: SLO attainment {summary['all']['slo_attainment']:.3f} "
         + ", ".join(f"{m.name} {summary[m.name]['slo_attainment']:.2f}" for m in MODELS)
         + f"; instances at the end {placed}")
-    return {"policy": policy, "summary": summary, "instances_at_end": placed, "wall_s": wall,
+    return {"policy": variant, "summary": summary, "instances_at_end": placed, "wall_s": wall,
             "scale_outs": counters["tessera_scheduler_scale_outs_total"],
             "scale_to_zero": counters["tessera_scheduler_scale_to_zero_total"], "cold_starts": starts,
             "results": results}
@@ -229,12 +241,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     names = ["all", *(m.name for m in MODELS)]
-    width = 0.38
+    width = 0.8 / max(1, len(runs))
     for k, run in enumerate(runs):
         vals = [run["summary"][n]["slo_attainment"] or 0 for n in names]
         axes[0].bar([i + k * width for i in range(len(names))], vals, width, label=run["policy"])
     axes[0].axhline(0.95, color="red", linestyle="--", linewidth=1, label="95 %")
-    axes[0].set_xticks([i + width / 2 for i in range(len(names))], names)
+    axes[0].set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names))], names)
     axes[0].set_ylim(0, 1.05)
     axes[0].set_ylabel("SLO attainment")
     axes[0].legend(fontsize=8)
@@ -254,10 +266,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    ap.add_argument("--nodes", type=int, default=min(3, len(os.sched_getaffinity(0))),
-                    help="engine nodes, each pinned to its own cores (at most one per core)")
+    ap.add_argument("--nodes", type=int, default=3,
+                    help="engine nodes, each pinned to its own cores (sharing them past one per core)")
     ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ablate-interleave", action="store_true",
+                    help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     plan = arrivals(args.seed, args.duration)
@@ -278,13 +292,16 @@ def main(argv: list[str] | None = None) -> int:
             sources[m.name] = copy
         store = Path(tmp) / "store"
         log(f"{len(plan)} requests over {args.duration:.0f}s on {args.nodes} nodes")
-        for policy in ("tessera", "exclusive"):
-            runs.append(run_policy(policy, args.nodes, store, sources, plan, args.keep_alive))
+        variants = ["tessera", "exclusive"] + (["tessera-no-interleave"] if args.ablate_interleave else [])
+        for variant in variants:
+            runs.append(run_policy(variant, args.nodes, store, sources, plan, args.keep_alive))
     result = {
         "slo_attainment_tessera": runs[0]["summary"]["all"]["slo_attainment"],
         "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],
         "target": "tessera >= 0.95 where exclusive is below",
         "target_met": runs[0]["summary"]["all"]["slo_attainment"] >= 0.95 > runs[1]["summary"]["all"]["slo_attainment"],
+        **({"slo_attainment_tessera_no_interleave": runs[2]["summary"]["all"]["slo_attainment"]}
+           if len(runs) > 2 else {}),
         "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
         "nodes": args.nodes,
         "node_cores": node_cores(args.nodes),

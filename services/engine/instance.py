@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import openvino as ov
@@ -289,11 +289,14 @@ class Batcher:
         stream_interval_s: float = 0.0,
         between_steps: Callable[[], None] | None = None,
         join: Join | None = None,
+        wrap: Callable[[ov.InferRequest], Any] | None = None,
     ) -> list[RowResult]:
+        """`wrap`: what every iteration's infer request is seen through (the node's gate)."""
         tokenizer = self.loaded.tokenizer
 
         def text(row_emit: RowEmit, request_id: str, stops: StopMatcher) -> TextStream:
             return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
 
-        return generate_batch(self._request_for, items, self.loaded.eos_ids, text, emit, is_cancelled,
+        request_for = self._request_for if wrap is None else (lambda rows: wrap(self._request_for(rows)))
+        return generate_batch(request_for, items, self.loaded.eos_ids, text, emit, is_cancelled,
                               stream_interval_s, between_steps, join)

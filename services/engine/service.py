@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import multiprocessing
 import os
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.engine.kv_account import KvAccount
 from services.engine.layout import has_tier
 from services.engine.settings import EngineSettings
+from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from shared import subjects
@@ -130,6 +132,12 @@ KV_UNDERESTIMATES = Counter(
     "Requests that outgrew their instance's KV reservation when the node could not grow it "
     "(the runtime allocates on demand: the node is then over its optimistic budget)",
 )
+GATE_WAIT = Histogram(
+    "tessera_engine_gate_wait_seconds",
+    "Seconds a request's iterations waited for the node's headroom gate (another instance's "
+    "more urgent iterations ran meanwhile)",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
+)
 TTFT = Histogram(
     "tessera_engine_ttft_seconds",
     "Generate received to first token, in the engine",
@@ -167,6 +175,8 @@ class Served:
     loaded_at: float
     last_used: float
     kv: KvAccount
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
     active: int = 0
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
@@ -203,12 +213,16 @@ class EngineService:
         self.node = settings.node_id
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
+        # One iteration at a time per share of cores one instance's threads fill.
+        capacity = max(1, len(os.sched_getaffinity(0)) // max(1, settings.inference_threads))
+        self.gate = StepGate(multiprocessing.get_context("spawn"), capacity) if settings.interleave else None
         self.workers = WorkerPool(
             settings.worker_pool_size, settings.device, settings.inference_threads,
             refill_delay_s=settings.worker_refill_delay_s,
             prefault_bytes=settings.worker_prefault_mb << 20,
             max_batch=settings.max_batch,
             join_recompute_tokens=settings.join_recompute_tokens,
+            gate=self.gate,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -543,7 +557,7 @@ class EngineService:
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
-        self.instances[record.name] = Served(record.name, bound, now, now, kv)
+        self.instances[record.name] = Served(record.name, bound, now, now, kv, record.ttft_slo_s, record.tpot_slo_s)
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
@@ -788,7 +802,7 @@ class EngineService:
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()
         run = Run(req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s,
-                  inst.kv.reserved_tokens)
+                  inst.kv.reserved_tokens, received, inst.ttft_slo_s, inst.tpot_slo_s)
         generated = 0
         final: Finished | Failed = Finished(
             request_id=req.request_id,
@@ -812,6 +826,8 @@ class EngineService:
                     )
                 elif isinstance(out, Done):
                     self._perf.setdefault(inst.bound.artifact.artifact_id, _Samples()).add(out)
+                    if self.gate is not None:
+                        GATE_WAIT.observe(out.gated_s)
                     final = Finished(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,

@@ -18,6 +18,9 @@ class EngineSettings(CommonSettings):
     """A request may join a running batch (instead of waiting for it to end) while the running
     rows' prompts and output so far total at most this many tokens: joining prefills them again
     (≈ 1 ms per token on one core here). 0: requests wait for the next batch."""
+    interleave: bool = True
+    """Instances on this node take turns per iteration, the one with the least headroom first
+    (LLM-Mesh §5.1, `step_gate.py`); False: they run side by side as the OS schedules them."""
     worker_prefault_mb: int = 320
     """Heap each pre-warmed worker touches before it is bound (its pages are then reused by
     the start instead of faulting in on its path; ≈ 0.06 s of a start measured); counted in

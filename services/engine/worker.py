@@ -36,10 +36,15 @@ from typing import TYPE_CHECKING
 import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
+from services.engine.step_gate import StepGate
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
     from services.engine.instance import Batcher, LoadedModel
+
+
+NO_SLO_S = 3600.0
+"""A request of a model without SLOs is due this long after it arrived (last in line)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,17 @@ class Run:
     kv_tokens: int = 0
     """Tokens its name's KV reservation covered when it was sent (LLM-Mesh eq. 2, grown for
     it): a batch may hold that many, or one context, whichever is more."""
+    received_at: float = 0.0
+    """time.monotonic() the engine received it: ST of its headroom (eq. 1)."""
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    """Its model's SLOs (0: none), for the node's headroom gate (`step_gate.py`)."""
+
+    def deadline(self, generated: int) -> float:
+        """When its next token is due: headroom (eq. 1) + now."""
+        if self.ttft_slo_s <= 0:
+            return self.received_at + NO_SLO_S
+        return self.received_at + self.ttft_slo_s + self.tpot_slo_s * generated
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,9 @@ class Done:
     """Sequences in the batch it ran in (its decode iterations were for that many)."""
     prefill_tokens: int = 0
     """Positions the prefill it ran in computed (rows × the longest context padded to)."""
+    gated_s: float = 0.0
+    """Time its iterations waited for the node's headroom gate (not in prefill_s, decode_s:
+    those are the iterations' own, what the performance model needs)."""
 
 
 @dataclass(frozen=True)
@@ -253,12 +272,44 @@ class _TierUp:
         self.done.set()
 
 
+class _GatedRequest:
+    """An infer request whose every iteration passes the node's headroom gate first."""
+
+    def __init__(self, request: ov.InferRequest, loop: _Loop) -> None:
+        self._request = request
+        self._loop = loop
+
+    def infer(self, inputs: object) -> object:
+        loop = self._loop
+        assert loop.gate is not None
+        t0 = time.monotonic()
+        entered = loop.gate.enter(loop.slot, loop._deadline())
+        loop.waited += time.monotonic() - t0
+        try:
+            return self._request.infer(inputs)
+        finally:
+            if entered:
+                loop.gate.leave(loop.slot, loop._deadline())
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._request, name)
+
+
 class _Loop:
     """The worker's commands, its queue of requests and the batches run from it."""
 
     def __init__(self, conn: Connection, core: ov.Core, device: str, threads: int,
-                 max_batch: int, join_recompute_tokens: int = 0) -> None:
+                 max_batch: int, join_recompute_tokens: int = 0, gate: StepGate | None = None,
+                 slot: int = -1) -> None:
         self.conn = conn
+        self.gate = gate
+        self.slot = slot
+        self.waited = 0.0
+        """Seconds this worker's iterations have waited for the gate, in all."""
+        self.emitted: dict[str, int] = {}
+        """Tokens each running request has streamed (O of its headroom)."""
+        self.waits: dict[str, list[float]] = {}
+        """`waited` when each running request started, and when its first token came."""
         self.core = core
         self.device = device
         self.threads = threads
@@ -360,6 +411,14 @@ class _Loop:
         n = take_batch([(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch, budget)
         return [self.queue.popleft() for _ in range(n)]
 
+    def _deadline(self) -> float:
+        """The most urgent running request's deadline: what this worker waits at the gate with."""
+        return min((run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
+                   default=time.monotonic() + NO_SLO_S)
+
+    def _gated(self, request: ov.InferRequest) -> _GatedRequest:
+        return _GatedRequest(request, self)
+
     def _kv_budget(self, runs: Sequence[Run]) -> int:
         """Tokens a batch may hold: one context, or more where the engine grew the KV
         reservation for the requests it sent (`Run.kv_tokens`)."""
@@ -373,6 +432,8 @@ class _Loop:
         for run in runs:
             self.batcher.names.add(run.session)
             self.running[run.request_id] = (run, now, width, width * longest)
+            self.emitted[run.request_id] = 0
+            self.waits[run.request_id] = [self.waited]
             self.conn.send(Started(run.request_id, width))
 
     def _join(self, rows: Sequence[tuple[int, int]]) -> list[BatchItem]:
@@ -405,35 +466,47 @@ class _Loop:
         conn = self.conn
 
         def emit(request_id: str, text: str, tokens: int) -> None:
+            if self.emitted.get(request_id) == 0:
+                self.waits[request_id].append(self.waited)
+            self.emitted[request_id] = self.emitted.get(request_id, 0) + tokens
             conn.send(Chunk(request_id, text, tokens))
 
         try:
             results = self.batcher.generate(
                 [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs], emit,
                 self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands, self._join,
+                self._gated if self.gate is not None and self.slot >= 0 else None,
             )
         except Exception as e:  # every request of the batch fails; the worker lives on
             for run, *_ in self.running.values():
                 conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
             return
         finally:
+            if self.gate is not None:
+                self.gate.idle(self.slot)
             started = dict(self.running)
+            waits = dict(self.waits)
             self.running.clear()
             self.cancelled.clear()
+            self.emitted.clear()
+            self.waits.clear()
         t_end = time.monotonic()
         if os.sched_getaffinity(0) != self.all_cores:
             _pin_all_threads(self.all_cores)
         for res in results:
             run, t_run, width, positions = started[res.request_id]
             t_first = res.first_token_at
+            at_start, at_first = (waits[res.request_id] + [self.waited])[:2]
+            prefill_wait, decode_wait = at_first - at_start, self.waited - at_first
             conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
-                           len(run.prompt_ids), (t_first or t_end) - t_run,
-                           t_end - t_first if t_first is not None else 0.0, width, positions))
+                           len(run.prompt_ids), max(0.0, (t_first or t_end) - t_run - prefill_wait),
+                           max(0.0, t_end - t_first - decode_wait) if t_first is not None else 0.0,
+                           width, positions, self.waited - at_start))
 
 
 def worker_main(
     conn: Connection, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
-    join_recompute_tokens: int = 0,
+    join_recompute_tokens: int = 0, gate: StepGate | None = None, slot: int = -1,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
@@ -444,4 +517,4 @@ def worker_main(
     _touch_kernels(core, device, threads)
     _prefault_heap(prefault_bytes)
     conn.send(Ready(pid=os.getpid()))
-    _Loop(conn, core, device, threads, max_batch, join_recompute_tokens).serve()
+    _Loop(conn, core, device, threads, max_batch, join_recompute_tokens, gate, slot).serve()

@@ -17,6 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 
+from services.engine.step_gate import StepGate
 from services.engine.worker import (
     MALLOC_ENV,
     CancelRun,
@@ -61,11 +62,15 @@ class WorkerDied(Exception):
 
 class Worker:
     def __init__(self, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
-                 join_recompute_tokens: int = 0) -> None:
+                 join_recompute_tokens: int = 0, gate: StepGate | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._gate = gate
+        self._slot = gate.claim() if gate is not None else -1
+        """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
         self.process = ctx.Process(
-            target=worker_main, args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens),
+            target=worker_main,
+            args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, self._slot),
             daemon=True, name="tessera-worker",
         )
         with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
@@ -127,8 +132,14 @@ class Worker:
             if stream is not None:
                 stream.put_nowait(msg)
 
+    def _free_slot(self) -> None:
+        slot, self._slot = self._slot, -1
+        if self._gate is not None and slot >= 0:
+            self._gate.release(slot)
+
     def _on_death(self) -> None:
         self.dead = True
+        self._free_slot()
         died = WorkerDied(f"worker {self.pid} exited")
         for fut in (self._ready, self._waiter):
             if fut is not None and not fut.done():
@@ -224,6 +235,7 @@ class Worker:
                 self.process.kill()
                 self.process.join()
         self._conn.close()
+        self._free_slot()
 
 
 class Cancelled:
@@ -250,10 +262,13 @@ class WorkerPool:
         prefault_bytes: int = 0,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
+        gate: StepGate | None = None,
     ) -> None:
-        """`spawn` starts one worker (a real process by default; tests pass a fake)."""
+        """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
+        the node's headroom gate, shared by every worker it spawns."""
         self.size = size
-        self._spawn = spawn or (lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens))
+        self._spawn = spawn or (
+            lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate))
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device

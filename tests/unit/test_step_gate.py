@@ -1,0 +1,94 @@
+"""The node's headroom gate (services/engine/step_gate.py): the pure choice, and the shared
+gate across real processes."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+
+from services.engine.step_gate import SLOTS, StepGate, may_step
+
+INF = math.inf
+
+
+def deadlines(**posted: float) -> list[float]:
+    d = [INF] * 4
+    for k, v in posted.items():
+        d[int(k[1:])] = v
+    return d
+
+
+def test_the_least_headroom_goes_first() -> None:
+    d = deadlines(s0=5.0, s1=3.0)
+    assert may_step(1, d, [0, 0, 0, 0], 1)
+    assert not may_step(0, d, [0, 0, 0, 0], 1)
+
+
+def test_nothing_steps_past_the_capacity() -> None:
+    d = deadlines(s0=1.0)
+    assert not may_step(0, d, [0, 1, 0, 0], 1)
+    assert may_step(0, d, [0, 1, 0, 0], 2)
+
+
+def test_a_worker_posted_between_its_iterations_keeps_its_turn() -> None:
+    # Slot 0 runs a batch and is between iterations (posted, not holding): slot 1 is less urgent.
+    assert not may_step(1, deadlines(s0=2.0, s1=9.0), [0, 0, 0, 0], 1)
+
+
+def test_ties_go_to_the_lower_slot() -> None:
+    d = deadlines(s0=4.0, s2=4.0)
+    assert may_step(0, d, [0] * 4, 1) and not may_step(2, d, [0] * 4, 1)
+
+
+def test_the_lock_free_fallbacks_run_ungated() -> None:
+    gate = StepGate(multiprocessing.get_context("spawn"), 1)
+    assert gate.enter(-1, 0.0) is False  # no slot: ungated, nothing to leave
+    slots = [gate.claim() for _ in range(SLOTS)]
+    assert sorted(slots) == list(range(SLOTS)) and gate.claim() == -1
+    gate.release(slots[0])
+    assert gate.claim() == slots[0]
+
+
+def _contender(gate: StepGate, slot: int, deadline: float, steps: int, log: Connection) -> None:
+    for _ in range(steps):
+        gate.enter(slot, deadline)
+        log.send(("in", slot, time.monotonic()))
+        time.sleep(0.002)  # sync-ok: stands in for an iteration's compute
+        log.send(("out", slot, time.monotonic()))
+        gate.leave(slot, deadline)
+    gate.idle(slot)
+
+
+def test_across_processes_one_iteration_at_a_time_and_the_urgent_worker_runs_its_batch_first() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    gate = StepGate(ctx, 1)
+    lax_slot, urgent_slot = gate.claim(), gate.claim()
+    # The lax worker holds its first iteration while the urgent one posts: from then on the
+    # urgent one runs every iteration of its batch before the lax one gets another.
+    assert gate.enter(lax_slot, 100.0)
+    recv, send = ctx.Pipe(duplex=False)
+    urgent = ctx.Process(target=_contender, args=(gate, urgent_slot, 1.0, 20, send))
+    urgent.start()
+    lax = None
+    try:
+        deadline = time.monotonic() + 30
+        while gate._deadlines[urgent_slot] != 1.0:  # it has posted: it waits at the gate
+            assert time.monotonic() < deadline, "the urgent worker never reached the gate"
+            time.sleep(0.01)  # sync-ok: polling shared memory with a deadline
+        assert not recv.poll(0.2), "the urgent worker ran while another iteration held the gate"
+        gate.leave(lax_slot, 100.0)  # posted for its next iteration, like a running batch
+        lax = ctx.Process(target=_contender, args=(gate, lax_slot, 100.0, 20, send))
+        lax.start()
+        events = [recv.recv() for _ in range(80)]
+    finally:
+        urgent.join(10)
+        if lax is not None:
+            lax.join(10)
+    order = [slot for kind, slot, _ in events if kind == "in"]
+    assert order == [urgent_slot] * 20 + [lax_slot] * 20
+    inside = 0
+    for kind, _, _ in events:  # never two iterations at once
+        inside += 1 if kind == "in" else -1
+        assert 0 <= inside <= 1
