@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from services.engine.cpu_quota import cpu_quota
 from services.engine.service import EngineService
 from services.engine.settings import EngineSettings, parse_cores
 from shared.health import health_app
@@ -18,13 +19,14 @@ async def main() -> None:
     if settings.cpu_cores:
         # Workers are spawned from this process and inherit its cores.
         os.sched_setaffinity(0, parse_cores(settings.cpu_cores))
-    async with ServiceRuntime("engine", settings) as rt:
-        engine = EngineService(settings, rt.bus)
-        await engine.start()
-        try:
-            await rt.serve(health_app(rt.readiness))
-        finally:
-            await engine.close()
+    with cpu_quota(settings.cpu_quota, settings.node_id):
+        async with ServiceRuntime("engine", settings) as rt:
+            engine = EngineService(settings, rt.bus)
+            await engine.start()
+            try:
+                await rt.serve(health_app(rt.readiness))
+            finally:
+                await engine.close()
 
 
 if __name__ == "__main__":

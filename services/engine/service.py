@@ -214,7 +214,10 @@ class EngineService:
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
         # One iteration at a time per share of cores one instance's threads fill.
-        capacity = max(1, len(os.sched_getaffinity(0)) // max(1, settings.inference_threads))
+        cores = len(os.sched_getaffinity(0))
+        if settings.cpu_quota > 0:
+            cores = min(cores, max(1, int(settings.cpu_quota)))
+        capacity = max(1, cores // max(1, settings.inference_threads))
         self.gate = StepGate(multiprocessing.get_context("spawn"), capacity) if settings.interleave else None
         self.workers = WorkerPool(
             settings.worker_pool_size, settings.device, settings.inference_threads,

@@ -29,6 +29,10 @@ class EngineSettings(CommonSettings):
     cpu_cores: str = ""
     """The node's cores (`0-1,3`), applied to the engine and so to its workers; empty: all.
     Nodes sharing a machine get their own core share this way."""
+    cpu_quota: float = 0.0
+    """The node's share of CPU time, in cores (`cpu_quota.py`: a cgroup CFS quota around the
+    engine and its workers, where one can be made); 0: none. Also how many iterations the
+    headroom gate runs at once (this over the inference threads)."""
     start_cpu_share: float = 1.0
     """Share of the node's cores a start may use while other instances are generating.
     1.0 (no bound) by default: on 2 cores, bench/nostall.py measured a 0.5 share hurting the

@@ -7,7 +7,6 @@ stream is closed, and it is always closed: by its end, by an error, or by the cl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -261,11 +260,11 @@ class Gateway:
                 ]
             except ValueError as e:
                 raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
-            prompt = await asyncio.to_thread(Tokenizers.render_chat, tok, history)
+            prompt = await self.tokenizers.render_chat(tok, history)
             param = "messages"
         else:
             prompt, param = req.prompt_text(), "prompt"
-        ids = await asyncio.to_thread(Tokenizers.encode, tok, prompt)
+        ids = await self.tokenizers.encode(tok, prompt)
         n = len(ids)
         if n == 0:
             raise TesseraError(ErrorCode.INVALID_REQUEST, f"the {param} is empty", param=param)

@@ -2,22 +2,35 @@
 
 The gateway counts prompt tokens and renders chat templates itself, so that a request that
 cannot fit is refused before it costs a placement or a cold start.
+
+Every tokenizer call runs on one thread of its own: two threads in `Tokenizer.encode` at once
+(of two models) were seen to deadlock inside openvino_genai, which froze every request of the
+gateway waiting on them (bench/cluster.py's warm-up, three models at once). A call takes well
+under a millisecond, so one thread is no bottleneck, and the event loop never runs one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import openvino_genai as ov_genai
 
 from shared.messages import Artifact
+
+T = TypeVar("T")
 
 
 class Tokenizers:
     def __init__(self) -> None:
         self._loaded: dict[str, ov_genai.Tokenizer] = {}
         self._lock = asyncio.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizers")
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def get(self, artifact: Artifact) -> ov_genai.Tokenizer:
         tok = self._loaded.get(artifact.artifact_id)
@@ -25,14 +38,20 @@ class Tokenizers:
             async with self._lock:
                 tok = self._loaded.get(artifact.artifact_id)
                 if tok is None:
-                    tok = await asyncio.to_thread(ov_genai.Tokenizer, artifact.path)
+                    tok = await self._run(ov_genai.Tokenizer, artifact.path)
                     self._loaded[artifact.artifact_id] = tok
         return tok
 
-    @staticmethod
-    def render_chat(tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]]) -> str:
-        return str(tok.apply_chat_template(list(messages), add_generation_prompt=True))
+    async def render_chat(self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]]) -> str:
+        return await self._run(_render_chat, tok, messages)
 
-    @staticmethod
-    def encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
-        return tuple(int(i) for i in tok.encode(text).input_ids.data[0])
+    async def encode(self, tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
+        return await self._run(_encode, tok, text)
+
+
+def _render_chat(tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]]) -> str:
+    return str(tok.apply_chat_template(list(messages), add_generation_prompt=True))
+
+
+def _encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(int(i) for i in tok.encode(text).input_ids.data[0])

@@ -2,8 +2,9 @@
 affinity for scale-out (Tangram §3.4).
 
 The engine runs an instance's requests in batches (a worker process decodes up to the node's
-`max_batch` together; requests that arrive meanwhile wait for the next batch), and the
-instances of a node decode at the same time on its cores. So, for a request joining an
+`max_batch` together; requests that arrive meanwhile join it or wait for the next batch), and
+the instances of a node take turns on its cores, one iteration at a time, the least headroom
+first (the engine's gate, `services/engine/step_gate.py`). So, for a request joining an
 instance:
 
 1. it waits for the batches ahead of it on that instance to finish, then prefills with the
