@@ -204,7 +204,7 @@ VARIANTS = {
 
 
 def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
-               keep_alive_s: float) -> dict[str, Any]:
+               keep_alive_s: float, keep_logs: Path | None = None) -> dict[str, Any]:
     policy, extra = VARIANTS[variant]
     per_node, _ = node_env(nodes)
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
@@ -235,6 +235,8 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
             placed = {n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]}
         finally:
             cluster.stop()
+            if keep_logs is not None:
+                shutil.copytree(Path(home) / "logs", keep_logs / variant, dirs_exist_ok=True)
     summary = summarize(results)
     log(f"{variant}: SLO attainment {summary['all']['slo_attainment']:.3f} "
         + ", ".join(f"{m.name} {summary[m.name]['slo_attainment']:.2f}" for m in MODELS)
@@ -282,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine nodes, each pinned to its own cores (sharing them past one per core)")
     ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's service logs here")
     ap.add_argument("--ablate-interleave", action="store_true",
                     help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{len(plan)} requests over {args.duration:.0f}s on {args.nodes} nodes")
         variants = ["tessera", "exclusive"] + (["tessera-no-interleave"] if args.ablate_interleave else [])
         for variant in variants:
-            runs.append(run_policy(variant, args.nodes, store, sources, plan, args.keep_alive))
+            runs.append(run_policy(variant, args.nodes, store, sources, plan, args.keep_alive, args.keep_logs))
     result = {
         "slo_attainment_tessera": runs[0]["summary"]["all"]["slo_attainment"],
         "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],

@@ -85,8 +85,15 @@ def cpu_quota(cores: float, name: str) -> Iterator[bool]:
 
 
 def _remove(group: Path, parent: Path) -> None:
+    """Move this process, and whatever it spawned that is still there (multiprocessing's
+    resource tracker outlives the engine's service), back to the parent; then remove it."""
     try:
-        (parent / "cgroup.procs").write_text(str(os.getpid()))
+        pids = {str(os.getpid()), *(group / "cgroup.procs").read_text().split()}
+        for pid in pids:
+            try:
+                (parent / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # a process that has just ended
         group.rmdir()
     except OSError as e:
         log.warning("could not remove %s: %s", group, e)

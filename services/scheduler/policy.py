@@ -8,7 +8,7 @@ falls back to the least busy instance, or the least loaded node for a start.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.scheduler import placement
 from services.scheduler.placement import Demand, Profile
@@ -79,6 +79,18 @@ def live_nodes(nodes: Iterable[NodeView], now: float, node_timeout_s: float) -> 
     return [n for n in nodes if now - n.seen_at <= node_timeout_s]
 
 
+def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, str]) -> list[NodeView]:
+    """The views with the starts this scheduler has ordered and no heartbeat shows yet: a
+    burst of first requests for several models is placed within milliseconds, and would all
+    land on the node that looked emptiest (measured: three starts at once on one 2/3-core
+    node took 11 s each)."""
+    by_node: dict[str, set[str]] = {}
+    for m, node_id in starts_in_flight.items():
+        by_node.setdefault(node_id, set()).add(m)
+    return [replace(n, starting=n.starting | (by_node[n.node_id] - set(n.instances)))
+            if by_node.get(n.node_id, set()) - n.starting - set(n.instances) else n for n in nodes]
+
+
 def place(
     model: str,
     nodes: Iterable[NodeView],
@@ -100,7 +112,7 @@ def place(
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
     instance starts only on a node running nothing."""
-    live = live_nodes(nodes, now, node_timeout_s)
+    live = _with_starts(live_nodes(nodes, now, node_timeout_s), starts_in_flight)
     if model in starts_in_flight:
         return AwaitStart(starts_in_flight[model])
     if not live:

@@ -80,3 +80,14 @@ def test_exclusive_placement_gives_each_model_a_node_of_its_own() -> None:
     assert isinstance(starting, Rejected)  # "b" is taken by y's start, not yet in a heartbeat
     full = excl("m", [node("a", inst("x")), node("b", inst("y"))])
     assert isinstance(full, Rejected) and full.code == ErrorCode.NO_CAPACITY and full.retry_after_s
+
+
+def test_first_requests_of_several_models_at_once_start_on_different_nodes() -> None:
+    # No heartbeat shows the starts yet: the scheduler counts the ones it has ordered.
+    nodes = [node("a"), node("b"), node("c")]
+    starts: dict[str, str] = {}
+    for model in ("m1", "m2", "m3"):
+        decision = decide(model, nodes, starts)
+        assert isinstance(decision, StartOn)
+        starts[model] = decision.node_id
+    assert sorted(starts.values()) == ["a", "b", "c"]
