@@ -24,7 +24,7 @@ Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance 
 itself and its requests queue on it; no sharing, no scale-out. Tessera: shadow validation on
 measured performance, scale-out to other nodes (sharing them) when the queue would miss the
 TTFT SLO. `--nodes` defaults to 3, the issue's cluster; on a machine with fewer cores each
-node gets an equal CPU quota (`node_env`), which the JSON records.
+node gets an equal CPU quota (`core_shares` in shared/localcluster.py), which the JSON records.
 
 Prints one JSON object and writes `<out>/cluster.json` and `<out>/cluster.png`.
 """
@@ -51,8 +51,7 @@ if __package__ in (None, ""):  # `python bench/cluster.py`
 import httpx
 
 from bench.common import machine_info, make_log, percentile
-from services.engine.cpu_quota import supported as cpu_quota_supported
-from shared.localcluster import LocalCluster, default_model_path
+from shared.localcluster import LocalCluster, core_shares, default_model_path
 
 log = make_log("cluster")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -169,31 +168,6 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"all": stats(results), **{m.name: stats([r for r in results if r["model"] == m.name]) for m in MODELS}}
 
 
-def node_cores(nodes: int) -> list[list[int]]:
-    """Each node its own cores (round-robin over this machine's). With more nodes than cores,
-    each node gets one core and some share theirs (node i and node i + cores)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if nodes > len(cores):
-        return [[cores[i % len(cores)]] for i in range(nodes)]
-    return [cores[i::nodes] for i in range(nodes)]
-
-
-def node_env(nodes: int) -> tuple[dict[str, dict[str, str]], str]:
-    """Each node's core share, and how it is made. Up to one node per core: pinned cores.
-    More nodes than cores: an equal CPU quota each (cores / nodes, `TESSERA_CPU_QUOTA`, a
-    cgroup) with one inference thread, where cgroups can be written; else pinned cores that
-    some nodes share, which the scheduler cannot see (it sees one node at a time), so that run
-    is harder on it than a machine with a core per node. Both policies get the same nodes."""
-    cores = len(os.sched_getaffinity(0))
-    if nodes > cores and cpu_quota_supported():
-        share = f"{cores / nodes:.3f}"
-        return {f"node-{i}": {"TESSERA_CPU_QUOTA": share, "TESSERA_INFERENCE_THREADS": "1"}
-                for i in range(nodes)}, f"quota of {share} cores each"
-    env = {f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
-           for i, cs in enumerate(node_cores(nodes))}
-    return env, "pinned cores" + (" (shared)" if nodes > cores else "")
-
-
 VARIANTS = {
     "tessera": ("tessera", {}),
     "exclusive": ("exclusive", {}),
@@ -206,7 +180,7 @@ VARIANTS = {
 def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
                keep_alive_s: float, keep_logs: Path | None = None) -> dict[str, Any]:
     policy, extra = VARIANTS[variant]
-    per_node, _ = node_env(nodes)
+    per_node, _ = core_shares(nodes)
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
         cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, node_env=per_node, env={
             "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
@@ -319,9 +293,8 @@ def main(argv: list[str] | None = None) -> int:
            if len(runs) > 2 else {}),
         "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
         "nodes": args.nodes,
-        "node_cores": node_cores(args.nodes),
-        "core_share": node_env(args.nodes)[1],
-        "node_env": node_env(args.nodes)[0],
+        "core_share": core_shares(args.nodes)[1],
+        "node_env": core_shares(args.nodes)[0],
         "keep_alive_s": args.keep_alive,
         "duration_s": args.duration,
         "seed": args.seed,

@@ -22,7 +22,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, admin_key_path, load_admin_key
+from shared.localcluster import (
+    DEFAULT_MODEL_NAME,
+    LocalCluster,
+    admin_key_path,
+    core_shares,
+    load_admin_key,
+)
 
 app = typer.Typer(help="Tessera: serverless LLM inference.", no_args_is_help=True)
 models = typer.Typer(help="Register, list and remove models.", no_args_is_help=True)
@@ -83,7 +89,11 @@ def up(
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """Start NATS, Valkey and every service; register the default model; wait for Ctrl-C."""
-    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes, auth=auth, admin_key=admin_key)
+    shares, how = core_shares(nodes)
+    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes, auth=auth, admin_key=admin_key,
+                           node_env=shares)
+    if nodes > 1:
+        console.print(f"{nodes} engine nodes, cores shared by {how}", highlight=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -110,6 +110,28 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: st
     raise TimeoutError(f"{what} did not listen on {port} within {timeout}s")
 
 
+def core_shares(nodes: int) -> tuple[dict[str, dict[str, str]], str]:
+    """Each node's share of this machine's cores, as settings per node id, and how it is made.
+    One node: every core. Up to one node per core: its own cores (round-robin), pinned, with
+    as many inference threads. More nodes than cores: an equal CPU quota each (cores / nodes,
+    a cgroup: `shared/cpu_quota.py`) with one inference thread, where cgroups can be written;
+    else one core each, some shared (which no scheduler sees: it sees one node at a time)."""
+    from shared.cpu_quota import supported
+
+    cores = sorted(os.sched_getaffinity(0))
+    if nodes <= 1:
+        return {}, "every core"
+    if nodes > len(cores) and supported():
+        share = f"{len(cores) / nodes:.3f}"
+        return ({f"node-{i}": {"TESSERA_CPU_QUOTA": share, "TESSERA_INFERENCE_THREADS": "1"} for i in range(nodes)},
+                f"a quota of {share} cores each")
+    pinned = [[cores[i % len(cores)]] for i in range(nodes)] if nodes > len(cores) else \
+        [cores[i::nodes] for i in range(nodes)]
+    return ({f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
+             for i, cs in enumerate(pinned)},
+            "pinned cores" + (", some shared" if nodes > len(cores) else ""))
+
+
 @dataclass
 class Process:
     name: str

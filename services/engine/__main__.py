@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-from services.engine.cpu_quota import cpu_quota
 from services.engine.service import EngineService
 from services.engine.settings import EngineSettings, parse_cores
+from shared.cpu_quota import cpu_quota
 from shared.health import health_app
 from shared.logs import setup_logging
 from shared.runtime import ServiceRuntime

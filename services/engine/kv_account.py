@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.memory_manager.kv_watermark import Action, KvPlan, on_admit, on_complete, required_bytes
+from services.memory_manager.kv_watermark import (
+    Action,
+    KvPlan,
+    on_admit,
+    on_complete,
+    required_bytes,
+)
 
 
 @dataclass

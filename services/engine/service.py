@@ -31,11 +31,11 @@ from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
+from services.memory_manager.kv_watermark import Action, KvPlan
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.eviction import Resident, choose_evictions, over_budget
-from services.memory_manager.kv_watermark import Action, KvPlan
 from shared.messages import (
     Artifact,
     Cancel,

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from services.engine.cpu_quota import PERIOD_US, cpu_quota, supported
+from shared.cpu_quota import PERIOD_US, cpu_quota, supported
 
 CHILD = r"""
 import json, pathlib, sys
-from services.engine.cpu_quota import cpu_quota, ROOT
+from shared.cpu_quota import cpu_quota, ROOT
 def group():
     for line in pathlib.Path("/proc/self/cgroup").read_text().splitlines():
         hid, ctrl, path = line.split(":", 2)

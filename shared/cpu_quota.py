@@ -57,8 +57,8 @@ def cpu_quota(cores: float, name: str) -> Iterator[bool]:
         yield False
         return
     quota_us = max(1000, int(cores * PERIOD_US))
-    v1, v2 = _v1(), None
-    parent = v1 or (v2 := _v2())
+    v1 = _v1()
+    parent = v1 or _v2()
     if parent is None:
         log.warning("no writable cgroup: running without the CPU quota of %.2f cores", cores)
         yield False
