@@ -291,6 +291,7 @@ class EngineService:
                 for aid, p in self._perf.items()
             ),
             max_batch=self.settings.max_batch,
+            join_recompute_tokens=self.settings.join_recompute_tokens,
         )
 
     def _update_gauges(self) -> None:

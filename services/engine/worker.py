@@ -260,6 +260,13 @@ class _TierUp:
     def _run(self, core: ov.Core, start: LoadedModel, device: str, threads: int) -> None:
         from services.engine.instance import LoadedModel, first_pass
 
+        # The lowest priority (threads the runtime starts from here inherit it): the tier-up
+        # only takes CPU time the node's iterations leave (it starts when the node is idle, but
+        # a burst may arrive during its seconds on a small core share).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         t0 = time.monotonic()
         try:
             steady = LoadedModel.load(core, start.artifact, device, threads, tier=Tier.STEADY,

@@ -116,6 +116,12 @@ def validate(
     ready_in = 0.0 if inst is not None else (RESIDENT_START_S if own.artifact_id in node.resident else own.start_s)
     ttft = overestimate * (ready_in + batches_ahead * service_s(perf, demand.prompt_tokens, tokens, batch_ahead)
                            + perf.prefill_s(demand.prompt_tokens))
+    # The engine lets a request join the running batch (re-prefilling its rows with it) while
+    # the rows hold few enough tokens: then it waits for no batch, only that prefill. The rows
+    # are taken as this request's size, halfway through their output (errs long for a burst).
+    held = ahead * (demand.prompt_tokens + tokens / 2)
+    if 0 < ahead < width and held <= node.join_recompute_tokens:
+        ttft = min(ttft, overestimate * perf.prefill_s(int(held) + demand.prompt_tokens))
     if ttft > demand.ttft_slo_s:
         return Verdict(False, Failure.NEW_LATE, ttft)
     length = demand.prompt_tokens + tokens / 2

@@ -28,6 +28,8 @@ class NodeView:
     memory_used_bytes: int = 0
     max_batch: int = 1
     """Requests one worker here decodes together."""
+    join_recompute_tokens: int = 0
+    """A request joins a running batch here while its rows hold at most this many tokens."""
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -41,6 +43,7 @@ class NodeView:
             memory_budget_bytes=status.memory_budget_bytes,
             memory_used_bytes=status.memory_used_bytes,
             max_batch=max(1, status.max_batch),
+            join_recompute_tokens=status.join_recompute_tokens,
         )
 
 

@@ -61,6 +61,17 @@ def test_with_batching_the_requests_ahead_finish_as_one_batch() -> None:
         1.1 * (2 * (0.8 + 0.98) + 0.2), rel=1e-3)
 
 
+def test_a_request_that_can_join_the_running_batch_waits_only_for_the_re_prefill() -> None:
+    # Two ahead holding 2 × (100 + 25) = 250 tokens: within the engine's 256, so this request
+    # joins their batch; the re-prefill covers theirs and its prompt, 350 tokens (0.7 s).
+    joins = NodeView("n", NOW, {"m": inst("m", active=2)}, max_batch=4, join_recompute_tokens=256)
+    v = validate(joins, "m", demand(), {"m": profile()})
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * 0.7, rel=1e-3)
+    # Rows holding more than the engine re-prefills: it waits for their batch as before.
+    full = NodeView("n", NOW, {"m": inst("m", active=2)}, max_batch=4, join_recompute_tokens=200)
+    assert validate(full, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(1.1 * (0.4 + 0.98 + 0.2), rel=1e-3)
+
+
 def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
     # Five instances decoding on the node: a round of 6 iterations is 0.132 s, over 0.1 s.
     busy = [inst(f"o{i}", active=1) for i in range(5)]
