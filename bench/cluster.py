@@ -74,13 +74,14 @@ MODELS = (
 )
 
 
-def arrivals(seed: int, duration_s: float) -> list[tuple[float, str]]:
-    """(seconds after the start, model) for every request of the run."""
+def arrivals(seed: int, duration_s: float, burst: int = 4, spread_s: float = 0.0) -> list[tuple[float, str]]:
+    """(seconds after the start, model) for every request of the run: `chat` in bursts of
+    `burst` requests arriving over `spread_s` (0: at once)."""
     rng = random.Random(seed)
     out: list[tuple[float, str]] = []
     t = 2.0
-    while t < duration_s:  # chat: bursts of 4
-        out += [(t, "chat")] * 4
+    while t < duration_s:  # chat: bursts
+        out += [(t + (spread_s * k / max(burst - 1, 1) if spread_s else 0.0), "chat") for k in range(burst)]
         t += rng.uniform(4.5, 7.5)
     for name, rate in (("assist", 0.25), ("batch", 0.15)):
         t = rng.expovariate(rate)
@@ -258,12 +259,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine nodes, each pinned to its own cores (sharing them past one per core)")
     ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--burst", type=int, default=4, help="chat requests per burst")
+    ap.add_argument("--burst-spread", type=float, default=0.0,
+                    help="seconds over which a burst's requests arrive (evenly; 0: at once)")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's service logs here")
     ap.add_argument("--ablate-interleave", action="store_true",
                     help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
-    plan = arrivals(args.seed, args.duration)
+    plan = arrivals(args.seed, args.duration, args.burst, args.burst_spread)
     load_before = os.getloadavg()
     started = time.perf_counter()
     runs = []
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "keep_alive_s": args.keep_alive,
         "duration_s": args.duration,
         "seed": args.seed,
+        "chat_burst": args.burst,
+        "chat_burst_spread_s": args.burst_spread,
         "tokens_per_request": TOKENS,
         "runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
         "requests": {r["policy"]: r["results"] for r in runs},
