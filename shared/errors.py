@@ -15,6 +15,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INSTANCE_NOT_LOADED: 503,
     ErrorCode.IMPORT_FAILED: 400,
     ErrorCode.TIMEOUT: 504,
+    ErrorCode.PREEMPTED: 503,
 }
 
 # OpenAI's `error.type` values: clients branch on these.

@@ -32,6 +32,9 @@ class ErrorCode(StrEnum):
     INSTANCE_NOT_LOADED = "instance_not_loaded"
     IMPORT_FAILED = "import_failed"
     TIMEOUT = "timeout"
+    PREEMPTED = "preempted"
+    """Its instance was preempted to let a bigger one grow (LLM-Mesh §7.1): the gateway
+    resumes it elsewhere."""
 
 
 class FinishReason(StrEnum):
@@ -112,6 +115,20 @@ class PlaceRequest(Message, frozen=True):
     not_on: str = ""
     """A node that just answered it has no instance of the model: the scheduler's view of it
     is stale (a scale-in or a lost worker raced this request)."""
+    avoid: str = ""
+    """A node that preempted this request's instance: place it on another, where there is one."""
+
+
+class RelocateQuery(Message, frozen=True):
+    """Engine → scheduler: could these models' requests run on another node than `node_id`
+    (LLM-Mesh §7.1: a neighbour is preempted only if its requests validate elsewhere)?"""
+
+    node_id: str
+    models: tuple[str, ...]
+
+
+class RelocateAnswer(Message, frozen=True):
+    relocatable: tuple[str, ...]
 
 
 class Placement(Message, frozen=True):

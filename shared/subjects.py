@@ -19,6 +19,12 @@ def place() -> str:
     return f"{_ROOT}.scheduler.place"
 
 
+def relocatable() -> str:
+    """Engine → scheduler: which of these instances' requests validate on another node
+    (request/reply)."""
+    return f"{_ROOT}.scheduler.relocatable"
+
+
 def cluster_status() -> str:
     """Anyone → scheduler: the scheduler's view of nodes and instances (request/reply)."""
     return f"{_ROOT}.scheduler.status"

@@ -14,6 +14,7 @@ and its reservation), Prefill (the first token of the request that caused the st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -32,6 +33,7 @@ from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
 from services.memory_manager.kv_watermark import Action, KvPlan
+from services.scheduler.defrag import Neighbour, choose_preemption
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
@@ -56,6 +58,8 @@ from shared.messages import (
     PerfReport,
     Rejected,
     Release,
+    RelocateAnswer,
+    RelocateQuery,
     Reserve,
     ReserveDone,
     ReserveResult,
@@ -127,6 +131,10 @@ KV_RESERVED = Gauge(
 KV_RESIZES = Counter(
     "tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"]
 )
+PREEMPTIONS = Counter(
+    "tessera_engine_preemptions_total",
+    "Instances preempted so that a bigger instance's KV reservation could grow (LLM-Mesh §7.1)",
+)
 KV_UNDERESTIMATES = Counter(
     "tessera_engine_kv_underestimates_total",
     "Requests that outgrew their instance's KV reservation when the node could not grow it "
@@ -178,6 +186,10 @@ class Served:
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
     active: int = 0
+    requests: set[str] = field(default_factory=set)
+    """Its requests in flight (ids)."""
+    preempted: bool = False
+    """Preempted (LLM-Mesh §7.1): its requests end as PREEMPTED, new ones go elsewhere."""
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
 
@@ -396,9 +408,11 @@ class EngineService:
         except Exception:
             log.warning("could not report memory of %s done", owner)
 
-    async def _reserve(self, owner: str, nbytes: int) -> None:
+    async def _reserve(self, owner: str, nbytes: int, preemptor: Served | None = None) -> None:
         """Reserve; if the node is full, evict idle residents at the lowest cost, then idle
-        instances (whose memory then turns into residents, evicted in turn if need be)."""
+        instances (whose memory then turns into residents, evicted in turn if need be). For
+        the KV growth of a busy instance (`preemptor`), then preempt smaller neighbours whose
+        requests validate elsewhere (LLM-Mesh §7.1). Else wait for an instance to go idle."""
         deadline = time.monotonic() + self.settings.memory_wait_s
         while True:
             self._went_idle.clear()
@@ -410,6 +424,9 @@ class EngineService:
                     result = await self._reserve_memory(owner, nbytes)
             if result.granted:
                 return
+            short = nbytes - (result.budget_bytes - result.used_bytes)
+            if preemptor is not None and await self._preempt_for(preemptor, short):
+                continue  # the preempted instances are idle now: the next pass evicts them
             # Everything that could go is busy: wait (up to a deadline) for an instance to
             # finish its requests, rather than refuse a start that will fit in a moment.
             left = deadline - time.monotonic()
@@ -453,7 +470,7 @@ class EngineService:
                 granted = target
                 break
         if granted is None and wait and required > old:
-            await self._reserve(owner, required)  # raises NO_CAPACITY once out of time
+            await self._reserve(owner, required, preemptor=inst)  # raises NO_CAPACITY once out of time
             granted = required
         if granted is None:
             return False
@@ -498,6 +515,61 @@ class EngineService:
             plan = inst.kv.complete(request_id, generated, finished)
             if plan.action is Action.SHRINK and self.instances.get(inst.model) is inst:
                 await self._kv_resize(inst, plan, plan.target_bytes, wait=False)
+
+    # --- preemption (LLM-Mesh §7.1) ------------------------------------------------------------
+
+    async def _preempt_for(self, preemptor: Served, need: int) -> bool:
+        """Preempt neighbours of `preemptor` with a smaller batch, smallest first, whose requests
+        validate on another node (the scheduler says which), until `need` bytes would be free.
+        False when no such set frees enough (nothing is preempted then)."""
+        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        neighbours = [
+            Neighbour(i.model, i.active,
+                      i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1
+                                             else 0), relocatable=False)
+            for i in self.instances.values()
+            if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
+        ]
+        if not neighbours:
+            return False
+        try:
+            answer = await self.bus.request(
+                subjects.relocatable(), RelocateQuery(node_id=self.node, models=tuple(n.key for n in neighbours)),
+                RelocateAnswer, timeout=self.settings.memory_request_timeout_s)
+        except TesseraError as e:
+            log.warning("no relocation check (%s): preempting nobody", e.message)
+            return False
+        ok = set(answer.relocatable)
+        plan = choose_preemption(preemptor.active, need,
+                                 [dataclasses.replace(n, relocatable=n.key in ok) for n in neighbours])
+        if plan is None or not plan.victims:
+            return False
+        for model in plan.victims:
+            inst = self.instances.get(model)
+            if inst is not None:
+                await self._preempt(inst, preemptor)
+        return True
+
+    async def _preempt(self, inst: Served, preemptor: Served) -> None:
+        """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
+        inst.preempted = True
+        PREEMPTIONS.inc()
+        log.info("preempting %s (batch %d) for %s (batch %d)", inst.model, inst.active, preemptor.model,
+                 preemptor.active, extra={"model": inst.model})
+        for rid in list(inst.requests):
+            entry = self._cancels.get(rid)
+            if entry is not None:
+                entry[0].flag = True
+                entry[1].worker.cancel(rid)
+        deadline = time.monotonic() + self.settings.memory_wait_s
+        while inst.active > 0 and time.monotonic() < deadline:
+            self._went_idle.clear()
+            try:
+                await asyncio.wait_for(self._went_idle.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        if inst.active == 0 and self.instances.get(inst.model) is inst:
+            await self._unload(inst)
 
     async def _evict_idle_residents(self, need: int) -> bool:
         keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
@@ -770,12 +842,13 @@ class EngineService:
         if entry is not None:
             cancelled, bound = entry
             cancelled.flag = True
+            cancelled.by_client = True
             bound.worker.cancel(req.request_id)
 
     async def on_generate(self, msg: Msg) -> None:
         req = decode(msg.data, Generate)
         inst = self.instances.get(req.model)
-        if inst is None:
+        if inst is None or inst.preempted:
             await self.bus.reply(
                 msg,
                 Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED,
@@ -784,6 +857,7 @@ class EngineService:
             return
         cancelled = Cancelled()
         self._cancels[req.request_id] = (cancelled, inst.bound)
+        inst.requests.add(req.request_id)
         inst.active += 1
         inst.last_used = time.time()
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
@@ -798,6 +872,7 @@ class EngineService:
             await self._generate(inst, req, cancelled)
         finally:
             inst.active -= 1
+            inst.requests.discard(req.request_id)
             inst.last_used = time.time()
             del self._cancels[req.request_id]
             if inst.active == 0:
@@ -841,7 +916,13 @@ class EngineService:
                     if out.first_token_at is not None:
                         TTFT.observe(out.first_token_at - received)
                         await self._maybe_record_cold_start(inst, out.first_token_at)
-            REQUESTS.labels(final.finish_reason.value).inc()
+            if (inst.preempted and isinstance(final, Finished) and final.finish_reason is FinishReason.CANCELLED
+                    and not cancelled.by_client):
+                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED,
+                               message=f"the instance of {inst.model} on {self.node} was preempted")
+                REQUESTS.labels("preempted").inc()
+            else:
+                REQUESTS.labels(final.finish_reason.value).inc()
         except WorkerDied as e:
             log.error("worker of %s died during %s", inst.model, req.request_id)
             REQUESTS.labels("error").inc()

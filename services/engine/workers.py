@@ -243,6 +243,8 @@ class Cancelled:
 
     def __init__(self) -> None:
         self.flag = False
+        self.by_client = False
+        """The client asked (not a preemption)."""
 
     def __call__(self) -> bool:
         return self.flag

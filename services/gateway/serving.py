@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
@@ -56,6 +57,12 @@ TPOT = Histogram(
     "Mean seconds per output token after the first, per request",
     buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
 )
+RESUMED = Counter(
+    "tessera_gateway_resumed_total",
+    "Requests whose instance was preempted mid-way and that went on on another node",
+)
+MAX_RESUMES = 2
+"""Preemptions one request goes on after (then its error reaches the client)."""
 PLACEMENT_WAIT = Histogram(
     "tessera_gateway_placement_seconds",
     "Seconds waiting for a placement (cold starts included)",
@@ -88,10 +95,22 @@ class Generation:
         self._sub: Subscription | None = None
         self._done = False
         self._admitted = False
+        self._prompt_tokens = 0
+        """The client's prompt's tokens (set at a resume, whose new prompt holds more)."""
+        self._text = ""
+        """Text streamed so far (a resumed request goes on from it)."""
+        self._carried = 0
+        """Tokens streamed before the last resume."""
+        self.resumes = 0
 
     async def open(self) -> None:
         self.gw.admit()
         self._admitted = True
+        await self._send()
+
+    async def _send(self, avoid: str = "") -> None:
+        """Place the request and send it to its engine (placed once more if the instance went
+        away in between); `avoid`: a node that just preempted it."""
         not_on = ""
         for attempt in range(2):
             t0 = time.perf_counter()
@@ -103,6 +122,7 @@ class Generation:
                     prompt_tokens=self.prepared.prompt_tokens,
                     max_tokens=self.prepared.params.max_tokens,
                     not_on=not_on,
+                    avoid=avoid,
                 ),
                 Placement | Rejected,
                 timeout=self.gw.settings.placement_timeout_s,
@@ -137,6 +157,26 @@ class Generation:
                 raise TesseraError(accepted.code, accepted.message, retry_after_s=1)
         raise AssertionError("unreachable")
 
+    async def _resume(self, tokens: int) -> None:
+        """Its instance was preempted (LLM-Mesh §7.1): go on on another node from where it
+        stopped, its prompt and the text so far prefilled there as the new prompt (vLLM's
+        recomputation), for the tokens it has left. The client's stream goes on."""
+        RESUMED.inc()
+        self.resumes += 1
+        preempted_on = self.node_id
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+        p = self.prepared
+        self._prompt_tokens = self._prompt_tokens or p.prompt_tokens
+        prompt = p.prompt + self._text
+        ids = await self.gw.tokenizers.encode(await self.gw.tokenizers.get(p.record.artifact), prompt)
+        left = p.params.max_tokens - (tokens - self._carried)
+        self._carried = tokens
+        self.prepared = Prepared(p.record, prompt, ids, msgspec.structs.replace(p.params, max_tokens=max(left, 1)))
+        self.request_id = uuid.uuid4().hex
+        await self._send(avoid=preempted_on)
+
     async def events(self) -> AsyncIterator[TokenChunk | Finished]:
         assert self._sub is not None
         last = time.monotonic()
@@ -159,6 +199,10 @@ class Generation:
             last = time.monotonic()
             event = decode(msg.data, StreamEvent)
             if isinstance(event, Failed):
+                if event.code == ErrorCode.PREEMPTED and self.resumes < MAX_RESUMES:
+                    await self._resume(tokens)
+                    last = time.monotonic()
+                    continue
                 self._done = True
                 raise TesseraError(event.code, event.message, retry_after_s=1)
             if isinstance(event, TokenChunk):
@@ -166,9 +210,13 @@ class Generation:
                     first_at = time.perf_counter()
                     TTFT.labels(str(self.cold).lower()).observe(first_at - self.admitted_at)
                 tokens += event.tokens
+                self._text += event.text
                 yield event
             else:
                 self._done = True
+                if self._carried:  # the whole request, not its last leg
+                    event = msgspec.structs.replace(event, completion_tokens=event.completion_tokens + self._carried,
+                                                    prompt_tokens=self._prompt_tokens)
                 if tokens < event.completion_tokens:
                     # Chunks published while the bus was reconnecting never reached us: the text
                     # has a hole. Say so rather than pass it off as the completion.

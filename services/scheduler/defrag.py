@@ -16,8 +16,11 @@ Pure: views in, a decision out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,18 @@ def choose_preemption(
         victims.append(n.key)
         freed += n.nbytes
     return Preempt(tuple(victims), freed) if freed >= need_bytes else None
+
+
+TYPICAL_PROMPT_TOKENS = 64
+"""The request a relocation check validates for a preempted instance (its own requests'
+sizes stay on its node)."""
+
+
+def relocatable(models: Iterable[str], others: Sequence[T], validates: Callable[[T, str], bool]) -> tuple[str, ...]:
+    """§7.1's condition for preempting an instance: its requests still validate on some other
+    node (`others`: the live nodes but its own; `validates`: shadow validation of one of its
+    requests there, on an instance it has or a new one)."""
+    return tuple(m for m in models if any(validates(n, m) for n in others))
 
 
 @dataclass(frozen=True)

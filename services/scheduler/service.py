@@ -11,9 +11,9 @@ import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from services.scheduler import policy
+from services.scheduler import defrag, policy
 from services.scheduler.perf_book import PerfBook
-from services.scheduler.placement import Demand
+from services.scheduler.placement import TYPICAL_COMPLETION_TOKENS, Demand, validate
 from services.scheduler.policy import AwaitStart, NodeView, StartOn, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -31,6 +31,8 @@ from shared.messages import (
     Placement,
     PlaceRequest,
     Rejected,
+    RelocateAnswer,
+    RelocateQuery,
     StartInstance,
     StopInstance,
 )
@@ -67,6 +69,7 @@ class SchedulerService:
     async def start(self) -> None:
         await self.bus.subscribe(subjects.place(), self.on_place, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.cluster_status(), self.on_status, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.relocatable(), self.on_relocatable, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.node_heartbeat(), self.on_heartbeat)
         await self.bus.subscribe(
             subjects.cold_start_recorded(), self.on_cold_start, queue=subjects.SCHEDULER_QUEUE
@@ -136,6 +139,25 @@ class SchedulerService:
         PLACEMENTS.labels(type(reply).__name__).inc()
         await self.bus.reply(msg, reply)
 
+    async def on_relocatable(self, msg: Msg) -> None:
+        """§7.1: an engine about to preempt these instances asks whether their requests
+        validate on another node (a join or a new instance there)."""
+        req = decode(msg.data, RelocateQuery)
+        now = time.time()
+        others = [n for n in policy.live_nodes(self._view(now), now, self.settings.node_timeout_s)
+                  if n.node_id != req.node_id]
+        profiles = self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens)
+
+        def validates(node: NodeView, model: str) -> bool:
+            record = self._records.get(model)
+            if record is None or model not in profiles:
+                return False
+            demand = Demand(defrag.TYPICAL_PROMPT_TOKENS, TYPICAL_COMPLETION_TOKENS, record.ttft_slo_s,
+                            record.tpot_slo_s)
+            return validate(node, model, demand, profiles).ok
+
+        await self.bus.reply(msg, RelocateAnswer(relocatable=defrag.relocatable(req.models, others, validates)))
+
     async def place(self, req: PlaceRequest) -> Placement | Rejected:
         record = await self.registry.get(req.model)
         if record is None:
@@ -143,9 +165,12 @@ class SchedulerService:
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
         self._records[record.name] = record
+        view = self._view(time.time())
+        if req.avoid and any(n.node_id != req.avoid for n in view):
+            view = [n for n in view if n.node_id != req.avoid]  # it was preempted there
         decision = policy.place(
             req.model,
-            self._view(time.time()),
+            view,
             {m: node for m, (node, _) in self._starts.items()},
             time.time(),
             node_timeout_s=self.settings.node_timeout_s,

@@ -34,3 +34,11 @@ def test_fig10c_the_lower_batch_instance_is_the_fragment() -> None:
 def test_best_fit_packs_the_node_left_with_least_free_memory() -> None:
     assert best_fit([Bin("a", 50), Bin("b", 10), Bin("c", -5)]).node_id == "b"
     assert best_fit([Bin("c", -5)]) is None
+
+
+def test_only_instances_whose_requests_validate_on_another_node_are_relocatable() -> None:
+    from services.scheduler.defrag import relocatable
+
+    room = {("n1", "a"), ("n2", "b")}  # where each model would validate
+    assert relocatable(["a", "b", "c"], ["n1", "n2"], lambda n, m: (n, m) in room) == ("a", "b")
+    assert relocatable(["a"], [], lambda n, m: True) == ()  # no other node: nothing relocates
