@@ -66,6 +66,8 @@ class StartOn:
     """No instance anywhere: cold-start one on this node."""
 
     node_id: str
+    why: str = field(default="", compare=False)
+    """For a scale-out: why no running instance took the request (the operator's log)."""
 
 
 Decision = UseNode | AwaitStart | StartOn | Rejected
@@ -128,23 +130,27 @@ def place(
     if demand is not None and model in profiles:
         # Shadow validation: join the first instance where nobody would miss an SLO...
         options: list[tuple[float, bool, Decision]] = []
+        refusals: list[str] = []
         for n in placement.join_order(live, model):
             if n.instances[model].active >= max_active_per_instance:
+                refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
                 continue
             v = placement.validate(n, model, demand, profiles)
             if v.ok:
                 return UseNode(n.node_id)
+            refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
             if v.failure is placement.Failure.NEW_LATE:
                 options.append((v.ttft_s, False, UseNode(n.node_id)))
+        why = "; ".join(refusals)
         # ... else scale out where the model can start soonest and validates ...
         for n in placement.start_order(
             [n for n in live if model not in n.instances and model not in n.starting], profiles[model]
         ):
             v = placement.validate(n, model, demand, profiles)
             if v.ok:
-                return StartOn(n.node_id)
+                return StartOn(n.node_id, why)
             if v.failure is placement.Failure.NEW_LATE:
-                options.append((v.ttft_s, True, StartOn(n.node_id)))
+                options.append((v.ttft_s, True, StartOn(n.node_id, why)))
         # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
         # a queue or a new instance (which also serves the requests after this one), as long
         # as it keeps the node's decode rounds within every TPOT SLO.

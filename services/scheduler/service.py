@@ -182,8 +182,8 @@ class SchedulerService:
         )
         if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
             SCALE_OUTS.inc()
-            log.info("scale-out of %s to %s: no running instance validates", req.model, decision.node_id,
-                     extra={"model": req.model})
+            log.info("scale-out of %s to %s: no running instance validates (%s)", req.model, decision.node_id,
+                     decision.why or "none measured", extra={"model": req.model})
         match decision:
             case UseNode(node_id):
                 self._last_placed[(node_id, req.model)] = time.time()
