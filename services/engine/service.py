@@ -190,6 +190,9 @@ class Served:
     """Its requests in flight (ids)."""
     preempted: bool = False
     """Preempted (LLM-Mesh §7.1): its requests end as PREEMPTED, new ones go elsewhere."""
+    warm_since: float = 0.0
+    """time.monotonic() of its start's first token (inf until then): requests received from
+    then on are measured for the performance model."""
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
 
@@ -633,7 +636,8 @@ class EngineService:
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
-        self.instances[record.name] = Served(record.name, bound, now, now, kv, record.ttft_slo_s, record.tpot_slo_s)
+        self.instances[record.name] = Served(record.name, bound, now, now, kv, record.ttft_slo_s, record.tpot_slo_s,
+                                             warm_since=float("inf"))
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
@@ -904,7 +908,12 @@ class EngineService:
                         TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
                     )
                 elif isinstance(out, Done):
-                    self._perf.setdefault(inst.bound.artifact.artifact_id, _Samples()).add(out)
+                    if received >= inst.warm_since:
+                        # Requests that arrived before the start's first token shared the
+                        # fresh worker's first pass and the start itself: their times are no
+                        # measure of the model (on 2/3-core nodes they made the scheduler
+                        # predict a 2 s prefill and scale out for it).
+                        self._perf.setdefault(inst.bound.artifact.artifact_id, _Samples()).add(out)
                     if self.gate is not None:
                         GATE_WAIT.observe(out.gated_s)
                     final = Finished(
@@ -941,6 +950,7 @@ class EngineService:
         pending = self._cold.pop(inst.model, None)
         if pending is None:
             return
+        inst.warm_since = first_token_at
         self.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s

@@ -72,6 +72,11 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
     # First instances spread over the nodes: victim on node-0, other on node-1, big beside victim.
     for name in ("victim", "other", "big"):
         await client.completions.create(model=name, prompt="Hello", max_tokens=2)
+    # Measured once warm (the first request's times go with its start): the scheduler then
+    # knows where the victim's requests would validate.
+    await client.completions.create(model="victim", prompt="Hello there", max_tokens=4)
+    wait_for(lambda: metric(c, "scheduler", "tessera_scheduler_profiled_models") >= 1, 10,
+             "the scheduler to have the victim's measurements")
     placed = wait_for(lambda: m if {"victim", "big"} <= (m := node_models(c)).get("node-0", set()) else None,
                       10, "victim and big on node-0")
     assert "other" in placed["node-1"]
