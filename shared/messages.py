@@ -240,9 +240,9 @@ class NodeStatus(Message, frozen=True):
     """Artifacts whose weights stay loaded here with no instance (Tangram: reusable)."""
     perf: tuple[PerfReport, ...] = ()
     max_batch: int = 1
+    """Requests one worker here decodes together (queued ones join the next batch)."""
     join_recompute_tokens: int = 0
     """A request may join a running batch while its rows hold at most this many tokens (0: never)."""
-    """Requests one worker here decodes together (queued ones join the next batch)."""
 
 
 class ClusterStatusQuery(Message, frozen=True):

@@ -32,7 +32,7 @@ from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
-from services.memory_manager.kv_watermark import Action, KvPlan
+from services.memory_manager.kv_watermark import Action, KvPlan, floor_tokens
 from services.scheduler.defrag import Neighbour, choose_preemption
 from shared import subjects
 from shared.bus import Bus, decode
@@ -448,8 +448,7 @@ class EngineService:
     # --- KV reservations (LLM-Mesh §6.2, §6.4) -------------------------------------------------
 
     def _kv_account(self, artifact: Artifact) -> KvAccount:
-        ctx = artifact.context_length
-        floor = min(self.settings.kv_min_tokens, ctx) if self.settings.kv_min_tokens > 0 else ctx
+        floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
         return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
 
     def _available(self) -> int:
@@ -560,10 +559,7 @@ class EngineService:
         log.info("preempting %s (batch %d) for %s (batch %d)", inst.model, inst.active, preemptor.model,
                  preemptor.active, extra={"model": inst.model})
         for rid in list(inst.requests):
-            entry = self._cancels.get(rid)
-            if entry is not None:
-                entry[0].flag = True
-                entry[1].worker.cancel(rid)
+            self._cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
         while inst.active > 0 and time.monotonic() < deadline:
             self._went_idle.clear()
@@ -841,13 +837,16 @@ class EngineService:
     # --- generation --------------------------------------------------------------------------
 
     async def on_cancel(self, msg: Msg) -> None:
-        req = decode(msg.data, Cancel)
-        entry = self._cancels.get(req.request_id)
+        self._cancel(decode(msg.data, Cancel).request_id, by_client=True)
+
+    def _cancel(self, request_id: str, by_client: bool) -> None:
+        """Stop a request, queued or running, on its worker."""
+        entry = self._cancels.get(request_id)
         if entry is not None:
             cancelled, bound = entry
             cancelled.flag = True
-            cancelled.by_client = True
-            bound.worker.cancel(req.request_id)
+            cancelled.by_client = cancelled.by_client or by_client
+            bound.worker.cancel(request_id)
 
     async def on_generate(self, msg: Msg) -> None:
         req = decode(msg.data, Generate)

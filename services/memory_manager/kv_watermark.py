@@ -26,6 +26,12 @@ DEFAULT_WATERMARK = 0.2
 """w: 20% headroom over the requirement; LLM-Mesh leaves w a hyper-parameter."""
 
 
+def floor_tokens(min_tokens: int, context_length: int) -> int:
+    """L_min for a model: the setting (`TESSERA_KV_MIN_TOKENS`) within its context; 0 means the
+    context itself, as the paper sets it."""
+    return min(min_tokens, context_length) if min_tokens > 0 else context_length
+
+
 def required_bytes(
     per_token_bytes: int,
     requests: Iterable[tuple[int, int] | tuple[int, int, int]],

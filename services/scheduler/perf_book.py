@@ -14,6 +14,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
+from services.memory_manager.kv_watermark import floor_tokens
 from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
 from services.scheduler.placement import Profile
 from shared.messages import ModelRecord, PerfReport
@@ -78,8 +79,7 @@ class PerfBook:
             if perf is not None:
                 out[r.name] = Profile(
                     perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
-                    r.artifact.kv_bytes_per_token * (min(kv_min_tokens, r.artifact.context_length)
-                                                     if kv_min_tokens > 0 else r.artifact.context_length),
+                    r.artifact.kv_bytes_per_token * floor_tokens(kv_min_tokens, r.artifact.context_length),
                     self.start_s(r.artifact.artifact_id),
                 )
         return out

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge
 
 from services.scheduler import defrag, policy
 from services.scheduler.perf_book import PerfBook
-from services.scheduler.placement import TYPICAL_COMPLETION_TOKENS, Demand, validate
+from services.scheduler.placement import TYPICAL_COMPLETION_TOKENS, Demand, Profile, validate
 from services.scheduler.policy import AwaitStart, NodeView, StartOn, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -87,7 +87,7 @@ class SchedulerService:
         for report in status.perf:
             self.perf.report(status.node_id, status.kind, report)
         if status.perf:
-            PROFILED.set(len(self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens)))
+            PROFILED.set(len(self._profiles()))
         if status.sent_at < self._changed_at.get(status.node_id, 0.0):
             return
         self.nodes[status.node_id] = NodeView.from_status(status)
@@ -139,6 +139,9 @@ class SchedulerService:
         PLACEMENTS.labels(type(reply).__name__).inc()
         await self.bus.reply(msg, reply)
 
+    def _profiles(self) -> dict[str, Profile]:
+        return self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens)
+
     async def on_relocatable(self, msg: Msg) -> None:
         """§7.1: an engine about to preempt these instances asks whether their requests
         validate on another node (a join or a new instance there)."""
@@ -146,7 +149,7 @@ class SchedulerService:
         now = time.time()
         others = [n for n in policy.live_nodes(self._view(now), now, self.settings.node_timeout_s)
                   if n.node_id != req.node_id]
-        profiles = self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens)
+        profiles = self._profiles()
 
         def validates(node: NodeView, model: str) -> bool:
             record = self._records.get(model)
@@ -176,7 +179,7 @@ class SchedulerService:
             node_timeout_s=self.settings.node_timeout_s,
             max_active_per_instance=self.settings.max_active_per_instance,
             demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
-            profiles=self.perf.profiles(self._records.values(), kv_min_tokens=self.settings.kv_min_tokens),
+            profiles=self._profiles(),
             exclusive=self.settings.placement == "exclusive",
             reject_over_slo=self.settings.reject_over_slo,
         )

@@ -48,3 +48,11 @@ def test_fig8_resize_times_at_34_gb_per_s() -> None:
 
 def test_on_underestimate_the_request_with_longest_headroom_is_evicted() -> None:
     assert victim_on_underestimate([("a", 0.2), ("b", 3.0), ("c", 1.0)]) == "b"
+
+
+def test_l_min_is_the_setting_within_the_context_and_zero_means_the_context() -> None:
+    from services.memory_manager.kv_watermark import floor_tokens
+
+    assert floor_tokens(0, 8192) == 8192
+    assert floor_tokens(1024, 8192) == 1024
+    assert floor_tokens(10_000, 8192) == 8192
