@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 By = pytest.importorskip("selenium.webdriver.common.by").By
+StaleElementReferenceException = pytest.importorskip("selenium.common.exceptions").StaleElementReferenceException
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "status_page.png"
 PHASE_NAMES = {"init", "load", "profile", "prefill", "other"}
@@ -84,9 +85,15 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     # The page is open; its data is not.
     assert httpx.get(f"{cluster.base_url}/ui/api/summary", timeout=10).status_code == 401
 
-    def visible(css: str) -> Any:
-        found = driver.find_elements(By.CSS_SELECTOR, css)
-        return found[0] if found and found[0].is_displayed() else None
+    def visible(css: str, read: Callable[[Any], Any] = lambda e: e) -> Any:
+        """`read` of the first element matching `css` once it is shown, else None. The page
+        re-renders as its data refreshes, so an element found may be gone by the time it is
+        read: then None too, and the caller's wait looks again."""
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return read(found[0]) if found and found[0].is_displayed() else None
+        except StaleElementReferenceException:
+            return None
 
     driver.get(f"{cluster.base_url}/ui")
     key_input = wait_for(lambda: visible("#key-input"), PAGE_TIMEOUT_S, "the page to ask for the admin key")
@@ -94,36 +101,42 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     key_input.send_keys(cluster.admin_key)
     driver.find_element(By.CSS_SELECTOR, "#key-form button[type=submit]").click()
 
-    row = wait_for(lambda: visible(f'#models tr[data-model="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
-                   "the model in the models table")
+    row_text = wait_for(lambda: visible(f'#models tr[data-model="{DEFAULT_MODEL_NAME}"]', lambda e: e.text),
+                        PAGE_TIMEOUT_S, "the model in the models table")
     assert driver.find_element(By.ID, "state").get_attribute("data-state") == "ok"
-    assert "running on node-0" in row.text
+    assert "running on node-0" in row_text
 
-    inst = wait_for(lambda: visible(f'#nodes tr[data-instance="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
-                    "the instance in its node's table")
-    assert inst.find_element(By.CSS_SELECTOR, ".pid").text == str(instance["worker_pid"])
-    # The worker may tier up between the two reads; it stays the same process.
-    assert inst.find_element(By.CSS_SELECTOR, ".tier").text in ("start", "steady")
+    pid, tier = wait_for(lambda: visible(
+        f'#nodes tr[data-instance="{DEFAULT_MODEL_NAME}"]',
+        lambda e: (e.find_element(By.CSS_SELECTOR, ".pid").text, e.find_element(By.CSS_SELECTOR, ".tier").text)),
+        PAGE_TIMEOUT_S, "the instance in its node's table")
+    assert pid == str(instance["worker_pid"])
+    # The worker may tier up meanwhile; it stays the same process.
+    assert tier in ("start", "steady")
     # The node's host cache and what it holds (the first start fills it behind itself).
-    cache = wait_for(lambda: (e := visible('#nodes [data-cache-node="node-0"]')) and "(start," in e.text and e,
-                     PAGE_TIMEOUT_S, "the host cache contents on the page")
-    assert "host cache" in cache.text
+    cache_text = wait_for(lambda: visible('#nodes [data-cache-node="node-0"]',
+                                          lambda e: e.text if "(start," in e.text else None),
+                          PAGE_TIMEOUT_S, "the host cache contents on the page")
+    assert "host cache" in cache_text
 
-    bar = wait_for(lambda: visible(f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]'), PAGE_TIMEOUT_S,
-                   "a cold-start bar")
-    assert bar.get_attribute("data-source") == start["source"]
-    rects = bar.find_elements(By.CSS_SELECTOR, "rect")
-    shown = {r.get_attribute("data-phase"): float(r.get_attribute("data-seconds")) for r in rects}
+    source, phases = wait_for(lambda: visible(
+        f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]',
+        lambda e: (e.get_attribute("data-source"),
+                   [(r.get_attribute("data-phase"), r.get_attribute("data-seconds"), r.get_attribute("height"))
+                    for r in e.find_elements(By.CSS_SELECTOR, "rect")])),
+        PAGE_TIMEOUT_S, "a cold-start bar")
+    assert source == start["source"]
+    shown = {phase: float(seconds) for phase, seconds, _ in phases}
     assert {"load", "prefill"} <= set(shown) <= PHASE_NAMES, shown
     assert shown["load"] == pytest.approx(start["phases"]["load_s"])
     # The stack is the whole start: the four phases and what the record's total holds beyond them.
     assert sum(shown.values()) == pytest.approx(start["total_s"], rel=1e-6)
-    heights = [float(r.get_attribute("height")) for r in rects]
+    heights = [float(h) for _, _, h in phases]
     assert all(h > 0 for h in heights)
 
     # Live: a request made while the page is open shows up as a TTFT point.
     chat(cluster)
-    wait_for(lambda: int(driver.find_element(By.ID, "ttft-chart").get_attribute("data-points") or 0) >= 1,
+    wait_for(lambda: int(visible("#ttft-chart", lambda e: e.get_attribute("data-points")) or 0) >= 1,
              PAGE_TIMEOUT_S, "a TTFT point for the request made while the page is open")
     assert driver.find_elements(By.CSS_SELECTOR, '#ttft-chart circle[data-quantile="p99"]')
 
