@@ -10,14 +10,15 @@ copies with bytes appended: stand-ins for fine-tunes):
 
 | model | TTFT SLO | TPOT SLO | load |
 |---|---|---|---|
-| `chat` | 1.5 s | 0.25 s | bursts: every 6 s (±), 4 requests at once |
+| `chat` | 1.5 s | 0.25 s | bursts: every 6 s (±1.5), 6 requests over 0.5 s |
 | `assist` | 3.0 s | 0.25 s | Poisson, 0.25 req/s |
 | `batch` | 8.0 s | 0.5 s | Poisson, 0.15 req/s |
 
 Every request streams 32 tokens (`ignore_eos`). A request meets its SLO when it completes, its
 first content arrives within the TTFT SLO of its send (retries after a 429/503 included), and
-its mean time per output token is within the TPOT SLO. One warm-up request per model precedes
-the load (not counted; the models start and the engines report their first measurements).
+its mean time per output token is within the TPOT SLO. Two rounds of warm-up requests, one per
+model each, precede the load (not counted): the models start, then serve a request the engines
+measure (the start's own request is no measure), so placement has a performance model.
 The arrival times come from `--seed`, the same for both policies.
 
 Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance has a node to
@@ -204,6 +205,7 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
         cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, node_env=per_node, env={
             "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
             "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1", **extra,
+            **({"TESSERA_LOG_LEVEL": "DEBUG"} if keep_logs is not None else {}),
         })
         try:
             t = time.perf_counter()
@@ -214,7 +216,9 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
                     "name": m.name, "source": str(sources[m.name]), "keep_alive_s": keep_alive_s,
                     "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s})
                 r.raise_for_status()
-            warm = asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))
+            # Warm-up: each model starts (its request measures nothing: it shared the start),
+            # then serves one request the engine measures, so placement has a performance model.
+            warm = [w for _ in range(2) for w in asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))]
             log(f"{policy}: warm-up {[(w['model'], w['ok']) for w in warm]}")
             t = time.perf_counter()
             results = asyncio.run(drive(cluster.base_url, plan))
@@ -277,12 +281,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine nodes, each pinned to its own cores (sharing them past one per core)")
     ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--burst", type=int, default=4, help="chat requests per burst")
-    ap.add_argument("--burst-spread", type=float, default=0.0,
+    ap.add_argument("--burst", type=int, default=6, help="chat requests per burst")
+    ap.add_argument("--burst-spread", type=float, default=0.5,
                     help="seconds over which a burst's requests arrive (evenly; 0: at once)")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's service logs here")
     ap.add_argument("--ablate-interleave", action="store_true",
                     help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)")
+    ap.add_argument("--only", choices=sorted(VARIANTS), action="append", default=None,
+                    help="run only this variant (repeatable): writes <out>/cluster-only.json, no comparison")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     plan = arrivals(args.seed, args.duration, args.burst, args.burst_spread)
@@ -306,9 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         prepare_store(store, sources, args.keep_alive)
         log(f"models converted into the shared store in {time.perf_counter() - t:.1f}s")
-        variants = ["tessera", "exclusive"] + (["tessera-no-interleave"] if args.ablate_interleave else [])
+        variants = args.only or ["tessera", "exclusive"] + (["tessera-no-interleave"] if args.ablate_interleave else [])
         for variant in variants:
             runs.append(run_policy(variant, args.nodes, store, sources, plan, args.keep_alive, args.keep_logs))
+    if args.only:  # no comparison: the runs and their requests, for a look
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cluster-only.json").write_text(json.dumps(runs, indent=2) + "\n")
+        print(json.dumps({r["policy"]: r["summary"]["all"] for r in runs}, indent=2))
+        return 0
     result = {
         "slo_attainment_tessera": runs[0]["summary"]["all"]["slo_attainment"],
         "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],

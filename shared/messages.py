@@ -212,6 +212,11 @@ class InstanceView(Message, frozen=True):
     """The worker process serving it (operators: where its memory and CPU time are)."""
     tier: str = ""
     """The compiled tier its worker serves (`Tier`): START right after a start, then STEADY."""
+    running: int = 0
+    """Of `active`, the requests in its worker's running batch (the rest are queued)."""
+    held_tokens: int = 0
+    """Context tokens the running batch's rows of these requests hold: what a request joining
+    the batch re-prefills with its own prompt (placement predicts joins with it)."""
 
 
 class PerfReport(Message, frozen=True):
@@ -243,6 +248,8 @@ class NodeStatus(Message, frozen=True):
     """Requests one worker here decodes together (queued ones join the next batch)."""
     join_recompute_tokens: int = 0
     """A request may join a running batch while its rows hold at most this many tokens (0: never)."""
+    prewarmed: int = 0
+    """Idle worker processes ready to load a model: a start here need not spawn one."""
 
 
 class ClusterStatusQuery(Message, frozen=True):

@@ -195,6 +195,8 @@ class Served:
     then on are measured for the performance model."""
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
+    held: dict[str, int] = field(default_factory=dict)
+    """Requests in the worker's running batch: the context tokens each row holds."""
 
 
 @dataclass
@@ -293,6 +295,8 @@ class EngineService:
                     weight_bytes=i.bound.artifact.weight_bytes,
                     worker_pid=i.bound.worker.pid,
                     tier=i.bound.worker.tier or "",
+                    running=len(i.held),
+                    held_tokens=sum(i.held.values()),
                 )
                 for i in self.instances.values()
             ),
@@ -307,6 +311,7 @@ class EngineService:
             ),
             max_batch=self.settings.max_batch,
             join_recompute_tokens=self.settings.join_recompute_tokens,
+            prewarmed=len(self.workers.idle),
         )
 
     def _update_gauges(self) -> None:
@@ -876,6 +881,7 @@ class EngineService:
         finally:
             inst.active -= 1
             inst.requests.discard(req.request_id)
+            inst.held.pop(req.request_id, None)
             inst.last_used = time.time()
             del self._cancels[req.request_id]
             if inst.active == 0:
@@ -896,11 +902,14 @@ class EngineService:
             def started(batch: int) -> None:
                 QUEUE_WAIT.observe(time.monotonic() - received)
                 BATCHED_REQUESTS.labels(str(batch)).inc()
+                inst.held[req.request_id] = req.prompt_tokens
 
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
                     DECODED_TOKENS.inc(out.tokens)
                     generated += out.tokens
+                    if req.request_id in inst.held:
+                        inst.held[req.request_id] = req.prompt_tokens + generated
                     await self._kv_progress(inst, req.request_id, generated)
                     await self.bus.publish(
                         req.stream_subject,

@@ -19,6 +19,9 @@ from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
 from services.scheduler.placement import Profile
 from shared.messages import ModelRecord, PerfReport
 
+SPAWNED_S = 0.5
+"""A start that waited at least this long for its worker had none prewarmed: it spawned one."""
+
 
 def _bucket(length: float) -> int:
     return 1 << max(0, round(math.log2(max(length, 1.0))))
@@ -30,10 +33,20 @@ class PerfBook:
         """(artifact, node kind) → node → its latest report."""
         self._models: dict[tuple[str, str], PerfModel | None] = {}
         self._starts: dict[str, deque[float]] = {}
-        """Artifact → seconds of its recent starts that loaded weights (not resident)."""
+        """Artifact → seconds its recent starts that loaded weights (not resident) took to
+        load them into a worker."""
+        self._spawns: deque[float] = deque(maxlen=16)
+        """Seconds recent starts waited for a worker process (none was prewarmed)."""
 
-    def start(self, artifact_id: str, seconds: float) -> None:
-        self._starts.setdefault(artifact_id, deque(maxlen=16)).append(seconds)
+    def start(self, artifact_id: str, load_s: float, spawn_s: float = 0.0) -> None:
+        """A start that loaded weights: `load_s` loading them, after `spawn_s` waiting for a
+        worker process (about 0 where one was prewarmed)."""
+        self._starts.setdefault(artifact_id, deque(maxlen=16)).append(load_s)
+        if spawn_s >= SPAWNED_S:
+            self._spawns.append(spawn_s)
+
+    def spawn_s(self) -> float:
+        return statistics.median(self._spawns) if self._spawns else 0.0
 
     def start_s(self, artifact_id: str, default: float = 1.0) -> float:
         starts = self._starts.get(artifact_id)
@@ -80,7 +93,7 @@ class PerfBook:
                 out[r.name] = Profile(
                     perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
                     r.artifact.kv_bytes_per_token * floor_tokens(kv_min_tokens, r.artifact.context_length),
-                    self.start_s(r.artifact.artifact_id),
+                    self.start_s(r.artifact.artifact_id), self.spawn_s(),
                 )
         return out
 

@@ -7,8 +7,11 @@ the instances of a node take turns on its cores, one iteration at a time, the le
 first (the engine's gate, `services/engine/step_gate.py`). So, for a request joining an
 instance:
 
-1. it waits for the batches ahead of it on that instance to finish, then prefills with the
-   batch it joins: that must fit in its TTFT SLO (LLM-Mesh's case 1, "the new request misses");
+1. its first token must come within its TTFT SLO: it joins the running batch (the engine
+   re-prefills the batch's rows with the newcomers while they hold few enough tokens), or
+   waits for that batch and the queued ones to end (`first_token_wait_s`; engines report
+   each instance's running rows and the tokens they hold). LLM-Mesh's case 1, "the new
+   request misses";
 2. while it decodes, every instance decoding on the node takes one iteration (of its batch)
    per round on shared cores: the round must fit in the tightest TPOT SLO among them (case 3,
    "a decode round exceeds the TPOT"; it is also what protects the requests already there,
@@ -19,7 +22,9 @@ performance model per model fitted from the engine's measurements (§5.2, `perf_
 Candidates are tried CPU nodes first, then the busiest instance first (§7.2: bin-packing
 lets small instances drain, and scale-in can take them). When none validates, a scale-out
 goes to the node that can start the model soonest: the one that still holds its weights
-(Tangram's reusable tensors), else the one with the most room.
+(Tangram's reusable tensors), else the one with the most room. When the start itself would
+make the request late, the request takes the soonest first token it can get and the new
+instance starts anyway for the requests after it (`policy.py`).
 
 Pure: the cluster view, the model profiles and a demand in; a decision out.
 """
@@ -66,7 +71,9 @@ class Profile:
     weight_bytes: int = 0
     kv_bytes: int = 0
     start_s: float = 1.0
-    """Expected seconds for a start that must load the weights (measured starts' median)."""
+    """Expected seconds for a start to load the weights into a worker (measured starts' median)."""
+    spawn_s: float = 0.0
+    """Expected seconds more where the node has no prewarmed worker to load them into."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +100,15 @@ def validate(
     demand: Demand,
     profiles: Mapping[str, Profile],
     overestimate: float = OVERESTIMATE,
+    *,
+    start_elapsed_s: float = 0.0,
+    start_waiting: int = 0,
 ) -> Verdict:
     """Whether a request for `model` may join its instance on `node` (or a new instance there,
-    if it has none) without anyone on the node missing an SLO."""
+    if it has none) without anyone on the node missing an SLO.
+
+    For an instance whose start is under way there: `start_elapsed_s` since it began, with
+    `start_waiting` requests already waiting for it."""
     own = profiles.get(model)
     if own is None:
         return Verdict(False)  # never measured: nothing to validate with
@@ -103,27 +116,23 @@ def validate(
     tokens = _tokens(demand.max_tokens)
     inst = node.instances.get(model)
     # Names on one artifact share a worker: every request on that worker is ahead, whichever
-    # name it came for. Taken as running or queued in full batches ahead of this one (the
-    # request may find the worker idle, or join a batch that is still forming: this errs long).
-    ahead = 0
-    if inst is not None:
-        ahead = inst.active if not inst.worker_pid else sum(
-            v.active for v in node.instances.values() if v.worker_pid == inst.worker_pid)
+    # name it came for.
+    if inst is None:
+        ahead, running, held = start_waiting, 0, 0
+        # A new instance must start first: quickly where its weights are resident, else a load.
+        full = (RESIDENT_START_S if own.artifact_id in node.resident
+                else own.start_s + (0.0 if node.prewarmed else own.spawn_s))
+        ready_in = max(0.0, full - start_elapsed_s)
+    else:
+        mates = [v for v in node.instances.values() if v.worker_pid == inst.worker_pid] if inst.worker_pid else [inst]
+        ahead = sum(v.active for v in mates)
+        running = min(ahead, sum(v.running for v in mates))
+        held = sum(v.held_tokens for v in mates)
+        ready_in = 0.0
+    ttft = overestimate * (ready_in + first_token_wait_s(
+        perf, demand.prompt_tokens, tokens, running, held, ahead - running,
+        max(1, node.max_batch), node.join_recompute_tokens))
     width = max(1, node.max_batch)
-    batches_ahead = -(-ahead // width)
-    batch_ahead = min(ahead, width)
-    # A new instance must start first: quickly where its weights are resident, else a load.
-    ready_in = 0.0 if inst is not None else (RESIDENT_START_S if own.artifact_id in node.resident else own.start_s)
-    ttft = overestimate * (ready_in + batches_ahead * service_s(perf, demand.prompt_tokens, tokens, batch_ahead)
-                           + perf.prefill_s(demand.prompt_tokens))
-    # The engine lets a request join the running batch (re-prefilling its rows with it) while
-    # the rows hold few enough tokens: then it waits for no batch, only that prefill. The rows
-    # are taken as this request's size, halfway through their output (errs long for a burst).
-    held = ahead * (demand.prompt_tokens + tokens / 2)
-    if 0 < ahead < width and held <= node.join_recompute_tokens:
-        ttft = min(ttft, overestimate * perf.prefill_s(int(held) + demand.prompt_tokens))
-    if ttft > demand.ttft_slo_s:
-        return Verdict(False, Failure.NEW_LATE, ttft)
     length = demand.prompt_tokens + tokens / 2
     round_s = perf.decode_s(min(ahead + 1, width), length)
     tightest = demand.tpot_slo_s
@@ -143,9 +152,41 @@ def validate(
             v.active for v in node.instances.values() if v.worker_pid == view.worker_pid)
         round_s += p.perf.decode_s(min(busy, width), length)
     round_s *= overestimate
+    # A round too long hurts everyone on the node: it rules the node out, a late first token
+    # only this request (the fallback may still queue it there).
     if round_s > tightest:
         return Verdict(False, Failure.ROUND_TOO_LONG, ttft, round_s)
+    if ttft > demand.ttft_slo_s:
+        return Verdict(False, Failure.NEW_LATE, ttft, round_s)
     return Verdict(True, None, ttft, round_s)
+
+
+def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, held: int, queued: int,
+                       width: int, join_tokens: int) -> float:
+    """Seconds from a request reaching a worker to its first token, as the engine batches
+    (`services/engine/worker.py`): `running` rows holding `held` context tokens decode, and
+    `queued` requests (each taken as this one's size) wait.
+
+    Requests join the running batch by re-prefilling its rows with theirs, while the rows hold
+    at most `join_tokens` (0: the engine never joins) and the batch has room; a join waits for
+    the current iteration to end and one more while requests are still arriving. Queued
+    requests that can join are taken to join first, and this one after them, in a re-prefill
+    of its own (a burst reaches the worker over several iterations: measured on a 2/3-core
+    node, the fifth and sixth requests of a burst of six joined 1.4 s after the second to
+    fourth). Otherwise it waits for the running batch to end (its rows taken as this request,
+    as far along as what they hold says) and for the queued ones' batches."""
+    if join_tokens > 0 and held <= join_tokens and running + queued < width and (running or queued):
+        rows, holding = running + queued, held + queued * prompt
+        pending = perf.prefill_s(holding) if queued else 0.0
+        if holding <= join_tokens:
+            return 2 * perf.decode_s(rows, prompt) + pending + perf.prefill_s(holding + prompt)
+        running, held, queued = rows, holding, 0  # they join; this one waits for the batch
+    left = 0.0
+    if running:
+        done = max(0.0, held / running - prompt)  # tokens its rows have generated, on average
+        left = max(tokens - done, 1.0) * perf.decode_s(running, prompt + done)
+    batches = -(-queued // width)
+    return left + batches * service_s(perf, prompt, tokens, min(queued, width)) + perf.prefill_s(prompt)
 
 
 def kind_rank(kind: str) -> int:
@@ -159,14 +200,21 @@ def join_order(nodes: Iterable[NodeView], model: str) -> list[NodeView]:
     return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, n.node_id))
 
 
-def start_order(nodes: Iterable[NodeView], profile: Profile | None) -> list[NodeView]:
+def start_order(nodes: Iterable[NodeView], profile: Profile | None,
+                neighbours: Mapping[str, Profile] | None = None) -> list[NodeView]:
     """Nodes that could start the model, best first: CPU first, then the soonest start (its
     weights still resident there: Tangram's affinity), then the fewest instances (they share
-    the node's cores), then the tightest fit. A node whose memory is known to be too small is
-    left out."""
+    the node's cores), then the neighbours with the laxest TTFT SLO (the new instance takes
+    turns with them, and the tighter its headroom the sooner it goes: LLM-Mesh §5.1), then the
+    tightest fit. A node whose memory is known to be too small is left out."""
     nodes = list(nodes)
     if profile is None:
         return sorted(nodes, key=lambda n: (kind_rank(n.kind), len(n.instances) + len(n.starting), n.node_id))
+    neighbours = neighbours or {}
+
+    def tightest_neighbour(n: NodeView) -> float:
+        return min((neighbours[m].ttft_slo_s for m in n.instances if m in neighbours), default=float("inf"))
+
     offers = []
     for n in nodes:
         free = n.memory_budget_bytes - n.memory_used_bytes if n.memory_budget_bytes else 1 << 62
@@ -177,4 +225,4 @@ def start_order(nodes: Iterable[NodeView], profile: Profile | None) -> list[Node
     feasible = [n for n in nodes if n.node_id in fits]
     return sorted(feasible, key=lambda n: (
         kind_rank(n.kind), round(fits[n.node_id].load_s, 3), -by_id[n.node_id].reusable_bytes,
-        len(n.instances) + len(n.starting), by_id[n.node_id].free_bytes, n.node_id))
+        len(n.instances) + len(n.starting), -tightest_neighbour(n), by_id[n.node_id].free_bytes, n.node_id))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from services.scheduler import placement
 from services.scheduler.placement import Demand, Profile
-from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected
+from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class NodeView:
     """Requests one worker here decodes together."""
     join_recompute_tokens: int = 0
     """A request joins a running batch here while its rows hold at most this many tokens."""
+    prewarmed: int = 0
+    """Idle worker processes here: a start loads into one rather than spawn one."""
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -44,6 +46,7 @@ class NodeView:
             memory_used_bytes=status.memory_used_bytes,
             max_batch=max(1, status.max_batch),
             join_recompute_tokens=status.join_recompute_tokens,
+            prewarmed=status.prewarmed,
         )
 
 
@@ -52,6 +55,20 @@ class UseNode:
     """An instance of the model runs there: send the request to it."""
 
     node_id: str
+    scale_out_to: str | None = None
+    """Also start another instance there, not waiting for it: no running instance validates
+    this request, a start would not serve it sooner, and the next ones need the room."""
+    why: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class StartUnderWay:
+    """A start of a model this scheduler ordered and is waiting for."""
+
+    node_id: str
+    since: float = 0.0
+    waiting: int = 0
+    """Requests waiting for it."""
 
 
 @dataclass(frozen=True)
@@ -84,14 +101,14 @@ def live_nodes(nodes: Iterable[NodeView], now: float, node_timeout_s: float) -> 
     return [n for n in nodes if now - n.seen_at <= node_timeout_s]
 
 
-def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, str]) -> list[NodeView]:
+def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, StartUnderWay]) -> list[NodeView]:
     """The views with the starts this scheduler has ordered and no heartbeat shows yet: a
     burst of first requests for several models is placed within milliseconds, and would all
     land on the node that looked emptiest (measured: three starts at once on one 2/3-core
     node took 11 s each)."""
     by_node: dict[str, set[str]] = {}
-    for m, node_id in starts_in_flight.items():
-        by_node.setdefault(node_id, set()).add(m)
+    for m, start in starts_in_flight.items():
+        by_node.setdefault(start.node_id, set()).add(m)
     return [replace(n, starting=n.starting | (by_node[n.node_id] - set(n.instances)))
             if by_node.get(n.node_id, set()) - n.starting - set(n.instances) else n for n in nodes]
 
@@ -99,7 +116,7 @@ def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, str]) -> 
 def place(
     model: str,
     nodes: Iterable[NodeView],
-    starts_in_flight: Mapping[str, str],
+    starts_in_flight: Mapping[str, StartUnderWay],
     now: float,
     *,
     node_timeout_s: float,
@@ -109,7 +126,8 @@ def place(
     exclusive: bool = False,
     reject_over_slo: float | None = None,
 ) -> Decision:
-    """Where a request for `model` goes. `starts_in_flight` maps model → node starting it.
+    """Where a request for `model` goes. `starts_in_flight`: the starts under way, by model
+    (one per model at a time).
 
     `reject_over_slo`: refuse (429, Retry-After) a request whose predicted first token is more
     than this many TTFT SLOs away, rather than queue it (None: always queue).
@@ -118,54 +136,101 @@ def place(
     has its node to itself, requests queue on the model's one instance, and a model with no
     instance starts only on a node running nothing."""
     live = _with_starts(live_nodes(nodes, now, node_timeout_s), starts_in_flight)
-    if model in starts_in_flight:
-        return AwaitStart(starts_in_flight[model])
+    start = starts_in_flight.get(model)
+    profiles = profiles or {}
+    measured = demand is not None and model in profiles
+    if start is not None and not (measured and any(model in n.instances for n in live)):
+        return AwaitStart(start.node_id)  # a first start: nothing else serves the model yet
     if not live:
         return Rejected(
             code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0
         )
-    profiles = profiles or {}
     if exclusive:
-        return _place_exclusive(model, live, max_active_per_instance, set(starts_in_flight.values()))
+        return _place_exclusive(model, live, max_active_per_instance,
+                                {s.node_id for s in starts_in_flight.values()})
     if demand is not None and model in profiles:
-        # Shadow validation: join the first instance where nobody would miss an SLO...
-        options: list[tuple[float, bool, Decision]] = []
-        refusals: list[str] = []
-        for n in placement.join_order(live, model):
-            if n.instances[model].active >= max_active_per_instance:
-                refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
-                continue
-            v = placement.validate(n, model, demand, profiles)
+        return _place_validated(model, live, start, now, max_active_per_instance, demand, profiles,
+                                reject_over_slo)
+    return _fallback(model, live, max_active_per_instance, profiles.get(model))
+
+
+def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | None, now: float,
+                     max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile],
+                     reject_over_slo: float | None) -> Decision:
+    # Shadow validation: join the first instance where nobody would miss an SLO...
+    options: list[tuple[float, bool, Decision]] = []
+    refusals: list[str] = []
+    for n in placement.join_order(live, model):
+        if n.instances[model].active >= max_active_per_instance:
+            refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
+            continue
+        v = placement.validate(n, model, demand, profiles)
+        if v.ok:
+            return UseNode(n.node_id)
+        refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
+        if v.failure is placement.Failure.NEW_LATE:
+            options.append((v.ttft_s, False, UseNode(n.node_id)))
+    why = "; ".join(refusals)
+    spare: NodeView | None = None
+    if start is not None:
+        # ... else the start under way (one per model at a time), if it serves it in time ...
+        at = next((n for n in live if n.node_id == start.node_id), None)
+        if at is not None:
+            v = placement.validate(at, model, demand, profiles, start_elapsed_s=now - start.since,
+                                   start_waiting=start.waiting)
             if v.ok:
-                return UseNode(n.node_id)
-            refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
+                return AwaitStart(start.node_id)
             if v.failure is placement.Failure.NEW_LATE:
-                options.append((v.ttft_s, False, UseNode(n.node_id)))
-        why = "; ".join(refusals)
-        # ... else scale out where the model can start soonest and validates ...
+                options.append((v.ttft_s, True, AwaitStart(start.node_id)))
+    elif not _scale_out_warming(model, live):
+        # ... else scale out where the model can start soonest and validates: this request
+        # waits for the start if that is its soonest first token, else the new instance starts
+        # for the requests after it.
         for n in placement.start_order(
-            [n for n in live if model not in n.instances and model not in n.starting], profiles[model]
+            [n for n in live if model not in n.instances and model not in n.starting], profiles[model], profiles
         ):
             v = placement.validate(n, model, demand, profiles)
             if v.ok:
                 return StartOn(n.node_id, why)
             if v.failure is placement.Failure.NEW_LATE:
                 options.append((v.ttft_s, True, StartOn(n.node_id, why)))
-        # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
-        # a queue or a new instance (which also serves the requests after this one), as long
-        # as it keeps the node's decode rounds within every TPOT SLO.
-        if options:
-            ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
-            if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
-                # Admission: so far past its SLO that queueing it only delays the requests
-                # that can still make theirs. Say so now, with when to come back.
-                return Rejected(
-                    code=ErrorCode.OVERLOADED,
-                    message=f"model {model!r} would answer in about {ttft:.1f} s, past its "
-                    f"{demand.ttft_slo_s:g} s TTFT SLO; retry shortly",
-                    retry_after_s=max(1.0, ttft - demand.ttft_slo_s),
-                )
-            return decision
+                if spare is None and placement.validate(n, model, demand, profiles,
+                                                        start_elapsed_s=float("inf")).ok:
+                    spare = n
+    # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
+    # a queue or a new instance, as long as it keeps the node's decode rounds within every
+    # TPOT SLO.
+    if not options:
+        return _fallback(model, live, max_active_per_instance, profiles[model])
+    ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
+    if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
+        # Admission: so far past its SLO that queueing it only delays the requests that can
+        # still make theirs. Say so now, with when to come back.
+        return Rejected(
+            code=ErrorCode.OVERLOADED,
+            message=f"model {model!r} would answer in about {ttft:.1f} s, past its "
+            f"{demand.ttft_slo_s:g} s TTFT SLO; retry shortly",
+            retry_after_s=max(1.0, ttft - demand.ttft_slo_s),
+        )
+    if isinstance(decision, UseNode) and spare is not None:
+        return UseNode(decision.node_id, scale_out_to=spare.node_id, why=why)
+    return decision
+
+
+def _scale_out_warming(model: str, live: list[NodeView]) -> bool:
+    """Whether the model was scaled out and an instance of it still serves its START tier:
+    not the time for another. It is about to tier up (faster), the compile shares its node's
+    cores, and predictions made meanwhile run long (measured on 2/3-core nodes: a second
+    scale-out 5 s after the first, then the neighbours it crowded scaled out in turn)."""
+    running = [n.instances[model] for n in live if model in n.instances]
+    return len(running) > 1 and any(i.tier == Tier.START for i in running)
+
+
+def _fallback(model: str, live: list[NodeView], max_active_per_instance: int, profile: Profile | None
+              ) -> Decision:
+    """Placement without a measurement to go by (none yet, or every candidate would break a
+    neighbour's TPOT): the least busy instance, else a start where the model can start
+    soonest (its weights resident), else spread."""
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
@@ -177,8 +242,7 @@ def place(
                 retry_after_s=1.0,
             )
         return UseNode(node.node_id)
-    # First instance: where it can start soonest (its weights resident), else spread.
-    order = placement.start_order(live, profiles.get(model))
+    order = placement.start_order(live, profile)
     target = order[0] if order else min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
     return StartOn(target.node_id)
 

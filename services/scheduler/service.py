@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge
 from services.scheduler import defrag, policy
 from services.scheduler.perf_book import PerfBook
 from services.scheduler.placement import TYPICAL_COMPLETION_TOKENS, Demand, Profile, validate
-from services.scheduler.policy import AwaitStart, NodeView, StartOn, UseNode
+from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import Bus, decode
@@ -60,7 +60,9 @@ class SchedulerService:
         self._last_placed: dict[tuple[str, str], float] = {}
         self._placed: dict[tuple[str, str], list[float]] = {}
         """When requests were placed on (node, model): counted until a heartbeat covers them."""
-        self._starts: dict[str, tuple[str, asyncio.Task[InstanceReady | Rejected]]] = {}
+        self._starts: dict[str, tuple[StartUnderWay, asyncio.Task[InstanceReady | Rejected]]] = {}
+        self._scale_outs: set[asyncio.Task[InstanceReady | Rejected]] = set()
+        """Starts ordered ahead of demand (no request waits for them): kept from the collector."""
         self._keepalive: asyncio.Task[None] | None = None
         self.perf = PerfBook()
         self._records: dict[str, ModelRecord] = {}
@@ -125,7 +127,10 @@ class SchedulerService:
         event = decode(msg.data, ColdStartRecorded)
         record = self._records.get(event.model)
         if record is not None and event.source != "resident":
-            self.perf.start(record.artifact.artifact_id, event.total_s)
+            # Until the instance is ready: placement adds the prefill (and the first token of a
+            # start ordered ahead of demand comes whenever its first request does).
+            p = event.phases
+            self.perf.start(record.artifact.artifact_id, p.load_s + p.profile_s, spawn_s=p.init_s)
         await self.registry.record_cold_start(event)
 
     # --- placement ----------------------------------------------------------------------------
@@ -171,15 +176,17 @@ class SchedulerService:
         view = self._view(time.time())
         if req.avoid and any(n.node_id != req.avoid for n in view):
             view = [n for n in view if n.node_id != req.avoid]  # it was preempted there
+        demand = Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s)
+        profiles = self._profiles()
         decision = policy.place(
             req.model,
             view,
-            {m: node for m, (node, _) in self._starts.items()},
+            {m: start for m, (start, _) in self._starts.items()},
             time.time(),
             node_timeout_s=self.settings.node_timeout_s,
             max_active_per_instance=self.settings.max_active_per_instance,
-            demand=Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s),
-            profiles=self._profiles(),
+            demand=demand,
+            profiles=profiles,
             exclusive=self.settings.placement == "exclusive",
             reject_over_slo=self.settings.reject_over_slo,
         )
@@ -187,6 +194,20 @@ class SchedulerService:
             SCALE_OUTS.inc()
             log.info("scale-out of %s to %s: no running instance validates (%s)", req.model, decision.node_id,
                      decision.why or "none measured", extra={"model": req.model})
+        if log.isEnabledFor(logging.DEBUG) and isinstance(decision, UseNode) and req.model in profiles:
+            at = next(n for n in view if n.node_id == decision.node_id)
+            log.debug("placed %s (%d prompt tokens) on %s: predicted %s (%s)", req.request_id, req.prompt_tokens,
+                      decision.node_id, validate(at, req.model, demand, profiles), at.instances.get(req.model),
+                      extra={"model": req.model})
+        match decision:
+            case UseNode(node_id, scale_out_to) if scale_out_to is not None and req.model not in self._starts:
+                SCALE_OUTS.inc()
+                log.info("scale-out of %s to %s for the requests to come, this one queues on %s: no running "
+                         "instance validates (%s)", req.model, scale_out_to, node_id, decision.why,
+                         extra={"model": req.model})
+                task = asyncio.create_task(self._ensure_started(record, scale_out_to, wait=False))
+                self._scale_outs.add(task)
+                task.add_done_callback(self._scale_outs.discard)
         match decision:
             case UseNode(node_id):
                 self._last_placed[(node_id, req.model)] = time.time()
@@ -224,14 +245,24 @@ class SchedulerService:
             out.append(n)
         return out
 
-    async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
-        """Every request that needs the model while it starts waits for the same start."""
+    async def _ensure_started(self, record: ModelRecord, node_id: str, wait: bool = True
+                              ) -> InstanceReady | Rejected:
+        """Every request that needs the model while it starts waits for the same start
+        (`wait=False`: a start ordered for the requests to come, which no request waits for)."""
         if record.name not in self._starts:
             task = asyncio.create_task(self._start(record, node_id))
-            self._starts[record.name] = (node_id, task)
+            self._starts[record.name] = (StartUnderWay(node_id, time.time()), task)
             task.add_done_callback(lambda _: self._starts.pop(record.name, None))
-        _, task = self._starts[record.name]
-        return await asyncio.shield(task)
+        start, task = self._starts[record.name]
+        if not wait:
+            return await asyncio.shield(task)
+        self._starts[record.name] = (dataclasses.replace(start, waiting=start.waiting + 1), task)
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if record.name in self._starts and self._starts[record.name][1] is task:
+                s, _ = self._starts[record.name]
+                self._starts[record.name] = (dataclasses.replace(s, waiting=max(0, s.waiting - 1)), task)
 
     async def _start(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})

@@ -120,8 +120,24 @@ async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_
                 break  # its first text, then the client goes away
         await stream.close()
 
-    results = await asyncio.gather(*(complete(i) for i in range(6)), abandon())
+    seen: list[dict] = []  # the instance as the scheduler sees it, while the requests run
+
+    async def watch(until: asyncio.Future) -> None:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as http:
+            while not until.done():
+                status = (await http.get("/admin/instances")).json()
+                seen.extend(i for node in status["nodes"] for i in node["instances"] if i["model"] == name)
+                await asyncio.sleep(0.05)  # sync-ok: sampling, not waiting for an event
+
+    work = asyncio.ensure_future(asyncio.gather(*(complete(i) for i in range(6)), abandon()))
+    await watch(work)
+    results = await work
     assert results[:6] == [n] * 6
+    # Heartbeats tell placement which requests run in the batch and the tokens their rows hold
+    # (what a request joining the batch re-prefills): several rows, each past its prompt.
+    assert max(i["running"] for i in seen) >= 2
+    assert all(i["running"] <= i["active"] for i in seen)
+    assert any(i["held_tokens"] > 10 * i["running"] > 0 for i in seen)
     after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total")
     alone_after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total",
                                           batch="1")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.scheduler.perf_book import PerfBook
 from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
 from services.scheduler.placement import Demand, Failure, Profile, service_s, start_order, validate
-from services.scheduler.policy import NodeView, StartOn, UseNode, place
+from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
 from shared.messages import Artifact, InstanceView, ModelRecord, PerfReport
 
 NOW = 1000.0
@@ -61,15 +62,65 @@ def test_with_batching_the_requests_ahead_finish_as_one_batch() -> None:
         1.1 * (2 * (0.8 + 0.98) + 0.2), rel=1e-3)
 
 
+def running(model: str, rows: int, held: int, queued: int = 0) -> InstanceView:
+    return InstanceView(model=model, active=rows + queued, last_used=NOW, loaded_at=NOW - 10, running=rows,
+                        held_tokens=held)
+
+
 def test_a_request_that_can_join_the_running_batch_waits_only_for_the_re_prefill() -> None:
-    # Two ahead holding 2 × (100 + 25) = 250 tokens: within the engine's 256, so this request
-    # joins their batch; the re-prefill covers theirs and its prompt, 350 tokens (0.7 s).
-    joins = NodeView("n", NOW, {"m": inst("m", active=2)}, max_batch=4, join_recompute_tokens=256)
+    # Two rows holding 2 × (100 + 25) = 250 tokens: within the engine's 256, so this request
+    # joins their batch after the current iteration and one more (2 × 20 ms); the re-prefill
+    # covers their 250 tokens and its prompt, 350 tokens (0.7 s).
+    joins = NodeView("n", NOW, {"m": running("m", 2, 250)}, max_batch=4, join_recompute_tokens=256)
     v = validate(joins, "m", demand(), {"m": profile()})
-    assert v.ok and v.ttft_s == pytest.approx(1.1 * 0.7, rel=1e-3)
-    # Rows holding more than the engine re-prefills: it waits for their batch as before.
-    full = NodeView("n", NOW, {"m": inst("m", active=2)}, max_batch=4, join_recompute_tokens=200)
-    assert validate(full, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(1.1 * (0.4 + 0.98 + 0.2), rel=1e-3)
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * (0.04 + 0.7), rel=1e-3)
+    # Rows holding more than the engine re-prefills: it waits for their batch to end (they
+    # have generated 25 of 50 tokens: 25 iterations, 0.5 s), then prefills alone (0.2 s).
+    full = NodeView("n", NOW, {"m": running("m", 2, 250)}, max_batch=4, join_recompute_tokens=200)
+    assert validate(full, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(1.1 * (0.5 + 0.2), rel=1e-3)
+
+
+def test_a_request_behind_a_pending_join_waits_for_that_re_prefill_too() -> None:
+    # One row holding 100 tokens, one request queued to join it: that join re-prefills 200
+    # tokens (0.4 s), this request's another 300 (0.6 s), after two iterations (0.04 s).
+    burst = NodeView("n", NOW, {"m": running("m", 1, 100, queued=1)}, max_batch=4, join_recompute_tokens=256)
+    v = validate(burst, "m", demand(), {"m": profile()})
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * (0.04 + 0.4 + 0.6), rel=1e-3)
+    # A third queued: this request's re-prefill would follow one of 300 tokens, past 256: it
+    # waits for the batch (50 - 0 tokens left at 20 ms: 1.0 s), then prefills (0.2 s).
+    more = NodeView("n", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256)
+    assert validate(more, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(1.1 * (1.0 + 0.2), rel=1e-3)
+
+
+def test_a_burst_overflows_to_a_new_instance_that_starts_while_the_overflow_queues() -> None:
+    # The running instance's queue misses a 1 s TTFT (1.1 * (1.0 + 0.2) = 1.32 s); a start on
+    # "b" (1.5 s + 0.2 s) would too, and later: the request queues on "a", and "b" starts for
+    # the requests after it.
+    prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=1.5)
+    nodes = [NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
+             node("b")]
+    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+              demand=demand(ttft=1.0), profiles={"m": prof})
+    assert d == UseNode("a", scale_out_to="b")
+    # With that start under way for 1.2 s, the next request waits for it (0.3 s left, then
+    # 0.2 s of prefill: 1.1 * 0.5 s), rather than queue on "a" or start a third instance.
+    d = place("m", nodes, {"m": StartUnderWay("b", since=NOW - 1.2)}, NOW, node_timeout_s=3,
+              max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof})
+    assert d == AwaitStart("b")
+    # A request that still validates on "a" joins it whatever is starting.
+    idle = [node("a", inst("m", active=0)), node("b")]
+    assert place("m", idle, {"m": StartUnderWay("b", since=NOW)}, NOW, node_timeout_s=3,
+                 max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof}) == UseNode("a")
+
+
+def test_no_scale_out_where_the_new_instance_would_break_a_neighbours_tpot() -> None:
+    prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=0.9)
+    busy = [inst(f"o{i}", active=1) for i in range(5)]  # a round of 6 iterations: 0.132 s > 0.1 s
+    nodes = [NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
+             node("b", *busy)]
+    profiles = {"m": prof, **{f"o{i}": profile(tpot=0.1) for i in range(5)}}
+    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+                 demand=demand(ttft=1.0), profiles=profiles) == UseNode("a")
 
 
 def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
@@ -106,6 +157,13 @@ def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_r
     nodes = [node("gpu", kind="gpu", resident=frozenset({"a1"})), node("full", budget=100, used=95),
              node("cpu1", inst("x", 0)), node("cpu2", resident=frozenset({"a1"}), budget=1000, used=900)]
     assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
+
+
+def test_a_scale_out_goes_beside_the_neighbours_with_the_most_slack() -> None:
+    # Alike but for their neighbour: "lax" hosts an 8 s TTFT SLO, "tight" a 3 s one.
+    nodes = [node("tight", inst("t", 0)), node("lax", inst("l", 0))]
+    neighbours = {"t": profile(ttft=3.0), "l": profile(ttft=8.0)}
+    assert [n.node_id for n in start_order(nodes, profile(), neighbours)] == ["lax", "tight"]
 
 
 def test_perf_book_scales_batched_iterations_from_the_batch_of_one() -> None:
@@ -162,11 +220,17 @@ def test_when_nothing_validates_the_soonest_first_token_wins_a_new_instance_incl
     d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
               demand=demand(ttft=1.0), profiles={"m": prof})
     assert d == StartOn("b")
-    # A slow start (1.1 * 3.2 = 3.5 s) against one request ahead (1.1 * 1.38 = 1.5 s): the queue.
+    # Not on top of a scale-out whose instance still serves its START tier: the request queues.
+    fresh = [node("a", inst("m", active=3)), node("c", msgspec.structs.replace(inst("m", active=3), tier="start")),
+             node("b")]
+    assert place("m", fresh, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
+                 demand=demand(ttft=1.0), profiles={"m": prof}) == UseNode("a")
+    # A slow start (1.1 * 3.2 = 3.5 s) against one request ahead (1.1 * 1.38 = 1.5 s): the
+    # queue, while "b" starts for the requests after this one.
     slow = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=3.0)
     d = place("m", [node("a", inst("m", active=1)), node("b")], {}, NOW, node_timeout_s=3,
               max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": slow})
-    assert d == UseNode("a")
+    assert d == UseNode("a", scale_out_to="b")
 
 
 def test_names_sharing_a_worker_queue_behind_each_other() -> None:
@@ -187,3 +251,21 @@ def test_a_request_hopelessly_past_its_slo_is_refused_early_with_retry_after() -
     # Off by default: it queues.
     assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
                  demand=demand(), profiles={"m": profile()}) == UseNode("a")
+
+
+def test_a_start_where_no_worker_is_prewarmed_also_waits_for_one_to_spawn() -> None:
+    book = PerfBook()
+    book.report("n0", "cpu", PerfReport("a1", prefill=((128, 0.2),), decode=((1, 128, 0.02),)))
+    book.start("a1", 0.5, spawn_s=3.5)  # no worker was prewarmed: it spawned one
+    book.start("a1", 0.7, spawn_s=0.001)  # one was: a spawn of ~0 says nothing of spawns
+    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
+                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
+                                                         context_length=100, kv_bytes_per_token=2,
+                                                         weight_bytes=5))
+    (p,) = book.profiles([record]).values()
+    assert p.start_s == pytest.approx(0.6) and p.spawn_s == pytest.approx(3.5)
+    prewarmed = NodeView("b", NOW, prewarmed=1)
+    bare = NodeView("b", NOW)
+    d = demand(prompt=128, ttft=5.0)
+    assert validate(prewarmed, "m", d, {"m": p}).ttft_s == pytest.approx(1.1 * (0.6 + 0.2), rel=1e-3)
+    assert validate(bare, "m", d, {"m": p}).ttft_s == pytest.approx(1.1 * (0.6 + 3.5 + 0.2), rel=1e-3)

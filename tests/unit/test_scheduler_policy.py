@@ -2,6 +2,7 @@ from services.scheduler.policy import (
     AwaitStart,
     NodeView,
     StartOn,
+    StartUnderWay,
     StopOrder,
     UseNode,
     idle_instances,
@@ -21,7 +22,8 @@ def node(node_id: str, *instances: InstanceView, seen: float = NOW, starting: fr
 
 
 def decide(model: str, nodes: list[NodeView], starts: dict[str, str] | None = None):
-    return place(model, nodes, starts or {}, NOW, node_timeout_s=3.0, max_active_per_instance=4)
+    return place(model, nodes, {m: StartUnderWay(n) for m, n in (starts or {}).items()}, NOW, node_timeout_s=3.0,
+                 max_active_per_instance=4)
 
 
 def test_request_goes_to_the_least_busy_running_instance() -> None:
@@ -75,7 +77,7 @@ def test_exclusive_placement_gives_each_model_a_node_of_its_own() -> None:
 
     assert excl("m", [node("a", inst("x")), node("b")]) == StartOn("b")
     assert excl("m", [node("a", inst("m", active=3)), node("b")]) == UseNode("a")  # queues, no scale-out
-    starting = place("m", [node("a", inst("x")), node("b")], {"y": "b"}, NOW, node_timeout_s=3.0,
+    starting = place("m", [node("a", inst("x")), node("b")], {"y": StartUnderWay("b")}, NOW, node_timeout_s=3.0,
                      max_active_per_instance=4, exclusive=True)
     assert isinstance(starting, Rejected)  # "b" is taken by y's start, not yet in a heartbeat
     full = excl("m", [node("a", inst("x")), node("b", inst("y"))])
