@@ -21,6 +21,7 @@ from services.memory_manager.kv_watermark import (
     on_complete,
     required_bytes,
 )
+from services.scheduler.headroom import headroom
 
 
 @dataclass
@@ -29,6 +30,8 @@ class _Request:
     cap: int
     """Most tokens it may generate (its max_tokens, or what the context leaves)."""
     generated: int = 0
+    received_at: float = 0.0
+    """ST of eq. 1 (the engine's clock)."""
 
 
 @dataclass
@@ -57,11 +60,12 @@ class KvAccount:
     def reserved_tokens(self) -> int:
         return self.reserved_bytes // self.per_token_bytes if self.per_token_bytes else 0
 
-    def admit(self, request_id: str, input_tokens: int, cap: int, available: int) -> KvPlan:
+    def admit(self, request_id: str, input_tokens: int, cap: int, available: int, received_at: float = 0.0
+              ) -> KvPlan:
         """Count a request in and plan the cache for it (`available`: bytes the node could
         still grant). The request stays counted whatever the plan: the caller removes it
         with `forget` if it cannot run."""
-        self.running[request_id] = _Request(input_tokens, max(cap, 0))
+        self.running[request_id] = _Request(input_tokens, max(cap, 0), received_at=received_at)
         return on_admit(self.reserved_bytes, self.required(), available, self.watermark)
 
     def progress(self, request_id: str, generated: int, available: int) -> KvPlan:
@@ -83,6 +87,17 @@ class KvAccount:
             self.completed += 1
             self.mean_output += (generated - self.mean_output) / self.completed
         return on_complete(self.reserved_bytes, self.required(), self.watermark)
+
+    def evictee(self, ttft_slo_s: float, tpot_slo_s: float, now: float) -> str | None:
+        """§6.4: the cache outgrew its reservation and the node cannot grant even the
+        requirement: the request with the most headroom (eq. 1) leaves, to go on elsewhere,
+        so that the others fit. None with fewer than two requests: evicting the only one
+        frees nothing for anyone here (it runs on, over the optimistic budget, as §6.4's
+        last resort)."""
+        if len(self.running) < 2:
+            return None
+        return max(self.running, key=lambda rid: headroom(
+            self.running[rid].received_at, ttft_slo_s, tpot_slo_s, self.running[rid].generated, now))
 
     def forget(self, request_id: str) -> None:
         """A request that never ran (refused): no trace in Ō."""

@@ -135,6 +135,10 @@ PREEMPTIONS = Counter(
     "tessera_engine_preemptions_total",
     "Instances preempted so that a bigger instance's KV reservation could grow (LLM-Mesh §7.1)",
 )
+KV_EVICTIONS = Counter(
+    "tessera_engine_kv_evictions_total",
+    "Requests evicted from a KV cache the node could not grow (LLM-Mesh §6.4): resumed elsewhere",
+)
 KV_UNDERESTIMATES = Counter(
     "tessera_engine_kv_underestimates_total",
     "Requests that outgrew their instance's KV reservation when the node could not grow it "
@@ -197,6 +201,8 @@ class Served:
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
+    evicted: set[str] = field(default_factory=set)
+    """Requests evicted to make room in its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
 
 
 @dataclass
@@ -493,7 +499,7 @@ class EngineService:
         ctx = inst.bound.artifact.context_length
         cap = req.params.max_tokens if req.params.max_tokens > 0 else ctx - req.prompt_tokens
         async with inst.kv_lock:
-            plan = inst.kv.admit(req.request_id, req.prompt_tokens, cap, self._available())
+            plan = inst.kv.admit(req.request_id, req.prompt_tokens, cap, self._available(), time.monotonic())
             if plan.action is Action.KEEP:
                 return
             try:
@@ -504,16 +510,26 @@ class EngineService:
 
     async def _kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
         """A request decoding past what eq. 2 assumed for it (the mean output): grow the
-        reservation if the node can; if it cannot, count the underestimate (§6.4 would evict
-        the request with the most headroom; the runtime allocates on demand, so it runs on)."""
+        reservation if the node can; if it cannot, count the underestimate and evict the
+        request with the most headroom (§6.4): it ends PREEMPTED and the gateway resumes it
+        on another node from the text it has streamed."""
         if inst.kv_lock.locked():
             return  # a resize is under way; the next chunk looks again
         async with inst.kv_lock:
             plan = inst.kv.progress(request_id, generated, self._available())
             if plan.action is Action.KEEP:
                 return
-            if not await self._kv_resize(inst, plan, inst.kv.required(), wait=False):
-                KV_UNDERESTIMATES.inc()
+            if await self._kv_resize(inst, plan, inst.kv.required(), wait=False):
+                return
+            KV_UNDERESTIMATES.inc()
+            victim = inst.kv.evictee(inst.ttft_slo_s, inst.tpot_slo_s, time.monotonic())
+            if victim is not None and victim not in inst.evicted:
+                inst.evicted.add(victim)
+                inst.kv.forget(victim)  # its rows leave the cache now; Ō learns nothing from it
+                KV_EVICTIONS.inc()
+                log.info("evicting %s from %s's KV cache (most headroom; the node cannot grow it)", victim,
+                         inst.model, extra={"model": inst.model})
+                self._cancel(victim, by_client=False)
 
     async def _kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
         """A request left: Ō learns its length, and the reservation shrinks if it is now well
@@ -882,6 +898,7 @@ class EngineService:
             inst.active -= 1
             inst.requests.discard(req.request_id)
             inst.held.pop(req.request_id, None)
+            inst.evicted.discard(req.request_id)
             inst.last_used = time.time()
             del self._cancels[req.request_id]
             if inst.active == 0:
@@ -933,10 +950,11 @@ class EngineService:
                     if out.first_token_at is not None:
                         TTFT.observe(out.first_token_at - received)
                         await self._maybe_record_cold_start(inst, out.first_token_at)
-            if (inst.preempted and isinstance(final, Finished) and final.finish_reason is FinishReason.CANCELLED
-                    and not cancelled.by_client):
-                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED,
-                               message=f"the instance of {inst.model} on {self.node} was preempted")
+            if ((inst.preempted or req.request_id in inst.evicted) and isinstance(final, Finished)
+                    and final.finish_reason is FinishReason.CANCELLED and not cancelled.by_client):
+                why = (f"the instance of {inst.model} on {self.node} was preempted" if inst.preempted else
+                       f"evicted from the KV cache of {inst.model} on {self.node}, which could not grow")
+                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
                 REQUESTS.labels("preempted").inc()
             else:
                 REQUESTS.labels(final.finish_reason.value).inc()

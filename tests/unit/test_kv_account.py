@@ -71,3 +71,21 @@ def test_the_cache_shrinks_lazily_once_requests_have_left() -> None:
     kv.admit("c", 10, 10, available=0)
     plan = kv.complete("c", 10)
     assert plan.action is Action.SHRINK and plan.target_bytes == C * 120
+
+
+def test_when_even_the_requirement_is_refused_the_request_with_most_headroom_is_evicted() -> None:
+    # §6.4. Same SLOs (TTFT 1 s, TPOT 0.1 s); at t = 10: "early" arrived at 0 and has 30
+    # tokens (headroom 0 + 1 + 3 - 10 = -6 s), "late" arrived at 8 with 5 (8 + 1 + 0.5 - 10 =
+    # -0.5 s), "fresh" at 9.5 with none (0.5 s): the fresh one can best afford to go elsewhere.
+    kv = account()
+    for rid, received, generated in (("early", 0.0, 30), ("late", 8.0, 5), ("fresh", 9.5, 0)):
+        kv.admit(rid, 40, 200, available=0, received_at=received)
+        kv.progress(rid, generated, available=0)
+    assert kv.evictee(1.0, 0.1, now=10.0) == "fresh"
+    # A tighter TPOT SLO weighs tokens less: "late" (8 + 1 + 0.05 - 10) still trails "fresh".
+    assert kv.evictee(1.0, 0.01, now=10.0) == "fresh"
+    kv.forget("fresh")
+    assert kv.evictee(1.0, 0.1, now=10.0) == "late"
+    # Alone, a request is not evicted: that frees nothing for anyone on this instance.
+    kv.forget("late")
+    assert kv.evictee(1.0, 0.1, now=10.0) is None
