@@ -97,6 +97,8 @@ class Generation:
         self._admitted = False
         self._prompt_tokens = 0
         """The client's prompt's tokens (set at a resume, whose new prompt holds more)."""
+        self._client_prompt: str | None = None
+        """The client's prompt (set at a resume, whose new prompt holds the text so far)."""
         self._text = ""
         """Text streamed so far (a resumed request goes on from it)."""
         self._carried = 0
@@ -169,7 +171,8 @@ class Generation:
             self._sub = None
         p = self.prepared
         self._prompt_tokens = self._prompt_tokens or p.prompt_tokens
-        prompt = p.prompt + self._text
+        self._client_prompt = self._client_prompt if self._client_prompt is not None else p.prompt
+        prompt = self._client_prompt + self._text  # a second resume's prompt already holds the text
         ids = await self.gw.tokenizers.encode(await self.gw.tokenizers.get(p.record.artifact), prompt)
         left = p.params.max_tokens - (tokens - self._carried)
         self._carried = tokens
