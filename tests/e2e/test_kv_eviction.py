@@ -14,10 +14,10 @@ import msgspec
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster, default_model_path
+from shared.localcluster import LocalCluster
 from shared.messages import Artifact
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import metric
+from tests.helpers.cluster import metric, register
 
 MIN_TOKENS = 24
 TOKENS = 120
@@ -39,10 +39,7 @@ def tight_node(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
     }, node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}})
     c.start(timeout_s=90)
     try:
-        r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
-            "name": "grow", "source": str(default_model_path()), "keep_alive_s": 600.0,
-            "ttft_slo_s": 60.0, "tpot_slo_s": 5.0})
-        assert r.status_code == 201, r.text
+        register(c, "grow", keep_alive_s=600.0, ttft_slo_s=60.0, tpot_slo_s=5.0)
         yield c
     finally:
         c.stop()

@@ -48,12 +48,14 @@ def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
     return [s for s in starts if s["model"] == model]
 
 
-def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None) -> dict[str, object]:
+def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None,
+             **slo: float) -> dict[str, object]:
+    """Register `name` (the default model unless `source`); `slo`: ttft_slo_s, tpot_slo_s."""
     from shared.localcluster import default_model_path
 
     r = httpx.post(
         f"{cluster.base_url}/admin/models",
-        json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s},
+        json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s, **slo},
         timeout=600,
     )
     assert r.status_code == 201, r.text
