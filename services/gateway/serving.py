@@ -59,10 +59,11 @@ TPOT = Histogram(
 )
 RESUMED = Counter(
     "tessera_gateway_resumed_total",
-    "Requests whose instance was preempted mid-way and that went on on another node",
+    "Requests that went on on another node: their instance was preempted mid-way, or their "
+    "node had no memory for them",
 )
 MAX_RESUMES = 2
-"""Preemptions one request goes on after (then its error reaches the client)."""
+"""Moves to another node one request makes (then its error reaches the client)."""
 PLACEMENT_WAIT = Histogram(
     "tessera_gateway_placement_seconds",
     "Seconds waiting for a placement (cold starts included)",
@@ -160,9 +161,10 @@ class Generation:
         raise AssertionError("unreachable")
 
     async def _resume(self, tokens: int) -> None:
-        """Its instance was preempted (LLM-Mesh §7.1): go on on another node from where it
-        stopped, its prompt and the text so far prefilled there as the new prompt (vLLM's
-        recomputation), for the tokens it has left. The client's stream goes on."""
+        """Its instance was preempted (LLM-Mesh §7.1) or its node could not hold it: go on on
+        another node from where it stopped, its prompt and the text so far prefilled there as
+        the new prompt (vLLM's recomputation), for the tokens it has left. The client's
+        stream goes on."""
         RESUMED.inc()
         self.resumes += 1
         preempted_on = self.node_id
@@ -202,7 +204,10 @@ class Generation:
             last = time.monotonic()
             event = decode(msg.data, StreamEvent)
             if isinstance(event, Failed):
-                if event.code == ErrorCode.PREEMPTED and self.resumes < MAX_RESUMES:
+                # Preempted (§7.1, §6.4), or refused before its first token by a node with no
+                # memory left for its KV cache: it goes on on another node.
+                movable = event.code == ErrorCode.PREEMPTED or (event.code == ErrorCode.NO_CAPACITY and not tokens)
+                if movable and self.resumes < MAX_RESUMES:
                     await self._resume(tokens)
                     last = time.monotonic()
                     continue

@@ -1,7 +1,8 @@
-"""Eviction on a KV underestimate (LLM-Mesh §6.4): requests outgrow what their instance's cache
-was sized for (eq. 2 with a short mean output), the node cannot grow it, and the request with
-the most headroom leaves the batch. The gateway resumes it on the other node from the text it
-had streamed, so both clients get their whole completions."""
+"""A node out of KV memory. Eviction on an underestimate (LLM-Mesh §6.4): requests outgrow what
+their instance's cache was sized for (eq. 2 with a short mean output), the node cannot grow
+it, and the request with the most headroom leaves the batch; the gateway resumes it on the
+other node from the text it had streamed, so both clients get their whole completions. And a
+request the node cannot hold at all, refused after waiting for room, goes to the other node."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def tight_node(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
     # node-0 holds the weights, the KV floor and 100 tokens more: two requests of ~45 prompt
     # tokens fit while they are short, not once both have generated a few dozen tokens.
     budget = artifact.weight_bytes + (MIN_TOKENS + 100) * artifact.kv_bytes_per_token
+    # A request the node cannot hold waits 2 s for room (not the default 30 s) before its 503.
     c = LocalCluster(home=tmp_path_factory.mktemp("evict"), store=model_store, nodes=2, env={
-        **TEST_ENV, "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
+        **TEST_ENV, "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS), "TESSERA_MEMORY_WAIT_S": "2",
     }, node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}})
+    c.budget = budget  # type: ignore[attr-defined]
     c.start(timeout_s=90)
     try:
         register(c, "grow", keep_alive_s=600.0, ttft_slo_s=60.0, tpot_slo_s=5.0)
@@ -71,3 +74,18 @@ async def test_requests_outgrowing_an_unexpandable_cache_evict_the_one_with_most
     assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 1
     assert "node-1" in nodes_of(c, "grow")  # where the evicted request went on
     assert metric(c, "memory_manager@node-0", "tessera_memory_denied_total") >= 1
+
+
+async def test_a_request_the_node_cannot_hold_is_refused_there_and_served_by_the_other(
+        tight_node: LocalCluster) -> None:
+    c = tight_node
+    client = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+    refused = metric(c, "engine@node-0", "tessera_engine_requests_total", finish_reason="error")
+    resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
+    # ~600 prompt tokens: past the 124 tokens of KV node-0 has room for, whatever it reserved.
+    r = await client.completions.create(model="grow", prompt="lighthouse keeper " * 200, max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 400
+    assert metric(c, "engine@node-0", "tessera_engine_requests_total", finish_reason="error") == refused + 1
+    assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 1
+    assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") <= c.budget  # type: ignore[attr-defined]

@@ -53,8 +53,10 @@ class FakeBus:
     """The scheduler places on node-1, node-2, …; each engine streams one token of text and
     then preempts the request, until `preemptions` have happened; then it finishes."""
 
-    def __init__(self, preemptions: int) -> None:
+    def __init__(self, preemptions: int, code: ErrorCode = ErrorCode.PREEMPTED, text: bool = True) -> None:
         self.preemptions = preemptions
+        self.code = code
+        self.text = text
         self.places: list[PlaceRequest] = []
         self.generates: list[Generate] = []
         self.subs: dict[str, _Sub] = {}
@@ -66,10 +68,12 @@ class FakeBus:
         assert isinstance(msg, Generate)
         self.generates.append(msg)
         sub = self.subs[msg.stream_subject]
-        sub.queue.put_nowait(_Msg(encode(TokenChunk(request_id=msg.request_id, text=f" w{len(self.generates)}",
-                                                   tokens=1))))
-        if len(self.generates) <= self.preemptions:
-            end: Any = Failed(request_id=msg.request_id, code=ErrorCode.PREEMPTED, message="preempted")
+        refused = len(self.generates) <= self.preemptions
+        if self.text or not refused:
+            sub.queue.put_nowait(_Msg(encode(TokenChunk(request_id=msg.request_id,
+                                                       text=f" w{len(self.generates)}", tokens=1))))
+        if refused:
+            end: Any = Failed(request_id=msg.request_id, code=self.code, message="no")
         else:
             end = Finished(request_id=msg.request_id, finish_reason=FinishReason.LENGTH,
                            prompt_tokens=len(msg.prompt_ids), completion_tokens=1)
@@ -130,3 +134,27 @@ async def test_a_request_preempted_more_than_max_resumes_times_fails_with_503() 
     assert e.value.code == ErrorCode.PREEMPTED and HTTP_STATUS[ErrorCode.PREEMPTED] == 503
     assert e.value.retry_after_s
     assert len(bus.generates) == MAX_RESUMES + 1
+
+
+async def test_a_request_refused_for_memory_before_its_first_token_is_placed_elsewhere() -> None:
+    # The node had no memory for its KV cache (NO_CAPACITY after waiting): another node, the
+    # same request.
+    bus = FakeBus(preemptions=1, code=ErrorCode.NO_CAPACITY, text=False)
+    events = await drain(generation(bus))
+    assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == " w2"
+    assert [p.avoid for p in bus.places] == ["", "node-1"]
+    assert [g.prompt for g in bus.generates] == ["the prompt", "the prompt"]
+    assert [g.params.max_tokens for g in bus.generates] == [10, 10]
+    # Refused everywhere: the client gets the 503 (no_capacity, Retry-After) once out of nodes.
+    bus = FakeBus(preemptions=MAX_RESUMES + 1, code=ErrorCode.NO_CAPACITY, text=False)
+    with pytest.raises(TesseraError) as e:
+        await drain(generation(bus))
+    assert e.value.code == ErrorCode.NO_CAPACITY and HTTP_STATUS[ErrorCode.NO_CAPACITY] == 503
+
+
+async def test_a_request_refused_for_memory_after_streaming_text_is_not_moved() -> None:
+    # Only before the first token: later, the engine's errors are the request's own.
+    bus = FakeBus(preemptions=1, code=ErrorCode.NO_CAPACITY, text=True)
+    with pytest.raises(TesseraError) as e:
+        await drain(generation(bus))
+    assert e.value.code == ErrorCode.NO_CAPACITY and len(bus.generates) == 1
