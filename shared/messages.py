@@ -175,6 +175,15 @@ class StopInstance(Message, frozen=True):
     """Unload only if the instance has been idle since at least this time (no race with new work)."""
 
 
+class PreemptInstance(Message, frozen=True):
+    """Scheduler → engine: end this instance's requests as PREEMPTED (the gateway resumes them
+    elsewhere) and unload it, so that `for_model`'s instance on the node takes the request that
+    did not fit beside it (LLM-Mesh §7.1). Answered with `InstanceStopped`."""
+
+    model: str
+    for_model: str
+
+
 class InstanceStopped(Message, frozen=True):
     node_id: str
     model: str

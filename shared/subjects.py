@@ -48,6 +48,11 @@ def engine_stop(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.stop"
 
 
+def engine_preempt(node_id: str) -> str:
+    """Scheduler → engine: preempt an instance (`PreemptInstance`, request/reply)."""
+    return f"{_ROOT}.engine.{node_id}.preempt"
+
+
 def engine_generate(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.generate"
 

@@ -56,6 +56,7 @@ from shared.messages import (
     InstanceView,
     NodeStatus,
     PerfReport,
+    PreemptInstance,
     Rejected,
     Release,
     RelocateAnswer,
@@ -262,10 +263,13 @@ class EngineService:
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._tier_up_task: asyncio.Task[None] | None = None
+        self._preemptions: set[asyncio.Task[None]] = set()
+        """Preemptions the scheduler ordered, under way (kept from the collector)."""
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.engine_start(self.node), self.on_start)
         await self.bus.subscribe(subjects.engine_stop(self.node), self.on_stop)
+        await self.bus.subscribe(subjects.engine_preempt(self.node), self.on_preempt)
         await self.bus.subscribe(subjects.engine_generate(self.node), self.on_generate)
         await self.bus.subscribe(subjects.engine_cancel(self.node), self.on_cancel)
         await self.bus.subscribe(subjects.engine_evict(self.node), self.on_evict)
@@ -573,12 +577,13 @@ class EngineService:
                 await self._preempt(inst, preemptor)
         return True
 
-    async def _preempt(self, inst: Served, preemptor: Served) -> None:
+    async def _preempt(self, inst: Served, preemptor: Served | None) -> None:
         """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
         inst.preempted = True
         PREEMPTIONS.inc()
-        log.info("preempting %s (batch %d) for %s (batch %d)", inst.model, inst.active, preemptor.model,
-                 preemptor.active, extra={"model": inst.model})
+        log.info("preempting %s (batch %d) for %s (batch %d)", inst.model, inst.active,
+                 preemptor.model if preemptor else "a neighbour", preemptor.active if preemptor else 0,
+                 extra={"model": inst.model})
         for rid in list(inst.requests):
             self._cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
@@ -833,6 +838,20 @@ class EngineService:
             await self._unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
             reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True)
+        await self.bus.reply(msg, reply)
+
+    async def on_preempt(self, msg: Msg) -> None:
+        """The scheduler makes room for a bigger neighbour (LLM-Mesh §7.1): the instance's
+        requests end PREEMPTED now, and it unloads once they have."""
+        req = decode(msg.data, PreemptInstance)
+        inst = self.instances.get(req.model)
+        if inst is None or inst.preempted:
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="not loaded")
+        else:
+            task = asyncio.create_task(self._preempt(inst, self.instances.get(req.for_model)))
+            self._preemptions.add(task)
+            task.add_done_callback(self._preemptions.discard)
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True, reason="preempted")
         await self.bus.reply(msg, reply)
 
     async def _unload(self, inst: Served) -> None:

@@ -31,13 +31,14 @@ Pure: the cluster view, the model profiles and a demand in; a decision out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.scheduler.affinity import Offer, rank_nodes
 from services.scheduler.perf_model import PerfModel
 from services.scheduler.shadow import OVERESTIMATE, Failure
+from shared.messages import InstanceView
 
 if TYPE_CHECKING:
     from services.scheduler.policy import NodeView
@@ -187,6 +188,40 @@ def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, 
         left = max(tokens - done, 1.0) * perf.decode_s(running, prompt + done)
     batches = -(-queued // width)
     return left + batches * service_s(perf, prompt, tokens, min(queued, width)) + perf.prefill_s(prompt)
+
+
+def preemption_for(node: NodeView, model: str, demand: Demand, profiles: Mapping[str, Profile],
+                   relocatable: Callable[[str], bool]) -> tuple[str, ...] | None:
+    """LLM-Mesh §7.1: the instance of `model` on `node` cannot take the request because its
+    neighbours' decode rounds would break a TPOT SLO. The neighbours to preempt so that it
+    validates: only instances with a smaller batch than it would have (a big instance is not
+    broken up for a small one), the smallest first, and only those whose requests `relocatable`
+    says validate on another node. None when no such set makes the request validate."""
+    inst = node.instances.get(model)
+    if inst is None:
+        return None
+
+    def busy(view: InstanceView) -> int:
+        if not view.worker_pid:
+            return view.active
+        return sum(v.active for v in node.instances.values() if v.worker_pid == view.worker_pid)
+
+    own = busy(inst) + 1
+    candidates = sorted(
+        (busy(v), m) for m, v in node.instances.items()
+        if m != model and v.active > 0 and not (inst.worker_pid and v.worker_pid == inst.worker_pid))
+    victims: list[str] = []
+    instances = dict(node.instances)
+    for batch, m in candidates:
+        if batch >= own:
+            break
+        if not relocatable(m):
+            continue
+        victims.append(m)
+        del instances[m]
+        if validate(replace(node, instances=instances), model, demand, profiles).ok:
+            return tuple(victims)
+    return None
 
 
 def kind_rank(kind: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from services.scheduler import placement
+from services.scheduler import defrag, placement
 from services.scheduler.placement import Demand, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
 
@@ -58,6 +58,8 @@ class UseNode:
     scale_out_to: str | None = None
     """Also start another instance there, not waiting for it: no running instance validates
     this request, a start would not serve it sooner, and the next ones need the room."""
+    preempt: tuple[str, ...] = ()
+    """First preempt these neighbours there (LLM-Mesh §7.1): with them gone, it validates."""
     why: str = field(default="", compare=False)
 
 
@@ -160,6 +162,7 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
     # Shadow validation: join the first instance where nobody would miss an SLO...
     options: list[tuple[float, bool, Decision]] = []
     refusals: list[str] = []
+    crowded: list[NodeView] = []
     for n in placement.join_order(live, model):
         if n.instances[model].active >= max_active_per_instance:
             refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
@@ -170,7 +173,18 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
         refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
         if v.failure is placement.Failure.NEW_LATE:
             options.append((v.ttft_s, False, UseNode(n.node_id)))
+        elif v.failure is placement.Failure.ROUND_TOO_LONG:
+            crowded.append(n)
     why = "; ".join(refusals)
+    # ... else make room in an instance whose neighbours' decode rounds are in its way,
+    # preempting smaller ones that validate elsewhere (§7.1: a bigger instance rather than a
+    # new fragment) ...
+    for n in crowded:
+        others = [o for o in live if o.node_id != n.node_id]
+        victims = placement.preemption_for(n, model, demand, profiles,
+                                           lambda m, others=others: relocatable(m, others, profiles))
+        if victims:
+            return UseNode(n.node_id, preempt=victims, why=why)
     spare: NodeView | None = None
     if start is not None:
         # ... else the start under way (one per model at a time), if it serves it in time ...
@@ -215,6 +229,17 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
     if isinstance(decision, UseNode) and spare is not None:
         return UseNode(decision.node_id, scale_out_to=spare.node_id, why=why)
     return decision
+
+
+def relocatable(model: str, others: Iterable[NodeView], profiles: Mapping[str, Profile]) -> bool:
+    """Whether a typical request of `model` validates on one of `others` (joining its instance
+    there or a new one): LLM-Mesh §7.1 preempts an instance only if its requests can go on
+    elsewhere within their SLOs."""
+    p = profiles.get(model)
+    if p is None:
+        return False  # never measured: nothing to validate with
+    typical = Demand(defrag.TYPICAL_PROMPT_TOKENS, placement.TYPICAL_COMPLETION_TOKENS, p.ttft_slo_s, p.tpot_slo_s)
+    return any(placement.validate(o, model, typical, profiles).ok for o in others)
 
 
 def _scale_out_warming(model: str, live: list[NodeView]) -> bool:

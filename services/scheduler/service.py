@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge
 
 from services.scheduler import defrag, policy
 from services.scheduler.perf_book import PerfBook
-from services.scheduler.placement import TYPICAL_COMPLETION_TOKENS, Demand, Profile, validate
+from services.scheduler.placement import Demand, Profile, validate
 from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -30,6 +30,7 @@ from shared.messages import (
     NodeStatus,
     Placement,
     PlaceRequest,
+    PreemptInstance,
     Rejected,
     RelocateAnswer,
     RelocateQuery,
@@ -44,6 +45,10 @@ PLACEMENTS = Counter("tessera_scheduler_placements_total", "Placement decisions"
 LIVE_NODES = Gauge("tessera_scheduler_live_nodes", "Engine nodes with a fresh heartbeat")
 SCALE_INS = Counter("tessera_scheduler_scale_to_zero_total", "Instances unloaded after keep-alive")
 PROFILED = Gauge("tessera_scheduler_profiled_models", "Registered models with a fitted performance model")
+PREEMPTION_ORDERS = Counter(
+    "tessera_scheduler_preemptions_total",
+    "Instances preempted so that a bigger neighbour could take a request (LLM-Mesh §7.1)",
+)
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
@@ -157,12 +162,7 @@ class SchedulerService:
         profiles = self._profiles()
 
         def validates(node: NodeView, model: str) -> bool:
-            record = self._records.get(model)
-            if record is None or model not in profiles:
-                return False
-            demand = Demand(defrag.TYPICAL_PROMPT_TOKENS, TYPICAL_COMPLETION_TOKENS, record.ttft_slo_s,
-                            record.tpot_slo_s)
-            return validate(node, model, demand, profiles).ok
+            return policy.relocatable(model, [node], profiles)
 
         await self.bus.reply(msg, RelocateAnswer(relocatable=defrag.relocatable(req.models, others, validates)))
 
@@ -208,6 +208,8 @@ class SchedulerService:
                 task = asyncio.create_task(self._ensure_started(record, scale_out_to, wait=False))
                 self._scale_outs.add(task)
                 task.add_done_callback(self._scale_outs.discard)
+        if isinstance(decision, UseNode) and decision.preempt:
+            await self._preempt(decision.node_id, decision.preempt, req.model, decision.why)
         match decision:
             case UseNode(node_id):
                 self._last_placed[(node_id, req.model)] = time.time()
@@ -223,6 +225,22 @@ class SchedulerService:
             case Rejected():
                 return decision
         raise AssertionError(decision)
+
+    async def _preempt(self, node_id: str, victims: tuple[str, ...], for_model: str, why: str) -> None:
+        """Order the engine to preempt `victims` for `for_model` (LLM-Mesh §7.1); their
+        requests come back through the gateway, which places them elsewhere."""
+        for victim in victims:
+            log.info("preempting %s on %s for %s: %s", victim, node_id, for_model, why, extra={"model": victim})
+            try:
+                reply = await self.bus.request(subjects.engine_preempt(node_id),
+                                               PreemptInstance(model=victim, for_model=for_model), InstanceStopped,
+                                               timeout=self.settings.request_timeout_s)
+            except TesseraError as e:
+                log.warning("preemption of %s on %s failed: %s", victim, node_id, e.message)
+                continue
+            if reply.stopped:
+                PREEMPTION_ORDERS.inc()
+                self._set_instance(node_id, victim, None)
 
     def _view(self, now: float) -> list[NodeView]:
         """The heartbeats' view plus the placements made since each was sent: requests

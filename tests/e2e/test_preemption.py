@@ -15,8 +15,10 @@ import msgspec
 import openai
 import pytest
 
+from shared import subjects
+from shared.bus import Bus
 from shared.localcluster import LocalCluster, default_model_path
-from shared.messages import Artifact
+from shared.messages import Artifact, InstanceStopped, PreemptInstance
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import metric, wait_for
 
@@ -116,3 +118,43 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
     assert "victim" not in after.get("node-0", set())
     assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") <= metric(
         c, "memory_manager@node-0", "tessera_memory_budget_bytes")
+
+
+async def test_an_instance_the_scheduler_preempts_ends_its_requests_which_finish_elsewhere(
+        tight_pair: LocalCluster) -> None:
+    # The scheduler's order (LLM-Mesh §7.1, when neighbours' decode rounds keep a bigger
+    # instance from a request: `placement.preemption_for`), sent here by hand over the bus to
+    # the engine running "big" on node-0, mid-stream.
+    c = tight_pair
+    client = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    await client.completions.create(model="big", prompt="Hello", max_tokens=2)
+    assert "big" in node_models(c)["node-0"]
+    preempted = metric(c, "engine@node-0", "tessera_engine_preemptions_total")
+    resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
+    stream = await client.completions.create(model="big", prompt="Tell me about the sea.", max_tokens=VICTIM_TOKENS,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    bus = Bus("test")
+    await bus.connect(c.nats_url)
+    text, usage, finish, ordered = "", 0, "", False
+    try:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                text += chunk.choices[0].text
+                if not ordered:
+                    reply = await bus.request(subjects.engine_preempt("node-0"),
+                                              PreemptInstance(model="big", for_model="victim"), InstanceStopped,
+                                              timeout=10)
+                    assert reply.stopped and reply.reason == "preempted"
+                    ordered = True
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+    finally:
+        await bus.close()
+    assert finish == "length" and usage == VICTIM_TOKENS and text
+    assert metric(c, "engine@node-0", "tessera_engine_preemptions_total") == preempted + 1
+    assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 1
+    wait_for(lambda: "big" not in node_models(c).get("node-0", set()), 10, "big unloaded from node-0")
+    assert "big" in node_models(c)["node-1"]

@@ -269,3 +269,34 @@ def test_a_start_where_no_worker_is_prewarmed_also_waits_for_one_to_spawn() -> N
     d = demand(prompt=128, ttft=5.0)
     assert validate(prewarmed, "m", d, {"m": p}).ttft_s == pytest.approx(1.1 * (0.6 + 0.2), rel=1e-3)
     assert validate(bare, "m", d, {"m": p}).ttft_s == pytest.approx(1.1 * (0.6 + 3.5 + 0.2), rel=1e-3)
+
+
+def test_neighbours_with_smaller_batches_are_preempted_to_fit_a_request_into_a_big_instance() -> None:
+    # §7.1. "m" runs three requests on "a" beside "o1" (one request) and "o2" (two), both with
+    # a 50 ms TPOT SLO.
+    tight = Profile(PERF, 60.0, 0.05, "a1", weight_bytes=100, kv_bytes=10)
+    nodes = [node("a", inst("m", active=3), inst("o1", active=1), inst("o2", active=2)), node("b")]
+    profiles = {"m": profile(ttft=60.0, tpot=1.0), "o1": tight, "o2": tight}
+    d = demand(ttft=60.0, tpot=1.0)
+    # m's round: its own iteration + o1's + o2's = 3 × 20 ms × 1.1 = 66 ms > o's 50 ms.
+    assert validate(nodes[0], "m", d, profiles).failure == Failure.ROUND_TOO_LONG
+    # Without o1 (the smaller batch, preempted first): 44 ms ≤ 50 ms. It validates on "b".
+    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=d,
+                 profiles=profiles) == UseNode("a", preempt=("o1",))
+
+
+def test_preemption_spares_bigger_neighbours_and_those_that_cannot_go_elsewhere() -> None:
+    from services.scheduler.placement import preemption_for
+
+    tight = Profile(PERF, 60.0, 0.03, "a1", weight_bytes=100, kv_bytes=10)
+    crowded = node("a", inst("m", active=1), inst("big", active=4), inst("small", active=1))
+    profiles = {"m": profile(ttft=60.0, tpot=1.0), "big": tight, "small": tight}
+    d = demand(ttft=60.0, tpot=1.0)
+    # Removing "small" leaves a 44 ms round, over big's 30 ms; "big" (batch 4 ≥ m's 2) is
+    # never preempted for it: no plan.
+    assert preemption_for(crowded, "m", d, profiles, lambda _: True) is None
+    # A neighbour whose requests would miss elsewhere stays, too.
+    lone = node("a", inst("m", active=3), inst("small", active=1))
+    assert validate(lone, "m", d, profiles).failure == Failure.ROUND_TOO_LONG
+    assert preemption_for(lone, "m", d, profiles, lambda _: False) is None
+    assert preemption_for(lone, "m", d, profiles, lambda _: True) == ("small",)
