@@ -226,7 +226,8 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
             sched = httpx.get(f"http://127.0.0.1:{cluster.procs['scheduler'].http_port}/metrics", timeout=10).text
             counters = {name: sum(float(line.split()[-1]) for line in sched.splitlines()
                                   if line.startswith(name) and not line.startswith(name + "_created"))
-                        for name in ("tessera_scheduler_scale_outs_total", "tessera_scheduler_scale_to_zero_total")}
+                        for name in ("tessera_scheduler_scale_outs_total", "tessera_scheduler_scale_to_zero_total",
+                                     "tessera_scheduler_preemptions_total")}
             starts = len(httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json())
             status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
             placed = {n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]}
@@ -241,6 +242,7 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
     return {"policy": variant, "summary": summary, "instances_at_end": placed, "wall_s": wall,
             "scale_outs": counters["tessera_scheduler_scale_outs_total"],
             "scale_to_zero": counters["tessera_scheduler_scale_to_zero_total"], "cold_starts": starts,
+            "preemptions": counters["tessera_scheduler_preemptions_total"],
             "results": results}
 
 
