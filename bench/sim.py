@@ -2,10 +2,15 @@
 
     .venv/bin/python -m bench.sim [--quick] [--out bench/results]
 
-It replays a seeded bursty multi-model trace (`bench.trace`) on N CPU and M GPU nodes, with
-the policy code the services use (`services.scheduler.{shadow,defrag,affinity,admission,
-perf_model}`, `services.memory_manager.{station,kv_watermark,tensor_pool}`), and with two
-baselines:
+It replays a seeded bursty multi-model trace (`bench.trace`) on N CPU and M GPU nodes with
+the policy modules (`services.scheduler.{shadow,defrag,affinity,admission,perf_model}`,
+`services.memory_manager.{station,kv_watermark,tensor_pool}`). The services run the station,
+the KV watermark, affinity, defrag's preemption choice, the perf model and the tensor pool's
+eviction rule (`shared.eviction`) too; for shadow validation they use
+`services.scheduler.placement.validate`, which predicts their batching engine, where this
+simulator's nodes run the paper's token-level discipline that `shadow.validate_fifo`
+predicts, and they admit with the scheduler's early reject rather than `admission`'s
+deadline queue. Two baselines:
 
 - `exclusive`: a Knative / ServerlessLLM deployment (LLM-Mesh §8.1's sllm+cpu): one model per
   instance and one instance per node (the node's whole memory is the instance's), CPU nodes
