@@ -85,6 +85,14 @@ class Verdict:
     round_s: float = 0.0
 
 
+def worker_mates(node: NodeView, view: InstanceView) -> list[InstanceView]:
+    """The instances served by `view`'s worker: names on one artifact share a worker, and
+    every request on it is in the same queue and batch, whichever name it came for."""
+    if not view.worker_pid:
+        return [view]
+    return [v for v in node.instances.values() if v.worker_pid == view.worker_pid]
+
+
 def _tokens(max_tokens: int) -> int:
     return max(1, min(max_tokens, TYPICAL_COMPLETION_TOKENS))
 
@@ -116,8 +124,6 @@ def validate(
     perf = own.perf
     tokens = _tokens(demand.max_tokens)
     inst = node.instances.get(model)
-    # Names on one artifact share a worker: every request on that worker is ahead, whichever
-    # name it came for.
     if inst is None:
         ahead, running, held = start_waiting, 0, 0
         # A new instance must start first: quickly where its weights are resident, else a load.
@@ -125,7 +131,7 @@ def validate(
                 else own.start_s + (0.0 if node.prewarmed else own.spawn_s))
         ready_in = max(0.0, full - start_elapsed_s)
     else:
-        mates = [v for v in node.instances.values() if v.worker_pid == inst.worker_pid] if inst.worker_pid else [inst]
+        mates = worker_mates(node, inst)
         ahead = sum(v.active for v in mates)
         running = min(ahead, sum(v.running for v in mates))
         held = sum(v.held_tokens for v in mates)
@@ -149,8 +155,7 @@ def validate(
         if view.worker_pid and view.worker_pid in counted:
             continue
         counted.add(view.worker_pid)
-        busy = view.active if not view.worker_pid else sum(
-            v.active for v in node.instances.values() if v.worker_pid == view.worker_pid)
+        busy = sum(v.active for v in worker_mates(node, view))
         round_s += p.perf.decode_s(min(busy, width), length)
     round_s *= overestimate
     # A round too long hurts everyone on the node: it rules the node out, a late first token
@@ -200,16 +205,11 @@ def preemption_for(node: NodeView, model: str, demand: Demand, profiles: Mapping
     inst = node.instances.get(model)
     if inst is None:
         return None
-
-    def busy(view: InstanceView) -> int:
-        if not view.worker_pid:
-            return view.active
-        return sum(v.active for v in node.instances.values() if v.worker_pid == view.worker_pid)
-
-    own = busy(inst) + 1
+    mates = worker_mates(node, inst)
+    own = sum(v.active for v in mates) + 1
     candidates = sorted(
-        (busy(v), m) for m, v in node.instances.items()
-        if m != model and v.active > 0 and not (inst.worker_pid and v.worker_pid == inst.worker_pid))
+        (sum(w.active for w in worker_mates(node, v)), m) for m, v in node.instances.items()
+        if v.active > 0 and v not in mates)
     victims: list[str] = []
     instances = dict(node.instances)
     for batch, m in candidates:

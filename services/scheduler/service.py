@@ -66,8 +66,6 @@ class SchedulerService:
         self._placed: dict[tuple[str, str], list[float]] = {}
         """When requests were placed on (node, model): counted until a heartbeat covers them."""
         self._starts: dict[str, tuple[StartUnderWay, asyncio.Task[InstanceReady | Rejected]]] = {}
-        self._scale_outs: set[asyncio.Task[InstanceReady | Rejected]] = set()
-        """Starts ordered ahead of demand (no request waits for them): kept from the collector."""
         self._keepalive: asyncio.Task[None] | None = None
         self.perf = PerfBook()
         self._records: dict[str, ModelRecord] = {}
@@ -199,15 +197,12 @@ class SchedulerService:
             log.debug("placed %s (%d prompt tokens) on %s: predicted %s (%s)", req.request_id, req.prompt_tokens,
                       decision.node_id, validate(at, req.model, demand, profiles), at.instances.get(req.model),
                       extra={"model": req.model})
-        match decision:
-            case UseNode(node_id, scale_out_to) if scale_out_to is not None and req.model not in self._starts:
-                SCALE_OUTS.inc()
-                log.info("scale-out of %s to %s for the requests to come, this one queues on %s: no running "
-                         "instance validates (%s)", req.model, scale_out_to, node_id, decision.why,
-                         extra={"model": req.model})
-                task = asyncio.create_task(self._ensure_started(record, scale_out_to, wait=False))
-                self._scale_outs.add(task)
-                task.add_done_callback(self._scale_outs.discard)
+        if isinstance(decision, UseNode) and decision.scale_out_to and req.model not in self._starts:
+            SCALE_OUTS.inc()
+            log.info("scale-out of %s to %s for the requests to come, this one queues on %s: no running "
+                     "instance validates (%s)", req.model, decision.scale_out_to, decision.node_id, decision.why,
+                     extra={"model": req.model})
+            self._begin_start(record, decision.scale_out_to)  # no request waits for it
         if isinstance(decision, UseNode) and decision.preempt:
             await self._preempt(decision.node_id, decision.preempt, req.model, decision.why)
         match decision:
@@ -263,17 +258,18 @@ class SchedulerService:
             out.append(n)
         return out
 
-    async def _ensure_started(self, record: ModelRecord, node_id: str, wait: bool = True
-                              ) -> InstanceReady | Rejected:
-        """Every request that needs the model while it starts waits for the same start
-        (`wait=False`: a start ordered for the requests to come, which no request waits for)."""
+    def _begin_start(self, record: ModelRecord, node_id: str) -> None:
+        """Start the model there unless a start of it is under way (one per model at a time);
+        `_starts` holds the task until it is done."""
         if record.name not in self._starts:
             task = asyncio.create_task(self._start(record, node_id))
             self._starts[record.name] = (StartUnderWay(node_id, time.time()), task)
             task.add_done_callback(lambda _: self._starts.pop(record.name, None))
+
+    async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
+        """Every request that needs the model while it starts waits for the same start."""
+        self._begin_start(record, node_id)
         start, task = self._starts[record.name]
-        if not wait:
-            return await asyncio.shield(task)
         self._starts[record.name] = (dataclasses.replace(start, waiting=start.waiting + 1), task)
         try:
             return await asyncio.shield(task)
