@@ -57,10 +57,12 @@ import heapq
 import itertools
 import json
 import math
+import multiprocessing
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,9 +71,11 @@ from bench.trace import Trace, generate
 from services.memory_manager import kv_watermark as kvw
 from services.memory_manager.station import MemOp, OpKind, Station, load, resize_kv, unload
 from services.memory_manager.tensor_pool import Tensor, TensorPool
-from services.scheduler import admission, defrag, shadow
-from services.scheduler.affinity import Offer, rank_nodes
+from services.scheduler import defrag
+from services.scheduler import policy as sched
 from services.scheduler.perf_model import PerfModel, profile
+from services.scheduler.placement import Demand, Profile
+from shared.messages import Rejected, Tier
 
 TPOT_SLO = 0.25
 """LLM-Mesh §3.1, §8.1."""
@@ -136,24 +140,23 @@ TYPICAL_LENGTH = 1000.0
 class Policy:
     name: str
     shared: bool = True
-    """Tessera: instances of many models share a node (shadow validation, pool, station)."""
+    """Tessera: instances of many models share a node (`sched.place`, the pool, the station)."""
     use_cpu: bool = True
     keep_alive_s: float = 1.0
     """LLM-Mesh §8.1 sets 1 s for every system; Tessera's weights stay in the pool after."""
-    max_queued_per_model: int = 256
     queue_timeout_s: float = 60.0
     """Exclusive: a request waiting this long for a slot is dropped (it is late anyway)."""
-    candidates_per_kind: int = 8
-    """Scale-out looks at this many nodes with the most available memory per kind, plus every
-    node holding the model's tensors: an index, not a scan of the cluster."""
-    max_instance_tries: int = 4
-    """Placement validates at most this many of the model's instances per node kind (the
-    highest batches, §7.2) before scaling out; at the 8-node setup that is every instance."""
-    max_start_tries: int = 4
-    """Scale-out validates at most this many ranked nodes of each kind (CPU ones first)."""
-    preempt: bool = True
-    overestimate: float = shadow.OVERESTIMATE
-    """§5.3's 10% on each predicted iteration."""
+    candidates_per_kind: int = 4
+    """Placement sees this many nodes with the most available memory per kind, the model's
+    busiest instances per kind, and nodes holding its tensors: an index, not a scan of the
+    cluster."""
+    reject_over_slo: float | None = 1.0
+    """The scheduler's early reject (`sched.place`): a request whose soonest first token is
+    predicted past this many TTFT SLOs is refused at once rather than queued."""
+    max_active_per_instance: int = 256
+    max_replacements: int = 2
+    """A request a node cannot hold (its KV cache cannot grow) is placed again elsewhere, as
+    the gateway does on the engine's `no_capacity`, this many times at most."""
     exclusive_kinds: tuple[str, ...] = ("cpu", "gpu")
     """Exclusive: the order node kinds are tried for a new instance (LLM-Mesh §8.1: every
     system prioritizes CPU nodes)."""
@@ -164,16 +167,17 @@ class Policy:
 
 TESSERA = Policy("tessera")
 GPU_ONLY = Policy("gpu_only", use_cpu=False)
-EXCLUSIVE = Policy("exclusive", shared=False, preempt=False)
+EXCLUSIVE = Policy("exclusive", shared=False)
 
 
 # --- state ------------------------------------------------------------------------------------
 
 
 class Req:
-    __slots__ = ("arrival", "cold", "d0", "done", "eligible_at", "first", "inp", "inst",
-                 "kv_wait", "met", "model", "out", "outcome", "pf_end", "pf_start", "queued",
-                 "rid", "ticket", "ttft")
+    __slots__ = ("arrival", "cold", "d0", "dec", "done", "eligible_at", "first", "inp", "inst",
+                 "k0",
+                 "kv_wait", "met", "model", "moves", "out", "outcome", "pf_end", "pf_start",
+                 "queued", "rid", "seg", "ttft")
 
     def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int) -> None:
         self.rid, self.model, self.arrival, self.inp, self.out = rid, model, arrival, inp, out
@@ -184,9 +188,14 @@ class Req:
         self.inst: Inst | None = None
         self.met = True
         self.outcome = ""
-        self.ticket = 0
+        self.k0 = 0
+        """Tokens it had generated when it was last preempted (its prefill then includes them)."""
+        self.seg = 0
+        """Bumped when it is preempted: entries of its earlier placement are stale."""
+        self.moves = 0
         self.cold = False
-        self.queued = False  # in its node's prefill FIFO
+        self.queued = False  # in its node's prefill FIFO, or past it
+        self.dec = False  # decoding
         self.kv_wait = False  # waiting for its instance's KV cache to grow
         self.eligible_at = 0.0  # predicted time it can enter the FIFO
         self.pf_start = 0.0
@@ -194,12 +203,19 @@ class Req:
 
 
 class Inst:
-    __slots__ = ("alive", "hst", "idle_ver", "inp_dec", "kv", "kv_free_at", "load_s", "model",
-                 "nd",
-                 "node", "npend", "pend_inp", "perf", "rc", "ready", "ready_at", "s", "weights")
+    """An instance, as placement sees one (`placement.InstanceState`) and as it runs."""
 
-    def __init__(self, model: int, node: Node, perf: PerfModel, load_s: float, now: float,
-                 weights: int) -> None:
+    __slots__ = ("alive", "hst", "idle_ver", "inp_dec", "kv", "kv_free_at", "last_used",
+                 "load_s", "model", "nd", "node", "npend", "pend_inp", "perf", "ready",
+                 "ready_at", "reqs", "s", "sim", "weights")
+
+    worker_pid = 0
+    """Each has a worker of its own (no names sharing an artifact's worker)."""
+    tier = Tier.STEADY.value
+
+    def __init__(self, sim: Sim, model: int, node: Node, perf: PerfModel, load_s: float,
+                 now: float, weights: int) -> None:
+        self.sim = sim
         self.model, self.node, self.perf, self.load_s = model, node, perf, load_s
         self.ready = False
         self.ready_at = now + load_s  # expected, until the load completes
@@ -214,37 +230,97 @@ class Inst:
         self.npend = 0  # placed, first token not yet
         self.pend_inp = 0
         self.hst = 0  # stamp of its current entry in the model's instance index
-        self.rc = 0.0  # its decode iteration with its waiting requests counted (as of the
-        # node's last reschedule)
+        self.last_used = now
+        self.reqs: set[Req] = set()
 
     @property
     def batch(self) -> int:
         return self.nd + self.npend
 
+    active = batch
+
+    @property
+    def running(self) -> int:
+        return self.nd
+
+    @property
+    def held_tokens(self) -> int:
+        return int(self.s + self.nd * self.node.D)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.pend_inp
+
+    @property
+    def ready_in_s(self) -> float:
+        """Until its weights are loaded and its KV cache has room for one more request: a
+        resize under way, or the one a newcomer of typical length would need (§6.2)."""
+        t = self.node.t
+        return max(t if self.ready else self.ready_at, self.kv_free_at) - t + self.sim.growth_s(self)
+
 
 class Node:
-    __slots__ = ("D", "dec_heap", "done_heap", "fifo", "hw", "insts", "mem_stamp", "nid",
-                 "ops", "pf_end", "pool", "round_all", "round_s", "station", "t", "unq", "ver",
-                 "windows")
+    """A node, as placement sees one (`placement.NodeState`) and as it runs: a continuous-
+    batching engine that prefills first."""
 
-    def __init__(self, nid: int, hw: Hardware) -> None:
+    __slots__ = (
+        "D",
+        "dec_heap",
+        "done_heap",
+        "fifo",
+        "hw",
+        "instances",
+        "insts",
+        "mem_stamp",
+        "nid",
+        "node_id",
+        "ops",
+        "pf_end",
+        "pool",
+        "resident",
+        "round_s",
+        "sim",
+        "starting",
+        "station",
+        "t",
+        "unq",
+        "ver",
+        "windows",
+    )
+
+    seen_at = math.inf
+    """The simulator sees its nodes as they are, not through heartbeats."""
+    max_batch = 256
+    join_recompute_tokens = 0
+    prewarmed = 1
+    """A start costs `Hardware.init_s` (a pre-warmed worker) plus its load."""
+    continuous_batching = True
+
+    def __init__(self, sim: Sim, nid: int, hw: Hardware) -> None:
+        self.sim = sim
         self.nid, self.hw = nid, hw
+        self.node_id = str(nid)
         self.insts: dict[int, Inst] = {}
+        self.instances: dict[str, Inst] = {}
+        """Its instances by model name, loading ones too (`Inst.ready_in_s` says when they
+        can run: the simulator sees what a heartbeat would not yet show)."""
+        self.starting: set[str] = set()
+        self.resident: set[str] = set()
+        """Artifacts whose weights its pool holds with no instance."""
         self.t = 0.0
         self.D = 0.0
         self.round_s = 0.0
-        self.round_all = 0.0
-        """Σ over instances of `Inst.rc`: the round if every waiting request were decoding."""
         self.windows: deque[tuple[float, float]] = deque()
         """(start, end) of the prefills queued or running, in order: decode stops in them."""
         self.pf_end = 0.0
-        self.fifo: deque[Req] = deque()
+        self.fifo: deque[list[Any]] = deque()
+        """[request, its seg, start, end] of the prefills queued or running, in order."""
         self.unq: list[Req] = []
         """Placed requests not yet eligible for the FIFO (instance loading, KV growing)."""
-        self.dec_heap: list[tuple[float, int, Req]] = []
-        """(c_r, id, r) of decoding requests still within their SLO; headroom = c_r + g."""
-        self.done_heap: list[tuple[float, int, Req]] = []
-        """(decode clock at which r finishes, id, r)."""
+        self.dec_heap: list[tuple[float, int, int, Req]] = []
+        """(c_r, id, seg, r) of decoding requests still within their SLO; headroom = c_r + g."""
+        self.done_heap: list[tuple[float, int, int, Req]] = []
+        """(decode clock at which r finishes, id, seg, r)."""
         self.ver = 0
         self.station = Station(hw.memory_bytes)
         self.pool = TensorPool(hw.memory_bytes, hw.load_bps)
@@ -254,6 +330,38 @@ class Node:
     @property
     def kind(self) -> str:
         return self.hw.kind
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return self.hw.memory_bytes
+
+    @property
+    def memory_used_bytes(self) -> int:
+        return self.hw.memory_bytes - self.pool.available_bytes()
+
+    @property
+    def prefill_slack_s(self) -> float:
+        """How long one more prefill may hold up its requests (`placement.NodeState`): the
+        least eq. 1 headroom among them once the prefills queued have run. For a decoding
+        request, its headroom now less every queued prefill; for a queued one, its headroom
+        at its first token less the prefills queued after it."""
+        h = self.dec_heap
+        while h and (h[0][3].done >= 0 or h[0][3].seg != h[0][2]):
+            heapq.heappop(h)
+        # The prefills that run before one placed now: the queue's, then the ones waiting
+        # for a load or a KV resize (they join the queue in arrival order, so ahead of it).
+        end = max(self.pf_end, self.t)
+        for r in self.unq:
+            if r.inst is not None:
+                end = max(end, r.eligible_at) + r.inst.perf.prefill_s(r.inp)
+        least = h[0][0] + TPOT_SLO * self.D - end if h else math.inf
+        for r, seg, _, _ in self.fifo:
+            if r.seg == seg and r.met:
+                least = min(least, r.arrival + r.ttft + TPOT_SLO * r.k0 - end)
+        for r in self.unq:
+            if r.met:
+                least = min(least, r.arrival + r.ttft + TPOT_SLO * r.k0 - end)
+        return least
 
 
 @dataclass
@@ -320,30 +428,13 @@ class Stats:
 PF_DONE, NODE_NEXT, OP_DONE, READY, KEEPALIVE, TICK, SAMPLE = range(7)
 
 
-class _Cand:
-    """An instance as `shadow.order_candidates` sees it."""
-
-    __slots__ = ("inst",)
-
-    def __init__(self, inst: Inst) -> None:
-        self.inst = inst
-
-    @property
-    def kind(self) -> str:
-        return self.inst.node.hw.kind
-
-    @property
-    def batch(self) -> int:
-        return self.inst.batch
-
-
 class Sim:
     def __init__(self, trace: Trace, n_cpu: int, n_gpu: int, policy: Policy) -> None:
         self.trace, self.policy = trace, policy
         self.nodes: list[Node] = []
         if policy.use_cpu:
-            self.nodes += [Node(i, CPU) for i in range(n_cpu)]
-        self.nodes += [Node(len(self.nodes) + i, GPU) for i in range(n_gpu)]
+            self.nodes += [Node(self, i, CPU) for i in range(n_cpu)]
+        self.nodes += [Node(self, len(self.nodes) + i, GPU) for i in range(n_gpu)]
         self.models = trace.models
         self.tensors = [(Tensor(f"w{i}", m.weight_bytes),) for i, m in enumerate(self.models)]
         self.perf: dict[tuple[float, str], PerfModel] = {}
@@ -356,6 +447,10 @@ class Sim:
         """Model → kind → its instances by batch, highest first (lazy: an entry is live while
         its stamp is the instance's), so placement never scans a hot model's instances."""
         self.hseq = 0
+        self.names = [str(i) for i in range(len(self.models))]
+        self.profiles = {self.names[i]: self._model_profile(i) for i in range(len(self.models))}
+        self.starts: dict[str, sched.StartUnderWay] = {}
+        """The start under way per model (`sched.place` orders one at a time per model)."""
         self.idle_at: list[set[int]] = [set() for _ in self.models]
         """Model → nodes whose tensor pool holds its weights idle (no instance of it)."""
         self.heaps: dict[str, list[tuple[int, int, int]]] = {"cpu": [], "gpu": []}
@@ -368,8 +463,6 @@ class Sim:
         self.events: list[tuple[float, int, int, Any, int]] = []
         self.seq = 0
         self.now = 0.0
-        self.queue: admission.DeadlineQueue[Req] = admission.DeadlineQueue()
-        self.queued: dict[int, int] = {}
         self.excl_queue: dict[int, deque[Req]] = {}
         self.op_seq = 0
         self.tick_pending = False
@@ -379,7 +472,18 @@ class Sim:
         self.limit_cache: dict[tuple[int, str], int] = {}
         self.active_bytes = 0
         self.reqs: list[Req] = []
-        self.validations = 0
+        self.placements = 0
+        self.wid = 0
+
+    def _model_profile(self, m: int) -> Profile:
+        """What placement knows of model m: the sim's perf models are its measurements."""
+        spec = self.models[m]
+        by_kind = {hw.kind: self.perf[(spec.params_b, hw.kind)] for hw in (CPU, GPU)}
+        kv0 = kvw.recommended_bytes(kvw.required_bytes(
+            spec.kv_bytes_per_token, [(int(TYPICAL_LENGTH), 0)], DEFAULT_MEAN_OUTPUT, L_MIN_TOKENS))
+        starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in (CPU, GPU)}
+        return Profile(by_kind["gpu"], 2.0, TPOT_SLO, f"w{m}", spec.weight_bytes, kv0,
+                       max(starts.values()), 0.0, by_kind, starts, max(CPU.init_s, GPU.init_s))
 
     # -- events
     def push(self, t: float, kind: int, obj: Any, ver: int = 0) -> None:
@@ -472,32 +576,23 @@ class Sim:
         if h:
             g = TPOT_SLO * node.D - t1
             while h and h[0][0] + g < -1e-7:
-                r = heapq.heappop(h)[2]
-                if r.done < 0:
+                _, _, seg, r = heapq.heappop(h)
+                if r.done < 0 and r.seg == seg:
                     r.met = False
 
     def reschedule(self, node: Node) -> None:
-        """Recompute the node's decode round and its next completion; and, for shadow
-        validation, each instance's decode iteration with its waiting requests counted."""
+        """Recompute the node's decode round and its next completion."""
         rs = 0.0
-        ra = 0.0
         D = node.D
         for inst in node.insts.values():
             nd = inst.nd
             if nd:
-                x = inst.perf.decode_s(nd, inst.s / nd + D)
-                rs += x
-            else:
-                x = 0.0
-            if inst.npend:
-                b = nd + inst.npend
-                x = inst.perf.decode_s(b, (inst.s + nd * D + inst.pend_inp) / b)
-            inst.rc = x
-            ra += x
+                rs += inst.perf.decode_s(nd, inst.s / nd + D)
         node.round_s = rs
-        node.round_all = ra
         node.ver += 1
         h = node.done_heap
+        while h and h[0][3].seg != h[0][2]:
+            heapq.heappop(h)
         if h and rs > 0:
             # Decode time needed, laid into the gaps between queued prefills.
             t, need = node.t, max(h[0][0] - D, 0.0) * rs
@@ -515,54 +610,87 @@ class Sim:
         lim = node.D + 1e-6
         finished = []
         while h and h[0][0] <= lim:
-            finished.append(heapq.heappop(h)[2])
+            _, _, seg, r = heapq.heappop(h)
+            if r.seg == seg:
+                finished.append(r)
         for r in finished:
             self.complete(r)
         self.reschedule(node)
-        if finished and (self.queue or self.excl_queue):
+        if finished and self.excl_queue:
             self.schedule_tick(0.0)
 
     def enqueue_prefill(self, r: Req) -> None:
-        """r's instance is ready and its KV cache grown: its prefill joins the node's FIFO."""
+        """r's instance is ready and its KV cache grown: its prefill joins the node's queue,
+        in arrival order (one that waited for a load or a KV resize goes ahead of later
+        arrivals; the prefill running is never cut short)."""
         inst = r.inst
-        assert inst is not None and not r.queued and r.first < 0
+        assert inst is not None and not r.queued and not r.dec
         node = inst.node
         self.advance(node)
         r.queued = True
         p = inst.perf.prefill_s(r.inp)
-        start = max(node.pf_end, self.now)
-        r.pf_start, r.pf_end = start, start + p
-        node.pf_end = start + p
-        node.windows.append((start, start + p))
-        node.fifo.append(r)
-        self.push(start + p, PF_DONE, node)
+        fifo = node.fifo
+        now = self.now
+        if not fifo or fifo[-1][0].arrival <= r.arrival:
+            start = max(node.pf_end, now)
+            r.pf_start, r.pf_end = start, start + p
+            node.pf_end = start + p
+            node.windows.append((start, start + p))
+            fifo.append([r, r.seg, start, start + p])
+            if len(fifo) == 1:
+                self.push(start + p, PF_DONE, node)
+        else:
+            i = len(fifo) - 1
+            while i > 1 and fifo[i - 1][0].arrival > r.arrival:
+                i -= 1
+            fifo.insert(i, [r, r.seg, 0.0, p])
+            t = fifo[i - 1][3]
+            for e in itertools.islice(fifo, i, None):
+                e[2], e[3] = t, t + (e[3] - e[2])
+                t = e[3]
+                if e[0].seg == e[1]:
+                    e[0].pf_start, e[0].pf_end = e[2], e[3]
+            node.pf_end = t
+            node.windows = deque((e[2], e[3]) for e in fifo if e[3] > now)
         self.reschedule(node)
 
     def on_prefill_done(self, node: Node) -> None:
         self.advance(node)
-        r = node.fifo.popleft()
+        r, seg, _, _ = node.fifo.popleft()
+        if node.fifo:
+            self.push(node.fifo[0][3], PF_DONE, node)
+        if r.seg != seg:
+            return  # preempted while queued: the node ran its prefill for nothing
         inst = r.inst
         assert inst is not None
         inst.npend -= 1
         inst.pend_inp -= r.inp
-        r.first = self.now
-        self.stats.ttfts.append(self.now - r.arrival)
-        deadline = r.arrival + r.ttft
+        # Its next token's deadline (eq. 1): the first token's, plus TPOT for each it had
+        # generated before a preemption.
+        deadline = r.arrival + r.ttft + TPOT_SLO * r.k0
+        if r.first < 0:
+            r.first = self.now
+            self.stats.ttfts.append(self.now - r.arrival)
         if self.now > deadline + 1e-7:
             r.met = False
         r.d0 = node.D
+        r.dec = True
         inst.nd += 1
         inst.s += r.inp - r.d0
         inst.inp_dec += r.inp
         if r.met:
-            heapq.heappush(node.dec_heap, (deadline - TPOT_SLO * r.d0, r.rid, r))
-        heapq.heappush(node.done_heap, (r.d0 + max(r.out - 1, 0), r.rid, r))
+            heapq.heappush(node.dec_heap, (deadline - TPOT_SLO * r.d0, r.rid, seg, r))
+        heapq.heappush(node.done_heap, (r.d0 + max(r.out - r.k0 - 1, 0), r.rid, seg, r))
         self.reschedule(node)
 
     def on_ready(self, inst: Inst) -> None:
         inst.ready = True
         inst.ready_at = self.now
         node = inst.node
+        name = self.names[inst.model]
+        start = self.starts.get(name)
+        if start is not None and start.node_id == node.node_id:
+            del self.starts[name]
         for r in [q for q in node.unq if q.inst is inst and not q.kv_wait]:
             node.unq.remove(r)
             self.enqueue_prefill(r)
@@ -579,6 +707,8 @@ class Sim:
         inst.nd -= 1
         inst.s -= r.inp - r.d0
         inst.inp_dec -= r.inp
+        inst.reqs.discard(r)
+        inst.last_used = self.now
         self.out_sum[r.model] += r.out
         self.out_n[r.model] += 1
         if self.policy.shared:
@@ -624,6 +754,7 @@ class Sim:
     def _evicted(self, node: Node, fingerprints: Sequence[str]) -> None:
         for fp in fingerprints:
             self.idle_at[int(fp[1:])].discard(node.nid)
+            node.resident.discard(fp)
 
     def _indexed(self, inst: Inst) -> None:
         """Its batch changed: a fresh entry in the model's instance index."""
@@ -676,7 +807,7 @@ class Sim:
             self.on_ready(inst)
         for r in waiters:
             r.kv_wait = False
-            if inst.alive and inst.ready and r.inst is inst and not r.queued and r.first < 0:
+            if inst.alive and inst.ready and r.inst is inst and not r.queued:
                 node.unq.remove(r)
                 self.enqueue_prefill(r)
         self.run_station(node)
@@ -689,16 +820,29 @@ class Sim:
         """Ō of eq. 2: the model's mean output so far (a default until a few are seen)."""
         return self.out_sum[m] / self.out_n[m] if self.out_n[m] >= 4 else DEFAULT_MEAN_OUTPUT
 
+    def growth_s(self, inst: Inst) -> float:
+        """Seconds to grow inst's KV cache for one more request of typical length, if it must."""
+        if not self.policy.shared:
+            return 0.0
+        required = self._kv_required(inst, int(TYPICAL_LENGTH))
+        if required <= inst.kv:
+            return 0.0
+        return kvw.resize_seconds(inst.kv, kvw.recommended_bytes(required),
+                                  inst.node.hw.kv_copy_bps, RESIZE_FIXED_S)
+
     def kv_required(self, inst: Inst, extra: Req | None) -> int:
+        return self._kv_required(inst, None if extra is None else extra.inp)
+
+    def _kv_required(self, inst: Inst, extra_inp: int | None) -> int:
         """Eq. 2 from the instance's aggregates: Σ I + max(Σ O, n·Ō) (Σ max(O_r, Ō) ≥ this;
         the watermark's 20% covers the difference)."""
         spec = self.models[inst.model]
         n = inst.batch
         inp = inst.inp_dec + inst.pend_inp
         generated = max(inst.s - inst.inp_dec + inst.nd * inst.node.D, 0.0) + inst.nd
-        if extra is not None:
+        if extra_inp is not None:
             n += 1
-            inp += extra.inp
+            inp += extra_inp
         mean = self.mean_output(inst.model)
         return kvw.required_bytes(spec.kv_bytes_per_token, [(inp, int(generated))], n * mean,
                                   L_MIN_TOKENS)
@@ -719,53 +863,7 @@ class Sim:
             inst.kv_free_at = max(inst.kv_free_at, self.now) + d
             self._mem_changed(node)
 
-    # -- placement (Tessera)
-    def validate(self, node: Node, target: Inst | None, perf: PerfModel, r: Req,
-                 eligible_in: float) -> bool:
-        """Shadow validation (`shadow.validate_fifo`) of r joining `target` on `node` (None:
-        a new instance of r's model, ready in `eligible_in`)."""
-        self.validations += 1
-        self.advance(node)
-        now = self.now
-        D = node.D
-        # The round with every waiting request decoding, from the node's last reschedule
-        # (lengths grow by a few tokens between events: the overestimate covers it), with the
-        # target's iteration recomputed for the request added.
-        rs = node.round_all
-        if target is None:
-            rs += perf.decode_s(1, r.inp)
-        else:
-            b = target.nd + target.npend + 1
-            rs += target.perf.decode_s(
-                b, (target.s + target.nd * D + target.pend_inp + r.inp) / b) - target.rc
-        tpot = TPOT_SLO
-        if rs * self.policy.overestimate > tpot:
-            return False
-        h = node.dec_heap
-        while h and h[0][2].done >= 0:
-            heapq.heappop(h)
-        least = h[0][0] + TPOT_SLO * D - now if h else math.inf
-        oe = self.policy.overestimate
-        if not node.fifo and not node.unq:
-            # Nothing else waits for a prefill: the closed form of `validate_fifo` for one.
-            p = oe * perf.prefill_s(r.inp)
-            return (least - p >= 0.0
-                    and r.arrival + r.ttft - now - max(eligible_in, 0.0) - p >= 0.0)
-        prefills = []
-        for q in node.fifo:
-            hq = q.arrival + q.ttft - now
-            prefills.append(shadow.Prefill(q.pf_end - max(now, q.pf_start),
-                                           hq if hq >= 0 else math.inf))
-        for q in node.unq:
-            hq = q.arrival + q.ttft - now
-            prefills.append(shadow.Prefill(q.inst.perf.prefill_s(q.inp),  # type: ignore[union-attr]
-                                           hq if hq >= 0 else math.inf,
-                                           max(q.eligible_at - now, EPS)))
-        new = shadow.Prefill(perf.prefill_s(r.inp), r.arrival + r.ttft - now,
-                             max(eligible_in, 0.0))
-        return shadow.validate_fifo(rs, least, prefills, new, tpot,
-                                    overestimate=self.policy.overestimate).ok
-
+    # -- placement (Tessera): the scheduler's policy, `sched.place`
     def kv_plan(self, inst: Inst, r: Req) -> tuple[kvw.KvPlan, float]:
         """The KV plan for r joining inst, and when r's prefill could then start."""
         node = inst.node
@@ -778,33 +876,100 @@ class Sim:
             return plan, start + d
         return plan, ready
 
-    def try_instance(self, inst: Inst, r: Req) -> str:
-        """Place `r` on `inst` if memory and shadow validation allow; '' on success."""
-        # Case 3 first, from the cached round: the cheapest way to say no.
-        b = inst.nd + inst.npend + 1
-        node = inst.node
-        if (node.round_all - inst.rc + inst.perf.decode_s(
-                b, (inst.s + inst.nd * node.D + inst.pend_inp + r.inp) / b)
-                ) * self.policy.overestimate > TPOT_SLO:
-            self.validations += 1
-            return "compute"
-        # Compute before memory (the usual refusal, and the cheaper check); again with the
-        # KV growth's delay if the memory plan adds one.
-        ready = self.now if inst.ready else inst.ready_at
-        if not self.validate(node, inst, inst.perf, r, ready - self.now):
-            return "compute"
+    def candidates(self, m: int, avoid: set[int]) -> list[Node]:
+        """The nodes placement looks at for model m, from the indexes: its busiest instances
+        per kind, the node its start is under way on, nodes holding its tensors idle, and the
+        nodes with the most available memory per kind."""
+        k = self.policy.candidates_per_kind
+        kinds = ("cpu", "gpu") if self.policy.use_cpu else ("gpu",)
+        out: dict[int, Node] = {}
+        for kind in kinds:
+            for inst in self.top_instances(m, kind, k):
+                out[inst.node.nid] = inst.node
+        start = self.starts.get(self.names[m])
+        if start is not None:
+            n = self.nodes[int(start.node_id)]
+            out[n.nid] = n
+        for nid in itertools.islice(self.idle_at[m], k):
+            out[nid] = self.nodes[nid]
+        for kind in kinds:
+            for n in self.top_free(kind, k, m):
+                out[n.nid] = n
+        for nid in avoid:
+            out.pop(nid, None)
+        nodes = list(out.values())
+        now = self.now
+        for n in nodes:
+            if n.t < now:
+                self.advance(n)  # what placement reads of them, as of now
+        return nodes
+
+    def place_shared(self, r: Req, avoid: set[int] | None = None) -> None:
+        """Place r as the scheduler does (`sched.place`), then carry the decision out."""
+        avoid = avoid or set()
+        m = r.model
+        name = self.names[m]
+        self.placements += 1
+        # A resumed request's next token is due by its eq. 1 deadline.
+        due = r.arrival + r.ttft + TPOT_SLO * r.k0 - self.now
+        demand = Demand(r.inp, r.out - r.k0, max(due, 0.0), TPOT_SLO)
+        start = self.starts.get(name)
+        decision = sched.place(
+            name, self.candidates(m, avoid), {name: start} if start else {}, self.now,
+            node_timeout_s=math.inf,
+            max_active_per_instance=self.policy.max_active_per_instance,
+            demand=demand, profiles=self.profiles,
+            reject_over_slo=self.policy.reject_over_slo)
+        if isinstance(decision, Rejected):
+            self.reject(r, decision.code.value)
+            return
+        node = self.nodes[int(decision.node_id)]
+        if isinstance(decision, sched.UseNode):
+            for victim in decision.preempt:
+                self.preempt(node.insts[int(victim)])
+            if decision.scale_out_to is not None:
+                spare = self.nodes[int(decision.scale_out_to)]
+                if m not in spare.insts:
+                    self.start_instance(spare, m, None)
+            inst = node.insts[m]
+        elif isinstance(decision, sched.AwaitStart):
+            inst = node.insts[m]
+            start = self.starts.get(name)
+            if start is not None:
+                self.starts[name] = replace(start, waiting=start.waiting + 1)
+        else:
+            if not self.start_instance(node, m, r):
+                self.replace_elsewhere(r, node, avoid)
+            return
+        if not self.join(inst, r):
+            self.replace_elsewhere(r, node, avoid)
+
+    def replace_elsewhere(self, r: Req, node: Node, avoid: set[int]) -> None:
+        """The node cannot hold r's KV cache: the engine says `no_capacity` and the gateway
+        places the request again, avoiding that node."""
+        if r.moves >= self.policy.max_replacements:
+            self.reject(r, "no_capacity")
+            return
+        r.moves += 1
+        self.place_shared(r, avoid | {node.nid})
+
+    def join(self, inst: Inst, r: Req) -> bool:
+        """r joins inst if its KV cache can grow for it (§6.2), making room by preempting
+        idle neighbours (§7.1) where it cannot; False if neither."""
         plan, eligible_at = self.kv_plan(inst, r)
         if not plan.accepts:
-            return "memory"
-        if eligible_at > ready and not self.validate(node, inst, inst.perf, r,
-                                                     eligible_at - self.now):
-            return "compute"
+            if not self.try_preempt(inst, r):
+                return False
+            plan, eligible_at = self.kv_plan(inst, r)
+            if not plan.accepts:
+                return False
         self.attach(inst, r, plan.target_bytes, eligible_at)
-        return ""
+        return True
 
     def attach(self, inst: Inst, r: Req, kv_target: int, eligible_at: float) -> None:
         node = inst.node
         r.inst = inst
+        inst.reqs.add(r)
         inst.npend += 1
         inst.pend_inp += r.inp
         r.eligible_at = eligible_at
@@ -827,23 +992,6 @@ class Sim:
             self.advance(node)
             self.reschedule(node)
 
-    def place_shared(self, r: Req) -> bool:
-        short_of_memory = []
-        k = self.policy.max_instance_tries
-        kinds = ("cpu", "gpu") if self.policy.use_cpu else ("gpu",)
-        short = [_Cand(i) for kind in kinds for i in self.top_instances(r.model, kind, k)]
-        for cand in shadow.order_candidates(short):
-            why = self.try_instance(cand.inst, r)
-            if not why:
-                return True
-            if why == "memory":
-                short_of_memory.append(cand.inst)
-        if self.policy.preempt:
-            for inst in short_of_memory:
-                if self.try_preempt(inst, r):
-                    return True
-        return self.scale_out(r)
-
     def try_preempt(self, inst: Inst, r: Req) -> bool:
         """§7.1: make room on `inst`'s node by preempting lower-batch neighbours.
 
@@ -863,70 +1011,83 @@ class Sim:
         for key in choice.victims:
             self.retire(node.insts[int(key)])
             self.stats.preemptions += 1
-        return not self.try_instance(inst, r)
-
-    def scale_out(self, r: Req) -> bool:
-        m = r.model
-        spec = self.models[m]
-        k = self.policy.candidates_per_kind
-        # Nodes holding its weights idle: a start there only loads what is missing (all of
-        # them reuse the whole model, so any k of them are alike).
-        cands: dict[int, Node] = {
-            nid: self.nodes[nid] for nid in itertools.islice(self.idle_at[m], k)}
-        for kind in ("cpu", "gpu") if self.policy.use_cpu else ("gpu",):
-            for n in self.top_free(kind, k, m):
-                cands[n.nid] = n
-        kv0 = kvw.recommended_bytes(kvw.required_bytes(
-            spec.kv_bytes_per_token, [(r.inp, 0)], self.mean_output(m), L_MIN_TOKENS))
-        offers = []
-        for n in cands.values():
-            if m in n.insts or not (self.policy.use_cpu or n.kind == "gpu"):
-                continue
-            reuse = n.pool.reusable_bytes(self.tensors[m])
-            # Reused tensors are idle in the pool, so available_bytes already counts them.
-            offers.append(Offer(str(n.nid), n.kind, n.pool.available_bytes() - reuse, reuse,
-                                n.hw.load_bps, n.hw.init_s))
-        ranked = rank_nodes(spec.weight_bytes, spec.weight_bytes + kv0, offers)
-        tries = {"cpu": 0, "gpu": 0}
-        for choice in ranked:
-            node = self.nodes[int(choice.node_id)]
-            if tries[node.kind] >= self.policy.max_start_tries:
-                continue
-            tries[node.kind] += 1
-            perf = self.perf_of(m, node.kind)
-            if self.validate(node, None, perf, r, choice.load_s):
-                self.start_instance(node, m, choice.load_s, kv0, r)
-                return True
-        return False
+        return True
 
     def perf_of(self, model: int, kind: str) -> PerfModel:
         return self.perf[(self.models[model].params_b, kind)]
 
-    def start_instance(self, node: Node, m: int, load_s: float, kv0: int, r: Req) -> None:
+    def start_instance(self, node: Node, m: int, r: Req | None) -> bool:
+        """Start model m on node (for r, or ahead of demand): what its pool lacks is loaded
+        (Tangram eq. 3); False if the pool cannot hold it with its first KV cache."""
         spec = self.models[m]
+        kv0 = kvw.recommended_bytes(kvw.required_bytes(
+            spec.kv_bytes_per_token, [(r.inp if r else int(TYPICAL_LENGTH), 0)],
+            self.mean_output(m), L_MIN_TOKENS))
+        if node.pool.available_bytes() < spec.weight_bytes + kv0:
+            return False  # (tensors it reuses are idle, so available counts them)
         got = node.pool.acquire(str(m), self.tensors[m], self.now)
         if got is None:
-            raise AssertionError("affinity offered a node the pool cannot fit")
+            return False
         self._evicted(node, got.evicted)
-        self.idle_at[m].discard(node.nid)
         evicted = node.pool.grow_kv(str(m), kv0, self.now)
         if evicted is None:
-            raise AssertionError("the pool cannot hold the first KV cache it offered")
+            node.pool.release(str(m), self.now)
+            return False
         self._evicted(node, evicted)
+        self.idle_at[m].discard(node.nid)
+        node.resident.discard(f"w{m}")
         self.stats.cold_starts += 1
         if got.loaded_bytes == 0:
             self.stats.reuse_starts += 1
-        r.cold = True
-        inst = Inst(m, node, self.perf_of(m, node.kind), load_s, self.now, spec.weight_bytes)
+        load_s = node.hw.init_s + got.loaded_bytes / node.hw.load_bps
+        self.wid += 1
+        inst = Inst(self, m, node, self.perf_of(m, node.kind), load_s, self.now, spec.weight_bytes)
         inst.kv = kv0
         node.insts[m] = inst
+        name = self.names[m]
+        node.instances[name] = inst
+        self.starts[name] = sched.StartUnderWay(node.node_id, self.now, 1 if r else 0)
         self.insts[m].append(inst)
         self.issue(node, load(self.next_op(), str(m), spec.weight_bytes), inst, [])
         self.issue(node, resize_kv(self.next_op(), str(m), 0, kv0), inst, [])
         inst.kv_free_at = inst.ready_at + kvw.resize_seconds(0, kv0, node.hw.kv_copy_bps,
                                                              RESIZE_FIXED_S)
         self._mem_changed(node)
-        self.attach(inst, r, kv0, inst.ready_at)
+        self._indexed(inst)
+        if r is not None:
+            r.cold = True
+            self.attach(inst, r, kv0, inst.ready_at)
+        else:
+            inst.idle_ver += 1
+            self.push(inst.ready_at + self.policy.keep_alive_s, KEEPALIVE, inst, inst.idle_ver)
+        return True
+
+    def preempt(self, inst: Inst) -> None:
+        """§7.1 for compute: the instance stops; its requests go on elsewhere (the gateway
+        resumes each with its text so far as the prompt). A prefill of one still queued on
+        the node runs anyway (conservative: no iteration is cut short)."""
+        node = inst.node
+        self.advance(node)
+        moved = sorted(inst.reqs, key=lambda q: q.rid)
+        for q in moved:
+            if q in node.unq:
+                node.unq.remove(q)
+            if q.dec:
+                # Its text so far (the tokens of this placement: one at d0, one per round
+                # since) becomes part of the prompt it resumes with.
+                k = min(int(node.D - q.d0) + 1, q.out - q.k0 - 1)
+                q.k0 += k
+                q.inp += k
+            q.seg += 1
+            q.queued = q.dec = q.kv_wait = False
+            q.inst = None
+        inst.reqs.clear()
+        inst.nd = inst.npend = inst.inp_dec = inst.pend_inp = 0
+        inst.s = 0.0
+        self.stats.preemptions += 1
+        self.retire(inst)
+        for q in moved:
+            self.place_shared(q, {node.nid})
 
     def retire(self, inst: Inst) -> None:
         """Scale the instance to zero; Tessera leaves its weights resident (Tangram §3.1)."""
@@ -936,6 +1097,11 @@ class Sim:
         inst.alive = False
         del node.insts[inst.model]
         self.insts[inst.model].remove(inst)
+        name = self.names[inst.model]
+        node.instances.pop(name, None)
+        start = self.starts.get(name)
+        if start is not None and start.node_id == node.node_id:
+            del self.starts[name]
         if self.policy.shared:
             if inst.kv:
                 self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, 0), inst,
@@ -945,29 +1111,18 @@ class Sim:
             self.issue(node, unload(self.next_op(), str(inst.model), inst.weights), inst, [])
             node.pool.release(str(inst.model), self.now)
             self.idle_at[inst.model].add(node.nid)
+            node.resident.add(f"w{inst.model}")
             self._mem_changed(node)
         else:
             self.exclusive_node_free(node)
         self.reschedule(node)
 
-    # -- arrivals and the queue
+    # -- arrivals
     def on_arrive(self, r: Req) -> None:
-        if not self.policy.shared:
-            self.place_exclusive(r)
-            return
-        if self.place_shared(r):
-            return
-        service = self.perf_of(r.model, "gpu").prefill_s(r.inp)
-        if not self.insts[r.model]:
-            service += GPU.init_s
-        decision = admission.admit(self.now, r.arrival, r.ttft, service,
-                                   self.queued.get(r.model, 0), self.policy.max_queued_per_model)
-        if isinstance(decision, admission.Queue):
-            r.ticket = self.queue.push(r, decision.deadline)
-            self.queued[r.model] = self.queued.get(r.model, 0) + 1
-            self.schedule_tick(0.2)
+        if self.policy.shared:
+            self.place_shared(r)
         else:
-            self.reject(r, decision.code.value)
+            self.place_exclusive(r)
 
     def reject(self, r: Req, reason: str) -> None:
         r.outcome = "rejected"
@@ -980,23 +1135,7 @@ class Sim:
             self.push(self.now + delay, TICK, None)
 
     def on_tick(self) -> None:
-        if not self.policy.shared:
-            self.exclusive_expire()
-            return
-        for r in self.queue.expire(self.now):
-            self.queued[r.model] -= 1
-            self.reject(r, "timeout")
-        blocked: set[int] = set()
-        for ticket, r in self.queue.waiting()[:64]:
-            if r.model in blocked:
-                continue
-            if self.place_shared(r):
-                self.queue.remove(ticket)
-                self.queued[r.model] -= 1
-            else:
-                blocked.add(r.model)
-        if self.queue:
-            self.schedule_tick(0.2)
+        self.exclusive_expire()
 
     # -- the exclusive baseline
     def limit(self, m: int, kind: str) -> int:
@@ -1046,7 +1185,7 @@ class Sim:
             if free:
                 node = self.nodes[free.pop()]
                 load_s = node.hw.init_s + spec.weight_bytes / node.hw.load_bps
-                inst = Inst(m, node, self.perf_of(m, kind), load_s, self.now,
+                inst = Inst(self, m, node, self.perf_of(m, kind), load_s, self.now,
                             spec.weight_bytes)
                 node.insts[m] = inst
                 self.insts[m].append(inst)
@@ -1137,6 +1276,68 @@ def simulate(trace: Trace, n_cpu: int, n_gpu: int, policy: Policy) -> Stats:
     return Sim(trace, n_cpu, n_gpu, policy).run()
 
 
+# --- the scale run: cells in parallel --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleJob:
+    seed: int
+    models: int
+    duration_s: float
+    rate: float
+    n_cpu: int
+    n_gpu: int
+    cells: int = 1
+    """The cluster as this many cells, as a large deployment shards its scheduler: cell c
+    has 1/cells of the nodes of each kind and serves models c, c + cells, … (their requests
+    only). Cells share nothing, so each runs in a process of its own."""
+
+
+def cell_trace(trace: Trace, cell: int, cells: int) -> Trace:
+    """The requests of cell `cell`'s models, its models numbered from 0."""
+    if cells == 1:
+        return trace
+    keep = trace.model % cells == cell
+    return Trace(trace.models[cell::cells], trace.duration_s, trace.arrival[keep],
+                 trace.model[keep] // cells, trace.input_len[keep], trace.output_len[keep])
+
+
+def _run_cell(job: ScaleJob, cell: int) -> Stats:
+    trace = cell_trace(generate(job.seed, job.models, job.duration_s, job.rate), cell, job.cells)
+    return Sim(trace, job.n_cpu // job.cells, job.n_gpu // job.cells, TESSERA).run()
+
+
+def scale_run(job: ScaleJob) -> tuple[Stats, float]:
+    """The scale run's stats, merged over its cells, and its wall time (trace included)."""
+    t0 = time.perf_counter()
+    if job.cells == 1:
+        stats = [_run_cell(job, 0)]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(job.cells, mp_context=ctx) as pool:
+            stats = list(pool.map(_run_cell, [job] * job.cells, range(job.cells)))
+    return merge(stats), time.perf_counter() - t0
+
+
+def merge(stats: Sequence[Stats]) -> Stats:
+    """One cluster's stats from its cells' (samples at the same times added up)."""
+    out = Stats(stats[0].policy)
+    for st in stats:
+        for f in ("requests", "met", "late", "rejected", "expired", "cold_starts",
+                  "reuse_starts", "preemptions", "unfinished"):
+            setattr(out, f, getattr(out, f) + getattr(st, f))
+        out.ttfts += st.ttfts
+        for name in ("late_on", "reject_reasons", "served_on"):
+            total = getattr(out, name)
+            for k, v in getattr(st, name).items():
+                total[k] = total.get(k, 0) + v
+    out.mem_samples = [(xs[0][0], sum(x[1] for x in xs), sum(x[2] for x in xs))
+                       for xs in zip(*(st.mem_samples for st in stats), strict=False)]
+    out.busy_samples = [(sum(x[0] for x in xs), sum(x[1] for x in xs))
+                        for xs in zip(*(st.busy_samples for st in stats), strict=False)]
+    return out
+
+
 # --- capacity search and the command line ----------------------------------------------------
 
 
@@ -1214,6 +1415,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--big-nodes", type=int, default=1000)
     ap.add_argument("--big-duration-s", type=float, default=3600.0)
     ap.add_argument("--big-rate-per-node", type=float, default=0.1)
+    ap.add_argument("--cells", type=int, default=2,
+                    help="run the scale run's cluster as this many cells, one process each")
+    ap.add_argument("--single-process", action="store_true",
+                    help="also time the scale run as one cell in one process")
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -1249,7 +1454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_policy["exclusive"]["settings"] = _describe(excl)
     per_policy["exclusive"]["settings_tried"] = grid
     per_policy["tessera"]["settings"] = {"keep_alive_s": TESSERA.keep_alive_s,
-                                         "overestimate": TESSERA.overestimate}
+                                         "reject_over_slo": TESSERA.reject_over_slo}
 
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if b > 0 else None
@@ -1275,15 +1480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_cpu, n_gpu = nodes // 2, nodes - nodes // 2
     big_rate = args.big_rate_per_node * nodes
     big_models = setup.n_models * nodes // (setup.n_cpu + setup.n_gpu)
-    t0 = time.perf_counter()
-    trace = generate(args.seed, big_models, args.big_duration_s, big_rate)
-    gen_s = time.perf_counter() - t0
-    log(f"scale run: {nodes} nodes, {big_models} models, {len(trace)} requests "
-        f"(trace {gen_s:.1f}s)")
-    t1 = time.perf_counter()
-    sim = Sim(trace, n_cpu, n_gpu, TESSERA)
-    big = sim.run()
-    wall = time.perf_counter() - t0
+    cells = max(1, args.cells)
+    log(f"scale run: {nodes} nodes, {big_models} models, {big_rate:g} req/s, "
+        f"{args.big_duration_s:g} s, as {cells} cell(s) in parallel")
+    job = ScaleJob(args.seed, big_models, args.big_duration_s, big_rate, n_cpu, n_gpu, cells)
+    big, wall = scale_run(job)
     result["sim_1000_nodes_1h_wall_s"] = round(wall, 2)
     result["scale_run"] = {"nodes": nodes, "cpu_nodes": n_cpu, "gpu_nodes": n_gpu,
                            "models": big_models, "duration_s": args.big_duration_s,
@@ -1291,10 +1492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "rate_per_node_vs_small_setup_capacity": round(
                                args.big_rate_per_node
                                / max(caps["tessera"] / (setup.n_cpu + setup.n_gpu), 1e-9), 3),
-                           "trace_gen_s": round(gen_s, 2),
-                           "simulate_s": round(time.perf_counter() - t1, 2),
-                           "shadow_validations": sim.validations, **big.summary()}
+                           "cells": cells, **big.summary()}
     log(f"scale run took {wall:.1f}s")
+    if args.single_process and cells > 1:
+        one, one_wall = scale_run(replace(job, cells=1))
+        result["scale_run"]["single_process"] = {"wall_s": round(one_wall, 2), **one.summary()}
+        log(f"in one process it took {one_wall:.1f}s")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

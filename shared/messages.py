@@ -226,6 +226,11 @@ class InstanceView(Message, frozen=True):
     held_tokens: int = 0
     """Context tokens the running batch's rows of these requests hold: what a request joining
     the batch re-prefills with its own prompt (placement predicts joins with it)."""
+    queued_tokens: int = 0
+    """Prompt tokens of the requests queued (in `active`, not yet in the running batch)."""
+    ready_in_s: float = 0.0
+    """Seconds until it can run a newcomer's prefill (its weights or KV cache still being
+    loaded or resized); 0 where the engine does not say."""
 
 
 class PerfReport(Message, frozen=True):
@@ -259,6 +264,9 @@ class NodeStatus(Message, frozen=True):
     """A request may join a running batch while its rows hold at most this many tokens (0: never)."""
     prewarmed: int = 0
     """Idle worker processes ready to load a model: a start here need not spawn one."""
+    continuous_batching: bool = False
+    """Its engine adds a request to the running batch after that request's own prefill (vLLM):
+    no re-prefill of the rows, no wait for the batch to end."""
 
 
 class ClusterStatusQuery(Message, frozen=True):

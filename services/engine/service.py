@@ -202,6 +202,8 @@ class Served:
     """Serialises this cache's resizes (two requests growing it at once would both grow it)."""
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
+    prompts: dict[str, int] = field(default_factory=dict)
+    """Its requests in flight: their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted to make room in its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
 
@@ -307,6 +309,7 @@ class EngineService:
                     tier=i.bound.worker.tier or "",
                     running=len(i.held),
                     held_tokens=sum(i.held.values()),
+                    queued_tokens=sum(n for r, n in i.prompts.items() if r not in i.held),
                 )
                 for i in self.instances.values()
             ),
@@ -901,6 +904,7 @@ class EngineService:
         cancelled = Cancelled()
         self._cancels[req.request_id] = (cancelled, inst.bound)
         inst.requests.add(req.request_id)
+        inst.prompts[req.request_id] = req.prompt_tokens
         inst.active += 1
         inst.last_used = time.time()
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
@@ -916,6 +920,7 @@ class EngineService:
         finally:
             inst.active -= 1
             inst.requests.discard(req.request_id)
+            inst.prompts.pop(req.request_id, None)
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
             inst.last_used = time.time()

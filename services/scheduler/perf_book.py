@@ -83,17 +83,20 @@ class PerfBook:
     def profiles(
         self, records: Iterable[ModelRecord], kind: str = "cpu", kv_min_tokens: int = 0
     ) -> dict[str, Profile]:
-        """A profile for every registered model whose artifact has been measured. Its KV bytes
-        are what an engine reserves at a start: L_min tokens (`kv_min_tokens`; 0: the
+        """A profile for every registered model whose artifact has been measured, with its
+        performance per kind of node measured (`kind`'s where placement knows no better). Its
+        KV bytes are what an engine reserves at a start: L_min tokens (`kv_min_tokens`; 0: the
         context length), the floor of LLM-Mesh's eq. 2."""
+        kinds = sorted({k for _, k in self._reports}, key=lambda k: k != kind)
         out = {}
         for r in records:
-            perf = self.model(r.artifact.artifact_id, kind)
-            if perf is not None:
+            by_kind = {k: m for k in kinds if (m := self.model(r.artifact.artifact_id, k)) is not None}
+            if by_kind:
                 out[r.name] = Profile(
-                    perf, r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id, r.artifact.weight_bytes,
+                    next(iter(by_kind.values())), r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id,
+                    r.artifact.weight_bytes,
                     r.artifact.kv_bytes_per_token * floor_tokens(kv_min_tokens, r.artifact.context_length),
-                    self.start_s(r.artifact.artifact_id), self.spawn_s(),
+                    self.start_s(r.artifact.artifact_id), self.spawn_s(), by_kind,
                 )
         return out
 

@@ -32,16 +32,13 @@ Pure: the cluster view, the model profiles and a demand in; a decision out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.scheduler.affinity import Offer, rank_nodes
 from services.scheduler.perf_model import PerfModel
 from services.scheduler.shadow import OVERESTIMATE, Failure
-from shared.messages import InstanceView
-
-if TYPE_CHECKING:
-    from services.scheduler.policy import NodeView
 
 TYPICAL_COMPLETION_TOKENS = 128
 """What a request ahead in the queue is assumed to generate when nothing better is known:
@@ -51,6 +48,60 @@ LOAD_BANDWIDTH_BPS = 1e9
 KIND_ORDER = ("cpu", "gpu")
 RESIDENT_START_S = 0.1
 """A start whose weights are still loaded in an idle worker (measured ≈ 0.08 s)."""
+
+
+class InstanceState(Protocol):
+    """What placement reads of an instance (`shared.messages.InstanceView`; the simulator's
+    instances, `bench/sim.py`)."""
+
+    @property
+    def active(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def held_tokens(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...
+    @property
+    def worker_pid(self) -> int: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def last_used(self) -> float: ...
+    @property
+    def ready_in_s(self) -> float: ...
+
+
+class NodeState(Protocol):
+    """What placement reads of a node (`policy.NodeView`, built from heartbeats; the
+    simulator's nodes): one policy for both."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def seen_at(self) -> float: ...
+    @property
+    def instances(self) -> Mapping[str, InstanceState]: ...
+    @property
+    def starting(self) -> AbstractSet[str]: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def resident(self) -> AbstractSet[str]: ...
+    @property
+    def memory_budget_bytes(self) -> int: ...
+    @property
+    def memory_used_bytes(self) -> int: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def join_recompute_tokens(self) -> int: ...
+    @property
+    def prewarmed(self) -> int: ...
+    @property
+    def continuous_batching(self) -> bool: ...
+    @property
+    def prefill_slack_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +126,18 @@ class Profile:
     """Expected seconds for a start to load the weights into a worker (measured starts' median)."""
     spawn_s: float = 0.0
     """Expected seconds more where the node has no prewarmed worker to load them into."""
+    perf_by_kind: Mapping[str, PerfModel] = field(default_factory=dict)
+    """The model fitted per kind of node (§5.2: a GPU runs it faster than a CPU); `perf`
+    where a kind has none."""
+    start_s_by_kind: Mapping[str, float] = field(default_factory=dict)
+    """`start_s` per kind of node, where known (a GPU loads over PCIe, a CPU copies)."""
+    resident_start_s: float = RESIDENT_START_S
+
+    def perf_on(self, kind: str) -> PerfModel:
+        return self.perf_by_kind.get(kind, self.perf)
+
+    def start_on(self, kind: str) -> float:
+        return self.start_s_by_kind.get(kind, self.start_s)
 
 
 @dataclass(frozen=True)
@@ -85,7 +148,7 @@ class Verdict:
     round_s: float = 0.0
 
 
-def worker_mates(node: NodeView, view: InstanceView) -> list[InstanceView]:
+def worker_mates(node: NodeState, view: InstanceState) -> list[InstanceState]:
     """The instances served by `view`'s worker: names on one artifact share a worker, and
     every request on it is in the same queue and batch, whichever name it came for."""
     if not view.worker_pid:
@@ -104,7 +167,7 @@ def service_s(perf: PerfModel, prompt_tokens: int, tokens: int, batch: int = 1) 
 
 
 def validate(
-    node: NodeView,
+    node: NodeState,
     model: str,
     demand: Demand,
     profiles: Mapping[str, Profile],
@@ -112,51 +175,83 @@ def validate(
     *,
     start_elapsed_s: float = 0.0,
     start_waiting: int = 0,
+    without: AbstractSet[str] = frozenset(),
 ) -> Verdict:
     """Whether a request for `model` may join its instance on `node` (or a new instance there,
     if it has none) without anyone on the node missing an SLO.
 
     For an instance whose start is under way there: `start_elapsed_s` since it began, with
-    `start_waiting` requests already waiting for it."""
+    `start_waiting` requests already waiting for it. `without`: instances taken as gone (the
+    neighbours a preemption would remove)."""
     own = profiles.get(model)
     if own is None:
         return Verdict(False)  # never measured: nothing to validate with
-    perf = own.perf
+    perf = own.perf_on(node.kind)
     tokens = _tokens(demand.max_tokens)
-    inst = node.instances.get(model)
+    instances = node.instances
+    inst = instances.get(model)
     if inst is None:
-        ahead, running, held = start_waiting, 0, 0
+        ahead, running, held, queued_tokens = start_waiting, 0, 0, start_waiting * demand.prompt_tokens
         # A new instance must start first: quickly where its weights are resident, else a load.
-        full = (RESIDENT_START_S if own.artifact_id in node.resident
-                else own.start_s + (0.0 if node.prewarmed else own.spawn_s))
+        full = (own.resident_start_s if own.artifact_id in node.resident
+                else own.start_on(node.kind) + (0.0 if node.prewarmed else own.spawn_s))
         ready_in = max(0.0, full - start_elapsed_s)
     else:
-        mates = worker_mates(node, inst)
-        ahead = sum(v.active for v in mates)
-        running = min(ahead, sum(v.running for v in mates))
-        held = sum(v.held_tokens for v in mates)
-        ready_in = 0.0
-    ttft = overestimate * (ready_in + first_token_wait_s(
-        perf, demand.prompt_tokens, tokens, running, held, ahead - running,
-        max(1, node.max_batch), node.join_recompute_tokens))
+        if inst.worker_pid:
+            mates = worker_mates(node, inst)
+            ahead = sum(v.active for v in mates)
+            running = min(ahead, sum(v.running for v in mates))
+            held = sum(v.held_tokens for v in mates)
+            queued_tokens = sum(v.queued_tokens for v in mates)
+        else:  # a worker of its own
+            ahead, running, held, queued_tokens = inst.active, inst.running, inst.held_tokens, inst.queued_tokens
+        ready_in = inst.ready_in_s
     width = max(1, node.max_batch)
+    continuous = node.continuous_batching
+    own_prefill = perf.prefill_s(demand.prompt_tokens)
+    if continuous and node.prefill_slack_s < overestimate * own_prefill:
+        # Its prefill would run ahead of the next token of requests there that cannot wait
+        # that long (the cheapest refusal: checked first).
+        return Verdict(False, Failure.EXISTING_LATE)
+    kind = node.kind
     length = demand.prompt_tokens + tokens / 2
-    round_s = perf.decode_s(min(ahead + 1, width), length)
+    mine = (held + queued_tokens + demand.prompt_tokens) / (ahead + 1) if continuous else length
+    round_s = perf.decode_s(min(ahead + 1, width), mine)
+    # Continuous batching prefills first (vLLM's scheduler, LLM-Mesh's engine): every prompt
+    # waiting on the node is prefilled, in arrival order, before decoding resumes; this one last.
+    ahead_s = _prefill_s(perf, ahead - running, queued_tokens) if continuous else 0.0
     tightest = demand.tpot_slo_s
     # One decode iteration (of its batch) per busy worker per round.
     counted = {inst.worker_pid} if inst is not None and inst.worker_pid else set()
-    for other, view in node.instances.items():
-        if other == model or view.active == 0:
+    for other, view in instances.items():
+        busy = view.active
+        if busy == 0 or other == model or other in without:
             continue
         p = profiles.get(other)
         if p is None:
             continue  # unknown to us (just registered, never measured): nothing to weigh
-        tightest = min(tightest, p.tpot_slo_s)
-        if view.worker_pid and view.worker_pid in counted:
-            continue
-        counted.add(view.worker_pid)
-        busy = sum(v.active for v in worker_mates(node, view))
-        round_s += p.perf.decode_s(min(busy, width), length)
+        theirs_perf = p.perf_by_kind.get(kind, p.perf)
+        if continuous and busy > view.running:
+            ahead_s += _prefill_s(theirs_perf, busy - view.running, view.queued_tokens)
+        if p.tpot_slo_s < tightest:
+            tightest = p.tpot_slo_s
+        pid = view.worker_pid
+        if pid:
+            if pid in counted:
+                continue
+            counted.add(pid)
+            mates = worker_mates(node, view)
+            busy = sum(v.active for v in mates)
+            theirs = sum(v.held_tokens + v.queued_tokens for v in mates) / busy if continuous else length
+        else:  # a worker of its own
+            theirs = (view.held_tokens + view.queued_tokens) / busy if continuous else length
+        round_s += theirs_perf.decode_s(busy if busy < width else width, theirs)
+    if continuous:
+        ttft = overestimate * (max(ready_in, ahead_s) + own_prefill)
+    else:
+        ttft = overestimate * (ready_in + first_token_wait_s(
+            perf, demand.prompt_tokens, tokens, running, held, ahead - running, width,
+            node.join_recompute_tokens))
     round_s *= overestimate
     # A round too long hurts everyone on the node: it rules the node out, a late first token
     # only this request (the fallback may still queue it there).
@@ -165,6 +260,11 @@ def validate(
     if ttft > demand.ttft_slo_s:
         return Verdict(False, Failure.NEW_LATE, ttft, round_s)
     return Verdict(True, None, ttft, round_s)
+
+
+def _prefill_s(perf: PerfModel, requests: int, tokens: int) -> float:
+    """Seconds to prefill `requests` prompts of `tokens` in all, one after another."""
+    return requests * perf.prefill_s(tokens / requests) if requests > 0 else 0.0
 
 
 def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, held: int, queued: int,
@@ -195,7 +295,7 @@ def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, 
     return left + batches * service_s(perf, prompt, tokens, min(queued, width)) + perf.prefill_s(prompt)
 
 
-def preemption_for(node: NodeView, model: str, demand: Demand, profiles: Mapping[str, Profile],
+def preemption_for(node: NodeState, model: str, demand: Demand, profiles: Mapping[str, Profile],
                    relocatable: Callable[[str], bool]) -> tuple[str, ...] | None:
     """LLM-Mesh §7.1: the instance of `model` on `node` cannot take the request because its
     neighbours' decode rounds would break a TPOT SLO. The neighbours to preempt so that it
@@ -211,15 +311,13 @@ def preemption_for(node: NodeView, model: str, demand: Demand, profiles: Mapping
         (sum(w.active for w in worker_mates(node, v)), m) for m, v in node.instances.items()
         if v.active > 0 and v not in mates)
     victims: list[str] = []
-    instances = dict(node.instances)
     for batch, m in candidates:
         if batch >= own:
             break
         if not relocatable(m):
             continue
         victims.append(m)
-        del instances[m]
-        if validate(replace(node, instances=instances), model, demand, profiles).ok:
+        if validate(node, model, demand, profiles, without=frozenset(victims)).ok:
             return tuple(victims)
     return None
 
@@ -228,15 +326,15 @@ def kind_rank(kind: str) -> int:
     return KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
 
 
-def join_order(nodes: Iterable[NodeView], model: str) -> list[NodeView]:
+def join_order(nodes: Iterable[NodeState], model: str) -> list[NodeState]:
     """Nodes running `model`, in the order shadow validation tries them: CPU first, then the
     busiest instance first."""
     running = [n for n in nodes if model in n.instances]
     return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, n.node_id))
 
 
-def start_order(nodes: Iterable[NodeView], profile: Profile | None,
-                neighbours: Mapping[str, Profile] | None = None) -> list[NodeView]:
+def start_order(nodes: Iterable[NodeState], profile: Profile | None,
+                neighbours: Mapping[str, Profile] | None = None) -> list[NodeState]:
     """Nodes that could start the model, best first: CPU first, then the soonest start (its
     weights still resident there: Tangram's affinity), then the fewest instances (they share
     the node's cores), then the neighbours with the laxest TTFT SLO (the new instance takes
@@ -247,7 +345,7 @@ def start_order(nodes: Iterable[NodeView], profile: Profile | None,
         return sorted(nodes, key=lambda n: (kind_rank(n.kind), len(n.instances) + len(n.starting), n.node_id))
     neighbours = neighbours or {}
 
-    def tightest_neighbour(n: NodeView) -> float:
+    def tightest_neighbour(n: NodeState) -> float:
         return min((neighbours[m].ttft_slo_s for m in n.instances if m in neighbours), default=float("inf"))
 
     offers = []

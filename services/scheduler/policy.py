@@ -7,11 +7,12 @@ falls back to the least busy instance, or the least loaded node for a start.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from services.scheduler import defrag, placement
-from services.scheduler.placement import Demand, Profile
+from services.scheduler.placement import Demand, NodeState, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
 
 
@@ -32,6 +33,14 @@ class NodeView:
     """A request joins a running batch here while its rows hold at most this many tokens."""
     prewarmed: int = 0
     """Idle worker processes here: a start loads into one rather than spawn one."""
+    continuous_batching: bool = False
+    """Its engine adds a request to the running batch after that request's own prefill,
+    prefills first (vLLM's scheduler, LLM-Mesh's engine), rather than batch as `max_batch` and
+    `join_recompute_tokens` say (this project's OpenVINO engine)."""
+    prefill_slack_s: float = math.inf
+    """How long one more prefill may hold up the requests there (a continuous-batching engine
+    runs it ahead of their next tokens): the least eq. 1 headroom among them once the prefills
+    already queued have run, as of `seen_at`, where the engine reports it (inf: not reported)."""
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -47,6 +56,7 @@ class NodeView:
             max_batch=max(1, status.max_batch),
             join_recompute_tokens=status.join_recompute_tokens,
             prewarmed=status.prewarmed,
+            continuous_batching=status.continuous_batching,
         )
 
 
@@ -99,11 +109,11 @@ class StopOrder:
     idle_since: float
 
 
-def live_nodes(nodes: Iterable[NodeView], now: float, node_timeout_s: float) -> list[NodeView]:
+def live_nodes(nodes: Iterable[NodeState], now: float, node_timeout_s: float) -> list[NodeState]:
     return [n for n in nodes if now - n.seen_at <= node_timeout_s]
 
 
-def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, StartUnderWay]) -> list[NodeView]:
+def _with_starts(nodes: list[NodeState], starts_in_flight: Mapping[str, StartUnderWay]) -> list[NodeState]:
     """The views with the starts this scheduler has ordered and no heartbeat shows yet: a
     burst of first requests for several models is placed within milliseconds, and would all
     land on the node that looked emptiest (measured: three starts at once on one 2/3-core
@@ -111,13 +121,18 @@ def _with_starts(nodes: list[NodeView], starts_in_flight: Mapping[str, StartUnde
     by_node: dict[str, set[str]] = {}
     for m, start in starts_in_flight.items():
         by_node.setdefault(start.node_id, set()).add(m)
-    return [replace(n, starting=n.starting | (by_node[n.node_id] - set(n.instances)))
-            if by_node.get(n.node_id, set()) - n.starting - set(n.instances) else n for n in nodes]
+    out = []
+    for n in nodes:
+        unseen = by_node.get(n.node_id)
+        if unseen and (unseen := unseen - n.starting - n.instances.keys()):
+            n = replace(n, starting=n.starting | unseen)  # type: ignore[type-var]
+        out.append(n)
+    return out
 
 
 def place(
     model: str,
-    nodes: Iterable[NodeView],
+    nodes: Iterable[NodeState],
     starts_in_flight: Mapping[str, StartUnderWay],
     now: float,
     *,
@@ -129,10 +144,11 @@ def place(
     reject_over_slo: float | None = None,
 ) -> Decision:
     """Where a request for `model` goes. `starts_in_flight`: the starts under way, by model
-    (one per model at a time).
+    (the latest, where a model has several).
 
     `reject_over_slo`: refuse (429, Retry-After) a request whose predicted first token is more
-    than this many TTFT SLOs away, rather than queue it (None: always queue).
+    than this many TTFT SLOs away, or that no node takes without breaking the SLOs of requests
+    already there, rather than queue it (None: always queue).
 
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
@@ -156,13 +172,13 @@ def place(
     return _fallback(model, live, max_active_per_instance, profiles.get(model))
 
 
-def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | None, now: float,
+def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | None, now: float,
                      max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile],
                      reject_over_slo: float | None) -> Decision:
     # Shadow validation: join the first instance where nobody would miss an SLO...
     options: list[tuple[float, bool, Decision]] = []
     refusals: list[str] = []
-    crowded: list[NodeView] = []
+    crowded: list[NodeState] = []
     for n in placement.join_order(live, model):
         if n.instances[model].active >= max_active_per_instance:
             refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
@@ -185,9 +201,9 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
                                            lambda m, others=others: relocatable(m, others, profiles))
         if victims:
             return UseNode(n.node_id, preempt=victims, why=why)
-    spare: NodeView | None = None
+    spare: NodeState | None = None
     if start is not None:
-        # ... else the start under way (one per model at a time), if it serves it in time ...
+        # ... else the start under way, if it serves it in time ...
         at = next((n for n in live if n.node_id == start.node_id), None)
         if at is not None:
             v = placement.validate(at, model, demand, profiles, start_elapsed_s=now - start.since,
@@ -196,10 +212,11 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
                 return AwaitStart(start.node_id)
             if v.failure is placement.Failure.NEW_LATE:
                 options.append((v.ttft_s, True, AwaitStart(start.node_id)))
-    elif not _scale_out_warming(model, live):
-        # ... else scale out where the model can start soonest and validates: this request
-        # waits for the start if that is its soonest first token, else the new instance starts
-        # for the requests after it.
+    if not _scale_out_warming(model, live):
+        # ... else scale out (another start, if the one under way cannot serve it in time)
+        # where the model can start soonest and validates: this request waits for the start
+        # if that is its soonest first token, else the new instance starts for the requests
+        # after it.
         for n in placement.start_order(
             [n for n in live if model not in n.instances and model not in n.starting], profiles[model], profiles
         ):
@@ -215,6 +232,15 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
     # a queue or a new instance, as long as it keeps the node's decode rounds within every
     # TPOT SLO.
     if not options:
+        if reject_over_slo is not None:
+            # Admission: every node it could go to would break the SLOs of requests already
+            # there (or hold none of its KV): refuse it now rather than make them late.
+            return Rejected(
+                code=ErrorCode.OVERLOADED,
+                message=f"no node can take a request for {model!r} without breaking the SLOs of "
+                "requests already there; retry shortly",
+                retry_after_s=1.0,
+            )
         return _fallback(model, live, max_active_per_instance, profiles[model])
     ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
     if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
@@ -231,7 +257,7 @@ def _place_validated(model: str, live: list[NodeView], start: StartUnderWay | No
     return decision
 
 
-def relocatable(model: str, others: Iterable[NodeView], profiles: Mapping[str, Profile]) -> bool:
+def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, Profile]) -> bool:
     """Whether a typical request of `model` validates on one of `others` (joining its instance
     there or a new one): LLM-Mesh §7.1 preempts an instance only if its requests can go on
     elsewhere within their SLOs."""
@@ -242,7 +268,7 @@ def relocatable(model: str, others: Iterable[NodeView], profiles: Mapping[str, P
     return any(placement.validate(o, model, typical, profiles).ok for o in others)
 
 
-def _scale_out_warming(model: str, live: list[NodeView]) -> bool:
+def _scale_out_warming(model: str, live: list[NodeState]) -> bool:
     """Whether the model was scaled out and an instance of it still serves its START tier:
     not the time for another. It is about to tier up (faster), the compile shares its node's
     cores, and predictions made meanwhile run long (measured on 2/3-core nodes: a second
@@ -251,7 +277,7 @@ def _scale_out_warming(model: str, live: list[NodeView]) -> bool:
     return len(running) > 1 and any(i.tier == Tier.START for i in running)
 
 
-def _fallback(model: str, live: list[NodeView], max_active_per_instance: int, profile: Profile | None
+def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, profile: Profile | None
               ) -> Decision:
     """Placement without a measurement to go by (none yet, or every candidate would break a
     neighbour's TPOT): the least busy instance, else a start where the model can start
@@ -272,7 +298,7 @@ def _fallback(model: str, live: list[NodeView], max_active_per_instance: int, pr
     return StartOn(target.node_id)
 
 
-def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: int, starting_on: set[str]
+def _place_exclusive(model: str, live: list[NodeState], max_active_per_instance: int, starting_on: set[str]
                      ) -> Decision:
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
@@ -290,7 +316,7 @@ def _place_exclusive(model: str, live: list[NodeView], max_active_per_instance: 
 
 
 def idle_instances(
-    nodes: Iterable[NodeView],
+    nodes: Iterable[NodeState],
     keep_alive_s: Mapping[str, float],
     last_placed: Mapping[tuple[str, str], float],
     now: float,

@@ -65,7 +65,8 @@ class SchedulerService:
         self._last_placed: dict[tuple[str, str], float] = {}
         self._placed: dict[tuple[str, str], list[float]] = {}
         """When requests were placed on (node, model): counted until a heartbeat covers them."""
-        self._starts: dict[str, tuple[StartUnderWay, asyncio.Task[InstanceReady | Rejected]]] = {}
+        self._starts: dict[tuple[str, str], tuple[StartUnderWay, asyncio.Task[InstanceReady | Rejected]]] = {}
+        """(model, node) → the start under way there: a burst may start a model on several nodes at once."""
         self._keepalive: asyncio.Task[None] | None = None
         self.perf = PerfBook()
         self._records: dict[str, ModelRecord] = {}
@@ -122,7 +123,7 @@ class SchedulerService:
                                resident=tuple(sorted(n.resident)))
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),
-                starting=tuple(self._starts),
+                starting=tuple(sorted({m for m, _ in self._starts})),
             ),
         )
 
@@ -179,7 +180,7 @@ class SchedulerService:
         decision = policy.place(
             req.model,
             view,
-            {m: start for m, (start, _) in self._starts.items()},
+            self._starts_by_model(),
             time.time(),
             node_timeout_s=self.settings.node_timeout_s,
             max_active_per_instance=self.settings.max_active_per_instance,
@@ -197,7 +198,7 @@ class SchedulerService:
             log.debug("placed %s (%d prompt tokens) on %s: predicted %s (%s)", req.request_id, req.prompt_tokens,
                       decision.node_id, validate(at, req.model, demand, profiles), at.instances.get(req.model),
                       extra={"model": req.model})
-        if isinstance(decision, UseNode) and decision.scale_out_to and req.model not in self._starts:
+        if isinstance(decision, UseNode) and decision.scale_out_to and (req.model, decision.scale_out_to) not in self._starts:
             SCALE_OUTS.inc()
             log.info("scale-out of %s to %s for the requests to come, this one queues on %s: no running "
                      "instance validates (%s)", req.model, decision.scale_out_to, decision.node_id, decision.why,
@@ -258,25 +259,35 @@ class SchedulerService:
             out.append(n)
         return out
 
+    def _starts_by_model(self) -> dict[str, StartUnderWay]:
+        """The start under way per model for placement: the latest, where a model has several."""
+        out: dict[str, StartUnderWay] = {}
+        for (model, _), (start, _) in self._starts.items():
+            if model not in out or start.since > out[model].since:
+                out[model] = start
+        return out
+
     def _begin_start(self, record: ModelRecord, node_id: str) -> None:
         """Start the model there unless a start of it is under way (one per model at a time);
         `_starts` holds the task until it is done."""
-        if record.name not in self._starts:
+        key = (record.name, node_id)
+        if key not in self._starts:
             task = asyncio.create_task(self._start(record, node_id))
-            self._starts[record.name] = (StartUnderWay(node_id, time.time()), task)
-            task.add_done_callback(lambda _: self._starts.pop(record.name, None))
+            self._starts[key] = (StartUnderWay(node_id, time.time()), task)
+            task.add_done_callback(lambda _: self._starts.pop(key, None))
 
     async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         """Every request that needs the model while it starts waits for the same start."""
         self._begin_start(record, node_id)
-        start, task = self._starts[record.name]
-        self._starts[record.name] = (dataclasses.replace(start, waiting=start.waiting + 1), task)
+        key = (record.name, node_id)
+        start, task = self._starts[key]
+        self._starts[key] = (dataclasses.replace(start, waiting=start.waiting + 1), task)
         try:
             return await asyncio.shield(task)
         finally:
-            if record.name in self._starts and self._starts[record.name][1] is task:
-                s, _ = self._starts[record.name]
-                self._starts[record.name] = (dataclasses.replace(s, waiting=max(0, s.waiting - 1)), task)
+            if key in self._starts and self._starts[key][1] is task:
+                s, _ = self._starts[key]
+                self._starts[key] = (dataclasses.replace(s, waiting=max(0, s.waiting - 1)), task)
 
     async def _start(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
@@ -315,7 +326,7 @@ class SchedulerService:
         now = time.time()
         live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
         for order in policy.idle_instances(live, keep, self._last_placed, now):
-            if order.model in self._starts:
+            if (order.model, order.node_id) in self._starts:
                 continue
             try:
                 reply = await self.bus.request(
