@@ -876,20 +876,31 @@ class Sim:
             return plan, start + d
         return plan, ready
 
-    def candidates(self, m: int, avoid: set[int]) -> list[Node]:
-        """The nodes placement looks at for model m, from the indexes: its busiest instances
-        per kind, the node its start is under way on, nodes holding its tensors idle, and the
-        nodes with the most available memory per kind."""
+    def running_on(self, m: int, avoid: set[int]) -> dict[int, Node]:
+        """The nodes of model m's busiest instances per kind and of its start under way, from
+        the index, brought up to now."""
         k = self.policy.candidates_per_kind
         kinds = ("cpu", "gpu") if self.policy.use_cpu else ("gpu",)
         out: dict[int, Node] = {}
-        for kind in kinds:
-            for inst in self.top_instances(m, kind, k):
-                out[inst.node.nid] = inst.node
+        now = self.now
+        insts = [i for kind in kinds for i in self.top_instances(m, kind, k)]
         start = self.starts.get(self.names[m])
         if start is not None:
-            n = self.nodes[int(start.node_id)]
-            out[n.nid] = n
+            insts.append(self.nodes[int(start.node_id)].insts[m])
+        for inst in insts:
+            n = inst.node
+            if n.nid not in avoid:
+                out[n.nid] = n
+                if n.t < now:
+                    self.advance(n)  # what placement reads of them, as of now
+        return out
+
+    def candidates(self, m: int, avoid: set[int], out: dict[int, Node]) -> list[Node]:
+        """The nodes placement looks at for model m, from the indexes: `out` (its busiest
+        instances and its start under way), nodes holding its tensors idle, and the nodes
+        with the most available memory per kind."""
+        k = self.policy.candidates_per_kind
+        kinds = ("cpu", "gpu") if self.policy.use_cpu else ("gpu",)
         for nid in itertools.islice(self.idle_at[m], k):
             out[nid] = self.nodes[nid]
         for kind in kinds:
@@ -913,13 +924,20 @@ class Sim:
         # A resumed request's next token is due by its eq. 1 deadline.
         due = r.arrival + r.ttft + TPOT_SLO * r.k0 - self.now
         demand = Demand(r.inp, r.out - r.k0, max(due, 0.0), TPOT_SLO)
-        start = self.starts.get(name)
-        decision = sched.place(
-            name, self.candidates(m, avoid), {name: start} if start else {}, self.now,
-            node_timeout_s=math.inf,
-            max_active_per_instance=self.policy.max_active_per_instance,
-            demand=demand, profiles=self.profiles,
-            reject_over_slo=self.policy.reject_over_slo)
+        # What the scheduler decides first (a join), from the model's own nodes: the other
+        # candidates are gathered only when no instance of it validates.
+        running = self.running_on(m, avoid)
+        decision: Any = sched.first_join(
+            name, running.values(), max_active_per_instance=self.policy.max_active_per_instance,
+            demand=demand, profiles=self.profiles)
+        if decision is None:
+            start = self.starts.get(name)
+            decision = sched.place(
+                name, self.candidates(m, avoid, running), {name: start} if start else {},
+                self.now, node_timeout_s=math.inf,
+                max_active_per_instance=self.policy.max_active_per_instance,
+                demand=demand, profiles=self.profiles,
+                reject_over_slo=self.policy.reject_over_slo)
         if isinstance(decision, Rejected):
             self.reject(r, decision.code.value)
             return

@@ -176,21 +176,9 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
                      max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile],
                      reject_over_slo: float | None) -> Decision:
     # Shadow validation: join the first instance where nobody would miss an SLO...
-    options: list[tuple[float, bool, Decision]] = []
-    refusals: list[str] = []
-    crowded: list[NodeState] = []
-    for n in placement.join_order(live, model):
-        if n.instances[model].active >= max_active_per_instance:
-            refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
-            continue
-        v = placement.validate(n, model, demand, profiles)
-        if v.ok:
-            return UseNode(n.node_id)
-        refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
-        if v.failure is placement.Failure.NEW_LATE:
-            options.append((v.ttft_s, False, UseNode(n.node_id)))
-        elif v.failure is placement.Failure.ROUND_TOO_LONG:
-            crowded.append(n)
+    joined, refusals, options, crowded = _join(model, live, max_active_per_instance, demand, profiles)
+    if joined is not None:
+        return joined
     why = "; ".join(refusals)
     # ... else make room in an instance whose neighbours' decode rounds are in its way,
     # preempting smaller ones that validate elsewhere (§7.1: a bigger instance rather than a
@@ -255,6 +243,40 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
     if isinstance(decision, UseNode) and spare is not None:
         return UseNode(decision.node_id, scale_out_to=spare.node_id, why=why)
     return decision
+
+
+def _join(model: str, live: Iterable[NodeState], max_active_per_instance: int, demand: Demand,
+          profiles: Mapping[str, Profile]
+          ) -> tuple[UseNode | None, list[str], list[tuple[float, bool, Decision]], list[NodeState]]:
+    """The first running instance that validates the request; else why each refused, the
+    ones that would only be late for it (with their predicted first token), and the ones
+    their neighbours' decode rounds crowd."""
+    options: list[tuple[float, bool, Decision]] = []
+    refusals: list[str] = []
+    crowded: list[NodeState] = []
+    for n in placement.join_order(live, model):
+        if n.instances[model].active >= max_active_per_instance:
+            refusals.append(f"{n.node_id}: at its limit of {max_active_per_instance}")
+            continue
+        v = placement.validate(n, model, demand, profiles)
+        if v.ok:
+            return UseNode(n.node_id), refusals, options, crowded
+        refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
+        if v.failure is placement.Failure.NEW_LATE:
+            options.append((v.ttft_s, False, UseNode(n.node_id)))
+        elif v.failure is placement.Failure.ROUND_TOO_LONG:
+            crowded.append(n)
+    return None, refusals, options, crowded
+
+
+def first_join(model: str, running: Iterable[NodeState], *, max_active_per_instance: int, demand: Demand,
+               profiles: Mapping[str, Profile]) -> UseNode | None:
+    """What `place` decides first, from the nodes running the model alone: the first of their
+    instances that validates the request, or None (then `place` needs the candidates for a
+    start too). A caller with many nodes to gather tries this first."""
+    if model not in profiles:
+        return None
+    return _join(model, running, max_active_per_instance, demand, profiles)[0]
 
 
 def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, Profile]) -> bool:

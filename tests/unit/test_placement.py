@@ -9,7 +9,7 @@ from services.scheduler.perf_book import PerfBook
 from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
 from services.scheduler.placement import Demand, Failure, Profile, service_s, start_order, validate
 from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
-from shared.messages import Artifact, InstanceView, ModelRecord, PerfReport
+from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, PerfReport, Rejected
 
 NOW = 1000.0
 # 2 ms per prompt token, 20 ms per decode iteration (flat in length): easy to add up by hand.
@@ -300,3 +300,92 @@ def test_preemption_spares_bigger_neighbours_and_those_that_cannot_go_elsewhere(
     assert validate(lone, "m", d, profiles).failure == Failure.ROUND_TOO_LONG
     assert preemption_for(lone, "m", d, profiles, lambda _: False) is None
     assert preemption_for(lone, "m", d, profiles, lambda _: True) == ("small",)
+
+
+# --- continuous-batching nodes (vLLM's scheduler, LLM-Mesh's engine; the simulator's nodes) ---
+
+
+def cont(node_id: str, *instances: InstanceView, slack: float = float("inf"), kind: str = "cpu",
+         resident: frozenset[str] = frozenset()) -> NodeView:
+    return NodeView(node_id, NOW, {i.model: i for i in instances}, kind=kind, resident=resident, max_batch=64,
+                    continuous_batching=True, prefill_slack_s=slack)
+
+
+def decoding(model: str, rows: int, held: int, queued: int = 0, queued_tokens: int = 0) -> InstanceView:
+    return InstanceView(model=model, active=rows + queued, last_used=NOW, loaded_at=NOW - 10, running=rows,
+                        held_tokens=held, queued_tokens=queued_tokens)
+
+
+def test_on_a_prefill_first_node_a_request_waits_for_every_prompt_queued_there() -> None:
+    # Its own instance decodes 3 rows and has 1 prompt of 300 tokens queued; a neighbour has
+    # 2 prompts of 100 queued. Prefill first, in arrival order: 0.6 + 2 × 0.2 s ahead, then
+    # its own 100 tokens (0.2 s); no batch to wait for, no re-prefill of the rows.
+    n = cont("n", decoding("m", 3, 900, queued=1, queued_tokens=300), decoding("x", 1, 200, queued=2, queued_tokens=200))
+    v = validate(n, "m", demand(), {"m": profile(), "x": profile(aid="a2")})
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * (0.6 + 0.4 + 0.2), rel=1e-3)
+    # One decode iteration per busy instance per round: 20 ms each, 10 % over.
+    assert v.round_s == pytest.approx(1.1 * 0.04, rel=1e-3)
+
+
+def test_a_prefill_that_would_stall_requests_there_past_their_headroom_is_refused() -> None:
+    # Its prefill (0.2 s, 0.22 s with the overestimate) runs ahead of everyone's next token.
+    assert validate(cont("n", decoding("m", 1, 100), slack=0.3), "m", demand(), {"m": profile()}).ok
+    v = validate(cont("n", decoding("m", 1, 100), slack=0.2), "m", demand(), {"m": profile()})
+    assert not v.ok and v.failure == Failure.EXISTING_LATE
+
+
+def test_placement_uses_the_perf_model_and_start_time_of_the_nodes_kind() -> None:
+    fast = PerfModel.fit([PrefillSample(1, 0.0002), PrefillSample(1000, 0.2)],
+                         [DecodeSample(1, 1, 0.002), DecodeSample(1, 1000, 0.002)])
+    p = Profile(PERF, 2.0, 0.1, "a1", 100, 10, start_s=3.0, perf_by_kind={"gpu": fast},
+                start_s_by_kind={"gpu": 0.5}, resident_start_s=0.05)
+    # A new instance: a 3 s load on a CPU node misses the 2 s TTFT, a 0.5 s one on a GPU does not.
+    assert validate(cont("c"), "m", demand(), {"m": p}).failure == Failure.NEW_LATE
+    on_gpu = validate(cont("g", kind="gpu"), "m", demand(), {"m": p})
+    assert on_gpu.ok and on_gpu.ttft_s == pytest.approx(1.1 * (0.5 + 0.02), rel=1e-3)
+    # Its weights still resident on the CPU node: the profile's resident start.
+    resident = validate(cont("c", resident=frozenset({"a1"})), "m", demand(), {"m": p})
+    assert resident.ok and resident.ttft_s == pytest.approx(1.1 * (0.05 + 0.2), rel=1e-3)
+
+
+def test_a_preemption_is_validated_without_the_victims() -> None:
+    crowded = cont("n", decoding("m", 1, 100), decoding("x", 1, 100))
+    tight = demand(tpot=0.03)  # one iteration (22 ms) fits, two (44 ms) do not
+    assert validate(crowded, "m", tight, {"m": profile(), "x": profile(aid="a2")}).failure == Failure.ROUND_TOO_LONG
+    assert validate(crowded, "m", tight, {"m": profile(), "x": profile(aid="a2")}, without=frozenset({"x"})).ok
+
+
+def test_with_admission_on_a_request_no_node_can_take_is_refused_not_dumped() -> None:
+    # Every node would stall its requests past their headroom: with `reject_over_slo` set the
+    # scheduler refuses it (429, Retry-After); without, it falls back to the least busy.
+    nodes = [cont("a", decoding("m", 1, 100), slack=0.0), cont("b", decoding("y", 1, 100), slack=0.0)]
+    profiles = {"m": profile(), "y": profile(aid="a2")}
+    kw = {"node_timeout_s": 3.0, "max_active_per_instance": 8, "demand": demand(), "profiles": profiles}
+    refused = place("m", nodes, {}, NOW, reject_over_slo=1.0, **kw)
+    assert isinstance(refused, Rejected) and refused.code == ErrorCode.OVERLOADED and refused.retry_after_s >= 1
+    assert place("m", nodes, {}, NOW, **kw) == UseNode("a")
+
+
+def test_a_start_under_way_that_cannot_serve_a_request_in_time_does_not_block_another() -> None:
+    # m's instance on a is full; its start on b began a moment ago and loads for 3 s: a request
+    # that cannot wait that long starts m on c (a burst can need several new instances).
+    p = Profile(PERF, 2.0, 0.1, "a1", 100, 10, start_s=3.0, start_s_by_kind={"gpu": 0.5})
+    nodes = [node("a", inst("m", active=4)), node("b"), node("c", kind="gpu")]
+    d = place("m", nodes, {"m": StartUnderWay("b", since=NOW - 0.1, waiting=1)}, NOW, node_timeout_s=3.0,
+              max_active_per_instance=8, demand=demand(), profiles={"m": p})
+    assert d == StartOn("c")
+
+
+def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
+    book = PerfBook()
+    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
+                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
+                                                         context_length=100, kv_bytes_per_token=2,
+                                                         weight_bytes=5))
+    for kind, scale in (("cpu", 1.0), ("gpu", 0.1)):
+        book.report("n-" + kind, kind, PerfReport(artifact_id="a1", prefill=((64, 0.1 * scale), (512, 0.8 * scale)),
+                                                   decode=((1, 64, 0.02 * scale), (1, 512, 0.03 * scale))))
+    (p,) = book.profiles([record]).values()
+    assert set(p.perf_by_kind) == {"cpu", "gpu"}
+    assert p.perf_on("gpu").prefill_s(512) == pytest.approx(0.1 * p.perf_on("cpu").prefill_s(512), rel=1e-6)
+    assert p.perf is p.perf_on("cpu")  # the default kind's, where a node's kind is unknown

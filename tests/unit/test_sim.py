@@ -56,3 +56,45 @@ def test_an_idle_model_restarts_from_its_resident_tensors() -> None:
     trace = generate(11, 6, 120.0, 0.3)
     st = simulate(trace, 1, 1, GPU_ONLY)
     assert st.reuse_starts > 0
+
+
+def test_cells_partition_the_trace_and_their_stats_add_up() -> None:
+    from bench.sim import ScaleJob, cell_trace, merge, scale_run
+
+    trace = generate(5, 12, 60.0, 3.0)
+    cells = [cell_trace(trace, c, 3) for c in range(3)]
+    assert sum(len(c) for c in cells) == len(trace)
+    assert sorted(x for c in cells for x in c.arrival.tolist()) == sorted(trace.arrival.tolist())
+    assert cells[1].models == trace.models[1::3] and set(cells[1].model.tolist()) <= set(range(4))
+    one = simulate(cells[0], 1, 1, TESSERA)
+    two = merge([one, simulate(cells[1], 1, 1, TESSERA)])
+    assert two.requests == len(cells[0]) + len(cells[1])
+    assert two.met + two.late + two.rejected + two.unfinished == two.requests
+    assert two.mem_samples[0][1] >= one.mem_samples[0][1]
+    stats, wall = scale_run(ScaleJob(5, 12, 60.0, 3.0, 2, 2, cells=2))
+    assert stats.requests == len(trace) and wall > 0
+
+
+def test_a_preempted_instances_requests_resume_elsewhere_with_their_text_so_far() -> None:
+    # LLM-Mesh §7.1 as the simulator executes it: the instance stops, its decoding requests
+    # go on from where they were (their tokens so far become part of the prompt), and every
+    # request still ends met, late or rejected.
+    sim = Sim(generate(5, 6, 60.0, 2.0), 2, 2, TESSERA)
+    victim_seen: list[int] = []
+    original = sim.on_prefill_done
+
+    def preempt_once(node):  # once, half-way through, preempt an instance with decoding requests
+        original(node)
+        if not victim_seen and sim.now > 30.0:
+            inst = next((i for i in node.insts.values() if i.nd and i.ready), None)
+            if inst is not None:
+                victim_seen.extend(r.rid for r in inst.reqs)
+                sim.preempt(inst)
+
+    sim.on_prefill_done = preempt_once  # type: ignore[method-assign]
+    st = sim.run()
+    assert victim_seen and st.preemptions >= 1
+    moved = [sim.reqs[i] for i in victim_seen]
+    assert all(r.outcome in {"met", "late", "rejected"} for r in moved)
+    assert any(r.k0 > 0 and r.outcome != "rejected" for r in moved)
+    assert st.met + st.late + st.rejected == st.requests
