@@ -2,15 +2,17 @@
 
     .venv/bin/python -m bench.sim [--quick] [--out bench/results]
 
-It replays a seeded bursty multi-model trace (`bench.trace`) on N CPU and M GPU nodes with
-the policy modules (`services.scheduler.{shadow,defrag,affinity,admission,perf_model}`,
-`services.memory_manager.{station,kv_watermark,tensor_pool}`). The services run the station,
-the KV watermark, affinity, defrag's preemption choice, the perf model and the tensor pool's
-eviction rule (`shared.eviction`) too; for shadow validation they use
-`services.scheduler.placement.validate`, which predicts their batching engine, where this
-simulator's nodes run the paper's token-level discipline that `shadow.validate_fifo`
-predicts, and they admit with the scheduler's early reject rather than `admission`'s
-deadline queue. Two baselines:
+It replays a seeded bursty multi-model trace (`bench.trace`) on N CPU and M GPU nodes with the
+services' policy code: every Tessera placement is `services.scheduler.policy.place` (shadow
+validation by `placement.validate`, compute preemption, starts by affinity, the early reject
+that is its admission), over `placement.NodeState` views that the simulator's nodes and
+instances implement; memory is the memory manager's station, KV watermark and tensor pool
+(Tangram's eviction rule, `shared.eviction`), with defrag's choice of idle neighbours to
+preempt for memory. What the simulator adds is only what the cluster does: the engines, the
+loads and resizes, the clock. Where the services differ: their engine (OpenVINO on CPU)
+batches as `max_batch` and `join_recompute_tokens` say, which `placement.validate` predicts in
+its batching branch; the simulated nodes run the paper's engine (and vLLM's), continuous
+batching prefill-first, which it predicts in its continuous branch. Two baselines:
 
 - `exclusive`: a Knative / ServerlessLLM deployment (LLM-Mesh §8.1's sllm+cpu): one model per
   instance and one instance per node (the node's whole memory is the instance's), CPU nodes
@@ -22,16 +24,20 @@ deadline queue. Two baselines:
 - `gpu_only`: Tessera's policies on the GPU nodes alone (the CPU nodes removed).
 
 What a node does. A node runs one iteration at a time (LLM-Mesh §5.1), prefill first: the
-prefills of the requests placed on it run one after another in the order the requests become
-eligible (their instance loaded, their KV cache grown), ahead of decode; whenever no prefill is
-queued it runs decode rounds, one iteration of every instance with decoding requests, so each
-decoding request gains one token per round, the round being the sum of the instances' decode
-iterations (`PerfModel.decode_s` at the instance's batch and current mean length). Decode is
-advanced as a fluid between events (a 1,000-node hour would be billions of tokens), which is
-exact for this discipline at the events, where everything that changes the round or stalls
-it happens. Shadow validation (`shadow.validate_fifo`) predicts exactly this discipline with
-the same perf models, each iteration overestimated by LLM-Mesh's 10%, so a request it admits
-misses only if a later estimate slips (a memory operation held by the reservation station).
+prefills of the requests placed on it run one after another in arrival order (a request whose
+instance is still loading or whose KV cache is still growing joins the queue when it can,
+ahead of later arrivals; the running prefill is never cut short), ahead of decode; whenever no
+prefill is queued it runs decode rounds, one iteration of every instance with decoding
+requests, so each decoding request gains one token per round, the round being the sum of the
+instances' decode iterations (`PerfModel.decode_s` at the instance's batch and current mean
+length). Decode is advanced as a fluid between events (a 1,000-node hour would be billions of
+tokens), which is exact for this discipline at the events, where everything that changes the
+round or stalls it happens. A node tells placement what an engine's heartbeat would, as of
+now: per instance its requests, decoding rows, the tokens they hold, the prompt tokens queued
+and when it can run a newcomer (`Inst.ready_in_s`: a load, a KV resize); per node its
+`prefill_slack_s`, the least eq. 1 headroom its requests keep once the queued prefills ran.
+Validation takes every predicted time 10% longer; what it cannot see (a request's own KV
+growth, lengths growing while they decode) is where admitted requests still miss.
 
 SLO accounting: request r meets its SLO if its first token comes within the TTFT SLO and its
 eq. 1 headroom ST + TTFT_SLO + TPOT_SLO · k − t never goes negative while it decodes (k its

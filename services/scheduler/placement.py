@@ -233,8 +233,7 @@ def validate(
         theirs_perf = p.perf_by_kind.get(kind, p.perf)
         if continuous and busy > view.running:
             ahead_s += _prefill_s(theirs_perf, busy - view.running, view.queued_tokens)
-        if p.tpot_slo_s < tightest:
-            tightest = p.tpot_slo_s
+        tightest = min(tightest, p.tpot_slo_s)
         pid = view.worker_pid
         if pid:
             if pid in counted:
@@ -245,7 +244,7 @@ def validate(
             theirs = sum(v.held_tokens + v.queued_tokens for v in mates) / busy if continuous else length
         else:  # a worker of its own
             theirs = (view.held_tokens + view.queued_tokens) / busy if continuous else length
-        round_s += theirs_perf.decode_s(busy if busy < width else width, theirs)
+        round_s += theirs_perf.decode_s(min(busy, width), theirs)
     if continuous:
         ttft = overestimate * (max(ready_in, ahead_s) + own_prefill)
     else:

@@ -17,6 +17,11 @@ exactly when its instance's least headroom does.
 Candidates are tried CPU nodes first (the GPU is the scarce resource, §4), and within a kind
 the instance with the highest batch first (§7.2: bin-packing lets small instances drain).
 
+This module is §5.3 as the paper states it, with its Fig. 6 cases as tests, and holds the
+verdicts and the overestimate placement shares. What the scheduler and the simulator run is
+`placement.validate`: the same checks over what engines report (queues, rows, held tokens,
+prefill slack) rather than every request's clock, for the engines this project has.
+
 Pure: state and a clock in, a verdict out.
 """
 
@@ -246,99 +251,6 @@ def _simulate(
                 return Verdict(False, failure, total_round,
                                f"a request on {o[8]} waits past its headroom")
     return Verdict(True, None, total_round)
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """A request on the node whose first token has not come yet, for `validate_fifo`."""
-
-    prefill_s: float
-    """Predicted seconds of its prefill (what is left of it, for the one running now)."""
-    headroom_s: float
-    """Eq. 1 headroom now: its TTFT deadline less now (inf once already missed)."""
-    eligible_in_s: float = 0.0
-    """Seconds until it may enter the node's prefill queue (its instance still loading, its
-    KV cache still growing); 0 for one already queued."""
-
-
-def validate_fifo(
-    round_s: float,
-    least_headroom_s: float,
-    prefills: Sequence[Prefill],
-    new: Prefill,
-    tpot_slo: float,
-    *,
-    overestimate: float = OVERESTIMATE,
-) -> Verdict:
-    """Shadow validation for a node run prefill-first (closed form, no stepping).
-
-    The node discipline it models exactly: prefills run one at a time in the order their
-    requests become eligible (FIFO), ahead of any decode iteration; whenever no prefill is
-    queued the node runs decode rounds, one iteration of every instance with decoding
-    requests, so each decoding request gains one token per round. This is what the simulator
-    executes (`bench/sim.py`) and what headroom scheduling (§5.1) reduces to when a waiting
-    prefill is the most urgent work on the node; it is used where a node must be predicted
-    in O(requests waiting for a prefill) rather than stepped.
-
-    `round_s`: the predicted decode round with the new request and every waiting one counted
-    in their instances' batches (see `ShadowInstance.round_s`). `least_headroom_s`: the least
-    eq. 1 headroom among decoding requests still within their SLO. `prefills`: the node's
-    queued prefills in queue order, then the ones not yet eligible (any order).
-
-    Checks, each iteration overestimated by `overestimate` (§5.3):
-    3. the round with the request added stays within the TPOT SLO (a decoding request's
-       headroom then never falls while the node decodes, only while it runs prefills);
-    1./2. every waiting request, the new one included, gets its first token within its
-       headroom, in the FIFO order the node will run them;
-    2. every decoding request, and every waiting one once it decodes, can absorb every
-       prefill the node runs after its own token (taken as one stall, the worst case).
-    """
-    rnd = round_s * overestimate
-    if rnd > tpot_slo:
-        return Verdict(False, Failure.ROUND_TOO_LONG, rnd,
-                       f"decode round {rnd:.3f}s > TPOT SLO {tpot_slo:.3f}s")
-    queued = [p for p in prefills if p.eligible_in_s <= 0.0]
-    later = sorted((p for p in prefills if p.eligible_in_s > 0.0),
-                   key=lambda p: p.eligible_in_s)
-    at = len(queued) + sum(1 for p in later if p.eligible_in_s <= new.eligible_in_s)
-    before = queued + later
-    after = before[:at] + [new] + before[at:]
-    stall_total = overestimate * sum(p.prefill_s for p in after)
-    if least_headroom_s - stall_total < 0.0:
-        return Verdict(False, Failure.EXISTING_LATE, rnd,
-                       f"a decoding request ({least_headroom_s:.3f}s of headroom) is stalled "
-                       f"{stall_total:.3f}s by prefills")
-    # A waiting request that misses even without the new one is lost whatever is decided
-    # now (its estimate slipped); it does not veto the node.
-    doomed = {i for i, sl in enumerate(_fifo_slacks(before, overestimate)) if sl < 0.0}
-    for j, sl in enumerate(_fifo_slacks(after, overestimate)):
-        if sl >= 0.0:
-            continue
-        if j == at:
-            return Verdict(False, Failure.NEW_LATE, rnd,
-                           f"its first token, and the prefills after it, exceed its "
-                           f"{new.headroom_s:.3f}s of headroom by {-sl:.3f}s")
-        if (j if j < at else j - 1) not in doomed:
-            return Verdict(False, Failure.EXISTING_LATE, rnd,
-                           f"a waiting request would miss its SLO by {-sl:.3f}s")
-    return Verdict(True, None, rnd)
-
-
-def _fifo_slacks(order: Sequence[Prefill], overestimate: float) -> list[float]:
-    """Per waiting request in FIFO order: its headroom left at its first token, less every
-    prefill run after it (the worst case for its first decode tokens)."""
-    t = 0.0
-    finishes = []
-    for p in order:
-        t = max(t, p.eligible_in_s) + overestimate * p.prefill_s
-        finishes.append(t)
-    total = overestimate * sum(p.prefill_s for p in order)
-    out = []
-    done = 0.0
-    for p, fin in zip(order, finishes, strict=True):
-        done += overestimate * p.prefill_s
-        out.append(math.inf if p.headroom_s == math.inf else p.headroom_s - fin - (total - done))
-    return out
 
 
 class Candidate(Protocol):
