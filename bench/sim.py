@@ -933,9 +933,10 @@ class Sim:
         # What the scheduler decides first (a join), from the model's own nodes: the other
         # candidates are gathered only when no instance of it validates.
         running = self.running_on(m, avoid)
-        decision: Any = sched.first_join(
+        joins = sched.first_join(
             name, running.values(), max_active_per_instance=self.policy.max_active_per_instance,
             demand=demand, profiles=self.profiles)
+        decision: Any = joins.joined if joins is not None else None
         if decision is None:
             start = self.starts.get(name)
             decision = sched.place(
@@ -943,7 +944,7 @@ class Sim:
                 self.now, node_timeout_s=math.inf,
                 max_active_per_instance=self.policy.max_active_per_instance,
                 demand=demand, profiles=self.profiles,
-                reject_over_slo=self.policy.reject_over_slo)
+                reject_over_slo=self.policy.reject_over_slo, joins=joins)
         if isinstance(decision, Rejected):
             self.reject(r, decision.code.value)
             return

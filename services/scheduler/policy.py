@@ -142,6 +142,7 @@ def place(
     profiles: Mapping[str, Profile] | None = None,
     exclusive: bool = False,
     reject_over_slo: float | None = None,
+    joins: Joins | None = None,
 ) -> Decision:
     """Where a request for `model` goes. `starts_in_flight`: the starts under way, by model
     (the latest, where a model has several).
@@ -149,6 +150,9 @@ def place(
     `reject_over_slo`: refuse (429, Retry-After) a request whose predicted first token is more
     than this many TTFT SLOs away, or that no node takes without breaking the SLOs of requests
     already there, rather than queue it (None: always queue).
+
+    `joins`: what `first_join` found over the nodes running the model, where the caller asked
+    it first (`nodes` must hold those nodes too).
 
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
@@ -168,18 +172,21 @@ def place(
                                 {s.node_id for s in starts_in_flight.values()})
     if demand is not None and model in profiles:
         return _place_validated(model, live, start, now, max_active_per_instance, demand, profiles,
-                                reject_over_slo)
+                                reject_over_slo, joins)
     return _fallback(model, live, max_active_per_instance, profiles.get(model))
 
 
 def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | None, now: float,
                      max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile],
-                     reject_over_slo: float | None) -> Decision:
+                     reject_over_slo: float | None, joins: Joins | None) -> Decision:
     # Shadow validation: join the first instance where nobody would miss an SLO...
-    joined, refusals, options, crowded = _join(model, live, max_active_per_instance, demand, profiles)
-    if joined is not None:
-        return joined
-    why = "; ".join(refusals)
+    if joins is None:
+        joins = _join(model, live, max_active_per_instance, demand, profiles)
+    if joins.joined is not None:
+        return joins.joined
+    why = "; ".join(joins.refusals)
+    options: list[tuple[float, bool, Decision]] = [(t, False, d) for t, d in joins.late]
+    crowded = joins.crowded
     # ... else make room in an instance whose neighbours' decode rounds are in its way,
     # preempting smaller ones that validate elsewhere (§7.1: a bigger instance rather than a
     # new fragment) ...
@@ -245,13 +252,23 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
     return decision
 
 
+@dataclass(frozen=True)
+class Joins:
+    """Shadow validation of a request against the model's running instances."""
+
+    joined: UseNode | None
+    """The first instance that validates it."""
+    refusals: tuple[str, ...] = ()
+    """Else why each refused (the operator's log)."""
+    late: tuple[tuple[float, UseNode], ...] = ()
+    """The ones that would only be late for it, with its predicted first token there."""
+    crowded: tuple[NodeState, ...] = ()
+    """The ones whose neighbours' decode rounds are in its way (§7.1 may preempt them)."""
+
+
 def _join(model: str, live: Iterable[NodeState], max_active_per_instance: int, demand: Demand,
-          profiles: Mapping[str, Profile]
-          ) -> tuple[UseNode | None, list[str], list[tuple[float, bool, Decision]], list[NodeState]]:
-    """The first running instance that validates the request; else why each refused, the
-    ones that would only be late for it (with their predicted first token), and the ones
-    their neighbours' decode rounds crowd."""
-    options: list[tuple[float, bool, Decision]] = []
+          profiles: Mapping[str, Profile]) -> Joins:
+    late: list[tuple[float, UseNode]] = []
     refusals: list[str] = []
     crowded: list[NodeState] = []
     for n in placement.join_order(live, model):
@@ -260,23 +277,24 @@ def _join(model: str, live: Iterable[NodeState], max_active_per_instance: int, d
             continue
         v = placement.validate(n, model, demand, profiles)
         if v.ok:
-            return UseNode(n.node_id), refusals, options, crowded
+            return Joins(UseNode(n.node_id))
         refusals.append(f"{n.node_id}: {v.failure} (ttft {v.ttft_s:.2f} s, round {v.round_s:.3f} s)")
         if v.failure is placement.Failure.NEW_LATE:
-            options.append((v.ttft_s, False, UseNode(n.node_id)))
+            late.append((v.ttft_s, UseNode(n.node_id)))
         elif v.failure is placement.Failure.ROUND_TOO_LONG:
             crowded.append(n)
-    return None, refusals, options, crowded
+    return Joins(None, tuple(refusals), tuple(late), tuple(crowded))
 
 
 def first_join(model: str, running: Iterable[NodeState], *, max_active_per_instance: int, demand: Demand,
-               profiles: Mapping[str, Profile]) -> UseNode | None:
-    """What `place` decides first, from the nodes running the model alone: the first of their
-    instances that validates the request, or None (then `place` needs the candidates for a
-    start too). A caller with many nodes to gather tries this first."""
+               profiles: Mapping[str, Profile]) -> Joins | None:
+    """What `place` decides first, from the nodes running the model alone: `Joins.joined` is
+    the first of their instances that validates the request. A caller with many nodes to
+    gather tries this first, and gathers them (for a start) only when none does, passing
+    this to `place` as `joins`. None: the model was never measured (`place` falls back)."""
     if model not in profiles:
         return None
-    return _join(model, running, max_active_per_instance, demand, profiles)[0]
+    return _join(model, running, max_active_per_instance, demand, profiles)
 
 
 def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, Profile]) -> bool:
