@@ -58,6 +58,15 @@ def expected_start_s(offer: Offer, model_bytes: int) -> float:
     return offer.init_s + load_time_s(model_bytes, offer.reusable_bytes, offer.bandwidth_bps)
 
 
+def start_s_if_fits(free_bytes: int, reusable_bytes: int, model_bytes: int, need_bytes: int,
+                    bandwidth_bps: float, init_s: float = 0.0) -> float | None:
+    """The expected start on a node (init plus eq. 3), or None where the instance does not
+    fit: resident tensors of the model count toward `need_bytes`, since they are reused."""
+    if free_bytes + reusable_bytes < need_bytes:
+        return None
+    return init_s + load_time_s(model_bytes, reusable_bytes, bandwidth_bps)
+
+
 def rank_nodes(
     model_bytes: int,
     need_bytes: int,
@@ -75,10 +84,10 @@ def rank_nodes(
     rank = {k: i for i, k in enumerate(kind_order)}
     keyed = []
     for o in offers:
-        free_after = o.free_bytes + o.reusable_bytes - need_bytes
-        if free_after < 0:
+        t = start_s_if_fits(o.free_bytes, o.reusable_bytes, model_bytes, need_bytes, o.bandwidth_bps, o.init_s)
+        if t is None:
             continue
-        t = expected_start_s(o, model_bytes)
+        free_after = o.free_bytes + o.reusable_bytes - need_bytes
         keyed.append(((rank.get(o.kind, len(rank)), round(t, 3), free_after, o.node_id),
                       Choice(o.node_id, t)))
     keyed.sort(key=lambda kc: kc[0])

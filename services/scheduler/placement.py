@@ -36,7 +36,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.scheduler.affinity import Offer, rank_nodes
+from services.scheduler.affinity import start_s_if_fits
 from services.scheduler.perf_model import PerfModel
 from services.scheduler.shadow import OVERESTIMATE, Failure
 
@@ -347,14 +347,14 @@ def start_order(nodes: Iterable[NodeState], profile: Profile | None,
     def tightest_neighbour(n: NodeState) -> float:
         return min((neighbours[m].ttft_slo_s for m in n.instances if m in neighbours), default=float("inf"))
 
-    offers = []
+    weights, need = profile.weight_bytes, profile.weight_bytes + profile.kv_bytes
+    keyed = []
     for n in nodes:
-        free = n.memory_budget_bytes - n.memory_used_bytes if n.memory_budget_bytes else 1 << 62
-        reusable = profile.weight_bytes if profile.artifact_id in n.resident else 0
-        offers.append(Offer(n.node_id, n.kind, max(free, 0), reusable, LOAD_BANDWIDTH_BPS))
-    fits = {c.node_id: c for c in rank_nodes(profile.weight_bytes, profile.weight_bytes + profile.kv_bytes, offers)}
-    by_id = {o.node_id: o for o in offers}
-    feasible = [n for n in nodes if n.node_id in fits]
-    return sorted(feasible, key=lambda n: (
-        kind_rank(n.kind), round(fits[n.node_id].load_s, 3), -by_id[n.node_id].reusable_bytes,
-        len(n.instances) + len(n.starting), -tightest_neighbour(n), by_id[n.node_id].free_bytes, n.node_id))
+        free = max(n.memory_budget_bytes - n.memory_used_bytes, 0) if n.memory_budget_bytes else 1 << 62
+        reusable = weights if profile.artifact_id in n.resident else 0
+        load_s = start_s_if_fits(free, reusable, weights, need, LOAD_BANDWIDTH_BPS)
+        if load_s is not None:
+            keyed.append(((kind_rank(n.kind), round(load_s, 3), -reusable, len(n.instances) + len(n.starting),
+                           -tightest_neighbour(n), free, n.node_id), n))
+    keyed.sort(key=lambda kn: kn[0])
+    return [n for _, n in keyed]
