@@ -777,6 +777,8 @@ class Sim:
     def top_instances(self, m: int, kind: str, k: int) -> list[Inst]:
         """Up to k live instances of model m on `kind` nodes, highest batch first."""
         heap = self.iheap[m][kind]
+        if len(heap) <= k:  # the usual case: look, rather than pop and push back
+            return [e[3] for e in sorted(heap) if e[3].alive and e[3].hst == e[1]]
         out: list[tuple[int, int, int, Inst]] = []
         while heap and len(out) < k:
             e = heapq.heappop(heap)

@@ -187,6 +187,12 @@ def validate(
     if own is None:
         return Verdict(False)  # never measured: nothing to validate with
     perf = own.perf_on(node.kind)
+    own_prefill = perf.prefill_s(demand.prompt_tokens)
+    continuous = node.continuous_batching
+    if continuous and node.prefill_slack_s < overestimate * own_prefill:
+        # Its prefill would run ahead of the next token of requests there that cannot wait
+        # that long (the cheapest refusal: checked first).
+        return Verdict(False, Failure.EXISTING_LATE)
     tokens = _tokens(demand.max_tokens)
     instances = node.instances
     inst = instances.get(model)
@@ -207,12 +213,6 @@ def validate(
             ahead, running, held, queued_tokens = inst.active, inst.running, inst.held_tokens, inst.queued_tokens
         ready_in = inst.ready_in_s
     width = max(1, node.max_batch)
-    continuous = node.continuous_batching
-    own_prefill = perf.prefill_s(demand.prompt_tokens)
-    if continuous and node.prefill_slack_s < overestimate * own_prefill:
-        # Its prefill would run ahead of the next token of requests there that cannot wait
-        # that long (the cheapest refusal: checked first).
-        return Verdict(False, Failure.EXISTING_LATE)
     kind = node.kind
     length = demand.prompt_tokens + tokens / 2
     mine = (held + queued_tokens + demand.prompt_tokens) / (ahead + 1) if continuous else length
