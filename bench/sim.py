@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.trace import Trace, generate
+from bench.trace import ModelSpec, Trace, generate
 from services.memory_manager import kv_watermark as kvw
 from services.memory_manager.station import MemOp, OpKind, Station, load, resize_kv, unload
 from services.memory_manager.tensor_pool import Tensor, TensorPool
@@ -140,6 +140,12 @@ L_MIN_TOKENS = 4096
 DEFAULT_MEAN_OUTPUT = 256.0
 TYPICAL_LENGTH = 1000.0
 """Sentence length the exclusive baseline's concurrency limits are tuned at."""
+
+
+def first_kv_bytes(spec: ModelSpec, input_len: int, mean_output: float) -> int:
+    """An instance's first KV cache, for one request of `input_len` (eq. 2 and the watermark)."""
+    return kvw.recommended_bytes(kvw.required_bytes(
+        spec.kv_bytes_per_token, [(input_len, 0)], mean_output, L_MIN_TOKENS))
 
 
 @dataclass(frozen=True)
@@ -485,8 +491,7 @@ class Sim:
         """What placement knows of model m: the sim's perf models are its measurements."""
         spec = self.models[m]
         by_kind = {hw.kind: self.perf[(spec.params_b, hw.kind)] for hw in (CPU, GPU)}
-        kv0 = kvw.recommended_bytes(kvw.required_bytes(
-            spec.kv_bytes_per_token, [(int(TYPICAL_LENGTH), 0)], DEFAULT_MEAN_OUTPUT, L_MIN_TOKENS))
+        kv0 = first_kv_bytes(spec, int(TYPICAL_LENGTH), DEFAULT_MEAN_OUTPUT)
         starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in (CPU, GPU)}
         return Profile(by_kind["gpu"], 2.0, TPOT_SLO, f"w{m}", spec.weight_bytes, kv0,
                        max(starts.values()), 0.0, by_kind, starts, max(CPU.init_s, GPU.init_s))
@@ -1047,9 +1052,7 @@ class Sim:
         """Start model m on node (for r, or ahead of demand): what its pool lacks is loaded
         (Tangram eq. 3); False if the pool cannot hold it with its first KV cache."""
         spec = self.models[m]
-        kv0 = kvw.recommended_bytes(kvw.required_bytes(
-            spec.kv_bytes_per_token, [(r.inp if r else int(TYPICAL_LENGTH), 0)],
-            self.mean_output(m), L_MIN_TOKENS))
+        kv0 = first_kv_bytes(spec, r.inp if r else int(TYPICAL_LENGTH), self.mean_output(m))
         if node.pool.available_bytes() < spec.weight_bytes + kv0:
             return False  # (tensors it reuses are idle, so available counts them)
         got = node.pool.acquire(str(m), self.tensors[m], self.now)

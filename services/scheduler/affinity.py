@@ -54,10 +54,6 @@ class Choice:
     """Expected seconds until the instance can serve: init plus eq. 3."""
 
 
-def expected_start_s(offer: Offer, model_bytes: int) -> float:
-    return offer.init_s + load_time_s(model_bytes, offer.reusable_bytes, offer.bandwidth_bps)
-
-
 def start_s_if_fits(free_bytes: int, reusable_bytes: int, model_bytes: int, need_bytes: int,
                     bandwidth_bps: float, init_s: float = 0.0) -> float | None:
     """The expected start on a node (init plus eq. 3), or None where the instance does not

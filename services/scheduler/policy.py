@@ -113,14 +113,14 @@ def live_nodes(nodes: Iterable[NodeState], now: float, node_timeout_s: float) ->
     return [n for n in nodes if now - n.seen_at <= node_timeout_s]
 
 
-def _with_starts(nodes: list[NodeState], starts_in_flight: Mapping[str, StartUnderWay]) -> list[NodeState]:
-    """The views with the starts this scheduler has ordered and no heartbeat shows yet: a
-    burst of first requests for several models is placed within milliseconds, and would all
-    land on the node that looked emptiest (measured: three starts at once on one 2/3-core
-    node took 11 s each)."""
+def with_starts(nodes: Iterable[NodeState], starts: Iterable[tuple[str, str]]) -> list[NodeState]:
+    """The views with the starts this scheduler has ordered, (model, node) pairs, where no
+    heartbeat shows them yet: a burst of first requests for several models is placed within
+    milliseconds, and would all land on the node that looked emptiest (measured: three
+    starts at once on one 2/3-core node took 11 s each)."""
     by_node: dict[str, set[str]] = {}
-    for m, start in starts_in_flight.items():
-        by_node.setdefault(start.node_id, set()).add(m)
+    for m, node_id in starts:
+        by_node.setdefault(node_id, set()).add(m)
     out = []
     for n in nodes:
         unseen = by_node.get(n.node_id)
@@ -157,7 +157,8 @@ def place(
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
     instance starts only on a node running nothing."""
-    live = _with_starts(live_nodes(nodes, now, node_timeout_s), starts_in_flight)
+    live = with_starts(live_nodes(nodes, now, node_timeout_s),
+                       ((m, s.node_id) for m, s in starts_in_flight.items()))
     start = starts_in_flight.get(model)
     profiles = profiles or {}
     measured = demand is not None and model in profiles

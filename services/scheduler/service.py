@@ -243,14 +243,8 @@ class SchedulerService:
         placed a moment ago are queued on their instance even if no heartbeat says so yet;
         and the starts this scheduler has under way there (placement is told only the latest
         start of each model)."""
-        starting: dict[str, set[str]] = {}
-        for model, node_id in self._starts:
-            starting.setdefault(node_id, set()).add(model)
         out = []
-        for n in self.nodes.values():
-            unseen = starting.get(n.node_id, set()) - n.starting - n.instances.keys()
-            if unseen:
-                n = dataclasses.replace(n, starting=n.starting | unseen)
+        for n in policy.with_starts(self.nodes.values(), self._starts):
             extra: dict[str, int] = {}
             for model in n.instances:
                 times = self._placed.get((n.node_id, model), [])
