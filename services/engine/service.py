@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine.kv_account import KvAccount
+from services.engine.core import CORE_MAX_SEQS
 from services.engine.layout import has_tier
 from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
@@ -322,9 +323,12 @@ class EngineService:
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self._perf.items()
             ),
-            max_batch=self.settings.max_batch,
+            # The continuous-batching core (`core.py`) serves every instance once built; the
+            # start tier's batch before it lasts a couple of seconds.
+            max_batch=CORE_MAX_SEQS,
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
+            continuous_batching=True,
         )
 
     def _update_gauges(self) -> None:

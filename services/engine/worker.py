@@ -40,7 +40,8 @@ from services.engine.step_gate import StepGate
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
-    from services.engine.instance import Batcher, LoadedModel
+    from services.engine.core import EngineCore
+    from services.engine.instance import Batcher, Detokenizer, LoadedModel
 
 
 NO_SLO_S = 3600.0
@@ -245,35 +246,27 @@ def _touch_kernels(core: ov.Core, device: str, threads: int) -> None:
     compiled.create_infer_request().infer({0: np.ones((1, 4, 64), dtype=np.float32)})
 
 
-class _TierUp:
-    """The STEADY tier, loaded on a thread of its own while the worker serves START."""
+class _CoreBuild:
+    """The continuous-batching core (`core.py`), built on a thread of its own while the worker
+    serves its first requests on the materialized stateful tier. The build takes ≈ 2.4 s of
+    CPU and cannot be materialized (`core.build_pipeline`); the pipeline's constructor
+    releases the GIL, so the worker keeps serving meanwhile."""
 
-    def __init__(self, core: ov.Core, start: LoadedModel, device: str, threads: int) -> None:
-        self.result: LoadedModel | None = None
+    def __init__(self, artifact: Artifact, device: str, threads: int, kv_tokens: int) -> None:
+        self.pipeline: object | None = None
         self.error = ""
         self.seconds = 0.0
         self.done = threading.Event()
-        threading.Thread(
-            target=self._run, args=(core, start, device, threads), daemon=True, name="tier-up"
-        ).start()
+        threading.Thread(target=self._run, args=(artifact, device, threads, kv_tokens), daemon=True,
+                         name="core-build").start()
 
-    def _run(self, core: ov.Core, start: LoadedModel, device: str, threads: int) -> None:
-        from services.engine.instance import LoadedModel, first_pass
+    def _run(self, artifact: Artifact, device: str, threads: int, kv_tokens: int) -> None:
+        from services.engine.core import build_pipeline
 
-        # The lowest priority (threads the runtime starts from here inherit it): the tier-up
-        # only takes CPU time the node's iterations leave (it starts when the node is idle, but
-        # a burst may arrive during its seconds on a small core share).
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
         t0 = time.monotonic()
         try:
-            steady = LoadedModel.load(core, start.artifact, device, threads, tier=Tier.STEADY,
-                                      tokenizer=start.tokenizer)
-            first_pass(steady.compiled)
-            self.result = steady
-        except Exception as e:  # stays on the START tier, which serves correctly
+            self.pipeline = build_pipeline(artifact.path, device, threads, kv_tokens)
+        except Exception as e:  # the worker stays on its stateful tier, which serves correctly
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.monotonic() - t0
         self.done.set()
@@ -325,7 +318,16 @@ class _Loop:
         self._arriving = 0
         """Queue length seen at the last decode step (joins wait while it grows)."""
         self.batcher: Batcher | None = None
-        self.tier_up: _TierUp | None = None
+        """The stateful tier that serves a start's first requests (None once the core serves)."""
+        self.engine: EngineCore | None = None
+        """The continuous-batching core, once built: every request runs on it from then on."""
+        self.build: _CoreBuild | None = None
+        self.artifact: Artifact | None = None
+        self.detokenizer: Detokenizer | None = None
+        self.names: set[str] = set()
+        """Model names served from this worker (an artifact may be registered under several)."""
+        self.in_core: dict[str, tuple[Run, float]] = {}
+        """Requests on the core: each with `waited` when it was added."""
         self.queue: deque[Run] = deque()
         self.running: dict[str, tuple[Run, float, int, int]] = {}
         """Requests of the running batch: each with when it joined, and the batch's width and
@@ -337,53 +339,137 @@ class _Loop:
     def loaded(self) -> LoadedModel | None:
         return self.batcher.loaded if self.batcher is not None else None
 
+    @property
+    def tier(self) -> Tier:
+        """STEADY once the core serves; START while the stateful tier does."""
+        return Tier.STEADY if self.engine is not None else Tier.START
+
     def serve(self) -> None:
         while True:
-            self._maybe_swap_tier()
+            self._adopt_core()
             try:
-                if not self.queue and not self._wait():
+                busy = self.engine is not None and self.engine.has_work()
+                if not self.queue and not busy and not self._wait():
                     continue
                 self._read_commands()
             except (EOFError, OSError):
                 return
             if self.queue:
                 self._run_batch()
+            elif self.engine is not None and self.engine.has_work():
+                self._step_core()
+            elif self.batcher is not None and self.engine is not None:
+                # The core serves everything now: the stateful tier's memory goes back.
+                self.batcher = None
+                _trim_heap()
 
     def _wait(self) -> bool:
-        """Block until a command arrives (True); while a tier-up runs, look at it every 50 ms."""
-        return self.conn.poll(0.05 if self.tier_up is not None else None)
+        """Block until a command arrives (True); while the core builds, look at it every 50 ms."""
+        return self.conn.poll(0.05 if self.build is not None else None)
 
-    def _maybe_swap_tier(self) -> None:
-        tier_up = self.tier_up
-        if tier_up is None or not tier_up.done.is_set() or self.queue:
+    def _start_build(self) -> None:
+        """Build the core now (the first token of a start has gone out, or the node is idle)."""
+        if self.build is not None or self.engine is not None or self.artifact is None:
             return
-        # Between batches: swap tiers (the START model is freed with its infer request).
-        if tier_up.result is not None and self.batcher is not None:
-            from services.engine.instance import Batcher
+        from services.engine.core import DEFAULT_KV_TOKENS
 
-            self.batcher = Batcher(tier_up.result, self.batcher.names)
-            _trim_heap()
-        loaded = self.loaded
-        self.conn.send(TieredUp(loaded.tier if loaded else Tier.START, tier_up.seconds, tier_up.error))
-        self.tier_up = None
+        kv_tokens = max(min(self.artifact.context_length, DEFAULT_KV_TOKENS),
+                        max((r.kv_tokens for r in self.queue), default=0))
+        self.build = _CoreBuild(self.artifact, self.device, self.threads, kv_tokens)
+
+    def _adopt_core(self) -> None:
+        """A finished build: queued requests move onto the core, and new ones go there."""
+        build = self.build
+        if build is None or not build.done.is_set():
+            return
+        self.build = None
+        if build.pipeline is not None and self.detokenizer is not None:
+            from services.engine.core import EngineCore
+
+            self.engine = EngineCore(build.pipeline, self.detokenizer.eos_token_id)
+            while self.queue:
+                self._add_to_core(self.queue.popleft())
+        self.conn.send(TieredUp(self.tier, build.seconds, build.error))
 
     def _read_commands(self) -> None:
         """Every command waiting in the pipe (called between decode steps too)."""
         while self.conn.poll(0):
             self._handle(self.conn.recv())
 
+    def _between_steps(self) -> None:
+        """Between two steps of the stateful tier's batch: commands, and a step of the core
+        once it is there (its requests run alongside the batch until the batch ends)."""
+        self._read_commands()
+        self._adopt_core()
+        if self.engine is not None and self.engine.has_work():
+            self._step_core()
+
+    def _add_to_core(self, run: Run) -> None:
+        from services.engine.instance import TextStream
+        from services.engine.stops import StopMatcher
+
+        assert self.engine is not None and self.detokenizer is not None
+        conn = self.conn
+        rid = run.request_id
+
+        def emit(text: str, tokens: int) -> None:
+            conn.send(Chunk(rid, text, tokens))
+
+        # Stop strings are the library's (GenerationConfig.stop_strings): none here.
+        sink = TextStream(self.detokenizer, StopMatcher(()), emit, run.stream_interval_s)
+        self.names.add(run.session)
+        self.engine.add(rid, run.prompt_ids, run.params, sink)
+        self.in_core[rid] = (run, self.waited)
+        conn.send(Started(rid, len(self.engine)))
+
+    def _step_core(self) -> None:
+        assert self.engine is not None
+        gate = self.gate if self.gate is not None and self.slot >= 0 else None
+        entered = False
+        if gate is not None:
+            t0 = time.monotonic()
+            entered = gate.enter(self.slot, self._deadline())
+            self.waited += time.monotonic() - t0
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # every request on the core fails; the worker lives on
+            for rid in list(self.in_core):
+                self.engine.abort(rid)
+                self.conn.send(Failure(rid, f"{type(e).__name__}: {e}"))
+            self.in_core.clear()
+            self.engine = None
+            return
+        finally:
+            if entered and gate is not None:
+                gate.leave(self.slot, self._deadline())
+        for out in finished:
+            run, waited_at = self.in_core.pop(out.request_id, (None, self.waited))
+            if out.error:
+                self.conn.send(Failure(out.request_id, out.error))
+                continue
+            first = out.first_token_at
+            self.conn.send(Done(
+                out.request_id, out.finish_reason or FinishReason.STOP, out.completion_tokens, first,
+                out.prompt_tokens, max(0.0, (first or out.finished_at) - out.added_at),
+                max(0.0, out.finished_at - first) if first is not None else 0.0,
+                out.peak_running, out.prompt_tokens, self.waited - waited_at))
+        if gate is not None and not self.engine.has_work() and not self.running:
+            gate.idle(self.slot)
+
     def _handle(self, cmd: object) -> None:
         try:
             if isinstance(cmd, Run):
-                self.queue.append(cmd)
+                if self.engine is not None:
+                    self._add_to_core(cmd)
+                else:
+                    self.queue.append(cmd)
             elif isinstance(cmd, CancelRun):
                 self._cancel(cmd.request_id)
             elif isinstance(cmd, TierUpNow):
-                loaded = self.loaded
-                if self.tier_up is None and loaded is not None and loaded.tier == Tier.START:
-                    self.tier_up = _TierUp(self.core, loaded, self.device, self.threads)
-                elif self.tier_up is None:  # nothing to do: say so, the engine waits for an answer
-                    self.conn.send(TieredUp(loaded.tier if loaded else Tier.STEADY, 0.0, "not on the START tier"))
+                if self.engine is None and self.build is None and self.artifact is not None:
+                    self._start_build()
+                elif self.build is None:  # nothing to do: say so, the engine waits for an answer
+                    self.conn.send(TieredUp(self.tier, 0.0, "" if self.engine else "no model loaded"))
             elif isinstance(cmd, Load):
                 from services.engine.instance import Batcher, LoadedModel
 
@@ -395,14 +481,19 @@ class _Loop:
                 loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir,
                                           cmd.tier)
                 self.batcher = Batcher(loaded)
+                self.artifact = cmd.artifact
+                self.detokenizer = loaded.tokenizer
                 self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
             elif isinstance(cmd, DropSession):
+                self.names.discard(cmd.session)
                 if self.batcher is not None and self.batcher.drop(cmd.session):
                     _trim_heap()
         except Exception as e:  # the engine turns this into an error for the request
             self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
 
     def _cancel(self, request_id: str) -> None:
+        if self.engine is not None and self.engine.abort(request_id):
+            return  # it ends CANCELLED at the core's next step
         if request_id in self.running:
             self.cancelled.add(request_id)
             return
@@ -420,7 +511,8 @@ class _Loop:
 
     def _deadline(self) -> float:
         """The most urgent running request's deadline: what this worker waits at the gate with."""
-        return min((run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
+        return min([*(run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
+                    *(run.deadline(0) for run, _ in self.in_core.values())],
                    default=time.monotonic() + NO_SLO_S)
 
     def _gated(self, request: ov.InferRequest) -> _GatedRequest:
@@ -475,13 +567,14 @@ class _Loop:
         def emit(request_id: str, text: str, tokens: int) -> None:
             if self.emitted.get(request_id) == 0:
                 self.waits[request_id].append(self.waited)
+                self._start_build()  # the start's first token is out: build the core now
             self.emitted[request_id] = self.emitted.get(request_id, 0) + tokens
             conn.send(Chunk(request_id, text, tokens))
 
         try:
             results = self.batcher.generate(
                 [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs], emit,
-                self.cancelled.__contains__, runs[0].stream_interval_s, self._read_commands, self._join,
+                self.cancelled.__contains__, runs[0].stream_interval_s, self._between_steps, self._join,
                 self._gated if self.gate is not None and self.slot >= 0 else None,
             )
         except Exception as e:  # every request of the batch fails; the worker lives on
@@ -489,7 +582,7 @@ class _Loop:
                 conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
             return
         finally:
-            if self.gate is not None:
+            if self.gate is not None and not (self.engine is not None and self.engine.has_work()):
                 self.gate.idle(self.slot)
             started = dict(self.running)
             waits = dict(self.waits)

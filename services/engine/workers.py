@@ -195,10 +195,11 @@ class Worker:
                     if on_start is not None:
                         on_start(msg.batch)
                     continue
-                yield msg
                 if isinstance(msg, Done):
-                    done = True
+                    done = True  # before the yield: a caller may stop reading at its Done
+                    yield msg
                     return
+                yield msg
         finally:
             del self._streams[run.request_id]
             if not done and not self.dead:

@@ -1,0 +1,221 @@
+"""The continuous-batching engine core: OpenVINO GenAI's `ContinuousBatchingPipeline` driven
+the way a serving engine drives it.
+
+Paged KV cache, requests that join and leave at every step, chunked prefill (the library's
+`dynamic_split_fuse`, so a long prompt or a long generation never blocks short ones), prefix
+caching, and the library's sampling, penalties, stop strings and end-of-sequence handling.
+What is left here is the loop of a serving engine (vLLM v1's `EngineCore`, OpenVINO Model
+Server's use of this same pipeline): add what arrived, `step()`, hand out what each handle has
+ready, and abort what a client gave up on.
+
+`step()` and `GenerationHandle.read()` hold the GIL and must not run beside another step, so
+the core lives on its worker process's main thread (`worker.py`) and nothing else calls it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.messages import FinishReason, SamplingParams
+
+if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
+    import openvino_genai as ov_genai
+
+BLOCK_TOKENS = 32
+"""Tokens per KV block of the CPU plugin's paged attention (OpenVINO GenAI's CPU default)."""
+
+DEFAULT_KV_TOKENS = 16384
+"""Positions the core's KV cache holds when the engine reserved no more: 64 requests of 256
+tokens (the pipeline's cache is sized once, when it is built)."""
+
+CORE_MAX_SEQS = 256
+"""Requests the pipeline runs at once (the library's `max_num_seqs` default)."""
+
+MAX_BATCHED_TOKENS = 256
+"""Tokens one step may compute (the library's default): a long prompt is prefilled in chunks
+of this many alongside the running decodes, so that it never stalls them for long."""
+
+
+def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.GenerationConfig:
+    """The library's config for one request's sampling parameters."""
+    import openvino_genai as ov_genai
+
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens = params.max_tokens
+    config.eos_token_id = eos_token_id
+    config.ignore_eos = params.ignore_eos
+    config.stop_strings = set(s for s in params.stop if s)
+    config.include_stop_str_in_output = False  # OpenAI: the stop string is not returned
+    if params.temperature > 0.0:
+        config.do_sample = True
+        config.temperature = params.temperature
+        config.top_p = params.top_p
+        # Every request gets its own stream of random numbers: without a seed the library
+        # would start each one at the same default seed, and equal prompts would sample alike.
+        config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)
+    else:
+        config.do_sample = False
+    return config
+
+
+def kv_blocks(tokens: int) -> int:
+    """Blocks that hold `tokens` positions (at least one)."""
+    return max(1, -(-tokens // BLOCK_TOKENS))
+
+
+def build_pipeline(artifact_path: str, device: str, threads: int, kv_tokens: int) -> ov_genai.ContinuousBatchingPipeline:
+    """The pipeline on the artifact's IR with a KV cache of `kv_tokens` positions.
+
+    Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
+    plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
+    blob for such a model but never imports it back), which is why a start serves its first
+    tokens on the materialized stateful tier while this builds (`worker.py`)."""
+    import openvino_genai as ov_genai
+
+    scheduler = ov_genai.SchedulerConfig()
+    scheduler.cache_size = 0
+    scheduler.num_kv_blocks = kv_blocks(kv_tokens)
+    scheduler.enable_prefix_caching = True
+    scheduler.dynamic_split_fuse = True
+    scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
+    properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads} if device == "CPU" else {}
+    tokenizer = ov_genai.Tokenizer(str(Path(artifact_path)))
+    return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device,
+                                               **properties)
+
+
+class TextSink:
+    """Where one request's new tokens go (detokenized, coalesced: `instance.TextStream`)."""
+
+    def write(self, tokens: Sequence[int]) -> None: ...
+
+    def end(self) -> None: ...
+
+
+@dataclass
+class Output:
+    """What the core has for one request after a step."""
+
+    request_id: str
+    finish_reason: FinishReason | None = None
+    """Set once the request is done (its text has all been written to its sink)."""
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    added_at: float = 0.0
+    finished_at: float = 0.0
+    prompt_tokens: int = 0
+    peak_running: int = 1
+    """Most requests the core was running at once while this one ran."""
+    error: str = ""
+    """Set when it could not run at all (its context does not fit in the KV cache)."""
+
+
+@dataclass
+class _Live:
+    handle: Any
+    sink: TextSink
+    out: Output
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    aborted: bool = False
+
+
+_FINISH = {"LENGTH": FinishReason.LENGTH, "STOP": FinishReason.STOP}
+
+
+@dataclass
+class EngineCore:
+    """One pipeline and the requests in it. `clock` is time.monotonic (CLOCK_MONOTONIC:
+    comparable across the node's processes)."""
+
+    pipeline: Any
+    eos_token_id: int
+    clock: Callable[[], float] = time.monotonic
+    _live: dict[str, _Live] = field(default_factory=dict)
+    _ids: dict[str, int] = field(default_factory=dict)
+    _next_id: int = 0
+    decoded_tokens: int = 0
+    """Tokens the core has produced, in all (tests watch it stop rising on a cancel)."""
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: TextSink) -> None:
+        out = Output(request_id, added_at=self.clock(), prompt_tokens=len(prompt_ids),
+                     peak_running=len(self._live) + 1)
+        self._live[request_id] = _Live(self._submit(prompt_ids, params), sink, out, prompt_ids, params)
+
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
+        import numpy as np
+        import openvino as ov
+
+        ids = ov.Tensor(np.asarray([prompt_ids], dtype=np.int64))
+        self._next_id += 1
+        return self.pipeline.add_request(self._next_id, ids, generation_config(params, self.eos_token_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request: its blocks are freed at the next step, and it ends CANCELLED."""
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        if not live.aborted:
+            live.aborted = True
+            live.handle.stop()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[Output]:
+        """One step of the pipeline; the outputs of the requests that finished in it (every
+        running request's new text has gone to its sink)."""
+        if self.pipeline.has_non_finished_requests():
+            self.pipeline.step()
+        now = self.clock()
+        running = len(self._live)
+        done: list[Output] = []
+        for request_id, live in list(self._live.items()):
+            out = live.out
+            out.peak_running = max(out.peak_running, running)
+            finish: FinishReason | None = None
+            if live.handle.can_read():
+                for result in live.handle.read().values():
+                    tokens = list(result.generated_ids)
+                    if tokens:
+                        if out.first_token_at is None:
+                            out.first_token_at = now
+                        out.completion_tokens += len(tokens)
+                        self.decoded_tokens += len(tokens)
+                        live.sink.write(tokens)
+                    finish = _FINISH.get(result.finish_reason.name, finish)
+            status = live.handle.get_status().name
+            if live.aborted and status != "RUNNING":
+                finish = FinishReason.CANCELLED
+            elif finish is None and status == "IGNORED" and out.completion_tokens == 0:
+                # The step could schedule nothing: the KV cache was full. With others running
+                # it waits for their blocks (submitted again); alone, it can never fit.
+                if running > 1:
+                    live.handle = self._submit(live.prompt_ids, live.params)
+                    continue
+                out.error = (f"a prompt of {out.prompt_tokens} tokens does not fit in this "
+                             f"instance's KV cache")
+                finish = FinishReason.CANCELLED
+            elif finish is None and status != "RUNNING":
+                # Ended without a reason (the handle was stopped or dropped): over either way.
+                finish = FinishReason.STOP if status == "FINISHED" else FinishReason.CANCELLED
+            if finish is not None:
+                live.sink.end()
+                out.finish_reason = finish
+                out.finished_at = now
+                done.append(out)
+                del self._live[request_id]
+        return done
+
+    def stats(self) -> dict[str, float]:
+        m = self.pipeline.get_metrics()
+        return {"requests": m.requests, "scheduled": m.scheduled_requests, "cache_usage": m.cache_usage}
