@@ -135,10 +135,13 @@ def up(
 def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
     with _admin(url, admin_key, home) as http:
         found = _ok(http.get("/admin/models"))
-    table = Table("name", "artifact", "context", "keep-alive s", "TTFT SLO s", "TPOT SLO s")
+    table = Table("name", "artifact", "context", "keep-alive s", "TTFT SLO s", "TPOT SLO s", "defaults")
     for m in found:
+        d = m.get("defaults", {})
+        defaults = (f"temperature {d.get('temperature', 1.0):g}, top_p {d.get('top_p', 1.0):g}, "
+                    f"repetition {d.get('repetition_penalty', 1.0):g}, max_tokens {d.get('max_tokens', '-')}")
         table.add_row(m["name"], m["artifact"]["artifact_id"], str(m["artifact"]["context_length"]),
-                      f"{m['keep_alive_s']:g}", f"{m['ttft_slo_s']:g}", f"{m['tpot_slo_s']:g}")
+                      f"{m['keep_alive_s']:g}", f"{m['ttft_slo_s']:g}", f"{m['tpot_slo_s']:g}", defaults)
     console.print(table)
 
 
@@ -149,14 +152,22 @@ def models_add(
     keep_alive_s: float = 300.0,
     ttft_slo_s: float = 2.0,
     tpot_slo_s: float = 0.1,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    max_tokens: int | None = None,
     url: str = URL,
     admin_key: str | None = ADMIN_KEY,
     home: Path = HOME,
 ) -> None:
+    """Register NAME on a GGUF; the sampling options set its defaults for requests that omit them."""
+    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
+                                   ("repetition_penalty", repetition_penalty), ("max_tokens", max_tokens))
+                 if v is not None}
     with _admin(url, admin_key, home) as http, _working(f"importing {source} (GGUF → IR → compiled tiers)"):
         r = http.post("/admin/models", timeout=900, json={
             "name": name, "source": str(source.resolve()), "keep_alive_s": keep_alive_s,
-            "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})
+            "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, **overrides})
     _ok(r)
     console.print(f"registered {name}")
 

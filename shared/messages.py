@@ -70,6 +70,23 @@ class Artifact(Message, frozen=True):
     """Bytes of the IR weights: what an instance needs before any KV cache."""
     architecture: str = ""
     openvino_version: str = ""
+    sampling: dict[str, float] = {}
+    """The GGUF's recommended sampling (`general.sampling.temp`, `.top_p`, ...), as named there."""
+
+
+class GenerationDefaults(Message, frozen=True):
+    """What a request that leaves a sampling parameter out gets (vLLM's `--generation-config
+    auto`: the model's own defaults, not OpenAI's). Read at registration from the model's
+    metadata (GGUF `general.sampling.*`) where it has them, else the platform's below (Ollama's
+    and llama-server's: a small model sampled at temperature 1.0 with no repetition penalty
+    and no length cap rambles for minutes); overridable at registration."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    max_tokens: int = 512
+    """Cap on a completion that names no `max_tokens` (one that names more is still served,
+    up to the context)."""
 
 
 class ModelRecord(Message, frozen=True):
@@ -84,6 +101,7 @@ class ModelRecord(Message, frozen=True):
     keep_alive_s: float
     """Idle seconds after which its instance is unloaded (scale to zero)."""
     created_at: float
+    defaults: GenerationDefaults = GenerationDefaults()
 
 
 class ModelChanged(Message, frozen=True):
@@ -288,6 +306,7 @@ class SamplingParams(Message, frozen=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
 
 
 class Generate(Message, frozen=True):

@@ -107,7 +107,7 @@ class _Row:
                  interval_s: float) -> None:
         self.seq = seq
         p = seq.params
-        self.sampler = Sampler(p.temperature, p.top_p, p.seed)
+        self.sampler = Sampler(p.temperature, p.top_p, p.seed, p.repetition_penalty)
         self.stops = StopMatcher(p.stop)
         self.eos_ids = eos_ids
         self.first: float | None = None
@@ -138,7 +138,7 @@ class _Row:
     def step(self, logits: np.ndarray, cancelled: bool) -> int | None:
         """The row's next token from its logits, or None once it has ended."""
         p = self.seq.params
-        token = self.sampler.pick(logits)
+        token = self.sampler.pick(logits, self.context)
         if token in self.eos_ids and not p.ignore_eos:
             self.reason = FinishReason.STOP
             return None

@@ -326,6 +326,8 @@ class _Loop:
         self.detokenizer: Detokenizer | None = None
         self.names: set[str] = set()
         """Model names served from this worker (an artifact may be registered under several)."""
+        self.for_core: list[Run] = []
+        """Requests that wait for the core while it builds (seeded ones)."""
         self.in_core: dict[str, tuple[Run, float]] = {}
         """Requests on the core: each with `waited` when it was added."""
         self.queue: deque[Run] = deque()
@@ -374,7 +376,7 @@ class _Loop:
         from services.engine.core import DEFAULT_KV_TOKENS
 
         kv_tokens = max(min(self.artifact.context_length, DEFAULT_KV_TOKENS),
-                        max((r.kv_tokens for r in self.queue), default=0))
+                        max((r.kv_tokens for r in [*self.queue, *self.for_core]), default=0))
         self.build = _CoreBuild(self.artifact, self.device, self.threads, kv_tokens)
 
     def _adopt_core(self) -> None:
@@ -387,8 +389,13 @@ class _Loop:
             from services.engine.core import EngineCore
 
             self.engine = EngineCore(build.pipeline, self.detokenizer.eos_token_id)
-            while self.queue:
-                self._add_to_core(self.queue.popleft())
+            for run in [*self.for_core, *self.queue]:
+                self._add_to_core(run)
+            self.queue.clear()
+            self.for_core.clear()
+        else:  # no core: what waited for it runs on the stateful tier after all
+            self.queue.extend(self.for_core)
+            self.for_core.clear()
         self.conn.send(TieredUp(self.tier, build.seconds, build.error))
 
     def _read_commands(self) -> None:
@@ -405,6 +412,7 @@ class _Loop:
             self._step_core()
 
     def _add_to_core(self, run: Run) -> None:
+        from services.engine.core import IntervalSink
         from services.engine.instance import TextStream
         from services.engine.stops import StopMatcher
 
@@ -416,7 +424,8 @@ class _Loop:
             conn.send(Chunk(rid, text, tokens))
 
         # Stop strings are the library's (GenerationConfig.stop_strings): none here.
-        sink = TextStream(self.detokenizer, StopMatcher(()), emit, run.stream_interval_s)
+        sink = IntervalSink(TextStream(self.detokenizer, StopMatcher(()), emit, run.stream_interval_s),
+                            run.stream_interval_s)
         self.names.add(run.session)
         self.engine.add(rid, run.prompt_ids, run.params, sink)
         self.in_core[rid] = (run, self.waited)
@@ -461,6 +470,11 @@ class _Loop:
             if isinstance(cmd, Run):
                 if self.engine is not None:
                     self._add_to_core(cmd)
+                elif cmd.params.seed is not None and self.artifact is not None:
+                    # A seed names one sample of the core's sampler: the request waits for the
+                    # core (built now if it is not yet) rather than sample on the start tier.
+                    self.for_core.append(cmd)
+                    self._start_build()
                 else:
                     self.queue.append(cmd)
             elif isinstance(cmd, CancelRun):
@@ -497,9 +511,9 @@ class _Loop:
         if request_id in self.running:
             self.cancelled.add(request_id)
             return
-        for run in self.queue:
+        for run in [*self.queue, *self.for_core]:
             if run.request_id == request_id:
-                self.queue.remove(run)
+                (self.queue if run in self.queue else self.for_core).remove(run)
                 self.conn.send(Done(request_id, FinishReason.CANCELLED, 0, None, len(run.prompt_ids)))
                 return
 

@@ -15,6 +15,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.errors import TesseraError
 from shared.messages import (
+    Artifact,
     CacheQuery,
     CacheStatus,
     ClusterStatus,
@@ -22,6 +23,7 @@ from shared.messages import (
     ErrorCode,
     Evicted,
     EvictHostCache,
+    GenerationDefaults,
     EvictResidents,
     ImportModel,
     ModelChanged,
@@ -44,6 +46,16 @@ def _untagged(value: Any) -> Any:
 def as_json(obj: msgspec.Struct) -> dict[str, Any]:
     data: dict[str, Any] = _untagged(msgspec.to_builtins(obj))
     return data
+
+
+def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDefaults:
+    """The platform's defaults, overridden by the model's metadata, overridden by the
+    registration; the length cap never past the context."""
+    chosen: dict[str, Any] = {**artifact.sampling}
+    chosen.update({k: v for k in ("temperature", "top_p", "repetition_penalty", "max_tokens")
+                   if (v := getattr(req, k)) is not None})
+    defaults = msgspec.structs.replace(GenerationDefaults(), **chosen)
+    return msgspec.structs.replace(defaults, max_tokens=min(defaults.max_tokens, artifact.context_length))
 
 
 class Admin:
@@ -70,6 +82,7 @@ class Admin:
             tpot_slo_s=req.tpot_slo_s,
             keep_alive_s=req.keep_alive_s,
             created_at=time.time(),
+            defaults=generation_defaults(imported.artifact, req),
         )
         await self.registry.put(record)
         await self.bus.publish(subjects.model_changed(), ModelChanged(name=req.name))

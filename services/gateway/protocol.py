@@ -63,8 +63,10 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM's extension, also accepted here: keep decoding past end-of-sequence.
+    # vLLM's extensions, also accepted here: keep decoding past end-of-sequence; penalize
+    # tokens already in the context (1.0: off).
     ignore_eos: bool = False
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -140,6 +142,12 @@ class RegisterModel(BaseModel):
     ttft_slo_s: float = Field(default=2.0, gt=0)
     tpot_slo_s: float = Field(default=0.1, gt=0)
     keep_alive_s: float = Field(default=300.0, gt=0)
+    # Generation defaults for requests that leave these out (else the model's metadata's, else
+    # the platform's: `shared.messages.GenerationDefaults`).
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("source")
     @classmethod

@@ -5,14 +5,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +40,9 @@ from shared.health import Readiness, health_routes
 from shared.messages import Finished
 
 log = logging.getLogger(__name__)
+
+CLIENT_GONE = Counter("tessera_gateway_client_disconnects_total",
+                      "Requests whose client went away before its answer was ready (cancelled)")
 
 
 def error_response(status: int, message: str, code: str | None, param: str | None = None,
@@ -144,12 +150,12 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         return ModelCard(id=r.name, created=int(r.created_at))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest, who: Caller) -> JSONResponse | StreamingResponse:
-        return await _complete(gateway, quotas, who, req, chat=True)
+    async def chat(req: ChatCompletionRequest, who: Caller, request: Request) -> Response:
+        return await _unless_disconnected(request, _complete(gateway, quotas, who, req, chat=True))
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, who: Caller) -> JSONResponse | StreamingResponse:
-        return await _complete(gateway, quotas, who, req, chat=False)
+    async def completions(req: CompletionRequest, who: Caller, request: Request) -> Response:
+        return await _unless_disconnected(request, _complete(gateway, quotas, who, req, chat=False))
 
     app.include_router(_admin_routes(admin))
     app.include_router(ui_router(admin, _admin_caller))
@@ -213,6 +219,32 @@ def _admin_routes(admin: Admin) -> APIRouter:
         return await admin.cache()
 
     return router
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read by then, so the next ASGI message is
+    the disconnect: vLLM's `listen_for_disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """`work`, cancelled if the client goes away first: a request waiting in line, starting a
+    model or generating a non-streamed answer stops (its engine aborts it within a step),
+    instead of running on for nobody. A streamed answer's own disconnects are Starlette's."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        CLIENT_GONE.inc()
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    return task.result()
 
 
 async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,

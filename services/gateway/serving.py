@@ -7,6 +7,9 @@ stream is closed, and it is always closed: by its end, by an error, or by the cl
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import logging
 import time
 import uuid
@@ -45,6 +48,9 @@ from shared.registry import Registry
 log = logging.getLogger(__name__)
 
 INFLIGHT = Gauge("tessera_gateway_inflight_requests", "Requests admitted and not yet finished")
+WAITING = Gauge("tessera_gateway_waiting_requests", "Requests waiting in line for admission")
+ADMISSION_WAIT = Histogram("tessera_gateway_admission_wait_seconds", "Time a request waited in line",
+                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 REJECTED = Counter("tessera_gateway_rejected_total", "Requests refused", ["code"])
 TTFT = Histogram(
     "tessera_gateway_ttft_seconds",
@@ -107,7 +113,7 @@ class Generation:
         self.resumes = 0
 
     async def open(self) -> None:
-        self.gw.admit()
+        await self.gw.admit(self.prepared.record.ttft_slo_s * self.gw.settings.queue_slo_multiple)
         self._admitted = True
         await self._send()
 
@@ -267,6 +273,8 @@ class Gateway:
         self.registry = registry
         self.tokenizers = Tokenizers()
         self.inflight = 0
+        self._line: collections.deque[asyncio.Future[None]] = collections.deque()
+        """Requests waiting for a slot, first come first served."""
         self.node_seen: dict[str, float] = {}
 
     async def start(self) -> None:
@@ -280,19 +288,55 @@ class Gateway:
         seen = self.node_seen.get(node_id)
         return seen is not None and time.time() - seen <= self.settings.node_timeout_s
 
-    def admit(self) -> None:
-        if self.inflight >= self.settings.max_inflight:
+    async def admit(self, wait_s: float) -> None:
+        """Count a request in flight; past `max_inflight` it waits in line, first come first
+        served, for at most `wait_s` (then, or when the line is full, 429 with Retry-After)."""
+        if self.inflight < self.settings.max_inflight and not self._line:
+            self.inflight += 1
+            INFLIGHT.set(self.inflight)
+            return
+        if len(self._line) >= self.settings.max_waiting:
             REJECTED.labels(ErrorCode.OVERLOADED.value).inc()
             raise TesseraError(
                 ErrorCode.OVERLOADED,
-                f"the gateway is at its limit of {self.settings.max_inflight} requests in flight; "
-                "retry shortly",
+                f"the gateway has {self.settings.max_inflight} requests in flight and "
+                f"{len(self._line)} waiting, its limit; retry shortly",
                 retry_after_s=1,
             )
-        self.inflight += 1
-        INFLIGHT.set(self.inflight)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._line.append(turn)
+        WAITING.set(len(self._line))
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), wait_s)
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if turn.done() and not turn.cancelled():
+                self.release()  # the slot was handed over just as the wait ended: pass it on
+            else:
+                turn.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            REJECTED.labels(ErrorCode.OVERLOADED.value).inc()
+            raise TesseraError(
+                ErrorCode.OVERLOADED,
+                f"waited {wait_s:g} s in line behind {self.settings.max_inflight} requests in flight; "
+                "retry shortly",
+                retry_after_s=max(1.0, wait_s / 2),
+            ) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._line.remove(turn)
+            WAITING.set(len(self._line))
+        ADMISSION_WAIT.observe(time.perf_counter() - t0)
 
     def release(self) -> None:
+        """A request in flight ended: its slot goes to the first in line, else back."""
+        while self._line:
+            turn = self._line.popleft()
+            if not turn.done():
+                turn.set_result(None)  # the slot changes hands: `inflight` stays
+                WAITING.set(len(self._line))
+                return
         self.inflight -= 1
         INFLIGHT.set(self.inflight)
 
@@ -325,7 +369,8 @@ class Gateway:
         if n == 0:
             raise TesseraError(ErrorCode.INVALID_REQUEST, f"the {param} is empty", param=param)
         ctx = record.artifact.context_length
-        max_tokens = req.max_tokens if req.max_tokens is not None else ctx - n
+        defaults = record.defaults
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(defaults.max_tokens, ctx - n)
         if n + max_tokens > ctx or max_tokens < 1:
             raise TesseraError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -336,8 +381,10 @@ class Gateway:
             )
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                                else req.repetition_penalty),
             seed=None if req.seed is None else req.seed % 2**64,  # numpy takes no negative seed
             stop=req.stops(),
             ignore_eos=req.ignore_eos,

@@ -5,8 +5,14 @@ from shared.settings import CommonSettings
 
 class GatewaySettings(CommonSettings):
     http_port: int = 8000
-    max_inflight: int = 64
-    """Requests admitted at once by this gateway; past it, 429 with Retry-After."""
+    max_inflight: int = 256
+    """Requests admitted at once by this gateway (placed, running or queued on an engine: the
+    continuous-batching core runs up to 256 at once); past it, requests wait in line."""
+    max_waiting: int = 1024
+    """Requests waiting in line for admission; past it, 429 with Retry-After at once."""
+    queue_slo_multiple: float = 5.0
+    """How long a request may wait in line: this many TTFT SLOs of its model (then 429 with
+    Retry-After: it would be that late anyway)."""
     placement_timeout_s: float = 300.0
     """Longest a request waits for a placement, a cold start included."""
     stream_idle_timeout_s: float = 300.0

@@ -30,6 +30,10 @@ from services.loader.store import IR_FILES, kv_bytes_per_token, read_artifact, w
 from shared.messages import Artifact, Tier
 
 
+SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "repetition_penalty"}
+"""GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""
+
+
 def gguf_facts(source: Path) -> dict[str, int | str]:
     reader = gguf.GGUFReader(str(source))
     fields = reader.fields
@@ -41,7 +45,10 @@ def gguf_facts(source: Path) -> dict[str, int | str]:
     heads = int(value(f"{arch}.attention.head_count"))
     kv_key = f"{arch}.attention.head_count_kv"
     kv_heads = int(value(kv_key)) if kv_key in fields else heads
+    sampling = {name: float(fields[f"general.sampling.{key}"].contents())
+                for key, name in SAMPLING_KEYS.items() if f"general.sampling.{key}" in fields}
     return {
+        "sampling": sampling,  # type: ignore[dict-item]
         "architecture": arch,
         "context_length": int(value(f"{arch}.context_length")),
         "layers": int(value(f"{arch}.block_count")),
@@ -75,6 +82,7 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
             weight_bytes=(tmp / "openvino_model.bin").stat().st_size,
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),
+            sampling=dict(facts["sampling"]),  # type: ignore[call-overload]
         )
         write_artifact(tmp, artifact)
         if dest.exists():

@@ -9,8 +9,9 @@ class SchedulerSettings(CommonSettings):
     http_port: int = 8101
     start_timeout_s: float = 300.0
     """Longest a cold start may take before the requests waiting on it fail."""
-    max_active_per_instance: int = 16
-    """Requests running or queued on one instance before new ones are turned away (429)."""
+    max_active_per_instance: int = 256
+    """Requests running or queued on one instance before new ones are turned away (429): the
+    continuous-batching core's `max_num_seqs` (`services/engine/core.py`)."""
     keep_alive_check_s: float = 0.25
     reject_over_slo: float | None = None
     """Admission: refuse a request predicted to get its first token more than this many TTFT

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import openai
 import pytest
 
 from shared.localcluster import LocalCluster
+from tests.helpers.cluster import metric, wait_for
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
@@ -127,11 +130,14 @@ def test_more_than_one_choice_is_400_with_a_clear_message(client: openai.OpenAI,
     assert "n must be 1" in e.value.message
 
 
-def test_overload_is_429_with_retry_after(cluster: LocalCluster, model: str) -> None:
-    """Hold the gateway's whole admission limit (6 in tests) with open streams; one more is
-    refused at once with 429 and Retry-After, and every held stream still ends cleanly."""
+def test_past_the_admission_limit_requests_wait_in_line_and_a_full_line_is_429(
+        cluster: LocalCluster, model: str) -> None:
+    """Hold the gateway's whole admission limit (6 in tests) with open streams: the next
+    request waits in line (1 place in tests) and is served once a stream ends; one more while
+    the line is full is refused at once with 429 and Retry-After."""
     body = {"model": model, "messages": CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = []
         try:
             for _ in range(6):
@@ -139,10 +145,19 @@ def test_overload_is_429_with_retry_after(cluster: LocalCluster, model: str) -> 
                 resp = ctx.__enter__()
                 held.append(ctx)
                 assert resp.status_code == 200
+            waiting = pool.submit(http.post, "/v1/chat/completions",
+                                  json={"model": model, "messages": CHAT, "max_tokens": 4})
+            wait_for(lambda: metric(cluster, "gateway", "tessera_gateway_waiting_requests") == 1, 30,
+                     "the seventh request to wait in line")
             r = http.post("/v1/chat/completions", json={**body, "stream": False})
             assert r.status_code == 429
             assert int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["type"] == "rate_limit_error"
+            assert not waiting.done()
+            held.pop().__exit__(None, None, None)
+            served = waiting.result(timeout=60)
+            assert served.status_code == 200, served.text
+            assert served.json()["choices"][0]["message"]["content"] is not None
         finally:
             for ctx in held:
                 ctx.__exit__(None, None, None)
