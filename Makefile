@@ -25,9 +25,12 @@ test: install
 unit: install
 	$(PY) -m pytest -q -m "not e2e"
 
+# llama-server (the peer) is built from source once, cached under ~/.cache/tessera.
 bench: install
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) -m bench.llama_server
 	$(PY) -m bench.coldstart
+	$(PY) -m bench.serving
 
 clean:
 	rm -rf $(VENV) .tessera

@@ -3,13 +3,14 @@
     python -m bench.peers llamacpp <model.gguf>
     python -m bench.peers openvino <model.gguf>
 
-prints one JSON line on stdout. Times are taken inside the process with `time.perf_counter()`
-from just before the runtime's import, so Python's own start-up is not counted (Tessera's
-engine has its runtime imported long before a request arrives, so the comparison is generous
-to the peers, not to Tessera).
+prints one JSON line on stdout. Times are taken with `time.perf_counter()` from just before
+the runtime starts (the server process is spawned, or the runtime imported), so Python's own
+start-up is not counted (Tessera's engine has its runtime imported long before a request
+arrives, so the comparison is generous to the peers, not to Tessera).
 
-- llamacpp: `import llama_cpp` → `Llama(...)` → first streamed token of a chat completion;
-  then decode speed of a 128-token greedy generation (end-of-sequence ignored).
+- llamacpp: spawn llama.cpp's `llama-server` (built by `bench/llama_server.py`) → `/health`
+  ready → first streamed token of a chat completion; then decode speed of a 128-token greedy
+  generation (end-of-sequence ignored), through the same server.
 - openvino: `import openvino_genai` → `LLMPipeline(gguf)` (which converts the GGUF on every
   load: the "naive" way to serve a GGUF with OpenVINO) → first streamed token; then, in the
   same process, warm TTFT (median of 5) and decode speed of a 128-token generation.
@@ -23,63 +24,71 @@ import sys
 import time
 from typing import Any
 
+import httpx
+
+from bench.common import ChatStream, chat_body
+from bench.llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer
+
 THREADS = 2
 PROMPT = "Write a short poem about the sea."
 COLD_MAX_TOKENS = 16
 DECODE_TOKENS = 128
 WARM_RUNS = 5
+SERVER_READY_TIMEOUT_S = 120.0
+
+
+def stream_timed(http: httpx.Client, body: dict[str, Any]) -> ChatStream:
+    """One streamed chat completion, every content chunk's arrival stamped."""
+    chat = ChatStream()
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"llama-server answered {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not chat.feed(line):
+                break
+    problem = chat.problem()
+    if problem is not None:
+        raise RuntimeError(f"llama-server: {problem}")
+    return chat
 
 
 def llamacpp(gguf: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    import llama_cpp
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    """A cold start of llama.cpp as its users run it: a fresh `llama-server` process (built from
+    source by bench/llama_server.py) on the GGUF, then the first streamed chat token.
 
-    t1 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=gguf, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=2048,
-                          verbose=False)
-    t2 = time.perf_counter()
-    first: float | None = None
-    text = ""
-    stream = llm.create_chat_completion(
-        messages=[{"role": "user", "content": PROMPT}],
-        stream=True, max_tokens=COLD_MAX_TOKENS, temperature=0.0,
-    )
-    for chunk in stream:
-        content = chunk["choices"][0]["delta"].get("content")  # type: ignore[index, union-attr]
-        if content:
-            if first is None:
-                first = time.perf_counter()
-            text += content
-    if first is None:
-        raise RuntimeError("llama.cpp streamed no content")
-
-    # Decode: the chat prompt rendered with the GGUF's own template, then exactly DECODE_TOKENS
-    # greedy tokens from the low-level generator (it does not stop at end-of-sequence itself).
-    template = llm.metadata.get("tokenizer.chat_template")
-    if template:
-        eos = llm.detokenize([llm.token_eos()], special=True).decode(errors="replace")
-        bos = llm.detokenize([llm.token_bos()], special=True).decode(errors="replace")
-        prompt = Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos)(
-            messages=[{"role": "user", "content": PROMPT}]
-        ).prompt
-    else:
-        prompt = PROMPT
-    tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)
-    stamps: list[float] = []
-    for _ in llm.generate(tokens, temp=0.0, top_k=1, reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) >= DECODE_TOKENS:
-            break
-    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    Phases (the keys bench/coldstart.py reads): `import_s` = spawning the process, `load_s` =
+    spawned -> `/health` answers 200 (model load, warm-up, listening), `first_token_s` = ready
+    -> first streamed content (request, prefill, first decode)."""
+    # One slot of 2,048 tokens, as llama-cpp-python's `Llama(n_ctx=2048)` had; --jinja: the
+    # GGUF's own chat template, as Tessera and OpenVINO apply it.
+    server = LlamaServer(gguf, threads=THREADS, ctx=2048, parallel=1, extra=["--jinja"])
+    # The client exists before the clock starts: its making is no part of llama.cpp's start.
+    http = httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(120.0))
+    try:
+        t0 = time.perf_counter()
+        server.start()
+        t1 = time.perf_counter()
+        server.wait_ready(SERVER_READY_TIMEOUT_S, http)
+        t2 = time.perf_counter()
+        cold = stream_timed(http, chat_body("gguf", PROMPT, COLD_MAX_TOKENS))
+        first = cold.arrivals[0]
+        # Decode: exactly DECODE_TOKENS greedy tokens, end-of-sequence ignored.
+        dec = stream_timed(http, chat_body("gguf", PROMPT, DECODE_TOKENS, ignore_eos=True))
+    finally:
+        http.close()
+        server.stop()
+    n = int((dec.usage or {}).get("completion_tokens", len(dec.arrivals)))
+    decode = (n - 1) / (dec.arrivals[-1] - dec.arrivals[0])
     return {
         "which": "llamacpp",
-        "version": llama_cpp.__version__,
+        "version": LLAMA_CPP_PYTHON_VERSION,
+        "binary": str(server.binary),
         "cold_ttft_s": first - t0,
         "phases": {"import_s": t1 - t0, "load_s": t2 - t1, "first_token_s": first - t2},
         "decode_tok_s": decode,
-        "decode_tokens": len(stamps),
-        "sample": text,
+        "decode_tokens": n,
+        "sample": "".join(cold.chunks),
     }
 
 
