@@ -1,0 +1,73 @@
+"""The continuous-batching core's pure parts: the library config a request's parameters make,
+KV sizing, and when a request's tokens go on to be detokenized."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.engine.core import BLOCK_TOKENS, IntervalSink, generation_config, kv_blocks
+from shared.messages import SamplingParams
+
+
+def test_greedy_parameters_make_a_greedy_config_with_the_librarys_stop_strings() -> None:
+    c = generation_config(SamplingParams(max_tokens=7, temperature=0.0, stop=("END", "")), eos_token_id=2)
+    assert c.max_new_tokens == 7
+    assert not c.do_sample
+    assert c.stop_strings == {"END"}
+    assert not c.include_stop_str_in_output
+    assert c.eos_token_id == 2
+
+
+def test_sampling_parameters_carry_over_with_the_seed() -> None:
+    p = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=42, repetition_penalty=1.2, ignore_eos=True)
+    c = generation_config(p, eos_token_id=2)
+    assert c.do_sample
+    assert abs(c.temperature - 0.7) < 1e-6 and abs(c.top_p - 0.9) < 1e-6
+    assert c.rng_seed == 42
+    assert abs(c.repetition_penalty - 1.2) < 1e-6
+    assert c.ignore_eos
+
+
+def test_unseeded_requests_get_different_random_streams() -> None:
+    # The library would start every unseeded request at the same default seed.
+    seeds = {generation_config(SamplingParams(max_tokens=1, temperature=1.0), 2).rng_seed for _ in range(8)}
+    assert len(seeds) > 1
+
+
+def test_kv_blocks_round_up_to_whole_blocks() -> None:
+    assert kv_blocks(1) == 1
+    assert kv_blocks(BLOCK_TOKENS) == 1
+    assert kv_blocks(BLOCK_TOKENS + 1) == 2
+    assert kv_blocks(0) == 1
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.writes: list[list[int]] = []
+        self.ended = False
+
+    def write(self, tokens: Sequence[int]) -> None:
+        self.writes.append(list(tokens))
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_interval_sink_sends_the_first_token_at_once_then_once_per_interval() -> None:
+    now = [0.0]
+    inner = _Sink()
+    sink = IntervalSink(inner, 0.05, clock=lambda: now[0])
+    sink.write([1])
+    assert inner.writes == [[1]]
+    now[0] = 0.01
+    sink.write([2])
+    now[0] = 0.02
+    sink.write([3])
+    assert inner.writes == [[1]]  # held within the interval
+    now[0] = 0.07
+    sink.write([4])
+    assert inner.writes == [[1], [2, 3, 4]]
+    now[0] = 0.08
+    sink.write([5])
+    sink.end()
+    assert inner.writes == [[1], [2, 3, 4], [5]] and inner.ended
