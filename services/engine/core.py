@@ -41,21 +41,30 @@ MAX_BATCHED_TOKENS = 256
 of this many alongside the running decodes, so that it never stalls them for long."""
 
 
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`)."""
+
+FLOAT32_TINY = 1e-30
+
+
 def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.GenerationConfig:
     """The library's config for one request's sampling parameters."""
     import openvino_genai as ov_genai
 
     config = ov_genai.GenerationConfig()
     config.max_new_tokens = params.max_tokens
-    config.eos_token_id = eos_token_id
+    config.set_eos_token_id(eos_token_id)
     config.ignore_eos = params.ignore_eos
     config.stop_strings = set(s for s in params.stop if s)
     config.include_stop_str_in_output = False  # OpenAI: the stop string is not returned
-    config.repetition_penalty = params.repetition_penalty
-    if params.temperature > 0.0:
+    # The library keeps these as float32 and checks them > 0: a positive double below float32's
+    # range would fail that check, so the smallest ones are raised to one it keeps (the same
+    # choice either way: only the most likely token survives such a top_p).
+    config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
+    if params.temperature >= SAMPLING_EPS:
         config.do_sample = True
         config.temperature = params.temperature
-        config.top_p = params.top_p
+        config.top_p = max(params.top_p, FLOAT32_TINY)
         # Every request gets its own stream of random numbers: without a seed the library
         # would start each one at the same default seed, and equal prompts would sample alike.
         config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)

@@ -63,7 +63,8 @@ class SchedulerService:
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
         self._changed_at: dict[str, float] = {}
         self._last_placed: dict[tuple[str, str], float] = {}
-        self._placed: dict[tuple[str, str], list[float]] = {}
+        self._placed: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        """When each request was placed on an instance, and its prompt's tokens."""
         """When requests were placed on (node, model): counted until a heartbeat covers them."""
         self._starts: dict[tuple[str, str], tuple[StartUnderWay, asyncio.Task[InstanceReady | Rejected]]] = {}
         """(model, node) → the start under way there: a burst may start a model on several nodes at once."""
@@ -209,14 +210,14 @@ class SchedulerService:
         match decision:
             case UseNode(node_id):
                 self._last_placed[(node_id, req.model)] = time.time()
-                self._placed.setdefault((node_id, req.model), []).append(time.time())
+                self._placed.setdefault((node_id, req.model), []).append((time.time(), req.prompt_tokens))
                 return Placement(request_id=req.request_id, node_id=node_id, cold_start=False)
             case AwaitStart(node_id) | StartOn(node_id):
                 ready = await self._ensure_started(record, node_id)
                 if isinstance(ready, Rejected):
                     return ready
                 self._last_placed[(ready.node_id, req.model)] = time.time()
-                self._placed.setdefault((ready.node_id, req.model), []).append(time.time())
+                self._placed.setdefault((ready.node_id, req.model), []).append((time.time(), req.prompt_tokens))
                 return Placement(request_id=req.request_id, node_id=ready.node_id, cold_start=True)
             case Rejected():
                 return decision
@@ -245,17 +246,21 @@ class SchedulerService:
         start of each model)."""
         out = []
         for n in policy.with_starts(self.nodes.values(), self._starts):
-            extra: dict[str, int] = {}
+            extra: dict[str, tuple[int, int]] = {}
             for model in n.instances:
-                times = self._placed.get((n.node_id, model), [])
+                placed = self._placed.get((n.node_id, model), [])
                 # Placed before the heartbeat was sent: the heartbeat counts it (or it is over).
                 # One placed a moment earlier may not have reached the engine yet and is then
                 # counted by neither, briefly; counting it twice would refuse requests.
-                times[:] = [t for t in times if t > n.seen_at and t > now - 60]
-                if times:
-                    extra[model] = len(times)
+                placed[:] = [(t, n_tok) for t, n_tok in placed if t > n.seen_at and t > now - 60]
+                if placed:
+                    # Queued there with their prompts: a continuous-batching engine prefills
+                    # them ahead of the next request (a burst arrives between two heartbeats).
+                    extra[model] = (len(placed), sum(n_tok for _, n_tok in placed))
             if extra:
-                instances = {m: (msgspec.structs.replace(i, active=i.active + extra[m]) if m in extra else i)
+                instances = {m: (msgspec.structs.replace(i, active=i.active + extra[m][0],
+                                                         queued_tokens=i.queued_tokens + extra[m][1])
+                                 if m in extra else i)
                              for m, i in n.instances.items()}
                 n = dataclasses.replace(n, instances=instances)
             out.append(n)

@@ -15,7 +15,7 @@ import pytest
 
 from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, default_model_path
 from tests.conftest import start_cluster
-from tests.helpers.cluster import metric, wait_for
+from tests.helpers.cluster import metric, on_the_core, wait_for
 
 ENGINE = "engine@node-0"
 CAPPED = "capped"
@@ -43,20 +43,8 @@ def _client(c: LocalCluster) -> openai.AsyncOpenAI:
                                   limits=httpx.Limits(max_connections=128, max_keepalive_connections=128)))
 
 
-def _steady(c: LocalCluster, model: str) -> bool:
-    status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
-    return any(i["model"] == model and i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
-
-
 async def _on_the_core(c: LocalCluster) -> None:
-    """The model started (its first requests run on the start tier) and its core serving."""
-    def ready() -> None:
-        r = httpx.post(f"{c.base_url}/v1/chat/completions", timeout=300, json={
-            "model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        wait_for(lambda: _steady(c, DEFAULT_MODEL_NAME), 120, "the continuous-batching core to take over")
-
-    await asyncio.to_thread(ready)
+    await asyncio.to_thread(on_the_core, c, DEFAULT_MODEL_NAME)
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, tokens: int) -> tuple[int, str | None]:

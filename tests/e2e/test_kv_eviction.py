@@ -18,7 +18,7 @@ import pytest
 from shared.localcluster import LocalCluster
 from shared.messages import Artifact
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import metric, register, wait_for
+from tests.helpers.cluster import metric, on_the_core, register
 
 MIN_TOKENS = 24
 TOKENS = 120
@@ -48,11 +48,6 @@ def tight_node(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
         c.stop()
 
 
-def steady(c: LocalCluster, model: str) -> bool:
-    status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
-    return any(i["model"] == model and i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
-
-
 def nodes_of(c: LocalCluster, model: str) -> set[str]:
     status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
     return {n["node_id"] for n in status["nodes"] if any(i["model"] == model for i in n["instances"])}
@@ -72,7 +67,7 @@ async def test_requests_outgrowing_an_unexpandable_cache_evict_the_one_with_most
     # Both requests must run side by side for their caches to outgrow the node together: on
     # the continuous-batching core they do (the start tier's batch may run them one after the
     # other, on a fast machine, and then nothing outgrows anything).
-    await asyncio.to_thread(wait_for, lambda: steady(c, "grow"), 120, "the core to take over")
+    await asyncio.to_thread(on_the_core, c, "grow")
     evicted = metric(c, "engine@node-0", "tessera_engine_kv_evictions_total")
     resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
     first, second = await asyncio.gather(ask(TOKENS), ask(TOKENS))

@@ -60,3 +60,17 @@ def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, sour
     )
     assert r.status_code == 201, r.text
     return dict(r.json())
+
+
+def on_the_core(cluster: LocalCluster, model: str, timeout_s: float = 120.0) -> None:
+    """Start `model` (its first requests run on the start tier) and wait until its
+    continuous-batching core serves it: greedy text is the core's from then on."""
+    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", headers=cluster.admin_headers, timeout=300, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+    def steady() -> bool:
+        status = httpx.get(f"{cluster.base_url}/admin/instances", headers=cluster.admin_headers, timeout=10).json()
+        return any(i["model"] == model and i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
+
+    wait_for(steady, timeout_s, f"the continuous-batching core to serve {model}")

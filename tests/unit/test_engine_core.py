@@ -16,6 +16,7 @@ def test_greedy_parameters_make_a_greedy_config_with_the_librarys_stop_strings()
     assert c.stop_strings == {"END"}
     assert not c.include_stop_str_in_output
     assert c.eos_token_id == 2
+    c.validate()
 
 
 def test_sampling_parameters_carry_over_with_the_seed() -> None:
@@ -71,3 +72,14 @@ def test_interval_sink_sends_the_first_token_at_once_then_once_per_interval() ->
     sink.write([5])
     sink.end()
     assert inner.writes == [[1], [2, 3, 4], [5]] and inner.ended
+
+
+def test_parameters_below_float32_range_still_make_a_valid_config() -> None:
+    # The library stores them as float32 and refuses 0: 5e-324 must not become a 503.
+    tiny = 5e-324
+    greedy = generation_config(SamplingParams(max_tokens=1, temperature=tiny, repetition_penalty=tiny), 2)
+    assert not greedy.do_sample
+    greedy.validate()
+    sampled = generation_config(SamplingParams(max_tokens=1, temperature=1.0, top_p=tiny), 2)
+    assert sampled.do_sample
+    sampled.validate()
