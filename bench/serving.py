@@ -62,6 +62,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("tessera", "pipeline", "llama_server")
 MODEL_NAME = "bench-serving"
 THREADS = 2
+EXTRA_ENV = {k: v for k, v in os.environ.items() if k.startswith("TESSERA_") and k != "TESSERA_INFERENCE_THREADS"}
+"""TESSERA_* settings of the calling environment go to the cluster (to compare settings)."""
 MAX_TOKENS = 64
 LONG_TOKENS = 2048
 MIXED_SHORT_CLIENTS = 31
@@ -691,7 +693,7 @@ def run_systems(systems: list[str], levels: list[int], duration_s: float, home: 
     ir: Path | None = None
     if "tessera" in systems or "pipeline" in systems:
         cluster = LocalCluster(home=home / "home", store=home / "store",
-                               env={"TESSERA_INFERENCE_THREADS": str(THREADS)})
+                               env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV})
         try:
             cluster.start(timeout_s=120.0)
             reg = register(cluster, gguf)
