@@ -961,7 +961,7 @@ class EngineService:
                         TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
                     )
                 elif isinstance(out, Done):
-                    if received >= inst.warm_since:
+                    if received >= inst.warm_since and not out.beside_build:
                         # Requests that arrived before the start's first token shared the
                         # fresh worker's first pass and the start itself: their times are no
                         # measure of the model (on 2/3-core nodes they made the scheduler

@@ -129,6 +129,9 @@ class Done:
     gated_s: float = 0.0
     """Time its iterations waited for the node's headroom gate (not in prefill_s, decode_s:
     those are the iterations' own, what the performance model needs)."""
+    beside_build: bool = False
+    """It ran while the worker built its core (≈ 2.4 s of CPU on the same cores): its times
+    are no measure of the model."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,8 @@ class _Loop:
         self.detokenizer: Detokenizer | None = None
         self.names: set[str] = set()
         """Model names served from this worker (an artifact may be registered under several)."""
+        self.build_window = (float("inf"), float("inf"))
+        """When the core's build began and ended (its CPU time slows what runs meanwhile)."""
         self.for_core: list[Run] = []
         """Requests that wait for the core while it builds (seeded ones)."""
         self.in_core: dict[str, tuple[Run, float]] = {}
@@ -378,6 +383,7 @@ class _Loop:
         kv_tokens = max(min(self.artifact.context_length, DEFAULT_KV_TOKENS),
                         max((r.kv_tokens for r in [*self.queue, *self.for_core]), default=0))
         self.build = _CoreBuild(self.artifact, self.device, self.threads, kv_tokens)
+        self.build_window = (time.monotonic(), float("inf"))
 
     def _adopt_core(self) -> None:
         """A finished build: queued requests move onto the core, and new ones go there."""
@@ -385,6 +391,7 @@ class _Loop:
         if build is None or not build.done.is_set():
             return
         self.build = None
+        self.build_window = (self.build_window[0], time.monotonic())
         if build.pipeline is not None and self.detokenizer is not None:
             from services.engine.core import EngineCore
 
@@ -397,6 +404,10 @@ class _Loop:
             self.queue.extend(self.for_core)
             self.for_core.clear()
         self.conn.send(TieredUp(self.tier, build.seconds, build.error))
+
+    def _beside_build(self, t0: float, t1: float) -> bool:
+        start, end = self.build_window
+        return t0 < end and t1 > start
 
     def _read_commands(self) -> None:
         """Every command waiting in the pipe (called between decode steps too)."""
@@ -461,7 +472,8 @@ class _Loop:
                 out.request_id, out.finish_reason or FinishReason.STOP, out.completion_tokens, first,
                 out.prompt_tokens, max(0.0, (first or out.finished_at) - out.added_at),
                 max(0.0, out.finished_at - first) if first is not None else 0.0,
-                out.peak_running, out.prompt_tokens, self.waited - waited_at))
+                out.peak_running, out.prompt_tokens, self.waited - waited_at,
+                self._beside_build(out.added_at, out.finished_at)))
         if gate is not None and not self.engine.has_work() and not self.running:
             gate.idle(self.slot)
 
@@ -615,7 +627,7 @@ class _Loop:
             conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
                            len(run.prompt_ids), max(0.0, (t_first or t_end) - t_run - prefill_wait),
                            max(0.0, t_end - t_first - decode_wait) if t_first is not None else 0.0,
-                           width, positions, self.waited - at_start))
+                           width, positions, self.waited - at_start, self._beside_build(t_run, t_end)))
 
 
 def worker_main(
