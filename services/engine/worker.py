@@ -333,6 +333,7 @@ class _Loop:
         """When the core's build began and ended (its CPU time slows what runs meanwhile)."""
         self.for_core: list[Run] = []
         """Requests that wait for the core while it builds (seeded ones)."""
+        self.build_failed = False
         self.in_core: dict[str, tuple[Run, float]] = {}
         """Requests on the core: each with `waited` when it was added."""
         self.queue: deque[Run] = deque()
@@ -377,7 +378,7 @@ class _Loop:
     def _start_build(self) -> None:
         """Build the core now (the start's first batch is done, more requests wait than it
         took, a seeded request came, or the node is idle)."""
-        if self.build is not None or self.engine is not None or self.artifact is None:
+        if self.build is not None or self.engine is not None or self.artifact is None or self.build_failed:
             return
         from services.engine.core import DEFAULT_KV_TOKENS
 
@@ -401,7 +402,9 @@ class _Loop:
                 self._add_to_core(run)
             self.queue.clear()
             self.for_core.clear()
-        else:  # no core: what waited for it runs on the stateful tier after all
+        else:  # no core: what waited for it runs on the stateful tier after all (for good:
+            # a build that failed once fails again, a core-second or more each time)
+            self.build_failed = True
             self.queue.extend(self.for_core)
             self.for_core.clear()
         self.conn.send(TieredUp(self.tier, build.seconds, build.error))
@@ -495,7 +498,7 @@ class _Loop:
             elif isinstance(cmd, CancelRun):
                 self._cancel(cmd.request_id)
             elif isinstance(cmd, TierUpNow):
-                if self.engine is None and self.build is None and self.artifact is not None:
+                if self.engine is None and self.build is None and self.artifact is not None and not self.build_failed:
                     self._start_build()
                 elif self.build is None:  # nothing to do: say so, the engine waits for an answer
                     self.conn.send(TieredUp(self.tier, 0.0, "" if self.engine else "no model loaded"))

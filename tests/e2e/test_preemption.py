@@ -20,7 +20,7 @@ from shared.bus import Bus
 from shared.localcluster import LocalCluster, default_model_path
 from shared.messages import Artifact, InstanceStopped, PreemptInstance
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import metric, wait_for
+from tests.helpers.cluster import metric, on_the_core, wait_for
 
 MIN_TOKENS = 24
 VICTIM_TOKENS = 150
@@ -74,6 +74,10 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
     # First instances spread over the nodes: victim on node-0, other on node-1, big beside victim.
     for name in ("victim", "other", "big"):
         await client.completions.create(model=name, prompt="Hello", max_tokens=2)
+    # Each on its continuous-batching core: no core builds (seconds of CPU each) beside what
+    # follows, which would make its timing, and so who holds how much KV when, a matter of luck.
+    for name in ("victim", "other", "big"):
+        await asyncio.to_thread(on_the_core, c, name)
     # Measured once warm (the first request's times go with its start): the scheduler then
     # knows where the victim's requests would validate.
     await client.completions.create(model="victim", prompt="Hello there", max_tokens=4)

@@ -53,11 +53,16 @@ def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, sour
     """Register `name` (the default model unless `source`); `slo`: ttft_slo_s, tpot_slo_s."""
     from shared.localcluster import default_model_path
 
-    r = httpx.post(
-        f"{cluster.base_url}/admin/models",
-        json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s, **slo},
-        timeout=600,
-    )
+    def post() -> httpx.Response | None:
+        r = httpx.post(
+            f"{cluster.base_url}/admin/models",
+            json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s, **slo},
+            timeout=600,
+        )
+        # A loader that has not subscribed yet answers 503 (no responders): ask again.
+        return None if r.status_code == 503 else r
+
+    r = wait_for(post, 30, "the loader to take the registration", every_s=0.5)
     assert r.status_code == 201, r.text
     return dict(r.json())
 
