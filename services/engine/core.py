@@ -178,8 +178,6 @@ class EngineCore:
     _live: dict[str, _Live] = field(default_factory=dict)
     _ids: dict[str, int] = field(default_factory=dict)
     _next_id: int = 0
-    decoded_tokens: int = 0
-    """Tokens the core has produced, in all (tests watch it stop rising on a cancel)."""
 
     def __len__(self) -> int:
         return len(self._live)
@@ -229,7 +227,6 @@ class EngineCore:
                         if out.first_token_at is None:
                             out.first_token_at = now
                         out.completion_tokens += len(tokens)
-                        self.decoded_tokens += len(tokens)
                         live.sink.write(tokens)
                     finish = _FINISH.get(result.finish_reason.name, finish)
             status = live.handle.get_status().name
@@ -254,7 +251,3 @@ class EngineCore:
                 done.append(out)
                 del self._live[request_id]
         return done
-
-    def stats(self) -> dict[str, float]:
-        m = self.pipeline.get_metrics()
-        return {"requests": m.requests, "scheduled": m.scheduled_requests, "cache_usage": m.cache_usage}

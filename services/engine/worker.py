@@ -327,8 +327,6 @@ class _Loop:
         self.build: _CoreBuild | None = None
         self.artifact: Artifact | None = None
         self.detokenizer: Detokenizer | None = None
-        self.names: set[str] = set()
-        """Model names served from this worker (an artifact may be registered under several)."""
         self.build_window = (float("inf"), float("inf"))
         """When the core's build began and ended (its CPU time slows what runs meanwhile)."""
         self.for_core: list[Run] = []
@@ -443,7 +441,6 @@ class _Loop:
         # Stop strings are the library's (GenerationConfig.stop_strings): none here.
         sink = IntervalSink(TextStream(self.detokenizer, StopMatcher(()), emit, run.stream_interval_s),
                             run.stream_interval_s)
-        self.names.add(run.session)
         self.engine.add(rid, run.prompt_ids, run.params, sink)
         self.in_core[rid] = (run, self.waited)
         conn.send(Started(rid, len(self.engine)))
@@ -517,7 +514,6 @@ class _Loop:
                 self.detokenizer = loaded.tokenizer
                 self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
             elif isinstance(cmd, DropSession):
-                self.names.discard(cmd.session)
                 if self.batcher is not None and self.batcher.drop(cmd.session):
                     _trim_heap()
         except Exception as e:  # the engine turns this into an error for the request
