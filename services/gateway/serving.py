@@ -48,6 +48,8 @@ from shared.registry import Registry
 log = logging.getLogger(__name__)
 
 INFLIGHT = Gauge("tessera_gateway_inflight_requests", "Requests admitted and not yet finished")
+PLACE_ATTEMPTS = 4
+"""Placements a request may get when its instance is gone by the time it is sent."""
 WAITING = Gauge("tessera_gateway_waiting_requests", "Requests waiting in line for admission")
 ADMISSION_WAIT = Histogram("tessera_gateway_admission_wait_seconds", "Time a request waited in line",
                            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
@@ -118,10 +120,12 @@ class Generation:
         await self._send()
 
     async def _send(self, avoid: str = "") -> None:
-        """Place the request and send it to its engine (placed once more if the instance went
-        away in between); `avoid`: a node that just preempted it."""
+        """Place the request and send it to its engine (placed again if the instance went away
+        in between: under memory pressure instances come and go, and a start that waited for
+        room may find the one it was placed on gone more than once); `avoid`: a node that just
+        preempted it."""
         not_on = ""
-        for attempt in range(2):
+        for attempt in range(PLACE_ATTEMPTS):
             t0 = time.perf_counter()
             placement = await self.gw.bus.request(
                 subjects.place(),
@@ -162,7 +166,7 @@ class Generation:
             self._sub = None
             not_on = self.node_id
             # The instance was scaled in between placement and send: place once more.
-            if accepted.code != ErrorCode.INSTANCE_NOT_LOADED or attempt == 1:
+            if accepted.code != ErrorCode.INSTANCE_NOT_LOADED or attempt == PLACE_ATTEMPTS - 1:
                 raise TesseraError(accepted.code, accepted.message, retry_after_s=1)
         raise AssertionError("unreachable")
 
