@@ -102,6 +102,8 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     retry_after_s: float = 0.0
+    arrivals: list[float] = dataclasses.field(default_factory=list)
+    """When its tokens came (perf_counter; relative to its run's start where it ran elsewhere)."""
 
 
 @dataclasses.dataclass
@@ -113,13 +115,33 @@ class Run:
     wall_s: float
     long: Outcome | None = None
     peak_rss_bytes: int | None = None
+    t0: float = 0.0
+    window_s: float = 0.0
+    """The load's window: clients send from `t0` for `window_s` (the requests then in flight
+    finish after it)."""
 
 
 def timed_outcome(sent: float, arrivals: list[float], tokens: int) -> Outcome:
     """TTFT and TPOT from the send time and the content arrivals of a completed request."""
     first, last = arrivals[0], arrivals[-1]
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Outcome("ok", tokens, first - sent, tpot)
+    return Outcome("ok", tokens, first - sent, tpot, arrivals=list(arrivals))
+
+
+def window_tokens(run: Run) -> float:
+    """Tokens the completed requests received within the run's window (a request's tokens are
+    spread evenly over its content arrivals).
+
+    Throughput as tokens delivered while the load lasts, not completed requests over the time
+    the last one took: with 64-token requests a wave of 32 or 64 clients takes 6-10 s, so
+    counting whole requests made the figure jump by a wave (a quarter of a 20 s run) with
+    whether the last wave began just before or just after the deadline."""
+    end = run.t0 + run.window_s
+    total = 0.0
+    for o in run.outcomes:
+        if o.status == "ok" and o.arrivals:
+            total += o.tokens * sum(1 for t in o.arrivals if t <= end) / len(o.arrivals)
+    return total
 
 
 def summarize(run: Run, expected_tokens: int) -> dict[str, Any]:
@@ -133,7 +155,8 @@ def summarize(run: Run, expected_tokens: int) -> dict[str, Any]:
         return percentile(xs, q) if xs else None
 
     return {
-        "tok_s": tokens / run.wall_s if run.wall_s > 0 else None,
+        "tok_s": window_tokens(run) / run.window_s if run.window_s > 0 else None,
+        "tok_s_completed": tokens / run.wall_s if run.wall_s > 0 else None,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
         "tpot_p50_s": pct(tpot, 50),
@@ -159,7 +182,7 @@ def summarize_mixed(alone: Run, mixed: Run) -> dict[str, Any]:
         "ratio": p99 / p99_alone if p99 and p99_alone else None,
         "short": with_long,
         "short_alone": without,
-        "long": dataclasses.asdict(mixed.long) if mixed.long else None,
+        "long": dataclasses.asdict(dataclasses.replace(mixed.long, arrivals=[])) if mixed.long else None,
     }
 
 
@@ -287,7 +310,7 @@ async def http_run(base_url: str, model: str, clients: int, duration_s: float, l
         await asyncio.gather(*(client_loop(http, model, i, more, outcomes) for i in range(clients)))
         wall = time.perf_counter() - t0
         long = await finish_long(long_task, long_chat)
-    return Run(outcomes, wall, long)
+    return Run(outcomes, wall, long, t0=t0, window_s=duration_s)
 
 
 async def finish_long(task: asyncio.Task[Outcome] | None, chat: ChatStream) -> Outcome | None:
@@ -428,6 +451,7 @@ class Live:
     first: float | None = None
     last: float = 0.0
     tokens: int = 0
+    arrivals: list[float] = dataclasses.field(default_factory=list)
 
 
 def read_ready(req: Live, now: float, running: Any) -> bool:
@@ -440,6 +464,7 @@ def read_ready(req: Live, now: float, running: Any) -> bool:
             req.first = req.first if req.first is not None else now
             req.last = now
             req.tokens += n
+            req.arrivals.extend([now] * n)
     return h.get_status() != running and not h.can_read()
 
 
@@ -447,7 +472,7 @@ def outcome_of(req: Live) -> Outcome:
     """A request the pipeline is done with, as its client saw it."""
     status = req.handle.get_status()
     if status.name == "FINISHED" and req.first is not None:
-        return timed_outcome(req.sent, [req.first, req.last], req.tokens)
+        return timed_outcome(req.sent, req.arrivals, req.tokens)
     return Outcome(status.name.lower(), req.tokens)
 
 
@@ -537,8 +562,11 @@ class PipelineLoop:
             long.handle.cancel()
             while self.pipe.has_non_finished_requests():  # its blocks are freed at a step
                 self.pipe.step()
+        for o in outcomes:  # perf_counter of this process: relative to the run's start
+            o.arrivals = [t - t0 for t in o.arrivals]
         return {"outcomes": [dataclasses.asdict(o) for o in outcomes], "wall_s": end - t0,
-                "long": dataclasses.asdict(long_outcome) if long_outcome else None,
+                "window_s": duration_s,
+                "long": dataclasses.asdict(dataclasses.replace(long_outcome, arrivals=[])) if long_outcome else None,
                 "scheduler": self.sched.to_string(), "kv_blocks": self.sched.num_kv_blocks}
 
 
@@ -577,7 +605,8 @@ def run_pipeline(ir: Path, clients: int, duration_s: float, kv_clients: int, lon
             proc.wait()
     answer = json.loads(rest.strip().splitlines()[-1])
     long = Outcome(**answer["long"]) if answer["long"] else None
-    run = Run([Outcome(**o) for o in answer["outcomes"]], answer["wall_s"], long, rss.peak)
+    run = Run([Outcome(**o) for o in answer["outcomes"]], answer["wall_s"], long, rss.peak,
+              t0=0.0, window_s=answer["window_s"])
     return run, {"scheduler": answer["scheduler"], "kv_blocks": answer["kv_blocks"]}
 
 

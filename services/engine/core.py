@@ -26,13 +26,6 @@ from shared.messages import FinishReason, SamplingParams
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
     import openvino_genai as ov_genai
 
-BLOCK_TOKENS = 32
-"""Tokens per KV block of the CPU plugin's paged attention (OpenVINO GenAI's CPU default)."""
-
-DEFAULT_KV_TOKENS = 16384
-"""Positions the core's KV cache holds when the engine reserved no more: 64 requests of 256
-tokens (the pipeline's cache is sized once, when it is built)."""
-
 CORE_MAX_SEQS = 256
 """Requests the pipeline runs at once (the library's `max_num_seqs` default)."""
 
@@ -73,13 +66,17 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     return config
 
 
-def kv_blocks(tokens: int) -> int:
-    """Blocks that hold `tokens` positions (at least one)."""
-    return max(1, -(-tokens // BLOCK_TOKENS))
+def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
+    """The pipeline on the artifact's IR, its KV cache allocated as the requests in it need.
 
-
-def build_pipeline(artifact_path: str, device: str, threads: int, kv_tokens: int) -> ov_genai.ContinuousBatchingPipeline:
-    """The pipeline on the artifact's IR with a KV cache of `kv_tokens` positions.
+    The cache is the library's dynamic allocation (`num_kv_blocks = cache_size = 0`): it
+    starts at what the first requests need and grows in 256-token steps as rows grow, so it
+    holds what the requests the engine admitted use, and those are bounded by the memory
+    manager's KV grant (`service._kv_admit`: a request waits, or is refused, until the grant
+    covers it; one that outgrows it is evicted, §6.4). Freed blocks go back to the
+    pipeline's pool (prefix-cached ones are reused, measured: 12 rounds of 32 distinct
+    200-token prompts kept one size), not to the OS. A fixed block count instead had to guess
+    a size at build time, before the grant for later requests was known.
 
     Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
     plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
@@ -89,7 +86,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int, kv_tokens: int
 
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = 0
-    scheduler.num_kv_blocks = kv_blocks(kv_tokens)
+    scheduler.num_kv_blocks = 0
     scheduler.enable_prefix_caching = True
     scheduler.dynamic_split_fuse = True
     scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
@@ -100,40 +97,11 @@ def build_pipeline(artifact_path: str, device: str, threads: int, kv_tokens: int
 
 
 class TextSink:
-    """Where one request's new tokens go (detokenized, coalesced: `instance.TextStream`)."""
+    """Where one request's new tokens go (detokenized with the others': `streams.CoreStreams`)."""
 
     def write(self, tokens: Sequence[int]) -> None: ...
 
     def end(self) -> None: ...
-
-
-class IntervalSink:
-    """Tokens go on to `sink` at most once per `interval_s` (the first at once).
-
-    Detokenizing a piece costs two detokenizer runs; per token that was ≈ 8 % of decode time
-    (measured for the stateful tier, `batch.py`). Stop strings are the library's, so nothing
-    here needs each token the moment it is sampled."""
-
-    def __init__(self, sink: TextSink, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._sink = sink
-        self._interval = interval_s
-        self._clock = clock
-        self._held: list[int] = []
-        self._last: float | None = None
-
-    def write(self, tokens: Sequence[int]) -> None:
-        self._held.extend(tokens)
-        now = self._clock()
-        if self._last is None or now - self._last >= self._interval:
-            self._sink.write(self._held)
-            self._held = []
-            self._last = now
-
-    def end(self) -> None:
-        if self._held:
-            self._sink.write(self._held)
-            self._held = []
-        self._sink.end()
 
 
 @dataclass
@@ -207,6 +175,10 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return bool(self._live)
+
+    def kv_allocated_bytes(self) -> int:
+        """Bytes the pipeline's KV cache holds now (its dynamic allocation)."""
+        return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
 
     def step(self) -> list[Output]:
         """One step of the pipeline; the outputs of the requests that finished in it (every

@@ -95,6 +95,22 @@ class Detokenizer:
         out = self._request.infer({0: np.asarray([ids], dtype=np.int64)})
         return str(out[0][0])
 
+    def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        """Each sequence's text, in one detokenizer run per distinct length (rows of a run
+        must be equally long; padding would need a token the detokenizer is sure to skip).
+        A run costs ≈ 0.2 ms here whether it holds one row or 32: decoding a crowd's pieces
+        one by one took a fifth of the core's loop at 32 streams."""
+        texts = [""] * len(seqs)
+        by_length: dict[int, list[int]] = {}
+        for i, ids in enumerate(seqs):
+            if ids:
+                by_length.setdefault(len(ids), []).append(i)
+        for rows in by_length.values():
+            out = self._request.infer({0: np.asarray([seqs[i] for i in rows], dtype=np.int64)})
+            for i, text in zip(rows, out[0], strict=True):
+                texts[i] = str(text)
+        return texts
+
 
 class IncrementalDetokenizer:
     """Text of each new token as soon as it is whole (vLLM's incremental detokenization).
@@ -112,22 +128,35 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens whose text has been emitted
 
     def add(self, *tokens: int) -> str:
-        self._ids.extend(tokens)
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return after[len(before) :]
-        return ""
+        self.extend(tokens)
+        return self.settle(*map(self._decode, self.windows()))
 
     def flush(self) -> str:
         """Whatever is still held at the end (an incomplete sequence, as decoded)."""
         if self._read == len(self._ids):
             return ""
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        self._read = len(self._ids)
-        return after[len(before) :]
+        return self.settle(*map(self._decode, self.windows()), final=True)
+
+    # The same in two halves, so that a caller can decode many requests' windows in one run
+    # of the detokenizer (`streams.CoreStreams`): extend, windows, decode them, settle.
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._ids.extend(tokens)
+
+    def windows(self) -> tuple[list[int], list[int]]:
+        """The token windows to decode: without and with the tokens not yet emitted."""
+        return self._ids[self._prefix : self._read], self._ids[self._prefix :]
+
+    def settle(self, before: str, after: str, final: bool = False) -> str:
+        """The new text, given the decoded `windows()` ("" while it ends mid-character;
+        `final`: whatever there is)."""
+        if final:
+            self._read = len(self._ids)
+            return after[len(before) :]
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""
 
 
 class _Text:

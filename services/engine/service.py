@@ -130,6 +130,12 @@ KV_RESERVED = Gauge(
     "KV cache bytes reserved per serving model name (LLM-Mesh eq. 2 with the watermark)",
     ["model"],
 )
+KV_ALLOCATED = Gauge(
+    "tessera_engine_kv_allocated_bytes",
+    "KV cache bytes the continuous-batching core has allocated per serving model name (it grows "
+    "with the requests admitted under the reservation; freed blocks stay in its pool)",
+    ["model"],
+)
 KV_RESIZES = Counter(
     "tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"]
 )
@@ -160,10 +166,11 @@ TTFT = Histogram(
 
 
 def _forget_kv_gauge(model: str) -> None:
-    try:
-        KV_RESERVED.remove(model)
-    except KeyError:
-        pass
+    for gauge in (KV_RESERVED, KV_ALLOCATED):
+        try:
+            gauge.remove(model)
+        except KeyError:
+            pass
 
 
 @dataclass
@@ -969,6 +976,8 @@ class EngineService:
                         self._perf.setdefault(inst.bound.artifact.artifact_id, _Samples()).add(out)
                     if self.gate is not None:
                         GATE_WAIT.observe(out.gated_s)
+                    if out.kv_allocated_bytes:
+                        KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
                     final = Finished(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,

@@ -37,6 +37,7 @@ import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
 from services.engine.step_gate import StepGate
+from services.engine.streams import Chunk, CoreStreams
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
@@ -104,10 +105,11 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    request_id: str
-    text: str
-    tokens: int
+class Chunks:
+    """Every core request's new text after a step, in one message (one pickle and one wake-up
+    of the engine's reader for a crowd, not one per request)."""
+
+    items: tuple[Chunk, ...]
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Done:
     beside_build: bool = False
     """It ran while the worker built its core (≈ 2.4 s of CPU on the same cores): its times
     are no measure of the model."""
+    kv_allocated_bytes: int = 0
+    """The core's KV cache when it ended (the library's allocation; 0 on the stateful tier)."""
 
 
 @dataclass(frozen=True)
@@ -255,20 +259,20 @@ class _CoreBuild:
     CPU and cannot be materialized (`core.build_pipeline`); the pipeline's constructor
     releases the GIL, so the worker keeps serving meanwhile."""
 
-    def __init__(self, artifact: Artifact, device: str, threads: int, kv_tokens: int) -> None:
+    def __init__(self, artifact: Artifact, device: str, threads: int) -> None:
         self.pipeline: object | None = None
         self.error = ""
         self.seconds = 0.0
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(artifact, device, threads, kv_tokens), daemon=True,
+        threading.Thread(target=self._run, args=(artifact, device, threads), daemon=True,
                          name="core-build").start()
 
-    def _run(self, artifact: Artifact, device: str, threads: int, kv_tokens: int) -> None:
+    def _run(self, artifact: Artifact, device: str, threads: int) -> None:
         from services.engine.core import build_pipeline
 
         t0 = time.monotonic()
         try:
-            self.pipeline = build_pipeline(artifact.path, device, threads, kv_tokens)
+            self.pipeline = build_pipeline(artifact.path, device, threads)
         except Exception as e:  # the worker stays on its stateful tier, which serves correctly
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.monotonic() - t0
@@ -324,6 +328,8 @@ class _Loop:
         """The stateful tier that serves a start's first requests (None once the core serves)."""
         self.engine: EngineCore | None = None
         """The continuous-batching core, once built: every request runs on it from then on."""
+        self.streams: CoreStreams | None = None
+        """The core's requests' text (detokenized together after each step)."""
         self.build: _CoreBuild | None = None
         self.artifact: Artifact | None = None
         self.detokenizer: Detokenizer | None = None
@@ -378,11 +384,7 @@ class _Loop:
         took, a seeded request came, or the node is idle)."""
         if self.build is not None or self.engine is not None or self.artifact is None or self.build_failed:
             return
-        from services.engine.core import DEFAULT_KV_TOKENS
-
-        kv_tokens = max(min(self.artifact.context_length, DEFAULT_KV_TOKENS),
-                        max((r.kv_tokens for r in [*self.queue, *self.for_core]), default=0))
-        self.build = _CoreBuild(self.artifact, self.device, self.threads, kv_tokens)
+        self.build = _CoreBuild(self.artifact, self.device, self.threads)
         self.build_window = (time.monotonic(), float("inf"))
 
     def _adopt_core(self) -> None:
@@ -396,6 +398,7 @@ class _Loop:
             from services.engine.core import EngineCore
 
             self.engine = EngineCore(build.pipeline, self.detokenizer.eos_token_id)
+            self.streams = CoreStreams(self.detokenizer.decode_many)
             for run in [*self.for_core, *self.queue]:
                 self._add_to_core(run)
             self.queue.clear()
@@ -427,23 +430,12 @@ class _Loop:
             self._step_core()
 
     def _add_to_core(self, run: Run) -> None:
-        from services.engine.core import IntervalSink
-        from services.engine.instance import TextStream
-        from services.engine.stops import StopMatcher
-
-        assert self.engine is not None and self.detokenizer is not None
-        conn = self.conn
+        assert self.engine is not None and self.streams is not None
         rid = run.request_id
-
-        def emit(text: str, tokens: int) -> None:
-            conn.send(Chunk(rid, text, tokens))
-
         # Stop strings are the library's (GenerationConfig.stop_strings): none here.
-        sink = IntervalSink(TextStream(self.detokenizer, StopMatcher(()), emit, run.stream_interval_s),
-                            run.stream_interval_s)
-        self.engine.add(rid, run.prompt_ids, run.params, sink)
+        self.engine.add(rid, run.prompt_ids, run.params, self.streams.open(rid, run.stream_interval_s))
         self.in_core[rid] = (run, self.waited)
-        conn.send(Started(rid, len(self.engine)))
+        self.conn.send(Started(rid, len(self.engine)))
 
     def _step_core(self) -> None:
         assert self.engine is not None
@@ -455,16 +447,19 @@ class _Loop:
             self.waited += time.monotonic() - t0
         try:
             finished = self.engine.step()
+            chunks = self.streams.flush() if self.streams is not None else []
         except Exception as e:  # every request on the core fails; the worker lives on
             for rid in list(self.in_core):
                 self.engine.abort(rid)
                 self.conn.send(Failure(rid, f"{type(e).__name__}: {e}"))
             self.in_core.clear()
-            self.engine = None
+            self.engine = self.streams = None
             return
         finally:
             if entered and gate is not None:
                 gate.leave(self.slot, self._deadline())
+        if chunks:
+            self.conn.send(Chunks(tuple(chunks)))
         for out in finished:
             run, waited_at = self.in_core.pop(out.request_id, (None, self.waited))
             if out.error:
@@ -476,7 +471,7 @@ class _Loop:
                 out.prompt_tokens, max(0.0, (first or out.finished_at) - out.added_at),
                 max(0.0, out.finished_at - first) if first is not None else 0.0,
                 out.peak_running, out.prompt_tokens, self.waited - waited_at,
-                self._beside_build(out.added_at, out.finished_at)))
+                self._beside_build(out.added_at, out.finished_at), self.engine.kv_allocated_bytes()))
         if gate is not None and not self.engine.has_work() and not self.running:
             gate.idle(self.slot)
 

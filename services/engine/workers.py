@@ -22,6 +22,7 @@ from services.engine.worker import (
     MALLOC_ENV,
     CancelRun,
     Chunk,
+    Chunks,
     Done,
     DropSession,
     Failure,
@@ -127,10 +128,16 @@ class Worker:
         elif isinstance(msg, Failure) and msg.request_id is None:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RuntimeError(msg.message))
+        elif isinstance(msg, Chunks):
+            for chunk in msg.items:
+                self._dispatch(chunk)
         elif isinstance(msg, Chunk | Done | Failure | Started):
-            stream = self._streams.get(str(msg.request_id))
-            if stream is not None:
-                stream.put_nowait(msg)
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Chunk | Done | Failure | Started) -> None:
+        stream = self._streams.get(str(msg.request_id))
+        if stream is not None:
+            stream.put_nowait(msg)
 
     def _free_slot(self) -> None:
         slot, self._slot = self._slot, -1

@@ -65,9 +65,13 @@ async def test_sixty_four_concurrent_streams_all_complete_with_none_refused(crow
     client = _client(crowd)
     await _on_the_core(crowd)
     rejected_before = metric(crowd, "gateway", "tessera_gateway_rejected_total")
+    kv_before = metric(crowd, ENGINE, "tessera_engine_kv_allocated_bytes", model=DEFAULT_MODEL_NAME)
     results = await asyncio.gather(*(_stream(client, f"Tell me about the number {i}.", 24) for i in range(64)))
     assert results == [(24, "length")] * 64
     assert metric(crowd, "gateway", "tessera_gateway_rejected_total") == rejected_before
+    # The core's KV cache grew to hold the crowd (allocated as admitted requests need it).
+    kv_after = metric(crowd, ENGINE, "tessera_engine_kv_allocated_bytes", model=DEFAULT_MODEL_NAME)
+    assert kv_after > kv_before
 
 
 async def test_short_requests_finish_before_a_long_one_started_first(crowd: LocalCluster) -> None:
@@ -159,3 +163,15 @@ async def test_greedy_output_is_the_library_pipelines_own(crowd: LocalCluster) -
     result = await asyncio.to_thread(lambda: pipe.generate([prompt], [config])[0])
     theirs = result.m_generation_ids[0]  # the text, for a text prompt
     assert ours and ours == theirs
+
+
+def test_the_detokenizer_decodes_a_crowds_windows_together_as_it_would_each_alone(crowd: LocalCluster) -> None:
+    from services.engine.instance import Detokenizer
+
+    models = {m["name"]: m for m in httpx.get(f"{crowd.base_url}/admin/models", timeout=10).json()}
+    detok = Detokenizer(models[DEFAULT_MODEL_NAME]["artifact"]["path"])
+    # Mixed lengths (one run per length), an empty window, and a special token (skipped).
+    seqs = [[504, 3575, 282], [], [28, 1349], [3327, 2114, 30], [detok.eos_token_id, 42], [7]]
+    alone = [detok.decode(s) for s in seqs]
+    assert detok.decode_many(seqs) == alone
+    assert any(alone) and alone[1] == ""

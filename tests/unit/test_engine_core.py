@@ -1,11 +1,8 @@
-"""The continuous-batching core's pure parts: the library config a request's parameters make,
-KV sizing, and when a request's tokens go on to be detokenized."""
+"""The continuous-batching core's pure part: the library config a request's parameters make."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from services.engine.core import BLOCK_TOKENS, IntervalSink, generation_config, kv_blocks
+from services.engine.core import generation_config
 from shared.messages import SamplingParams
 
 
@@ -33,45 +30,6 @@ def test_unseeded_requests_get_different_random_streams() -> None:
     # The library would start every unseeded request at the same default seed.
     seeds = {generation_config(SamplingParams(max_tokens=1, temperature=1.0), 2).rng_seed for _ in range(8)}
     assert len(seeds) > 1
-
-
-def test_kv_blocks_round_up_to_whole_blocks() -> None:
-    assert kv_blocks(1) == 1
-    assert kv_blocks(BLOCK_TOKENS) == 1
-    assert kv_blocks(BLOCK_TOKENS + 1) == 2
-    assert kv_blocks(0) == 1
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.writes: list[list[int]] = []
-        self.ended = False
-
-    def write(self, tokens: Sequence[int]) -> None:
-        self.writes.append(list(tokens))
-
-    def end(self) -> None:
-        self.ended = True
-
-
-def test_interval_sink_sends_the_first_token_at_once_then_once_per_interval() -> None:
-    now = [0.0]
-    inner = _Sink()
-    sink = IntervalSink(inner, 0.05, clock=lambda: now[0])
-    sink.write([1])
-    assert inner.writes == [[1]]
-    now[0] = 0.01
-    sink.write([2])
-    now[0] = 0.02
-    sink.write([3])
-    assert inner.writes == [[1]]  # held within the interval
-    now[0] = 0.07
-    sink.write([4])
-    assert inner.writes == [[1], [2, 3, 4]]
-    now[0] = 0.08
-    sink.write([5])
-    sink.end()
-    assert inner.writes == [[1], [2, 3, 4], [5]] and inner.ended
 
 
 def test_parameters_below_float32_range_still_make_a_valid_config() -> None:
