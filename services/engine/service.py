@@ -24,11 +24,41 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
-from prometheus_client import Counter, Gauge, Histogram
 
 from services.engine.kv_account import KvAccount
 from services.engine.core import CORE_MAX_SEQS
 from services.engine.layout import has_tier
+from services.engine.metrics import (
+    BATCHED_REQUESTS,
+    BOUND_BY_TIER,
+    COLD_START_SECONDS,
+    COLD_WORKERS,
+    DECODED_TOKENS,
+    GATE_WAIT,
+    INSTANCES,
+    INSTANCE_EVICTIONS,
+    KV_ALLOCATED,
+    KV_EVICTIONS,
+    KV_RESERVED,
+    KV_RESIZES,
+    KV_UNDERESTIMATES,
+    PHASE_SECONDS,
+    POOL_EVICTIONS,
+    POOL_HITS,
+    POOL_IDLE_BYTES,
+    PREEMPTIONS,
+    PREWARMED,
+    PREWARMED_BYTES,
+    QUEUE_WAIT,
+    REIMPORTS,
+    REQUESTS,
+    RESIDENT_BYTES,
+    TIER_UPS,
+    TIER_UP_SECONDS,
+    TTFT,
+    WORKER_RSS_BYTES,
+    forget_kv_gauges,
+)
 from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
@@ -76,101 +106,8 @@ from shared.messages import (
 
 log = logging.getLogger(__name__)
 
-PHASE_SECONDS = Histogram(
-    "tessera_coldstart_phase_seconds",
-    "Seconds spent in each phase of a cold start",
-    ["phase"],
-    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
-)
-COLD_START_SECONDS = Histogram(
-    "tessera_coldstart_seconds",
-    "Start request received to first token of the request that caused it",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
-)
-DECODED_TOKENS = Counter("tessera_engine_decoded_tokens_total", "Tokens decoded by this engine")
-REQUESTS = Counter("tessera_engine_requests_total", "Generations ended", ["finish_reason"])
-INSTANCES = Gauge("tessera_engine_instances", "Model instances serving on this engine")
-RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Weight bytes of bound workers, in use or not")
-POOL_IDLE_BYTES = Gauge(
-    "tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)"
-)
-POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")
-POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
-PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
-PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
-WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
-COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
-INSTANCE_EVICTIONS = Counter(
-    "tessera_engine_instance_evictions_total", "Idle instances ended early to make room for a start"
-)
-REIMPORTS = Counter(
-    "tessera_engine_reimports_total", "Starts that imported a blob again because its block check failed"
-)
-BOUND_BY_TIER = Gauge("tessera_engine_bound_workers", "Workers bound to a model, by compiled tier", ["tier"])
-TIER_UPS = Counter("tessera_engine_tier_ups_total", "Workers that swapped START for STEADY", ["result"])
-TIER_UP_SECONDS = Histogram(
-    "tessera_engine_tier_up_seconds",
-    "Seconds a background tier-up took (load of the STEADY blob and its first pass)",
-    buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
-)
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
-QUEUE_WAIT = Histogram(
-    "tessera_engine_queue_wait_seconds",
-    "Generate received to its run starting on the worker (requests ahead on the same worker)",
-    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
-)
-BATCHED_REQUESTS = Counter(
-    "tessera_engine_batched_requests_total",
-    "Requests run, by the size of the batch they ran in",
-    ["batch"],
-)
-KV_RESERVED = Gauge(
-    "tessera_engine_kv_reserved_bytes",
-    "KV cache bytes reserved per serving model name (LLM-Mesh eq. 2 with the watermark)",
-    ["model"],
-)
-KV_ALLOCATED = Gauge(
-    "tessera_engine_kv_allocated_bytes",
-    "KV cache bytes the continuous-batching core has allocated per serving model name (it grows "
-    "with the requests admitted under the reservation; freed blocks stay in its pool)",
-    ["model"],
-)
-KV_RESIZES = Counter(
-    "tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"]
-)
-PREEMPTIONS = Counter(
-    "tessera_engine_preemptions_total",
-    "Instances preempted so that a bigger instance's KV reservation could grow (LLM-Mesh §7.1)",
-)
-KV_EVICTIONS = Counter(
-    "tessera_engine_kv_evictions_total",
-    "Requests evicted from a KV cache the node could not grow (LLM-Mesh §6.4): resumed elsewhere",
-)
-KV_UNDERESTIMATES = Counter(
-    "tessera_engine_kv_underestimates_total",
-    "Requests that outgrew their instance's KV reservation when the node could not grow it "
-    "(the runtime allocates on demand: the node is then over its optimistic budget)",
-)
-GATE_WAIT = Histogram(
-    "tessera_engine_gate_wait_seconds",
-    "Seconds a request's iterations waited for the node's headroom gate (another instance's "
-    "more urgent iterations ran meanwhile)",
-    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
-)
-TTFT = Histogram(
-    "tessera_engine_ttft_seconds",
-    "Generate received to first token, in the engine",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8),
-)
-
-
-def _forget_kv_gauge(model: str) -> None:
-    for gauge in (KV_RESERVED, KV_ALLOCATED):
-        try:
-            gauge.remove(model)
-        except KeyError:
-            pass
 
 
 @dataclass
@@ -870,7 +807,7 @@ class EngineService:
 
     async def _unload(self, inst: Served) -> None:
         del self.instances[inst.model]
-        _forget_kv_gauge(inst.model)
+        forget_kv_gauges(inst.model)
         self._cold.pop(inst.model, None)
         inst.bound.worker.drop_session(inst.model)  # its KV cache
         await self._release_memory(f"{inst.model}:kv")
@@ -880,7 +817,7 @@ class EngineService:
         """A worker died: its instances are gone; the next request starts them again."""
         for inst in [i for i in self.instances.values() if i.bound is bound]:
             del self.instances[inst.model]
-            _forget_kv_gauge(inst.model)
+            forget_kv_gauges(inst.model)
             await self._release_memory(f"{inst.model}:kv")
         if self.bound.get(bound.artifact.artifact_id) is bound:
             del self.bound[bound.artifact.artifact_id]
