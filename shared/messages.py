@@ -307,6 +307,11 @@ class SamplingParams(Message, frozen=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_k: int = 0
+    """0: every token."""
+    min_p: float = 0.0
 
 
 class Generate(Message, frozen=True):

@@ -54,16 +54,28 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     # range would fail that check, so the smallest ones are raised to one it keeps (the same
     # choice either way: only the most likely token survives such a top_p).
     config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
+    config.frequency_penalty = params.frequency_penalty
+    config.presence_penalty = params.presence_penalty
     if params.temperature >= SAMPLING_EPS:
         config.do_sample = True
         config.temperature = params.temperature
         config.top_p = max(params.top_p, FLOAT32_TINY)
+        if params.top_k > 0:
+            config.top_k = params.top_k
+        config.min_p = params.min_p
         # Every request gets its own stream of random numbers: without a seed the library
         # would start each one at the same default seed, and equal prompts would sample alike.
         config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)
     else:
         config.do_sample = False
     return config
+
+
+def needs_core(params: SamplingParams) -> bool:
+    """Whether only the core serves this request (the start tier's sampler has no seeds,
+    frequency or presence penalties, top-k or min-p: such a request waits for the core)."""
+    return (params.seed is not None or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or params.top_k > 0 or params.min_p > 0.0)
 
 
 def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:

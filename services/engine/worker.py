@@ -37,6 +37,7 @@ import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
 from services.engine.step_gate import StepGate
+from services.engine.core import needs_core
 from services.engine.streams import Chunk, CoreStreams
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
@@ -336,7 +337,7 @@ class _Loop:
         self.build_window = (float("inf"), float("inf"))
         """When the core's build began and ended (its CPU time slows what runs meanwhile)."""
         self.for_core: list[Run] = []
-        """Requests that wait for the core while it builds (seeded ones)."""
+        """Requests that wait for the core while it builds (`core.needs_core`)."""
         self.build_failed = False
         self.in_core: dict[str, tuple[Run, float]] = {}
         """Requests on the core: each with `waited` when it was added."""
@@ -480,9 +481,15 @@ class _Loop:
             if isinstance(cmd, Run):
                 if self.engine is not None:
                     self._add_to_core(cmd)
-                elif cmd.params.seed is not None and self.artifact is not None:
-                    # A seed names one sample of the core's sampler: the request waits for the
-                    # core (built now if it is not yet) rather than sample on the start tier.
+                elif needs_core(cmd.params) and self.build_failed and cmd.params.seed is None:
+                    # Only a seed has a meaning on the start tier; the rest would be ignored.
+                    self.conn.send(Failure(cmd.request_id, "this instance cannot apply frequency or presence "
+                                           "penalties, top_k or min_p: its continuous-batching core failed "
+                                           "to build"))
+                elif needs_core(cmd.params) and self.artifact is not None and not self.build_failed:
+                    # A seed names one sample of the core's sampler, and the start tier has no
+                    # penalties, top-k or min-p: the request waits for the core (built now if
+                    # it is not yet) rather than run without what it asked for.
                     self.for_core.append(cmd)
                     self._start_build()
                 else:

@@ -51,6 +51,31 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
+def _off(value: Any) -> bool:
+    """Left at what means "not asked for" (absent, null, false, empty)."""
+    return value is None or value is False or value == [] or value == {}
+
+
+_UNSUPPORTED: dict[str, Any] = {
+    # name -> the values that ask for nothing (accepted as no-ops)
+    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": _off,
+    "tool_choice": lambda v: _off(v) or v == "none",
+    "functions": _off,
+    "function_call": lambda v: _off(v) or v == "none",
+    "logprobs": lambda v: _off(v) or v == 0,
+    "top_logprobs": lambda v: _off(v) or v == 0,
+    "logit_bias": _off,
+    "best_of": lambda v: _off(v) or v == 1,
+    "suffix": _off,
+    "structured_outputs": _off,
+    "guided_json": _off,
+    "guided_regex": _off,
+    "guided_choice": _off,
+    "guided_grammar": _off,
+}
+
+
 class _Sampling(_Lenient):
     model: str = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -67,6 +92,24 @@ class _Sampling(_Lenient):
     # tokens already in the context (1.0: off).
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # vLLM's: keep the k most likely tokens (-1 or 0: all); drop tokens less likely than
+    # min_p times the most likely one (0: off).
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+
+    @model_validator(mode="after")
+    def _nothing_silently_ignored(self) -> _Sampling:
+        """OpenAI (and vLLM) parameters Tessera does not serve yet are refused by name, not
+        ignored: a client asking for JSON, a tool call or logprobs must not get prose back as
+        if it had been honoured. Unknown names stay accepted (OpenAI's own server ignores
+        fields it does not use)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and not _UNSUPPORTED[name](value):
+                raise ValueError(f"`{name}` is not supported by Tessera yet (see the README's "
+                                 "table of parameters)")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -103,6 +146,13 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[Text]
     echo: bool = False
 
+    @field_validator("echo")
+    @classmethod
+    def _no_echo_yet(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("`echo` is not supported by Tessera yet (see the README's table of parameters)")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[str]) -> str | list[str]:
@@ -112,6 +162,37 @@ class CompletionRequest(_Sampling):
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a prompt as /v1/completions takes it, or messages as chat does (then
+    rendered with the model's chat template, as a chat request would be)."""
+
+    model: str = Field(min_length=1)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either `prompt` or `messages`")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Lenient):
+    model: str = Field(min_length=1)
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):

@@ -28,9 +28,13 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     CreateApiKey,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     RegisterModel,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from services.gateway.ratelimit import retry_after_header
 from services.gateway.serving import REJECTED, Gateway, Generation
@@ -156,6 +160,18 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, who: Caller, request: Request) -> Response:
         return await _unless_disconnected(request, _complete(gateway, quotas, who, req, chat=False))
+
+    # vLLM's shape and paths (at the root, not under /v1): ids for logit_bias, counting a
+    # prompt against the context before sending it.
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, who: Caller) -> TokenizeResponse:
+        check_model(who, req.model)
+        return await gateway.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, who: Caller) -> DetokenizeResponse:
+        check_model(who, req.model)
+        return await gateway.detokenize(req)
 
     app.include_router(_admin_routes(admin))
     app.include_router(ui_router(admin, _admin_caller))

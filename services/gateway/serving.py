@@ -13,15 +13,24 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizers import Tokenizers
 from shared import subjects
@@ -353,18 +362,39 @@ class Gateway:
             )
         return record
 
+    async def _render(self, tok: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """Messages through the model's chat template ("developer" is "system" to it)."""
+        try:
+            history = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                       for m in messages]
+        except ValueError as e:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
+        return await self.tokenizers.render_chat(tok, history, add_generation_prompt)
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: the ids a completion or chat request with this input would send."""
+        record = await self.model(req.model)
+        tok = await self.tokenizers.get(record.artifact)
+        text = req.prompt if req.messages is None else await self._render(tok, req.messages, req.add_generation_prompt)
+        ids = await self.tokenizers.encode(tok, text or "")
+        return TokenizeResponse(count=len(ids), max_model_len=record.artifact.context_length, tokens=list(ids))
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        record = await self.model(req.model)
+        tok = await self.tokenizers.get(record.artifact)
+        vocab = await self.tokenizers.vocab_size(tok)
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise TesseraError(ErrorCode.INVALID_REQUEST,
+                               f"token id {bad[0]} is outside the vocabulary of `{req.model}` ({vocab} tokens)",
+                               param="tokens")
+        return DetokenizeResponse(prompt=await self.tokenizers.decode(tok, req.tokens))
+
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
         record = await self.model(req.model)
         tok = await self.tokenizers.get(record.artifact)
         if isinstance(req, ChatCompletionRequest):
-            try:
-                history = [
-                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages
-                ]
-            except ValueError as e:
-                raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
-            prompt = await self.tokenizers.render_chat(tok, history)
+            prompt = await self._render(tok, req.messages)
             param = "messages"
         else:
             prompt, param = req.prompt_text(), "prompt"
@@ -392,6 +422,10 @@ class Gateway:
             seed=None if req.seed is None else req.seed % 2**64,  # numpy takes no negative seed
             stop=req.stops(),
             ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            top_k=max(req.top_k or 0, 0),
+            min_p=req.min_p or 0.0,
         )
         return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params)
 

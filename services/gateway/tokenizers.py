@@ -26,6 +26,7 @@ T = TypeVar("T")
 class Tokenizers:
     def __init__(self) -> None:
         self._loaded: dict[str, ov_genai.Tokenizer] = {}
+        self._vocab: dict[int, int] = {}
         self._lock = asyncio.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizers")
 
@@ -42,16 +43,32 @@ class Tokenizers:
                     self._loaded[artifact.artifact_id] = tok
         return tok
 
-    async def render_chat(self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]]) -> str:
-        return await self._run(_render_chat, tok, messages)
+    async def render_chat(self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]],
+                          add_generation_prompt: bool = True) -> str:
+        return await self._run(_render_chat, tok, messages, add_generation_prompt)
 
     async def encode(self, tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
         return await self._run(_encode, tok, text)
 
+    async def decode(self, tok: ov_genai.Tokenizer, ids: Sequence[int]) -> str:
+        return await self._run(_decode, tok, ids)
 
-def _render_chat(tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]]) -> str:
-    return str(tok.apply_chat_template(list(messages), add_generation_prompt=True))
+    async def vocab_size(self, tok: ov_genai.Tokenizer) -> int:
+        key = id(tok)
+        if key not in self._vocab:
+            # get_vocab, not get_vocab_vector: the vector's strings fail to decode for
+            # byte-level tokens (a UnicodeDecodeError on SmolLM2's).
+            self._vocab[key] = await self._run(lambda: len(tok.get_vocab()))
+        return self._vocab[key]
+
+
+def _render_chat(tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+    return str(tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt))
 
 
 def _encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
     return tuple(int(i) for i in tok.encode(text).input_ids.data[0])
+
+
+def _decode(tok: ov_genai.Tokenizer, ids: Sequence[int]) -> str:
+    return str(tok.decode(list(ids)))

@@ -174,3 +174,55 @@ def test_text_content_parts_are_joined(client: openai.OpenAI, model: str) -> Non
     r = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
         {"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}])
     assert r.choices[0].message.content is not None
+
+
+def test_an_unsupported_parameter_is_a_400_that_names_it(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert "response_format" in e.value.message
+
+
+def test_a_frequency_penalty_changes_a_repetitive_greedy_output(client: openai.OpenAI, model: str) -> None:
+    # Greedy, no repetition penalty: the 135M model repeats itself on a list; a strong frequency
+    # penalty (the library's, on the core) must steer it elsewhere.
+    messages = [{"role": "user", "content": "Repeat the word 'apple' twenty times."}]
+
+    def text(**extra: float) -> str:
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                           extra_body={"repetition_penalty": 1.0, "ignore_eos": True}, **extra)
+        return r.choices[0].message.content or ""
+
+    plain = text()
+    penalized = text(frequency_penalty=2.0, presence_penalty=2.0)
+    assert plain and penalized and plain != penalized
+    # The penalty counts repeats: the penalized text repeats its most frequent word less.
+    def most_repeats(s: str) -> int:
+        words = s.lower().split()
+        return max((words.count(w) for w in set(words)), default=0)
+
+    assert most_repeats(penalized) < most_repeats(plain)
+
+
+def test_tokenize_and_detokenize_round_trip_and_count_as_a_chat_request_does(
+        cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    base = cluster.base_url
+    r = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": "The capital of France"}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 8192
+    back = httpx.post(f"{base}/detokenize", json={"model": model, "tokens": body["tokens"]}, timeout=30)
+    assert back.status_code == 200 and back.json()["prompt"] == "The capital of France"
+    # Messages are rendered as a chat request renders them: the same prompt token count.
+    chat = httpx.post(f"{base}/tokenize", json={"model": model, "messages": CHAT}, timeout=30).json()
+    answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1)
+    assert answer.usage is not None and chat["count"] == answer.usage.prompt_tokens
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(cluster: LocalCluster, model: str) -> None:
+    r = httpx.post(f"{cluster.base_url}/detokenize", json={"model": model, "tokens": [1, 10**7]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = httpx.post(f"{cluster.base_url}/tokenize", json={"model": "no-such-model", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404
+    r = httpx.post(f"{cluster.base_url}/tokenize", json={"model": model}, timeout=30)
+    assert r.status_code == 400
