@@ -146,13 +146,6 @@ class CompletionRequest(_Sampling):
     prompt: Text | list[Text]
     echo: bool = False
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo_yet(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("`echo` is not supported by Tessera yet (see the README's table of parameters)")
-        return v
-
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[str]) -> str | list[str]:

@@ -274,10 +274,12 @@ async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
         await quotas.settle(grant, 0)
         raise
     shape = Shape(chat, gen.request_id, prepared.record.name)
+    # `echo` (completions): the prompt comes back ahead of the completion, as OpenAI and vLLM do.
+    echo = prepared.prompt if isinstance(req, CompletionRequest) and req.echo else ""
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(gen, shape, include_usage, quotas, grant),
+            _stream(gen, shape, include_usage, quotas, grant, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -288,7 +290,7 @@ async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
             async for event in events:
                 if isinstance(event, Finished):
                     produced = event.completion_tokens
-                    return JSONResponse(shape.full("".join(parts), event))
+                    return JSONResponse(shape.full(echo + "".join(parts), event))
                 parts.append(event.text)
                 produced += event.tokens
     finally:
@@ -298,11 +300,13 @@ async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
 
 
 async def _stream(gen: Generation, shape: Shape, include_usage: bool, quotas: Quotas,
-                  grant: Grant) -> AsyncIterator[str]:
+                  grant: Grant, echo: str = "") -> AsyncIterator[str]:
     produced = 0  # what the tokens-per-minute count keeps when the stream ends early
     try:
         if shape.chat:
             yield sse(shape.chunk("", role=True))
+        if echo:
+            yield sse(shape.chunk(echo))
         async with aclosing(gen.events()) as events:
             async for event in events:
                 if isinstance(event, Finished):

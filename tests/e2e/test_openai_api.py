@@ -226,3 +226,16 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(cluster: LocalCluster, mo
     assert r.status_code == 404
     r = httpx.post(f"{cluster.base_url}/tokenize", json={"model": model}, timeout=30)
     assert r.status_code == 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_returns_the_prompt_ahead_of_the_completion(client: openai.OpenAI, model: str, stream: bool) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True) if c.choices)
+    else:
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                         echo=True).choices[0].text
+    assert text == prompt + plain.choices[0].text

@@ -4,7 +4,7 @@ does not know, are accepted."""
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import ChatCompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -33,12 +33,6 @@ def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -
 ])
 def test_off_values_and_unknown_names_are_accepted(name: str, value: object) -> None:
     ChatCompletionRequest(**CHAT, **{name: value})
-
-
-def test_completion_echo_is_refused_until_it_echoes() -> None:
-    CompletionRequest(model="m", prompt="hi", echo=False)
-    with pytest.raises(ValidationError, match="`echo` is not supported"):
-        CompletionRequest(model="m", prompt="hi", echo=True)
 
 
 def test_penalties_are_range_checked() -> None:
