@@ -51,6 +51,14 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
+class UnsupportedParameter(ValueError):
+    """A parameter Tessera does not serve yet (the 400 names it in `param`)."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"`{param}` is not supported by Tessera yet (see the README's table of parameters)")
+        self.param = param
+
+
 def _off(value: Any) -> bool:
     """Left at what means "not asked for" (absent, null, false, empty)."""
     return value is None or value is False or value == [] or value == {}
@@ -107,8 +115,7 @@ class _Sampling(_Lenient):
         fields it does not use)."""
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and not _UNSUPPORTED[name](value):
-                raise ValueError(f"`{name}` is not supported by Tessera yet (see the README's "
-                                 "table of parameters)")
+                raise UnsupportedParameter(name)
         return self
 
     @field_validator("stop")

@@ -35,6 +35,7 @@ from services.gateway.protocol import (
     RegisterModel,
     TokenizeRequest,
     TokenizeResponse,
+    UnsupportedParameter,
 )
 from services.gateway.ratelimit import retry_after_header
 from services.gateway.serving import REJECTED, Gateway, Generation
@@ -122,6 +123,9 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc)
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsupportedParameter):  # raised by the whole body's check: no loc
+            return error_response(400, str(cause), "unsupported_parameter", cause.param)
         msg = first.get("msg", "invalid request")
         return error_response(400, f"{where}: {msg}" if where else msg, "invalid_request", where or None)
 

@@ -181,6 +181,7 @@ def test_an_unsupported_parameter_is_a_400_that_names_it(client: openai.OpenAI, 
         client.chat.completions.create(model=model, messages=CHAT, max_tokens=4,
                                        response_format={"type": "json_object"})
     assert "response_format" in e.value.message
+    assert e.value.param == "response_format" and e.value.code == "unsupported_parameter"
 
 
 def test_a_frequency_penalty_changes_a_repetitive_greedy_output(client: openai.OpenAI, model: str) -> None:
