@@ -299,6 +299,17 @@ class ClusterStatus(Message, frozen=True):
 # --- generation --------------------------------------------------------------------------------
 
 
+class Guide(Message, frozen=True):
+    """Output the engine's grammar enforces (OpenVINO GenAI's `StructuredOutputConfig`).
+
+    The gateway checks a client's spec before sending it (`services/gateway/guides.py`): a
+    spec the library cannot compile fails its pipeline's step for every request on it."""
+
+    kind: str
+    """"json_schema", "regex" or "grammar" (xgrammar's EBNF)."""
+    spec: str
+
+
 class SamplingParams(Message, frozen=True):
     max_tokens: int
     temperature: float = 1.0
@@ -312,6 +323,12 @@ class SamplingParams(Message, frozen=True):
     top_k: int = 0
     """0: every token."""
     min_p: float = 0.0
+    guide: Guide | None = None
+    logprobs: int = -1
+    """-1: none; 0: the chosen token's; k > 0: and the k most likely alternatives (those are
+    read from the logits: the stateful tier serves such a request, `worker.needs_logits`)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias added to its logit): OpenAI's, -100 bans and 100 forces a token."""
 
 
 class Generate(Message, frozen=True):
@@ -330,11 +347,21 @@ class GenerateAccepted(Message, frozen=True):
     request_id: str
 
 
+class TokenLogprob(Message, frozen=True, array_like=True):
+    """A generated token, its log-probability and the most likely alternatives (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class TokenChunk(Message, frozen=True):
     request_id: str
     text: str
     tokens: int
     """Tokens decoded since the previous chunk."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token since the previous chunk, when the request asked for logprobs."""
 
 
 class Finished(Message, frozen=True):

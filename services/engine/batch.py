@@ -28,9 +28,9 @@ from typing import Protocol
 import numpy as np
 import openvino as ov
 
-from services.engine.sampling import Sampler
+from services.engine.sampling import Sampler, token_logprob
 from services.engine.stops import StopMatcher
-from shared.messages import FinishReason, SamplingParams
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 PAD_ID = 0
 """Fills the left of shorter prompts; masked out, so any id serves."""
@@ -54,8 +54,9 @@ class RowResult:
     """time.monotonic() of its first text (CLOCK_MONOTONIC: comparable across processes)."""
 
 
-RowEmit = Callable[[str, str, int], None]
-"""emit(request_id, text, tokens)."""
+RowEmit = Callable[[str, str, int, tuple[TokenLogprob, ...]], None]
+"""emit(request_id, text, tokens, logprobs): logprobs holds one entry per token when the
+request asked for them, else ()."""
 
 
 class TextSink(Protocol):
@@ -67,8 +68,8 @@ class TextSink(Protocol):
         """Everything still held goes out."""
 
 
-TextFactory = Callable[[RowEmit, str, StopMatcher], TextSink]
-"""text(emit, request_id, stops): the row's sink."""
+TextFactory = Callable[[Callable[[str, str, int], None], str, StopMatcher], TextSink]
+"""text(emit(request_id, text, tokens), request_id, stops): the row's sink."""
 
 
 def batch_tokens(prompts: Sequence[int], max_tokens: Sequence[int]) -> int:
@@ -107,15 +108,19 @@ class _Row:
                  interval_s: float) -> None:
         self.seq = seq
         p = seq.params
-        self.sampler = Sampler(p.temperature, p.top_p, p.seed, p.repetition_penalty)
+        self.sampler = Sampler.of(p)
         self.stops = StopMatcher(p.stop)
         self.eos_ids = eos_ids
         self.first: float | None = None
+        self.logprobs: list[TokenLogprob] = []
+        """Logprobs of the tokens not yet sent (each piece takes those of its tokens)."""
 
         def timed(request_id: str, piece: str, tokens: int) -> None:
             if self.first is None:
                 self.first = time.monotonic()
-            emit(request_id, piece, tokens)
+            taken = tuple(self.logprobs[:tokens])
+            del self.logprobs[:tokens]
+            emit(request_id, piece, tokens, taken)
 
         self.text = text(timed, seq.request_id, self.stops)
         # Detokenizing costs two detokenizer runs; without stop strings to watch, it is done
@@ -142,6 +147,9 @@ class _Row:
         if token in self.eos_ids and not p.ignore_eos:
             self.reason = FinishReason.STOP
             return None
+        if p.logprobs >= 0:
+            adjusted = self.sampler.adjusted
+            self.logprobs.append(token_logprob(logits if adjusted is None else adjusted, token, p.logprobs))
         self.produced += 1
         self.held.append(token)
         self.context.append(token)

@@ -68,14 +68,31 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
         config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)
     else:
         config.do_sample = False
+    if params.logprobs >= 0:
+        config.logprobs = 1  # the library's: the chosen token's only (alternatives: worker.needs_logits)
+    if params.guide is not None:
+        guide = ov_genai.StructuredOutputConfig()
+        setattr(guide, params.guide.kind, params.guide.spec)
+        config.structured_output_config = guide
     return config
 
 
 def needs_core(params: SamplingParams) -> bool:
-    """Whether only the core serves this request (the start tier's sampler has no seeds,
-    frequency or presence penalties, top-k or min-p: such a request waits for the core)."""
-    return (params.seed is not None or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-            or params.top_k > 0 or params.min_p > 0.0)
+    """Whether only the core serves this request: the start tier has no grammar (structured
+    output), and a seed names one sample of the core's sampler; penalties, top-k and min-p
+    are the library's sampler's (the start tier's copies serve only requests that need the
+    logits). Such a request waits for the core."""
+    if needs_logits(params):
+        return False
+    return (params.guide is not None or params.seed is not None or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0 or params.top_k > 0 or params.min_p > 0.0)
+
+
+def needs_logits(params: SamplingParams) -> bool:
+    """Whether only the stateful tier serves this request: logit_bias and top_logprobs need
+    the logits, which the pipeline does not expose (vLLM reads both from the logits too).
+    The gateway refuses them together with a grammar."""
+    return bool(params.logit_bias) or params.logprobs > 0
 
 
 def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
@@ -111,7 +128,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
 class TextSink:
     """Where one request's new tokens go (detokenized with the others': `streams.CoreStreams`)."""
 
-    def write(self, tokens: Sequence[int]) -> None: ...
+    def write(self, tokens: Sequence[int], logprobs: Sequence[float] = ()) -> None: ...
 
     def end(self) -> None: ...
 
@@ -211,7 +228,8 @@ class EngineCore:
                         if out.first_token_at is None:
                             out.first_token_at = now
                         out.completion_tokens += len(tokens)
-                        live.sink.write(tokens)
+                        logprobs = list(result.generated_log_probs) if live.params.logprobs >= 0 else []
+                        live.sink.write(tokens, logprobs)
                     finish = _FINISH.get(result.finish_reason.name, finish)
             status = live.handle.get_status().name
             if live.aborted and status != "RUNNING":

@@ -323,7 +323,7 @@ class Batcher:
         """`wrap`: what every iteration's infer request is seen through (the node's gate)."""
         tokenizer = self.loaded.tokenizer
 
-        def text(row_emit: RowEmit, request_id: str, stops: StopMatcher) -> TextStream:
+        def text(row_emit: Callable[[str, str, int], None], request_id: str, stops: StopMatcher) -> TextStream:
             return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
 
         request_for = self._request_for if wrap is None else (lambda rows: wrap(self._request_for(rows)))

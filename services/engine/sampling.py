@@ -1,40 +1,89 @@
-"""Choosing the next token from logits: greedy, or temperature + nucleus (top-p) sampling.
+"""Choosing the next token from logits on the stateful tier: penalties, logit_bias, then
+greedy or temperature + top-k + nucleus (top-p) + min-p sampling; and the logprobs that a
+request asked for, read from the same logits.
 
-Pure and seeded, so that the same seed gives the same sample (OpenAI's `seed`).
+The continuous-batching core samples with the library's own sampler; this one serves the
+start tier and the requests that need the logits (`core.needs_logits`: logit_bias and
+top_logprobs, which the pipeline does not expose). Pure and seeded, so that the same seed
+gives the same sample (OpenAI's `seed`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
+
+from shared.messages import SamplingParams, TokenLogprob
 
 
 class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: int | None,
-                 repetition_penalty: float = 1.0) -> None:
+                 repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, top_k: int = 0, min_p: float = 0.0,
+                 logit_bias: Sequence[tuple[int, float]] = ()) -> None:
         self.temperature = temperature
         self.top_p = top_p
         self.rng = np.random.default_rng(seed)
         self.repetition_penalty = repetition_penalty
+        self.frequency_penalty = frequency_penalty
+        self.presence_penalty = presence_penalty
+        self.top_k = top_k
+        self.min_p = min_p
+        self.bias_ids = np.asarray([t for t, _ in logit_bias], dtype=np.int64)
+        self.bias = np.asarray([b for _, b in logit_bias], dtype=np.float32)
+        self.adjusted: npt.NDArray[np.float32] | None = None
+        """The last pick's logits after penalties and bias (what its logprobs are read from)."""
+        self.generated: Counter[int] = Counter()
+        """Tokens this sampler picked (what frequency and presence penalties count, as
+        OpenAI and OpenVINO GenAI count them: the completion's, not the prompt's)."""
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> Sampler:
+        return cls(p.temperature, p.top_p, p.seed, p.repetition_penalty, p.frequency_penalty,
+                   p.presence_penalty, p.top_k, p.min_p, p.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def pick(self, logits: npt.NDArray[np.float32], context: list[int] | None = None) -> int:
+    def _adjusted(self, logits: npt.NDArray[np.float32], context: list[int] | None) -> npt.NDArray[np.float32]:
+        logits = logits.copy()
         if self.repetition_penalty != 1.0 and context:
             # CTRL's penalty, as OpenVINO GenAI and HF apply it: every token already in the
             # context is made less likely (its logit divided if positive, multiplied if not).
             seen = np.unique(np.asarray(context, dtype=np.int64))
-            logits = logits.copy()
             picked = logits[seen]
             logits[seen] = np.where(picked > 0, picked / self.repetition_penalty, picked * self.repetition_penalty)
+        if self.generated and (self.frequency_penalty or self.presence_penalty):
+            ids = np.fromiter(self.generated.keys(), dtype=np.int64)
+            counts = np.fromiter(self.generated.values(), dtype=np.float32)
+            logits[ids] -= self.frequency_penalty * counts + self.presence_penalty
+        if self.bias_ids.size:
+            logits[self.bias_ids] += self.bias
+        return logits
+
+    def pick(self, logits: npt.NDArray[np.float32], context: list[int] | None = None) -> int:
+        self.adjusted = self._adjusted(logits, context)
+        token = self._pick(self.adjusted)
+        self.generated[token] += 1
+        return token
+
+    def _pick(self, logits: npt.NDArray[np.float32]) -> int:
         if self.greedy:
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / self.temperature
+        if 0 < self.top_k < z.size:
+            kth = np.partition(z, -self.top_k)[-self.top_k]
+            z[z < kth] = -np.inf
         z -= z.max()
         p = np.exp(z)
         p /= p.sum()
+        if self.min_p > 0.0:
+            p[p < self.min_p * p.max()] = 0.0
+            p /= p.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p)
             cumulative = np.cumsum(p[order])
@@ -43,3 +92,19 @@ class Sampler:
             q = p[keep] / p[keep].sum()
             return int(keep[self.rng.choice(len(keep), p=q)])
         return int(self.rng.choice(len(p), p=p))
+
+
+def token_logprob(logits: npt.NDArray[np.float32], token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability and the `top` most likely tokens', from the logits it was
+    chosen from: after penalties and logit_bias, before temperature (vLLM's
+    `processed_logprobs`), so that under greedy decoding the most likely token is the one
+    chosen, and a banned token shows as unlikely as it was made."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    log_norm = np.log(np.exp(z).sum())
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = np.argpartition(-z, top - 1)[:top]
+        ids = ids[np.argsort(-z[ids], kind="stable")]
+        alternatives = tuple((int(i), float(z[i] - log_norm)) for i in ids)
+    return TokenLogprob(token=token, logprob=float(z[token] - log_norm), top=alternatives)

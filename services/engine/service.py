@@ -902,7 +902,8 @@ class EngineService:
                     await self._kv_progress(inst, req.request_id, generated)
                     await self.bus.publish(
                         req.stream_subject,
-                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens),
+                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens,
+                                   logprobs=out.logprobs),
                     )
                 elif isinstance(out, Done):
                     if received >= inst.warm_since and not out.beside_build:

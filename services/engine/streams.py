@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.instance import IncrementalDetokenizer
+from shared.messages import TokenLogprob
 
 DecodeMany = Callable[[Sequence[Sequence[int]]], list[str]]
 
@@ -38,6 +39,8 @@ class Chunk:
     request_id: str
     text: str
     tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token, when the request asked for them."""
 
 
 @dataclass
@@ -46,6 +49,8 @@ class _Stream:
     interval_s: float
     pending: int = 0
     """Tokens written since the last piece."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Those tokens' logprobs, when the request asked for them."""
     last: float | None = None
     """When its last piece went out (None before the first: that one goes at once)."""
     ended: bool = False
@@ -62,8 +67,8 @@ class _Sink:
         self._streams = streams
         self._id = request_id
 
-    def write(self, tokens: Sequence[int]) -> None:
-        self._streams.write(self._id, tokens)
+    def write(self, tokens: Sequence[int], logprobs: Sequence[float] = ()) -> None:
+        self._streams.write(self._id, tokens, logprobs)
 
     def end(self) -> None:
         self._streams.end(self._id)
@@ -80,10 +85,11 @@ class CoreStreams:
         self._streams[request_id] = _Stream(IncrementalDetokenizer(_undecoded), interval_s)
         return _Sink(self, request_id)
 
-    def write(self, request_id: str, tokens: Sequence[int]) -> None:
+    def write(self, request_id: str, tokens: Sequence[int], logprobs: Sequence[float] = ()) -> None:
         stream = self._streams[request_id]
         stream.detok.extend(tokens)
         stream.pending += len(tokens)
+        stream.logprobs += [TokenLogprob(token=int(t), logprob=float(lp)) for t, lp in zip(tokens, logprobs)]
 
     def end(self, request_id: str) -> None:
         self._streams[request_id].ended = True
@@ -108,8 +114,9 @@ class CoreStreams:
         for i, (rid, s) in enumerate(due):
             text = s.detok.settle(texts[2 * i], texts[2 * i + 1], final=s.ended)
             if text or (s.ended and s.pending):
-                pieces.append(Chunk(rid, text, s.pending))
+                pieces.append(Chunk(rid, text, s.pending, tuple(s.logprobs)))
                 s.pending = 0
+                s.logprobs.clear()
                 s.last = now
             if s.ended:
                 del self._streams[rid]

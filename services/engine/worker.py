@@ -37,9 +37,9 @@ import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
 from services.engine.step_gate import StepGate
-from services.engine.core import needs_core
+from services.engine.core import needs_core, needs_logits
 from services.engine.streams import Chunk, CoreStreams
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
     from services.engine.core import EngineCore
@@ -339,6 +339,8 @@ class _Loop:
         self.for_core: list[Run] = []
         """Requests that wait for the core while it builds (`core.needs_core`)."""
         self.build_failed = False
+        self.load: Load | None = None
+        """What loaded the stateful tier (loaded again from it for requests that need logits)."""
         self.in_core: dict[str, tuple[Run, float]] = {}
         """Requests on the core: each with `waited` when it was added."""
         self.queue: deque[Run] = deque()
@@ -400,9 +402,11 @@ class _Loop:
 
             self.engine = EngineCore(build.pipeline, self.detokenizer.eos_token_id)
             self.streams = CoreStreams(self.detokenizer.decode_many)
+            stay = [run for run in self.queue if needs_logits(run.params)]
             for run in [*self.for_core, *self.queue]:
-                self._add_to_core(run)
-            self.queue.clear()
+                if not needs_logits(run.params):
+                    self._add_to_core(run)
+            self.queue = deque(stay)
             self.for_core.clear()
         else:  # no core: what waited for it runs on the stateful tier after all (for good:
             # a build that failed once fails again, a core-second or more each time)
@@ -479,17 +483,23 @@ class _Loop:
     def _handle(self, cmd: object) -> None:
         try:
             if isinstance(cmd, Run):
-                if self.engine is not None:
+                if needs_logits(cmd.params):
+                    # logit_bias, top_logprobs: read from the logits, which only the stateful
+                    # tier has (loaded again if the core had let it go).
+                    self._stateful()
+                    self.queue.append(cmd)
+                elif self.engine is not None:
                     self._add_to_core(cmd)
-                elif needs_core(cmd.params) and self.build_failed and cmd.params.seed is None:
-                    # Only a seed has a meaning on the start tier; the rest would be ignored.
-                    self.conn.send(Failure(cmd.request_id, "this instance cannot apply frequency or presence "
-                                           "penalties, top_k or min_p: its continuous-batching core failed "
-                                           "to build"))
+                elif cmd.params.guide is not None and self.build_failed:
+                    # A grammar would be ignored on the start tier: say so, never ignore it.
+                    self.conn.send(Failure(cmd.request_id, "this instance cannot enforce structured output: "
+                                           "its continuous-batching core failed to build"))
+                elif needs_core(cmd.params) and self.build_failed:
+                    self.queue.append(cmd)  # the start tier's sampler has seeds, penalties, top-k, min-p
                 elif needs_core(cmd.params) and self.artifact is not None and not self.build_failed:
-                    # A seed names one sample of the core's sampler, and the start tier has no
-                    # penalties, top-k or min-p: the request waits for the core (built now if
-                    # it is not yet) rather than run without what it asked for.
+                    # The start tier has no grammar, and a seed names one sample of the core's
+                    # sampler: the request waits for the core (built now if it is not yet)
+                    # rather than run without what it asked for.
                     self.for_core.append(cmd)
                     self._start_build()
                 else:
@@ -512,6 +522,7 @@ class _Loop:
                 loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir,
                                           cmd.tier)
                 self.batcher = Batcher(loaded)
+                self.load = cmd
                 self.artifact = cmd.artifact
                 self.detokenizer = loaded.tokenizer
                 self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
@@ -520,6 +531,15 @@ class _Loop:
                     _trim_heap()
         except Exception as e:  # the engine turns this into an error for the request
             self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
+
+    def _stateful(self) -> None:
+        """The stateful tier, loaded again from its compiled blob if the core had let it go."""
+        if self.batcher is None and self.load is not None:
+            from services.engine.instance import Batcher, LoadedModel
+
+            cmd = self.load
+            self.batcher = Batcher(LoadedModel.load(self.core, cmd.artifact, self.device, self.threads,
+                                                    cmd.cache_dir, cmd.tier, self.detokenizer))
 
     def _cancel(self, request_id: str) -> None:
         if self.engine is not None and self.engine.abort(request_id):
@@ -594,11 +614,11 @@ class _Loop:
         self._start(runs, len(runs), max(len(r.prompt_ids) for r in runs))
         conn = self.conn
 
-        def emit(request_id: str, text: str, tokens: int) -> None:
+        def emit(request_id: str, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> None:
             if self.emitted.get(request_id) == 0:
                 self.waits[request_id].append(self.waited)
             self.emitted[request_id] = self.emitted.get(request_id, 0) + tokens
-            conn.send(Chunk(request_id, text, tokens))
+            conn.send(Chunk(request_id, text, tokens, logprobs))
 
         try:
             results = self.batcher.generate(

@@ -4,26 +4,52 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shared.messages import Finished, FinishReason
+from shared.messages import Finished, FinishReason, TokenLogprob
 
 
 def finish_reason(event: Finished) -> str:
     return "length" if event.finish_reason == FinishReason.LENGTH else "stop"
 
 
-def usage(event: Finished) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
 def sse(data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
+
+
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str]) -> dict[str, Any]:
+    """Chat's `logprobs`: each token with its alternatives (`texts`: each id's text)."""
+    return {"content": [{**_entry(texts[e.token], e.logprob),
+                         "top_logprobs": [_entry(texts[t], lp) for t, lp in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int) -> dict[str, Any]:
+    """Completions' `logprobs` (the legacy shape); `offset`: where the first token's text starts."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(texts[e.token])
+    return {
+        "tokens": [texts[e.token] for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{texts[t]: lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 class Shape:
@@ -38,34 +64,36 @@ class Shape:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, event: Finished) -> dict[str, Any]:
+    def choice(self, index: int, text: str | None, finish: str, logprobs: dict[str, Any] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason(event),
-            }
-            body = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(event)}
-            body = self._base("text_completion")
-        return {**body, "choices": [choice], "usage": usage(event)}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def full(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._base("chat.completion" if self.chat else "text_completion")
+        return {**body, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, index: int = 0,
+              logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One SSE chunk of choice `index`: its text (chat: or the given `delta`)."""
         if self.chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if delta is None:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
         return {
             **self._base("text_completion"),
-            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}],
         }
 
-    def usage_chunk(self, event: Finished) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(event)}
+        return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

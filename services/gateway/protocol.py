@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.gateway.tools import Tool, check_tool_choice
+
 
 def _unicode(v: str) -> str:
     # JSON may escape a lone surrogate ("\ud800") that no UTF-8 encoder takes: refuse it here,
@@ -66,22 +68,16 @@ def _off(value: Any) -> bool:
 
 _UNSUPPORTED: dict[str, Any] = {
     # name -> the values that ask for nothing (accepted as no-ops)
-    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
-    "tools": _off,
-    "tool_choice": lambda v: _off(v) or v == "none",
     "functions": _off,
     "function_call": lambda v: _off(v) or v == "none",
-    "logprobs": lambda v: _off(v) or v == 0,
-    "top_logprobs": lambda v: _off(v) or v == 0,
-    "logit_bias": _off,
-    "best_of": lambda v: _off(v) or v == 1,
     "suffix": _off,
-    "structured_outputs": _off,
-    "guided_json": _off,
-    "guided_regex": _off,
-    "guided_choice": _off,
-    "guided_grammar": _off,
 }
+
+MAX_CHOICES = 16
+"""Most choices one request may ask for (n, best_of, times its prompts): each is a request of
+its own on the engine."""
+MAX_TOP_LOGPROBS = 20
+"""vLLM's and OpenAI's limit on alternatives per token."""
 
 
 class _Sampling(_Lenient):
@@ -92,7 +88,17 @@ class _Sampling(_Lenient):
     # What numpy's generator and the msgpack codec take; a negative seed is mapped into it.
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: Text | list[Text] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    """Generate this many, return the `n` with the highest log-probability (not streamed)."""
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's structured output (checked and turned into a grammar by `guides.py`).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -125,12 +131,35 @@ class _Sampling(_Lenient):
             raise ValueError("at most 4 stop sequences are allowed")
         return v
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("n must be 1: Tessera returns one choice per request")
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (from /tokenize), not {key!r}")
         return v
+
+    @model_validator(mode="after")
+    def _choices(self) -> _Sampling:
+        if self.best_of is not None and self.best_of < self.choices():
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.choices()})")
+        if self.stream and self.best_of is not None and self.best_of > self.choices():
+            raise ValueError("best_of cannot be streamed: the best choices are known only at the end")
+        return self
+
+    def choices(self) -> int:
+        return self.n or 1
+
+    def candidates(self) -> int:
+        """Generations per prompt (best_of of them, else n)."""
+        return max(self.best_of or 1, self.choices())
+
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b != 0.0)
+
+    def guided(self) -> dict[str, Any]:
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -141,6 +170,22 @@ class _Sampling(_Lenient):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        check_tool_choice(self.tools, self.tool_choice)
+        return self
+
+    def logprob_count(self) -> int:
+        """-1: none; else the alternatives per token (0: the chosen token's logprob alone)."""
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
     @model_validator(mode="after")
     def _prefer_new_limit(self) -> ChatCompletionRequest:
@@ -150,18 +195,26 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | list[Text]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
     echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """Completions' logprobs: the chosen token's and this many alternatives."""
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
-            raise ValueError("exactly one prompt per request is supported")
-        return v
+    @model_validator(mode="after")
+    def _few_choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.candidates() > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x {self.candidates()} generations each is more "
+                             f"than {MAX_CHOICES} generations in one request")
+        return self
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self.prompts()[0]
+
+    def logprob_count(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
 
 class TokenizeRequest(_Lenient):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import aclosing
+from collections.abc import Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,8 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.admin import Admin
-from services.gateway.auth import ApiError, Auth, Grant, Principal, Quotas, check_model
-from services.gateway.openai_format import Shape, finish_reason, sse
+from services.gateway.auth import ApiError, Auth, Principal, Quotas, check_model
+from services.gateway import choices
+from services.gateway.openai_format import Shape
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,11 +38,11 @@ from services.gateway.protocol import (
     UnsupportedParameter,
 )
 from services.gateway.ratelimit import retry_after_header
-from services.gateway.serving import REJECTED, Gateway, Generation
+from services.gateway.responses import responses_router
+from services.gateway.serving import REJECTED, Gateway
 from services.gateway.ui import ui_router
 from shared.errors import OPENAI_TYPE, TesseraError
 from shared.health import Readiness, health_routes
-from shared.messages import Finished
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         check_model(who, req.model)
         return await gateway.detokenize(req)
 
+    app.include_router(responses_router(gateway, quotas))
     app.include_router(_admin_routes(admin))
     app.include_router(ui_router(admin, _admin_caller))
     return app
@@ -270,62 +271,18 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
 async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
                     req: ChatCompletionRequest | CompletionRequest, chat: bool) -> JSONResponse | StreamingResponse:
     check_model(who, req.model)
-    prepared = await gateway.prepare(req)
-    grant = await quotas.admit(who, prepared.prompt_tokens, prepared.params.max_tokens)
-    try:
-        gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
-    except BaseException:
-        await quotas.settle(grant, 0)
-        raise
-    shape = Shape(chat, gen.request_id, prepared.record.name)
-    # `echo` (completions): the prompt comes back ahead of the completion, as OpenAI and vLLM do.
-    echo = prepared.prompt if isinstance(req, CompletionRequest) and req.echo else ""
+    legs = choices.legs_of(req, await gateway.prepare_all(req))
+    await choices.open_legs(gateway, quotas, who, legs)
+    first = legs[0].gen
+    assert first is not None
+    shape = Shape(chat, first.request_id, legs[0].prepared.record.name)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(gen, shape, include_usage, quotas, grant, echo),
+            choices.stream(gateway, req, shape, legs, quotas),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    produced = 0
     try:
-        parts: list[str] = []
-        async with aclosing(gen.events()) as events:
-            async for event in events:
-                if isinstance(event, Finished):
-                    produced = event.completion_tokens
-                    return JSONResponse(shape.full(echo + "".join(parts), event))
-                parts.append(event.text)
-                produced += event.tokens
+        return JSONResponse(await choices.answer(gateway, req, shape, legs))
     finally:
-        await gen.close()
-        await quotas.settle(grant, produced)
-    raise AssertionError("stream ended without Finished")
-
-
-async def _stream(gen: Generation, shape: Shape, include_usage: bool, quotas: Quotas,
-                  grant: Grant, echo: str = "") -> AsyncIterator[str]:
-    produced = 0  # what the tokens-per-minute count keeps when the stream ends early
-    try:
-        if shape.chat:
-            yield sse(shape.chunk("", role=True))
-        if echo:
-            yield sse(shape.chunk(echo))
-        async with aclosing(gen.events()) as events:
-            async for event in events:
-                if isinstance(event, Finished):
-                    produced = event.completion_tokens
-                    yield sse(shape.chunk(None if shape.chat else "", finish_reason(event)))
-                    if include_usage:
-                        yield sse(shape.usage_chunk(event))
-                else:
-                    produced += event.tokens
-                    if event.text:
-                        yield sse(shape.chunk(event.text))
-    except TesseraError as e:
-        # Headers are gone already: the error travels as an SSE event the openai client raises.
-        yield sse(e.body())
-    finally:
-        await gen.close()
-        await quotas.settle(grant, produced)
-    yield sse("[DONE]")
+        await choices.close_legs(quotas, legs)

@@ -31,7 +31,10 @@ from services.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from services.gateway import guides
 from services.gateway.settings import GatewaySettings
+from services.gateway.tools import ToolPlan
+from services.gateway.tools import plan as tool_plan
 from services.gateway.tokenizers import Tokenizers
 from shared import subjects
 from shared.bus import Bus, decode
@@ -43,6 +46,7 @@ from shared.messages import (
     Finished,
     Generate,
     GenerateAccepted,
+    Guide,
     ModelRecord,
     NodeStatus,
     Placement,
@@ -94,6 +98,8 @@ class Prepared:
     prompt: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    tools: ToolPlan | None = None
+    """How a chat request's tools were shown to the model, and how to read its calls back."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -363,10 +369,10 @@ class Gateway:
         return record
 
     async def _render(self, tok: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """Messages through the model's chat template ("developer" is "system" to it)."""
+        """Messages through the model's chat template ("developer" is "system" to it; past tool
+        calls and results as `tools.render` writes them)."""
         try:
-            history = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                       for m in messages]
+            history = tool_plan([_message(m) for m in messages], None, None).messages
         except ValueError as e:
             raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
         return await self.tokenizers.render_chat(tok, history, add_generation_prompt)
@@ -391,13 +397,62 @@ class Gateway:
         return DetokenizeResponse(prompt=await self.tokenizers.decode(tok, req.tokens))
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
+        """The request's (first) prompt, ready to send."""
+        return (await self.prepare_all(req))[0]
+
+    async def prepare_all(self, req: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:
+        """One `Prepared` per prompt (completions take a list), each to run `candidates()` times."""
         record = await self.model(req.model)
         tok = await self.tokenizers.get(record.artifact)
+        plan: ToolPlan | None = None
         if isinstance(req, ChatCompletionRequest):
-            prompt = await self._render(tok, req.messages)
+            try:
+                plan = tool_plan([_message(m) for m in req.messages], req.tools, req.tool_choice,
+                                 req.parallel_tool_calls)
+            except ValueError as e:
+                raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
+            prompts = [await self.tokenizers.render_chat(tok, plan.messages)]
             param = "messages"
         else:
-            prompt, param = req.prompt_text(), "prompt"
+            prompts, param = req.prompts(), "prompt"
+        guide = self._guide(req, plan)
+        logit_bias = req.logit_biases()
+        if logit_bias:
+            vocab = await self.tokenizers.vocab_size(tok)
+            bad = [t for t, _ in logit_bias if t >= vocab]
+            if bad:
+                raise TesseraError(ErrorCode.INVALID_REQUEST, f"token id {bad[0]} is outside the vocabulary "
+                                   f"of `{req.model}` ({vocab} tokens)", param="logit_bias")
+        logprobs = req.logprob_count()
+        if guide is not None and (logit_bias or logprobs > 0):
+            # Both need the logits, which only the stateful tier has, and it has no grammar.
+            both = "logit_bias" if logit_bias else ("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
+            raise TesseraError(ErrorCode.INVALID_REQUEST, f"`{both}` cannot be combined with structured output "
+                               "(response_format, structured_outputs, or tools that must be called)", param=both)
+        if req.best_of is not None and req.best_of > req.choices() and logprobs < 0:
+            logprobs = 0  # best_of ranks candidates by their log-probability
+        return [await self._prepare_one(req, record, tok, prompt, param, guide, logit_bias, logprobs, plan)
+                for prompt in prompts]
+
+    @staticmethod
+    def _guide(req: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None) -> Guide | None:
+        try:
+            asked = [g for g in (guides.response_format(req.response_format),
+                                 guides.structured_outputs(req.structured_outputs, req.guided())) if g is not None]
+            if plan is not None and plan.json_schema is not None:
+                asked.append(guides.json_schema(plan.json_schema, "tools"))
+        except guides.GuideError as e:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param=e.param) from None
+        if len(asked) > 1:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, "ask for one structured output: response_format, "
+                               "structured_outputs or a tool_choice that must call, not several",
+                               param="response_format")
+        return asked[0] if asked else None
+
+    async def _prepare_one(self, req: ChatCompletionRequest | CompletionRequest, record: ModelRecord,
+                           tok: Any, prompt: str, param: str, guide: Guide | None,
+                           logit_bias: tuple[tuple[int, float], ...], logprobs: int,
+                           plan: ToolPlan | None) -> Prepared:
         ids = await self.tokenizers.encode(tok, prompt)
         n = len(ids)
         if n == 0:
@@ -426,8 +481,11 @@ class Gateway:
             presence_penalty=req.presence_penalty or 0.0,
             top_k=max(req.top_k or 0, 0),
             min_p=req.min_p or 0.0,
+            guide=guide,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
         )
-        return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params)
+        return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params, tools=plan)
 
     async def open(self, prepared: Prepared) -> Generation:
         gen = Generation(self, prepared)
@@ -437,3 +495,13 @@ class Gateway:
             await gen.close()
             raise
         return gen
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as `tools.plan` takes it: role, text, and a past turn's calls or call id."""
+    extra = m.model_extra or {}
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if extra.get(key) is not None:
+            out[key] = extra[key]
+    return out

@@ -27,6 +27,7 @@ class Tokenizers:
     def __init__(self) -> None:
         self._loaded: dict[str, ov_genai.Tokenizer] = {}
         self._vocab: dict[int, int] = {}
+        self._texts: dict[int, dict[int, str]] = {}
         self._lock = asyncio.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizers")
 
@@ -53,6 +54,16 @@ class Tokenizers:
     async def decode(self, tok: ov_genai.Tokenizer, ids: Sequence[int]) -> str:
         return await self._run(_decode, tok, ids)
 
+    async def token_texts(self, tok: ov_genai.Tokenizer, ids: Sequence[int]) -> dict[int, str]:
+        """Each id's own text, as logprobs show it (vLLM's: the token decoded alone; a piece of a
+        character shows as U+FFFD). Remembered per tokenizer: a crowd asks for the same ids."""
+        known = self._texts.setdefault(id(tok), {})
+        missing = sorted({i for i in ids if i not in known})
+        if missing:
+            for i, text in zip(missing, await self._run(_decode_each, tok, missing)):
+                known[i] = text
+        return {i: known[i] for i in ids}
+
     async def vocab_size(self, tok: ov_genai.Tokenizer) -> int:
         key = id(tok)
         if key not in self._vocab:
@@ -72,3 +83,7 @@ def _encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
 
 def _decode(tok: ov_genai.Tokenizer, ids: Sequence[int]) -> str:
     return str(tok.decode(list(ids)))
+
+
+def _decode_each(tok: ov_genai.Tokenizer, ids: Sequence[int]) -> list[str]:
+    return [str(t) for t in tok.decode([[i] for i in ids], skip_special_tokens=False)]

@@ -32,10 +32,11 @@ async def test_missing_field_names_the_field(http: httpx.AsyncClient) -> None:
     assert r.json()["error"]["param"] == "messages"
 
 
-async def test_more_than_one_prompt_is_400(http: httpx.AsyncClient) -> None:
-    r = await http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
-    assert r.status_code == 400
-    assert "one prompt" in r.json()["error"]["message"]
+async def test_an_empty_or_too_long_list_of_prompts_is_400(http: httpx.AsyncClient) -> None:
+    for prompts in ([], ["a"] * 17, ["a", "b", "c"]):
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": prompts, "n": 6})
+        assert r.status_code == 400
+        assert "prompt" in r.json()["error"]["message"] or r.json()["error"]["param"] is None
 
 
 async def test_too_many_stop_sequences_is_400(http: httpx.AsyncClient) -> None:

@@ -121,3 +121,18 @@ def test_a_crowd_shares_a_chunk_rate_and_each_stream_waits_longer() -> None:
     sink.write([2])
     now[0] = 0.26  # alone, its own interval holds
     assert lone.flush() == [Chunk("a", "lo", 1)]
+
+
+def test_a_piece_carries_the_logprobs_of_its_tokens() -> None:
+    now = [0.0]
+    streams, _ = make(now)
+    sink = streams.open("r", 0.1)
+    sink.write([1, 2], [-0.5, -0.25])
+    first = streams.flush()
+    sink.write([3], [-1.0])
+    now[0] += 1.0
+    sink.end()
+    rest = streams.flush()
+    got = [(e.token, e.logprob) for c in first + rest for e in c.logprobs]
+    assert got == [(1, -0.5), (2, -0.25), (3, -1.0)]
+    assert sum(c.tokens for c in first + rest) == 3

@@ -31,3 +31,36 @@ def test_sampling_follows_the_distribution() -> None:
     p = np.exp(LOGITS - LOGITS.max())
     p /= p.sum()
     assert abs(picks.count(1) / 2000 - p[1]) < 0.05
+
+
+def test_logit_bias_bans_and_forces_tokens() -> None:
+    assert Sampler(0.0, 1.0, None, logit_bias=[(1, -100.0)]).pick(LOGITS) == 2
+    assert Sampler(0.0, 1.0, None, logit_bias=[(3, 100.0)]).pick(LOGITS) == 3
+    sampled = Sampler(1.0, 1.0, 9, logit_bias=[(1, -100.0), (2, -100.0)])
+    assert all(sampled.pick(LOGITS) not in (1, 2) for _ in range(200))
+
+
+def test_frequency_and_presence_penalties_count_the_completions_tokens() -> None:
+    s = Sampler(0.0, 1.0, None, frequency_penalty=0.2)
+    assert [s.pick(LOGITS) for _ in range(2)] == [1, 2]  # 3.0 - 0.2 < 2.9 once 1 was picked
+    p = Sampler(0.0, 1.0, None, presence_penalty=3.0)
+    assert [p.pick(LOGITS) for _ in range(3)] == [1, 2, 4]
+
+
+def test_top_k_and_min_p_keep_only_the_likely_tokens() -> None:
+    k = Sampler(1.0, 1.0, 3, top_k=2)
+    assert {k.pick(LOGITS) for _ in range(300)} == {1, 2}
+    m = Sampler(1.0, 1.0, 3, min_p=0.5)  # p(2)/p(1) = e^-0.1 > 0.5; the rest far below
+    assert {m.pick(LOGITS) for _ in range(300)} == {1, 2}
+
+
+def test_token_logprob_is_the_log_softmax_and_its_top_is_sorted() -> None:
+    from services.engine.sampling import token_logprob
+
+    e = token_logprob(LOGITS, 2, top=3)
+    z = LOGITS.astype(np.float64)
+    log_p = z - np.log(np.exp(z).sum())
+    assert e.token == 2 and abs(e.logprob - log_p[2]) < 1e-9
+    assert [t for t, _ in e.top] == [1, 2, 4]
+    assert all(abs(lp - log_p[t]) < 1e-9 for t, lp in e.top)
+    assert token_logprob(LOGITS, 1, top=0).top == ()

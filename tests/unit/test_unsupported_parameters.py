@@ -10,15 +10,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("name, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
-    ("logprobs", True),
-    ("top_logprobs", 3),
-    ("logit_bias", {"42": -100}),
-    ("best_of", 2),
-    ("structured_outputs", {"json": {}}),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("suffix", "the end"),
 ])
 def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -> None:
     with pytest.raises(ValidationError) as e:
@@ -29,7 +23,7 @@ def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -
 @pytest.mark.parametrize("name, value", [
     ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logprobs", False),
     ("logprobs", None), ("logit_bias", {}), ("best_of", 1), ("parallel_tool_calls", True),
-    ("some_future_field", 1),
+    ("some_future_field", 1), ("functions", []), ("function_call", "none"), ("suffix", None),
 ])
 def test_off_values_and_unknown_names_are_accepted(name: str, value: object) -> None:
     ChatCompletionRequest(**CHAT, **{name: value})
@@ -40,3 +34,28 @@ def test_penalties_are_range_checked() -> None:
     for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"top_k": -2}, {"min_p": 1.5}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest(**CHAT, **bad)
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"best_of": 2, "n": 3}, "best_of"),
+    ({"best_of": 3, "stream": True}, "stream"), ({"logit_bias": {"the": 5}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"top_logprobs": 3}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "g"),
+])
+def test_choices_bias_logprobs_and_tools_are_checked(bad: dict[str, object], param: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(**CHAT, **bad)
+    assert param in str(e.value)
+
+
+def test_a_list_of_prompts_times_its_choices_is_bounded() -> None:
+    from services.gateway.protocol import MAX_CHOICES, CompletionRequest
+
+    ok = CompletionRequest(model="m", prompt=["a", "b"], n=2)
+    assert ok.prompts() == ["a", "b"] and ok.candidates() == 2
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt=["a"] * MAX_CHOICES, n=2)
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt=[])

@@ -1,0 +1,412 @@
+"""OpenAI's Responses API (`POST /v1/responses`): text and message input, streamed or not.
+
+A Responses request is translated into a chat completion request and served the way
+/v1/chat/completions is (`gateway.prepare/open`, quotas, cancellation on disconnect), so the
+two answer alike: the same rendering of the same messages, the same admission and errors.
+Tessera stores nothing: what needs a stored response or conversation, tools, reasoning or
+background runs is refused by name (400 `unsupported_parameter`), never silently ignored."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
+from services.gateway.openai_format import sse
+from services.gateway.protocol import ChatCompletionRequest, Text, UnsupportedParameter, _Lenient
+from services.gateway.serving import Gateway, Generation, Prepared
+from shared.errors import TesseraError
+from shared.messages import Finished, FinishReason
+
+
+class Refused(UnsupportedParameter):
+    """An unsupported parameter, with why in the message (the 400 names it in `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(param)
+        self.args = (message,)
+
+
+def _unserved(param: str, why: str) -> Refused:
+    return Refused(param, f"`{param}` is not supported by Tessera: {why}")
+
+
+_NO_STORE = "it stores no responses or conversations: send the whole conversation in `input`"
+_NO_TOOLS = "it does not call tools yet"
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+# Responses parameters Tessera cannot serve: name -> (the values that ask for nothing, why).
+_UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "previous_response_id": (_off, _NO_STORE),
+    "conversation": (_off, _NO_STORE),
+    "tools": (_off, _NO_TOOLS),
+    "tool_choice": (lambda v: _off(v) or v in ("auto", "none"), _NO_TOOLS),
+    "reasoning": (lambda v: _off(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
+                  "the models it serves take no reasoning settings"),
+    "background": (_off, "it answers in the foreground only (stream the answer instead)"),
+    "include": (_off, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
+    "prompt": (_off, "it keeps no prompt templates"),
+    "truncation": (lambda v: _off(v) or v == "disabled",
+                   "it drops no input to fit the context (a prompt over it is refused)"),
+    "top_logprobs": (lambda v: _off(v) or v == 0, "logprobs are not returned yet"),
+}
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _utf8(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} must be valid Unicode text (a lone surrogate is not)") from None
+
+
+def _check_input(value: Any) -> None:
+    """Each input item checked where it is, so that a 400 says which one is wrong and why (a
+    plain union validation would report the string alternative's complaint first)."""
+    if isinstance(value, str):
+        _utf8(value, "input")
+        return
+    if not isinstance(value, list):
+        raise ValueError("input must be a string or a list of messages")
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be a message: an object with a `role` and `content`")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise Refused(where, f"{where}: input items of type {kind!r} are not supported by Tessera "
+                          "(it takes messages with text content)")
+        if item.get("role") not in _ROLES:
+            raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}")
+        content = item.get("content")
+        if isinstance(content, str):
+            _utf8(content, f"{where}.content")
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}.content must be a string or a list of content parts")
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise ValueError(f"{at} must be a content part: an object with a `type`")
+            if kind not in _TEXT_PARTS:
+                raise Refused(at, f"{at}: content of type {kind!r} is not supported by Tessera "
+                              f"(it takes text: {', '.join(_TEXT_PARTS)})")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{at}.text must be a string")
+            _utf8(part["text"], f"{at}.text")
+
+
+class InputText(_Lenient):
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class InputMessage(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormat(_Lenient):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> TextFormat:
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise _unserved("text.format", f"a format of type {self.type!r} is not served (text, "
+                            "json_object and json_schema are)")
+        if self.type == "json_schema" and (not self.name or self.schema_ is None):
+            raise ValueError("a json_schema format needs a `name` and a `schema`")
+        return self
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat request's `response_format` asking for the same."""
+        if self.type == "json_schema":
+            spec = {"name": self.name, "description": self.description, "schema": self.schema_,
+                    "strict": self.strict}
+            return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+        return {"type": "json_object"} if self.type == "json_object" else None
+
+
+class TextConfig(_Lenient):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _medium(cls, v: str | None) -> str | None:
+        if v not in (None, "medium"):
+            raise _unserved("text.verbosity", "the output's length follows the model and max_output_tokens")
+        return v
+
+
+class ResponsesRequest(_Lenient):
+    """The parameters used; the unserved are refused by name (`_UNSERVED`), other unknown names
+    go on to the chat request (vLLM's sampling extensions: `ignore_eos`, `seed`, `top_k`...),
+    which refuses what it does not serve and ignores what it does not know."""
+
+    model: str = Field(min_length=1)
+    input: Text | list[InputMessage]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    """Accepted (OpenAI's default is true), but nothing is stored."""
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        _check_input(v)
+        return v
+
+    @model_validator(mode="after")
+    def _nothing_silently_ignored(self) -> ResponsesRequest:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSERVED and not _UNSERVED[name][0](value):
+                raise _unserved(name, _UNSERVED[name][1])
+        return self
+
+    def messages(self) -> list[dict[str, str]]:
+        said = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else [
+            {"role": m.role, "content": m.text()} for m in self.input]
+        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + said
+
+    def format(self) -> dict[str, Any]:
+        f = self.text.format if self.text is not None else None
+        return {"type": "text"} if f is None else f.model_dump(by_alias=True, exclude_none=True)
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat completion request this one is served as (400 naming the Responses parameter
+        when it cannot be)."""
+        messages = self.messages()
+        if not messages:
+            raise ApiError(400, "input is empty: give a string or at least one message", "invalid_request",
+                           param="input")
+        passed = {k: v for k, v in (self.model_extra or {}).items() if k not in _UNSERVED}
+        body: dict[str, Any] = {**passed, "model": self.model, "messages": messages}
+        for name in ("temperature", "top_p", "user"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        f = self.text.format if self.text is not None else None
+        if f is not None and f.response_format() is not None:
+            body["response_format"] = f.response_format()
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise _as_responses_error(e) from None
+
+
+_RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _as_responses_error(e: ValidationError) -> ApiError:
+    """A chat request's validation error, named by what the client sent to /v1/responses."""
+    first = e.errors()[0] if e.errors() else {}
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedParameter):
+        param = _RENAMED.get(cause.param, cause.param)
+        return ApiError(400, str(cause).replace(f"`{cause.param}`", f"`{param}`"), "unsupported_parameter",
+                        param=param)
+    loc = [str(p) for p in first.get("loc", ())]
+    param = ".".join([_RENAMED.get(loc[0], loc[0]), *loc[1:]]) if loc else None
+    msg = first.get("msg", "invalid request")
+    return ApiError(400, f"{param}: {msg}" if param else msg, "invalid_request", param=param)
+
+
+class Answer:
+    """One response's fixed parts (ids, the request's settings echoed) and its body at each
+    stage, as OpenAI shapes it."""
+
+    def __init__(self, req: ResponsesRequest, prepared: Prepared, request_id: str) -> None:
+        self.req = req
+        self.id = "resp_" + request_id
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.created_at = int(time.time())
+        self.model = prepared.record.name
+        # The values used, the model's defaults included (OpenAI echoes its own defaults).
+        self.temperature = prepared.params.temperature
+        self.top_p = prepared.params.top_p
+
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def item(self, text: str | None, status: str) -> dict[str, Any]:
+        """The answer's message; `text` None: not started (no content part yet)."""
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
+                "content": [] if text is None else [self.part(text)]}
+
+    def body(self, status: str, text: str | None = None, finished: Finished | None = None,
+             error: TesseraError | None = None) -> dict[str, Any]:
+        cut = finished is not None and finished.finish_reason == FinishReason.LENGTH
+        output = [] if text is None else [self.item(text, "incomplete" if cut or error else "completed")]
+        usage = None if finished is None else {
+            "input_tokens": finished.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": finished.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        }
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": status,
+            "background": False,
+            "error": None if error is None else {
+                "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
+                "message": error.message,
+            },
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
+            "store": False,  # whatever was asked: nothing is kept
+            "temperature": self.temperature,
+            "text": {"format": req.format(), "verbosity": "medium"},
+            "tool_choice": "none" if (req.model_extra or {}).get("tool_choice") == "none" else "auto",
+            "tools": [],
+            "top_p": self.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+        }
+
+    def final(self, text: str, finished: Finished) -> dict[str, Any]:
+        status = "incomplete" if finished.finish_reason == FinishReason.LENGTH else "completed"
+        return self.body(status, text, finished)
+
+
+def responses_router(gateway: Gateway, quotas: Quotas) -> APIRouter:
+    # routes imports this module: what is taken from it is taken once both are loaded.
+    from services.gateway.routes import _caller, _unless_disconnected
+
+    router = APIRouter()
+
+    @router.post("/v1/responses", response_model=None)
+    async def create_response(req: ResponsesRequest, request: Request,
+                              who: Principal = Depends(_caller)) -> Response:
+        return await _unless_disconnected(request, _respond(gateway, quotas, who, req))
+
+    return router
+
+
+async def _respond(gateway: Gateway, quotas: Quotas, who: Principal,
+                   req: ResponsesRequest) -> JSONResponse | StreamingResponse:
+    """`routes._complete`, with a Responses body: the same admission, quota and closing."""
+    chat = req.chat()
+    check_model(who, chat.model)
+    try:
+        prepared = await gateway.prepare(chat)
+    except TesseraError as e:
+        if e.param == "messages":
+            e.param = "input"
+        raise
+    grant = await quotas.admit(who, prepared.prompt_tokens, prepared.params.max_tokens)
+    try:
+        gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
+    except BaseException:
+        await quotas.settle(grant, 0)
+        raise
+    answer = Answer(req, prepared, gen.request_id)
+    if req.stream:
+        return StreamingResponse(
+            stream_events(gen, answer, quotas, grant),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    produced = 0
+    try:
+        parts: list[str] = []
+        async with aclosing(gen.events()) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    produced = event.completion_tokens
+                    return JSONResponse(answer.final("".join(parts), event))
+                parts.append(event.text)
+                produced += event.tokens
+    finally:
+        await gen.close()
+        await quotas.settle(grant, produced)
+    raise AssertionError("stream ended without Finished")
+
+
+async def stream_events(gen: Generation, answer: Answer, quotas: Quotas, grant: Grant) -> AsyncIterator[str]:
+    """OpenAI's streamed events, each `event: <type>` and `data: <json>` with a sequence number;
+    a failure part-way ends with `error` and `response.failed` (no `[DONE]`: the Responses API
+    sends none)."""
+    seq = 0
+
+    def emit(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        data = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\n" + sse(data)
+
+    at = {"item_id": answer.item_id, "output_index": 0, "content_index": 0}
+    produced = 0  # what the tokens-per-minute count keeps when the stream ends early
+    parts: list[str] = []
+    try:
+        yield emit("response.created", response=answer.body("in_progress"))
+        yield emit("response.in_progress", response=answer.body("in_progress"))
+        yield emit("response.output_item.added", output_index=0, item=answer.item(None, "in_progress"))
+        yield emit("response.content_part.added", **at, part=answer.part(""))
+        async with aclosing(gen.events()) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    produced = event.completion_tokens
+                    text = "".join(parts)
+                    body = answer.final(text, event)
+                    yield emit("response.output_text.done", **at, text=text, logprobs=[])
+                    yield emit("response.content_part.done", **at, part=answer.part(text))
+                    yield emit("response.output_item.done", output_index=0, item=body["output"][0])
+                    yield emit(f"response.{body['status']}", response=body)
+                else:
+                    produced += event.tokens
+                    if event.text:
+                        parts.append(event.text)
+                        yield emit("response.output_text.delta", **at, delta=event.text, logprobs=[])
+    except TesseraError as e:
+        # Headers are gone already: the error travels as events, the last one terminal.
+        yield emit("error", code=e.code.value, message=e.message, param=e.param)
+        yield emit("response.failed", response=answer.body("failed", "".join(parts), error=e))
+    finally:
+        await gen.close()
+        await quotas.settle(grant, produced)

@@ -1,0 +1,672 @@
+"""OpenAI function calling (`tools`, `tool_choice`, `parallel_tool_calls`) for models whose chat
+template knows only role and content (SmolLM2's ChatML has no tools support).
+
+The tools are described to the model in the Hermes/Qwen2.5 format, which the template then
+renders as plain text: a system prompt listing the tools as JSON inside `<tools></tools>`,
+past calls as `<tool_call>{json}</tool_call>` in the assistant's content, and tool results as
+a user message of `<tool_response>` blocks. The answer is read back the same way:
+
+- "auto": the model writes prose and/or `<tool_call>` blocks, parsed afterwards (nothing is
+  enforced: a block that does not parse stays in the content as text, never lost);
+- "required" and a named function: the engine enforces a JSON Schema (OpenVINO GenAI's
+  xgrammar-backed structured output), vLLM's way: the array of `{"name", "parameters"}` for
+  "required", the named function's arguments object alone for a named one;
+- "none": the tools are not shown and the text is the answer.
+
+Pure: no I/O, so the gateway calls it inline and tests drive it with strings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Mode = Literal["none", "auto", "required", "named"]
+MakeId = Callable[[], str]
+Parsed = tuple[str | None, list[dict[str, Any]]]
+"""(content, tool_calls): the answer's text and its calls in OpenAI's shape."""
+
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+"""A function's `parameters` when it declares none (OpenAI: a function without arguments)."""
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+
+def new_call_id() -> str:
+    """An id in OpenAI's shape (`call_` and 24 characters)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# -- the schemas the engine is given ----------------------------------------------------------
+
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then",
+               "else", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_BOUNDS = (("minItems", "maxItems"), ("minLength", "maxLength"), ("minProperties", "maxProperties"))
+_UNSUPPORTED_ESCAPES = frozenset("123456789bBpP")
+"""Back-references, word boundaries and Unicode classes: xgrammar's regex converter refuses them
+(as it does lookaround, named groups and inline flags: `(?` other than `(?:`)."""
+
+
+def schema_problem(schema: Any, at: str = "parameters") -> str | None:
+    """What xgrammar would refuse in a schema the engine is to enforce, or None.
+
+    A schema the engine's grammar compiler refuses fails inside `ContinuousBatchingPipeline.step`
+    and leaves the pipeline unusable for every request in it (measured with OpenVINO GenAI
+    2026.4: each later step raises "cannot be called when we are already in scheduling
+    phase"), so such a schema must be a 400 before it gets there. This checks what was
+    measured to be refused (an unknown `type`, a `$ref` that does not resolve, `items` as a
+    list, an empty `enum` or `anyOf`, a non-integer or contradictory `minItems`/`maxItems`, a
+    `pattern` with lookaround or `\\b`, ...), not all of JSON Schema; keywords xgrammar
+    ignores (`not`, `multipleOf`, `uniqueItems`, `if`) pass, unenforced."""
+    if not isinstance(schema, dict):
+        return f"{at} must be a JSON Schema object"
+    return next(_problems(schema, schema, at), None)
+
+
+def _problems(node: Any, root: dict[str, Any], at: str) -> Iterator[str]:
+    if isinstance(node, bool):  # true / false: anything / nothing
+        return
+    if not isinstance(node, dict):
+        yield f"{at} must be a JSON Schema (an object or a boolean)"
+        return
+    yield from _node_problems(node, root, at)
+    for key in _SCHEMA_MAPS:
+        if key in node:
+            if not isinstance(node[key], dict):
+                yield f"{at}.{key} must be an object"
+                continue
+            for name, sub in node[key].items():
+                yield from _problems(sub, root, f"{at}.{key}.{name}")
+    for key in _SCHEMA_ONE:
+        if key in node:
+            if key == "items" and isinstance(node[key], list):
+                yield f"{at}.items must be a schema, not a list (use prefixItems)"
+                continue
+            yield from _problems(node[key], root, f"{at}.{key}")
+    for key in _SCHEMA_LISTS:
+        if key in node:
+            if not isinstance(node[key], list) or not node[key]:
+                yield f"{at}.{key} must be a non-empty array"
+                continue
+            for i, sub in enumerate(node[key]):
+                yield from _problems(sub, root, f"{at}.{key}[{i}]")
+
+
+def _node_problems(node: dict[str, Any], root: dict[str, Any], at: str) -> Iterator[str]:
+    """The keywords of one schema node itself (its subschemas are `_problems`'s)."""
+    if "type" in node:
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        if not types or not all(isinstance(t, str) and t in JSON_TYPES for t in types):
+            yield (f"{at}.type must be one of {sorted(JSON_TYPES)} or a list of them, "
+                   f"got {node['type']!r}")
+    ref = node.get("$ref")
+    if ref is not None and not isinstance(ref, str):
+        yield f"{at}.$ref must be a string"
+    elif _is_local_ref(ref) and not _resolves(root, ref):
+        yield f"{at}.$ref {ref!r} does not point to a schema in parameters (e.g. '#/$defs/Name')"
+    if "required" in node and not (isinstance(node["required"], list)
+                                   and all(isinstance(r, str) for r in node["required"])):
+        yield f"{at}.required must be an array of property names"
+    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
+        yield f"{at}.enum must be a non-empty array"
+    for low, high in _BOUNDS:
+        for key in (low, high):
+            if key in node and not (type(node[key]) is int and node[key] >= 0):
+                yield f"{at}.{key} must be a non-negative integer"
+        if type(node.get(low)) is int and type(node.get(high)) is int and node[low] > node[high]:
+            yield f"{at}.{low} is greater than {high}"
+    if "pattern" in node:
+        yield from _pattern_problems(node["pattern"], at)
+
+
+def _pattern_problems(pattern: Any, at: str) -> Iterator[str]:
+    if not isinstance(pattern, str):
+        yield f"{at}.pattern must be a string"
+        return
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        yield f"{at}.pattern is not a regular expression: {e}"
+        return
+    if _unsupported_regex(pattern):
+        yield (f"{at}.pattern uses what cannot be enforced (lookaround, a named group, an inline "
+               "flag, a back-reference, \\b or \\p{...})")
+
+
+def _unsupported_regex(pattern: str) -> bool:
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            if pattern[i + 1:i + 2] in _UNSUPPORTED_ESCAPES:
+                return True
+            i += 2
+            continue
+        if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
+            return True
+        i += 1
+    return False
+
+
+def _resolves(root: dict[str, Any], ref: str) -> bool:
+    """Whether a local `$ref` names a schema, walked as xgrammar walks it: through objects only
+    (no array index such as `anyOf/0`) and without `~0`/`~1` or %-escapes."""
+    if ref == "#":
+        return True
+    if not ref.startswith("#/"):
+        return False
+    node: Any = root
+    for part in ref[2:].split("/"):
+        if "~" in part or "%" in part or not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, (dict, bool))
+
+
+def _nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object in `schema`, itself included (not the values of `enum`, `const`...)."""
+    if not isinstance(schema, dict):
+        return
+    yield schema
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                yield from _nodes(sub)
+    for key in _SCHEMA_ONE:
+        yield from _nodes(schema.get(key))
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                yield from _nodes(sub)
+
+
+def _is_local_ref(ref: Any) -> bool:
+    return isinstance(ref, str) and ref.startswith("#")
+
+
+def _moved_refs(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A copy of `schema` whose local `$ref`s point into it where it lies at `prefix` of a larger
+    document ("#/$defs/P" -> prefix + "/$defs/P")."""
+    moved = copy.deepcopy(schema)
+    for node in _nodes(moved):
+        if _is_local_ref(node.get("$ref")):
+            node["$ref"] = prefix + node["$ref"][1:]
+    return moved
+
+
+# -- request types ----------------------------------------------------------------------------
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of the arguments object; None: the function takes no arguments."""
+    strict: bool | None = None
+    """Accepted; arguments are enforced for "required" and a named choice either way, and in
+    "auto" not at all."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # OpenAI's rule too. The rest of the schema is checked only where the engine is to
+        # enforce it (`check_tool_choice`): in "auto" nothing reads it but the model.
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON Schema of type 'object', "
+                             f"got type {v['type']!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _unicode(self) -> FunctionDef:
+        # Its JSON goes into the prompt: a lone surrogate would fail in the tokenizer later.
+        try:
+            json.dumps(self.shown(), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text "
+                             "(a lone surrogate \\ud800-\\udfff is not)") from None
+        return self
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """What the arguments must be: `parameters`, an object whether or not it says so."""
+        if self.parameters is None:
+            return dict(NO_ARGUMENTS)
+        return {"type": "object", **self.parameters}
+
+    def shown(self) -> dict[str, Any]:
+        """The function as the model is told about it."""
+        shown: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            shown["description"] = self.description
+        shown["parameters"] = self.parameters if self.parameters is not None else NO_ARGUMENTS
+        return shown
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+_CHOICE_SHAPE = ("tool_choice must be 'none', 'auto', 'required' or "
+                 '{"type": "function", "function": {"name": "<a function in tools>"}}')
+
+
+def check_tool_choice(tools: Sequence[Tool] | None, tool_choice: Any) -> tuple[Mode, str | None]:
+    """The mode a request asks for, and the function's name for a named choice; ValueError (a
+    400) when it cannot be served: a bad shape, a function not in `tools`, or a schema to
+    enforce that the engine would refuse (`schema_problem`). No choice means OpenAI's default:
+    "auto" with tools, "none" without; "auto" without tools is "none" too."""
+    mode, name = _choice(tools, tool_choice)
+    for i, tool in enumerate(tools or ()):
+        if mode == "required" or (mode == "named" and tool.function.name == name):
+            at = f"tools[{i}].function.parameters"
+            problem = schema_problem(tool.function.arguments_schema(), at)
+            if problem:
+                asked = "'required'" if mode == "required" else f"naming {name!r}"
+                raise ValueError(f"{problem}: the engine cannot enforce it, as tool_choice {asked} "
+                                 "would have it")
+    return mode, name
+
+
+def _choice(tools: Sequence[Tool] | None, tool_choice: Any) -> tuple[Mode, str | None]:
+    if isinstance(tool_choice, BaseModel):
+        tool_choice = tool_choice.model_dump()
+    names = [t.function.name for t in tools or ()]
+    if tool_choice is None:
+        return ("auto" if names else "none"), None
+    if tool_choice in ("none", "auto"):
+        return ("auto" if names and tool_choice == "auto" else "none"), None
+    if tool_choice == "required":
+        if not names:
+            raise ValueError("tool_choice 'required' needs at least one function in `tools`")
+        return "required", None
+    name = _named(tool_choice)
+    if name is None:
+        raise ValueError(_CHOICE_SHAPE)
+    if name not in names:
+        known = ", ".join(names) if names else "none: `tools` is empty"
+        raise ValueError(f"tool_choice names function {name!r}, which is not in `tools` "
+                         f"(declared: {known})")
+    return "named", name
+
+
+def _named(choice: Any) -> str | None:
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+# -- the plan: prompt and schema --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolPlan:
+    messages: list[dict[str, str]]
+    """The history as role/content only, tools and calls rendered into the text."""
+    mode: Mode
+    function: str | None = None
+    """The named function ("named" only)."""
+    json_schema: str | None = None
+    """What the engine enforces ("required" and "named"), as the text of a JSON Schema."""
+    names: frozenset[str] = field(default_factory=frozenset)
+    """The declared functions: a call of any other stays text."""
+    parallel: bool = True
+
+
+def plan(messages: list[dict[str, Any]], tools: Sequence[Tool] | None, tool_choice: Any,
+         parallel_tool_calls: bool = True) -> ToolPlan:
+    mode, function = check_tool_choice(tools, tool_choice)
+    tools = list(tools or ())
+    prompt = system_prompt(tools, mode, function, parallel_tool_calls) if mode != "none" else None
+    schema: dict[str, Any] | None = None
+    if mode == "named":
+        schema = next(t.function for t in tools if t.function.name == function).arguments_schema()
+    elif mode == "required":
+        schema = required_schema(tools, parallel_tool_calls)
+    return ToolPlan(
+        messages=render(messages, prompt),
+        mode=mode,
+        function=function,
+        json_schema=json.dumps(schema, ensure_ascii=False) if schema is not None else None,
+        names=frozenset(t.function.name for t in tools),
+        parallel=parallel_tool_calls,
+    )
+
+
+def required_schema(tools: Sequence[Tool], parallel: bool = True) -> dict[str, Any]:
+    """vLLM's schema for "required": a non-empty array of `{"name", "parameters"}`, one branch
+    per function. A function whose schema has local `$ref`s also gets a copy under the root's
+    `$defs` for them to point into: xgrammar resolves a reference through objects only, so
+    "#/$defs/P" cannot stay relative to a schema nested in `anyOf`'s array."""
+    branches, defs = [], {}
+    for i, tool in enumerate(tools):
+        params = tool.function.arguments_schema()
+        if any(_is_local_ref(node.get("$ref")) for node in _nodes(params)):
+            defs[f"tool_{i}"] = params = _moved_refs(params, f"#/$defs/tool_{i}")
+        branches.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                           "parameters": params},
+            "required": ["name", "parameters"],
+        })
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+_ANSWER = {
+    "auto": ("For each function call, return a json object with function name and arguments within "
+             f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
+             '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE),
+    "required": ("Answer with a JSON array of the function calls to make, each a json object with "
+                 "function name and parameters:\n"
+                 '[{"name": <function-name>, "parameters": <args-json-object>}]'),
+    "named": ("Answer with the arguments of the function `{function}` as a JSON object: "
+              "<args-json-object>"),
+}
+
+
+def system_prompt(tools: Sequence[Tool], mode: Mode, function: str | None, parallel: bool) -> str:
+    """Qwen2.5's tools prompt (Hermes' format), its answer format told per mode: "required" and a
+    named choice are held to JSON by the engine, and a model told the same shape follows it
+    with arguments that make sense."""
+    if mode == "named":
+        ask = f"You must call the function `{function}`."
+    elif mode == "required":
+        ask = f"You must call {'at least' if parallel else 'exactly'} one function."
+    else:
+        ask = ("You may call one or more functions to assist with the user query." if parallel
+               else "You may call at most one function to assist with the user query.")
+    listed = "\n".join(json.dumps({"type": "function", "function": t.function.shown()},
+                                  ensure_ascii=False) for t in tools)
+    answer = _ANSWER[mode].replace("{function}", function or "")
+    return (f"# Tools\n\n{ask}\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n{answer}")
+
+
+def render(messages: Sequence[dict[str, Any]], prompt: str | None = None) -> list[dict[str, str]]:
+    """The history as role/content only, as Qwen2.5's template renders tools: the tools prompt
+    in front of the leading system message (or as one), past calls as `<tool_call>` blocks
+    after the assistant's text, and each run of tool results as one user message."""
+    out: list[dict[str, str]] = []
+    after_tool = False
+    for message in messages:
+        role = "system" if message["role"] == "developer" else message["role"]
+        content = message.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if after_tool:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            after_tool = True
+            continue
+        after_tool = False
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = [_call_block(c) for c in message["tool_calls"]]
+            content = "\n".join([content, *blocks] if content else blocks)
+        out.append({"role": role, "content": content})
+    if prompt is not None:
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{prompt}\n\n{out[0]['content']}" if out[0]["content"] else prompt
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _call_block(call: Any) -> str:
+    """One past call as the model is told to write it (its JSON-text arguments as an object)."""
+    if isinstance(call, BaseModel):
+        call = call.model_dump()
+    function = call.get("function") or {}
+    arguments: Any = function.get("arguments")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass  # not JSON: shown as the string it is
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+# -- reading the answer -----------------------------------------------------------------------
+
+def parse(text: str, plan: ToolPlan, make_id: MakeId = new_call_id) -> Parsed:
+    """The finished text as (content, tool_calls in OpenAI's shape)."""
+    if plan.mode == "none":
+        return text, []
+    if plan.mode == "named":
+        return None, [_call(make_id, plan.function or "", compact_json(text))]
+    if plan.mode == "required":
+        calls = _required_calls(text, plan)
+        if calls is None:
+            return text, []
+        return None, [_call(make_id, name, args) for name, args in calls]
+    return _parse_auto(text, plan, make_id)
+
+
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|\Z)", re.S)
+
+
+def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
+    pieces, calls, end = [], [], 0
+    for block in _BLOCK.finditer(text):
+        pieces.append(text[end:block.start()])
+        end = block.end()
+        call = _block_call(block.group(1), plan)
+        if call is None:
+            pieces.append(block.group(0))
+        elif plan.parallel or not calls:
+            calls.append(_call(make_id, *call))
+    pieces.append(text[end:])
+    content = "".join(pieces).strip()
+    return (content or (None if calls else "")), calls
+
+
+def _block_call(body: str, plan: ToolPlan) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one `<tool_call>` block's text, or None if it is not a call of
+    a declared function with an object of arguments."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    return _item_call(obj, plan, "arguments", "parameters")
+
+
+def _item_call(obj: Any, plan: ToolPlan, *keys: str) -> tuple[str, str] | None:
+    if not isinstance(obj, dict) or obj.get("name") not in plan.names:
+        return None
+    for key in keys:
+        args = obj.get(key)
+        if isinstance(args, str):  # some models write the arguments as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                continue
+        if isinstance(args, dict):
+            return obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+    return None
+
+
+def _required_calls(text: str, plan: ToolPlan) -> list[tuple[str, str]] | None:
+    """The calls of a "required" answer, or None unless all of it is calls (it is then content:
+    cut short by max_tokens, say)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_item_call(item, plan, "parameters", "arguments") for item in items]
+    if any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None][: None if plan.parallel else 1]
+
+
+def _call(make_id: MakeId, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": make_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class _Compactor:
+    """JSON text without the whitespace between its tokens, a piece at a time (the grammar lets
+    the model indent; the client gets what `json.dumps(separators=(",", ":"))` would write)."""
+
+    def __init__(self) -> None:
+        self._in_string = False
+        self._escaped = False
+
+    def __call__(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if self._in_string:
+                out.append(ch)
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch not in " \t\n\r":
+                out.append(ch)
+                self._in_string = ch == '"'
+        return "".join(out)
+
+
+def compact_json(text: str) -> str:
+    return _Compactor()(text)
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+def _opening(index: int, call_id: str, name: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": ""}}]}
+
+
+def _fragment(index: int, arguments: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that `tag` starts with (it may be the tag, cut)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """The deltas of a streamed answer, as chat-completion-chunk `delta` dicts in order. Their
+    concatenation is what `parse` gives for the whole text, however it is split: content as
+    soon as it cannot be the start of a `<tool_call>` (its whitespace at either end held, as
+    `parse` strips it), a call when its block closes, a named call's arguments as they come."""
+
+    def __init__(self, plan: ToolPlan, make_id: MakeId = new_call_id) -> None:
+        self._plan = plan
+        self._make_id = make_id
+        self._buffer = ""
+        """Text not yet decided: a cut `<tool_call>` (auto), a block's text, or all ("required")."""
+        self._in_block = False
+        self._calls = 0
+        self._started = False
+        """Whether content went out (leading whitespace is dropped until it does)."""
+        self._space = ""
+        """Whitespace after the last content sent: sent only if more content follows."""
+        self._compact = _Compactor()
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        mode = self._plan.mode
+        if mode == "none":
+            return [{"content": text}] if text else []
+        if mode == "named":
+            out = self._open_named()
+            arguments = self._compact(text)
+            return out + ([_fragment(0, arguments)] if arguments else [])
+        self._buffer += text
+        return self._auto() if mode == "auto" else []
+
+    def finish(self) -> list[dict[str, Any]]:
+        mode, text, self._buffer = self._plan.mode, self._buffer, ""
+        if mode == "named":
+            return self._open_named()
+        if mode == "required":
+            content, calls = parse(text, self._plan, self._make_id)
+            said = [{"content": content}] if content else []
+            return said + [delta for c in calls for delta in self._emit(c)]
+        if mode == "auto" and (text or self._in_block):
+            return self._decided(text, closed=False) if self._in_block else self._say(text)
+        return []
+
+    def _open_named(self) -> list[dict[str, Any]]:
+        if self._calls:
+            return []
+        self._calls = 1
+        return [_opening(0, self._make_id(), self._plan.function or "")]
+
+    def _auto(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            if self._in_block:
+                end = self._buffer.find(CALL_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE):]
+                out += self._decided(body, closed=True)
+            else:
+                start = self._buffer.find(CALL_OPEN)
+                if start < 0:
+                    cut = len(self._buffer) - _held_prefix(self._buffer, CALL_OPEN)
+                    sure, self._buffer = self._buffer[:cut], self._buffer[cut:]
+                    return out + self._say(sure)
+                out += self._say(self._buffer[:start])
+                self._buffer = self._buffer[start + len(CALL_OPEN):]
+                self._in_block = True
+
+    def _decided(self, body: str, closed: bool) -> list[dict[str, Any]]:
+        """A block's deltas once its end is known: a call, nothing (a second call where only one
+        is allowed), or its text as content."""
+        self._in_block = False
+        call = _block_call(body, self._plan)
+        if call is None:
+            return self._say(CALL_OPEN + body + (CALL_CLOSE if closed else ""))
+        if not self._plan.parallel and self._calls:
+            return []
+        return self._emit(_call(self._make_id, *call))
+
+    def _emit(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        index, self._calls = self._calls, self._calls + 1
+        function = call["function"]
+        return [_opening(index, call["id"], function["name"]),
+                _fragment(index, function["arguments"])]
+
+    def _say(self, text: str) -> list[dict[str, Any]]:
+        """Content, its whitespace at the ends held back as `parse`'s strip() would drop it."""
+        if not self._started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._space += text
+            return []
+        self._started = True
+        out, self._space = self._space + body, text[len(body):]
+        return [{"content": out}]

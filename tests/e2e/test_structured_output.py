@@ -1,0 +1,116 @@
+"""Structured output and tools through the official `openai` client, enforced by the engine's
+grammar on the real 135M model: the JSON validates however small the model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import openai
+import pytest
+from pydantic import BaseModel
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "The time",
+                                          "parameters": {"type": "object", "properties": {}}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates(client: openai.OpenAI, model: str, stream: bool) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0,
+                                       response_format=fmt, stream=stream)  # type: ignore[call-overload]
+    text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+    jsonschema_rs.validate(PERSON, json.loads(text))
+
+
+def test_json_object_output_is_an_object(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=200, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"  # the grammar lets it end only once the object is closed
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.parse(model=model, messages=ASK, max_tokens=60, temperature=0, response_format=Person)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Person) and parsed.name
+
+
+def test_vllm_structured_outputs_regex_and_choice(client: openai.OpenAI, model: str) -> None:
+    r = client.completions.create(model=model, prompt="A phone number:", max_tokens=12, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is the sky green?"}],
+                                       max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "it depends"]}})
+    assert r.choices[0].message.content in ("yes", "no", "it depends")
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400_naming_it(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}})
+    assert e.value.param is not None and e.value.param.startswith("response_format")
+    # ... and the engine serves on: nothing of it reached the pipeline.
+    assert client.chat.completions.create(model=model, messages=ASK, max_tokens=4).choices[0].message.content
+
+
+def _call_of(r: openai.types.chat.ChatCompletion) -> tuple[str, dict[str, object]]:
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0].message
+    return calls[0].function.name, json.loads(calls[0].function.arguments)
+
+
+def test_a_named_tool_call_validates_against_its_parameters_and_takes_a_follow_up(
+        client: openai.OpenAI, model: str) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+                                       tool_choice=choice, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    name, args = _call_of(r)
+    assert name == "get_weather"
+    jsonschema_rs.validate(WEATHER["function"]["parameters"], args)  # type: ignore[index]
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    follow = client.chat.completions.create(model=model, tools=[WEATHER], max_tokens=24, temperature=0, messages=[  # type: ignore[list-item]
+        *WEATHER_ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ])
+    assert follow.choices[0].message.content or follow.choices[0].message.tool_calls
+
+
+def test_a_streamed_named_tool_call_adds_up_to_the_same_call(client: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    name, args = "", ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):  # type: ignore[call-overload]
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name += call.function.name or "" if call.function else ""
+            args += call.function.arguments or "" if call.function else ""
+    assert (name, json.loads(args)) == _call_of(whole)
+
+
+def test_required_gives_a_call_and_none_gives_none(client: openai.OpenAI, model: str) -> None:
+    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
+    name, args = _call_of(r)
+    assert name in ("get_weather", "now") and r.choices[0].finish_reason == "tool_calls"
+    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="none",  # type: ignore[list-item]
+                                       max_tokens=20, temperature=0)
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content

@@ -1,0 +1,68 @@
+"""Structured output specs become grammars the engine can compile, or a 400 naming the
+parameter: a spec its compiler refuses would fail the step of every request beside it."""
+
+import json
+import re
+
+import pytest
+
+from services.gateway import guides
+from services.gateway.guides import GuideError
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_json_schema_response_format_carries_the_schema() -> None:
+    g = guides.response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}})
+    assert g is not None and g.kind == "json_schema" and json.loads(g.spec) == PERSON
+
+
+def test_json_object_is_any_object_and_text_is_nothing() -> None:
+    g = guides.response_format({"type": "json_object"})
+    assert g is not None and json.loads(g.spec) == {"type": "object"}
+    assert guides.response_format({"type": "text"}) is None and guides.response_format(None) is None
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "frobnicate"},
+    {"$ref": "#/nope"},
+    {"$ref": "http://example.com/schema.json"},
+    {"type": "string", "pattern": "(?=a)b"},
+    {"type": "array", "minItems": 3, "maxItems": 1},
+    {"enum": []},
+    "{not json",
+    [1, 2],
+])
+def test_a_schema_the_engine_cannot_compile_is_refused(schema: object) -> None:
+    with pytest.raises(GuideError) as e:
+        guides.response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert e.value.param.startswith("response_format")
+
+
+def test_structured_outputs_kinds() -> None:
+    assert guides.structured_outputs({"regex": r"\d{3}"}, {}).kind == "regex"  # type: ignore[union-attr]
+    assert guides.structured_outputs({"json": PERSON}, {}).kind == "json_schema"  # type: ignore[union-attr]
+    assert guides.structured_outputs(None, {"guided_regex": "[a-z]+"}).kind == "regex"  # type: ignore[union-attr]
+    assert guides.structured_outputs(None, {}) is None
+    with pytest.raises(GuideError, match="not several"):
+        guides.structured_outputs({"regex": "a"}, {"guided_json": PERSON})
+    with pytest.raises(GuideError) as e:
+        guides.structured_outputs({"grammar": 'root ::= "a"'}, {})
+    assert e.value.param == "structured_outputs.grammar"
+
+
+def test_choice_is_a_grammar_of_literals_that_keeps_regex_characters_literal() -> None:
+    g = guides.choice(['say "hi"', "a.b*", "back\\slash"], "structured_outputs.choice")
+    assert g.kind == "grammar"
+    literals = re.findall(r'"((?:[^"\\]|\\.)*)"', g.spec.removeprefix("root ::= "))
+    assert [s.replace('\\"', '"').replace("\\\\", "\\") for s in literals] == ['say "hi"', "a.b*", "back\\slash"]
+    for bad in ([], ["ok", ""], "yes", [1]):
+        with pytest.raises(GuideError):
+            guides.choice(bad, "structured_outputs.choice")
+
+
+@pytest.mark.parametrize("pattern", ["(unclosed", "(?=x)", "(?P<n>a)", r"(a)\1", r"\bword", r"\p{L}", ""])
+def test_a_regex_outside_what_the_engine_converts_is_refused(pattern: str) -> None:
+    with pytest.raises(GuideError):
+        guides.regex(pattern, "structured_outputs.regex")
