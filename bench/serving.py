@@ -742,6 +742,87 @@ def run_systems(systems: list[str], levels: list[int], duration_s: float, home: 
     return res
 
 
+# --- structured output (issue 18): json_schema against plain generation, same run ---------------
+
+STRUCTURED_CLIENTS = 8
+STRUCTURED_MAX_TOKENS = 160
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 80}, "mood": {"type": "string", "enum": ["calm", "busy", "sad", "happy"]},
+                   "lines": {"type": "integer"}},
+    "required": ["title", "mood", "lines"], "additionalProperties": False,
+}
+
+
+async def structured_load(base_url: str, model: str, duration_s: float, schema: dict[str, Any] | None
+                          ) -> dict[str, Any]:
+    """STRUCTURED_CLIENTS clients back to back (non-streamed, greedy, same prompts), with the
+    JSON schema enforced or not: completion tokens per second of the run, and the share of
+    answers that parse and validate against the schema."""
+    import jsonschema_rs
+
+    body_format = {} if schema is None else {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "poem", "schema": schema, "strict": True}}}
+    done: list[tuple[int, bool]] = []
+    errors: Counter[str] = Counter()
+
+    async def client(http: httpx.AsyncClient, index: int, deadline: float) -> None:
+        k = 0
+        while time.perf_counter() < deadline:
+            prompt = PROMPTS[(index + k) % len(PROMPTS)] + " Answer as JSON with a title, a mood and the number of lines."
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                    "max_tokens": STRUCTURED_MAX_TOKENS, **body_format}
+            k += 1
+            r = await http.post("/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                errors[str(r.status_code)] += 1
+                continue
+            answer = r.json()
+            text = answer["choices"][0]["message"]["content"] or ""
+            try:
+                jsonschema_rs.validate(schema or {}, json.loads(text))
+                valid = True
+            except ValueError:
+                valid = False
+            done.append((int(answer["usage"]["completion_tokens"]), valid))
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http, i, t0 + duration_s) for i in range(STRUCTURED_CLIENTS)))
+        wall = time.perf_counter() - t0
+    return {"tok_s": round(sum(n for n, _ in done) / wall, 1), "requests": len(done),
+            "valid_share": round(sum(v for _, v in done) / len(done), 3) if done else None,
+            "errors": dict(errors), "wall_s": round(wall, 2)}
+
+
+def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
+    """Tessera at c=STRUCTURED_CLIENTS: plain, then json_schema, then plain again (the two
+    plain runs bracket the structured one against drift); `plain_tok_s` is their mean."""
+    cluster = LocalCluster(home=home / "home", store=home / "store",
+                           env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV})
+    try:
+        cluster.start(timeout_s=120.0)
+        register(cluster, default_model_path())
+        warm(cluster.base_url, MODEL_NAME, "tessera")
+        deadline = time.monotonic() + 120
+        while not _on_core(cluster) and time.monotonic() < deadline:
+            time.sleep(0.2)  # sync-ok: polling a condition with a deadline
+        runs = [asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, schema))
+                for schema in (None, STRUCTURED_SCHEMA, None)]
+    finally:
+        cluster.stop()
+    plain = (runs[0]["tok_s"] + runs[2]["tok_s"]) / 2
+    out = {"tok_s": runs[1]["tok_s"], "plain_tok_s": round(plain, 1), "valid_share": runs[1]["valid_share"],
+           "ratio": round(runs[1]["tok_s"] / plain, 3) if plain else None, "clients": STRUCTURED_CLIENTS,
+           "max_tokens": STRUCTURED_MAX_TOKENS, "schema": STRUCTURED_SCHEMA,
+           "runs": {"plain_before": runs[0], "structured": runs[1], "plain_after": runs[2]},
+           "targets": {"valid_share": {"value": runs[1]["valid_share"], "target": "== 1.0"},
+                       "ratio": {"value": round(runs[1]["tok_s"] / plain, 3) if plain else None, "target": ">= 0.8"}}}
+    log(f"structured: {out['tok_s']} tok/s against plain {out['plain_tok_s']} ({out['ratio']}x), "
+        f"valid {out['valid_share']}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds each load runs (default 20)")
@@ -749,15 +830,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     ap.add_argument("--only", choices=SYSTEMS, help="run one system (writes serving-only.json)")
     ap.add_argument("--pipeline-driver", help=argparse.SUPPRESS)
+    ap.add_argument("--structured-only", action="store_true",
+                    help="run only the structured-output run; its result replaces `structured` in serving.json")
     args = ap.parse_args(argv)
     if args.pipeline_driver:
         print(json.dumps(pipeline_driver(json.loads(args.pipeline_driver))), flush=True)
+        return 0
+    if args.structured_only:
+        with tempfile.TemporaryDirectory(prefix="tessera-serving-") as home:
+            structured = bench_structured(args.duration, Path(home))
+        path = args.out / "serving.json"
+        res = json.loads(path.read_text()) if path.exists() else {}
+        res["structured"] = {**structured, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                             "duration_s": args.duration}
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(res["structured"], indent=2))
         return 0
     levels = [int(c) for c in args.concurrency.split(",")]
     systems = [args.only] if args.only else list(SYSTEMS)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tessera-serving-") as home:
         res = run_systems(systems, levels, args.duration, Path(home))
+    if "tessera" in systems:
+        with tempfile.TemporaryDirectory(prefix="tessera-serving-") as home:
+            res["structured"] = bench_structured(args.duration, Path(home))
     tessera_mixed = res["mixed"].get("tessera") or {}
     # The issue's two mixed keys at the top are Tessera's; every system's are under its name.
     res["mixed"] = {"short_ttft_p99_s": tessera_mixed.get("short_ttft_p99_s"),
