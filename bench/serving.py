@@ -754,8 +754,8 @@ STRUCTURED_SCHEMA = {
 }
 
 
-async def structured_load(base_url: str, model: str, duration_s: float, schema: dict[str, Any] | None
-                          ) -> dict[str, Any]:
+async def structured_load(base_url: str, model: str, duration_s: float, schema: dict[str, Any] | None,
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """STRUCTURED_CLIENTS clients back to back (non-streamed, greedy, same prompts), with the
     JSON schema enforced or not: completion tokens per second of the run, and the share of
     answers that parse and validate against the schema."""
@@ -771,7 +771,7 @@ async def structured_load(base_url: str, model: str, duration_s: float, schema: 
         while time.perf_counter() < deadline:
             prompt = PROMPTS[(index + k) % len(PROMPTS)] + " Answer as JSON with a title, a mood and the number of lines."
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                    "max_tokens": STRUCTURED_MAX_TOKENS, **body_format}
+                    "max_tokens": STRUCTURED_MAX_TOKENS, **body_format, **(extra or {})}
             k += 1
             r = await http.post("/v1/chat/completions", json=body)
             if r.status_code != 200:
@@ -797,7 +797,8 @@ async def structured_load(base_url: str, model: str, duration_s: float, schema: 
 
 def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
     """Tessera at c=STRUCTURED_CLIENTS: plain, then json_schema, then plain again (the two
-    plain runs bracket the structured one against drift); `plain_tok_s` is their mean."""
+    plain runs bracket the structured one against drift; `plain_tok_s` is their mean), then
+    what logprobs cost: the chosen token's, and with 5 alternatives."""
     cluster = LocalCluster(home=home / "home", store=home / "store",
                            env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV})
     try:
@@ -809,6 +810,11 @@ def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
             time.sleep(0.2)  # sync-ok: polling a condition with a deadline
         runs = [asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, schema))
                 for schema in (None, STRUCTURED_SCHEMA, None)]
+        # What logprobs cost, same load: the chosen token's (the library's, on the core), and
+        # 5 alternatives (read from the logits on the stateful tier).
+        chosen = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, None, {"logprobs": True}))
+        top5 = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, None,
+                                           {"logprobs": True, "top_logprobs": 5}))
     finally:
         cluster.stop()
     plain = (runs[0]["tok_s"] + runs[2]["tok_s"]) / 2
@@ -818,8 +824,13 @@ def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
            "runs": {"plain_before": runs[0], "structured": runs[1], "plain_after": runs[2]},
            "targets": {"valid_share": {"value": runs[1]["valid_share"], "target": "== 1.0"},
                        "ratio": {"value": round(runs[1]["tok_s"] / plain, 3) if plain else None, "target": ">= 0.8"}}}
+    out["logprobs"] = {"chosen_tok_s": chosen["tok_s"], "top5_tok_s": top5["tok_s"], "plain_tok_s": round(plain, 1),
+                       "chosen_ratio": round(chosen["tok_s"] / plain, 3) if plain else None,
+                       "top5_ratio": round(top5["tok_s"] / plain, 3) if plain else None,
+                       "runs": {"chosen": chosen, "top5": top5}}
     log(f"structured: {out['tok_s']} tok/s against plain {out['plain_tok_s']} ({out['ratio']}x), "
-        f"valid {out['valid_share']}")
+        f"valid {out['valid_share']}; logprobs: chosen {out['logprobs']['chosen_ratio']}x, "
+        f"top 5 {out['logprobs']['top5_ratio']}x plain")
     return out
 
 

@@ -41,6 +41,17 @@ class GuideError(ValueError):
         self.param = param
 
 
+def _plain_text(text: str, param: str) -> None:
+    """Text the engine's grammar compiler takes: it reads specs as C strings (a NUL ends one
+    early, and the cut spec fails to compile, for every request beside it), in UTF-8."""
+    if "\x00" in text:
+        raise GuideError(param, "must not contain a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GuideError(param, "must be valid Unicode text (a lone surrogate is not)") from None
+
+
 def regex(pattern: Any, param: str) -> Guide:
     _check_regex(pattern, param)
     return Guide(kind="regex", spec=pattern)
@@ -49,6 +60,7 @@ def regex(pattern: Any, param: str) -> Guide:
 def _check_regex(pattern: Any, param: str) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise GuideError(param, "must be a non-empty regular expression")
+    _plain_text(pattern, param)
     try:
         re.compile(pattern)
     except re.error as e:
@@ -63,6 +75,8 @@ def choice(choices: Any, param: str) -> Guide:
     read as regex syntax)."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise GuideError(param, "must be a non-empty list of non-empty strings")
+    for c in choices:
+        _plain_text(c, param)
     return Guide(kind="grammar", spec="root ::= " + " | ".join(_literal(c) for c in choices))
 
 
@@ -84,6 +98,7 @@ def json_schema(schema: Any, param: str) -> Guide:
             raise GuideError(param, f"$ref {value!r} is not local: only references into the schema itself (#/...) are followed")
         if key == "pattern" and isinstance(value, str):
             _check_regex(value, f"{param} (pattern)")
+    _plain_text(json.dumps(schema, ensure_ascii=False).replace("\\u0000", "\x00"), param)
     problem = schema_problem(schema, param)  # what xgrammar refuses though the meta-schema allows it
     if problem:
         raise GuideError(param, problem)

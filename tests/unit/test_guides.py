@@ -31,6 +31,7 @@ def test_json_object_is_any_object_and_text_is_nothing() -> None:
     {"type": "string", "pattern": "(?=a)b"},
     {"type": "array", "minItems": 3, "maxItems": 1},
     {"enum": []},
+    {"enum": ["a\x00"]},
     "{not json",
     [1, 2],
 ])
@@ -57,12 +58,12 @@ def test_choice_is_a_grammar_of_literals_that_keeps_regex_characters_literal() -
     assert g.kind == "grammar"
     literals = re.findall(r'"((?:[^"\\]|\\.)*)"', g.spec.removeprefix("root ::= "))
     assert [s.replace('\\"', '"').replace("\\\\", "\\") for s in literals] == ['say "hi"', "a.b*", "back\\slash"]
-    for bad in ([], ["ok", ""], "yes", [1]):
+    for bad in ([], ["ok", ""], "yes", [1], ["a\x00b"], ["\ud800"]):
         with pytest.raises(GuideError):
             guides.choice(bad, "structured_outputs.choice")
 
 
-@pytest.mark.parametrize("pattern", ["(unclosed", "(?=x)", "(?P<n>a)", r"(a)\1", r"\bword", r"\p{L}", ""])
+@pytest.mark.parametrize("pattern", ["(unclosed", "(?=x)", "(?P<n>a)", r"(a)\1", r"\bword", r"\p{L}", "", "a\x00b"])
 def test_a_regex_outside_what_the_engine_converts_is_refused(pattern: str) -> None:
     with pytest.raises(GuideError):
         guides.regex(pattern, "structured_outputs.regex")
