@@ -402,11 +402,10 @@ class _Loop:
 
             self.engine = EngineCore(build.pipeline, self.detokenizer.eos_token_id)
             self.streams = CoreStreams(self.detokenizer.decode_many)
-            stay = [run for run in self.queue if needs_logits(run.params)]
             for run in [*self.for_core, *self.queue]:
-                if not needs_logits(run.params):
+                if not needs_logits(run.params):  # those stay on the stateful tier
                     self._add_to_core(run)
-            self.queue = deque(stay)
+            self.queue = deque(run for run in self.queue if needs_logits(run.params))
             self.for_core.clear()
         else:  # no core: what waited for it runs on the stateful tier after all (for good:
             # a build that failed once fails again, a core-second or more each time)

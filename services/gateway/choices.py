@@ -128,7 +128,8 @@ async def answer(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
     prompt_tokens, completion_tokens = _usage(legs)
     chosen = _best(legs, req.choices()) if req.candidates() > req.choices() else legs
     wants_logprobs = req.logprob_count() >= 0
-    texts = await _token_texts(gateway, chosen) if wants_logprobs else {}
+    entries = [e for leg in chosen for e in leg.logprobs]
+    texts = await _token_texts(gateway, legs[0].prepared, entries) if wants_logprobs else {}
     choices = []
     for leg in sorted(chosen, key=lambda g: g.index):
         assert leg.finished is not None
@@ -148,11 +149,12 @@ async def answer(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
     return shape.full(choices, prompt_tokens, completion_tokens)
 
 
-async def _token_texts(gateway: Gateway, legs: Sequence[Leg]) -> dict[int, str]:
-    ids = {i for leg in legs for e in leg.logprobs for i in (e.token, *(t for t, _ in e.top))}
+async def _token_texts(gateway: Gateway, prepared: Prepared, entries: Sequence[TokenLogprob]) -> dict[int, str]:
+    """The text of every token in `entries`, chosen and alternatives."""
+    ids = {i for e in entries for i in (e.token, *(t for t, _ in e.top))}
     if not ids:
         return {}
-    tok = await gateway.tokenizers.get(legs[0].prepared.record.artifact)
+    tok = await gateway.tokenizers.get(prepared.record.artifact)
     return await gateway.tokenizers.token_texts(tok, sorted(ids))
 
 
@@ -210,7 +212,7 @@ async def stream(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
             leg.produced += event.tokens
             logprobs = None
             if wants_logprobs and event.logprobs:
-                texts = await _token_texts(gateway, [_one(leg, event.logprobs)])
+                texts = await _token_texts(gateway, leg.prepared, event.logprobs)
                 if shape.chat:
                     logprobs = chat_logprobs(event.logprobs, texts)
                 else:
@@ -244,7 +246,3 @@ async def _close(tasks: Sequence[asyncio.Future[None]], quotas: Quotas, legs: Se
     await asyncio.gather(*tasks, return_exceptions=True)
     await close_legs(quotas, legs)
 
-
-def _one(leg: Leg, logprobs: Sequence[TokenLogprob]) -> Leg:
-    """A leg holding just these logprobs (to look their texts up)."""
-    return Leg(leg.index, leg.prompt_index, leg.prepared, leg.echo, logprobs=list(logprobs))

@@ -22,15 +22,10 @@ from typing import Any
 
 import jsonschema_rs
 
-from services.gateway.tools import schema_problem
 from shared.messages import Guide
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 """`json_object`: any JSON object (OpenAI's JSON mode)."""
-
-_UNSUPPORTED_REGEX = re.compile(r"\(\?(?!:)|\\[1-9]|\\[bBAZzG]|\\[pP]\{")
-"""Lookaround, named or flagged groups, backreferences, anchors-by-escape and Unicode
-classes: Python's `re` takes them, xgrammar's regex converter does not."""
 
 
 class GuideError(ValueError):
@@ -61,13 +56,9 @@ def _check_regex(pattern: Any, param: str) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise GuideError(param, "must be a non-empty regular expression")
     _plain_text(pattern, param)
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise GuideError(param, f"is not a valid regular expression: {e}") from None
-    if _UNSUPPORTED_REGEX.search(pattern):
-        raise GuideError(param, "uses a regex feature structured output cannot enforce (lookaround, "
-                                "group flags or names, backreferences, \\b/\\A/\\Z anchors, \\p{...})")
+    problem = regex_problem(pattern)
+    if problem:
+        raise GuideError(param, problem)
 
 
 def choice(choices: Any, param: str) -> Guide:
@@ -93,12 +84,11 @@ def json_schema(schema: Any, param: str) -> Guide:
             raise GuideError(param, f"is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise GuideError(param, "must be a JSON Schema object")
-    for key, value in _walk(schema):
-        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
-            raise GuideError(param, f"$ref {value!r} is not local: only references into the schema itself (#/...) are followed")
-        if key == "pattern" and isinstance(value, str):
-            _check_regex(value, f"{param} (pattern)")
     _plain_text(json.dumps(schema, ensure_ascii=False).replace("\\u0000", "\x00"), param)
+    for node in schema_nodes(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not is_local_ref(ref):  # also: the checker below would fetch it
+            raise GuideError(param, f"$ref {ref!r} is not local: only references into the schema itself (#/...) are followed")
     problem = schema_problem(schema, param)  # what xgrammar refuses though the meta-schema allows it
     if problem:
         raise GuideError(param, problem)
@@ -110,14 +100,161 @@ def json_schema(schema: Any, param: str) -> Guide:
     return Guide(kind="json_schema", spec=json.dumps(schema, separators=(",", ":")))
 
 
-def _walk(node: Any) -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield key, value
-            yield from _walk(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _walk(item)
+# -- what xgrammar refuses (measured with OpenVINO GenAI 2026.4) ---------------------------------
+
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_ONE = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then",
+              "else", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_BOUNDS = (("minItems", "maxItems"), ("minLength", "maxLength"), ("minProperties", "maxProperties"))
+_UNSUPPORTED_ESCAPES = frozenset("123456789bBpPAZzG")
+"""Back-references, word boundaries, anchors-by-escape and Unicode classes: xgrammar's regex
+converter refuses them (as it does lookaround, named groups and inline flags: `(?` other than
+`(?:`)."""
+
+
+def schema_problem(schema: Any, at: str = "parameters") -> str | None:
+    """What xgrammar would refuse in a schema the engine is to enforce, or None.
+
+    A schema the engine's grammar compiler refuses fails inside `ContinuousBatchingPipeline.step`
+    and leaves the pipeline unusable for every request in it (measured with OpenVINO GenAI
+    2026.4: each later step raises "cannot be called when we are already in scheduling
+    phase"), so such a schema must be a 400 before it gets there. This checks what was
+    measured to be refused (an unknown `type`, a `$ref` that does not resolve, `items` as a
+    list, an empty `enum` or `anyOf`, a non-integer or contradictory `minItems`/`maxItems`, a
+    `pattern` with lookaround or `\\b`, ...), not all of JSON Schema; keywords xgrammar
+    ignores (`not`, `multipleOf`, `uniqueItems`, `if`) pass, unenforced."""
+    if not isinstance(schema, dict):
+        return f"{at} must be a JSON Schema object"
+    return next(_problems(schema, schema, at), None)
+
+
+def _problems(node: Any, root: dict[str, Any], at: str) -> Iterator[str]:
+    if isinstance(node, bool):  # true / false: anything / nothing
+        return
+    if not isinstance(node, dict):
+        yield f"{at} must be a JSON Schema (an object or a boolean)"
+        return
+    yield from _node_problems(node, root, at)
+    for key in SCHEMA_MAPS:
+        if key in node:
+            if not isinstance(node[key], dict):
+                yield f"{at}.{key} must be an object"
+                continue
+            for name, sub in node[key].items():
+                yield from _problems(sub, root, f"{at}.{key}.{name}")
+    for key in SCHEMA_ONE:
+        if key in node:
+            if key == "items" and isinstance(node[key], list):
+                yield f"{at}.items must be a schema, not a list (use prefixItems)"
+                continue
+            yield from _problems(node[key], root, f"{at}.{key}")
+    for key in SCHEMA_LISTS:
+        if key in node:
+            if not isinstance(node[key], list) or not node[key]:
+                yield f"{at}.{key} must be a non-empty array"
+                continue
+            for i, sub in enumerate(node[key]):
+                yield from _problems(sub, root, f"{at}.{key}[{i}]")
+
+
+def _node_problems(node: dict[str, Any], root: dict[str, Any], at: str) -> Iterator[str]:
+    """The keywords of one schema node itself (its subschemas are `_problems`'s)."""
+    if "type" in node:
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        if not types or not all(isinstance(t, str) and t in JSON_TYPES for t in types):
+            yield (f"{at}.type must be one of {sorted(JSON_TYPES)} or a list of them, "
+                   f"got {node['type']!r}")
+    ref = node.get("$ref")
+    if ref is not None and not isinstance(ref, str):
+        yield f"{at}.$ref must be a string"
+    elif is_local_ref(ref) and not _resolves(root, ref):
+        yield f"{at}.$ref {ref!r} does not point to a schema in parameters (e.g. '#/$defs/Name')"
+    if "required" in node and not (isinstance(node["required"], list)
+                                   and all(isinstance(r, str) for r in node["required"])):
+        yield f"{at}.required must be an array of property names"
+    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
+        yield f"{at}.enum must be a non-empty array"
+    for low, high in _BOUNDS:
+        for key in (low, high):
+            if key in node and not (type(node[key]) is int and node[key] >= 0):
+                yield f"{at}.{key} must be a non-negative integer"
+        if type(node.get(low)) is int and type(node.get(high)) is int and node[low] > node[high]:
+            yield f"{at}.{low} is greater than {high}"
+    if "pattern" in node:
+        yield from _pattern_problems(node["pattern"], at)
+
+
+def _pattern_problems(pattern: Any, at: str) -> Iterator[str]:
+    if not isinstance(pattern, str):
+        yield f"{at}.pattern must be a string"
+        return
+    problem = regex_problem(pattern)
+    if problem:
+        yield f"{at}.pattern {problem}"
+
+
+def regex_problem(pattern: str) -> str | None:
+    """What keeps xgrammar from converting a regex (or Python's `re` from reading it), or None."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return f"is not a valid regular expression: {e}"
+    if _unsupported_regex(pattern):
+        return ("uses what structured output cannot enforce (lookaround, a named group, an inline "
+                "flag, a back-reference, \\b, \\A/\\Z anchors or \\p{...})")
+    return None
+
+
+def _unsupported_regex(pattern: str) -> bool:
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            if pattern[i + 1:i + 2] in _UNSUPPORTED_ESCAPES:
+                return True
+            i += 2
+            continue
+        if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
+            return True
+        i += 1
+    return False
+
+
+def _resolves(root: dict[str, Any], ref: str) -> bool:
+    """Whether a local `$ref` names a schema, walked as xgrammar walks it: through objects only
+    (no array index such as `anyOf/0`) and without `~0`/`~1` or %-escapes."""
+    if ref == "#":
+        return True
+    if not ref.startswith("#/"):
+        return False
+    node: Any = root
+    for part in ref[2:].split("/"):
+        if "~" in part or "%" in part or not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, (dict, bool))
+
+
+def schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object in `schema`, itself included (not the values of `enum`, `const`...)."""
+    if not isinstance(schema, dict):
+        return
+    yield schema
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                yield from schema_nodes(sub)
+    for key in SCHEMA_ONE:
+        yield from schema_nodes(schema.get(key))
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                yield from schema_nodes(sub)
+
+
+def is_local_ref(ref: Any) -> bool:
+    return isinstance(ref, str) and ref.startswith("#")
 
 
 def response_format(value: dict[str, Any] | None) -> Guide | None:

@@ -34,6 +34,7 @@ from services.gateway.protocol import (
 from services.gateway import guides
 from services.gateway.settings import GatewaySettings
 from services.gateway.tools import ToolPlan
+from services.gateway.tools import render as render_tools
 from services.gateway.tools import plan as tool_plan
 from services.gateway.tokenizers import Tokenizers
 from shared import subjects
@@ -372,7 +373,7 @@ class Gateway:
         """Messages through the model's chat template ("developer" is "system" to it; past tool
         calls and results as `tools.render` writes them)."""
         try:
-            history = tool_plan([_message(m) for m in messages], None, None).messages
+            history = render_tools([_message(m) for m in messages])
         except ValueError as e:
             raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
         return await self.tokenizers.render_chat(tok, history, add_generation_prompt)

@@ -22,11 +22,13 @@ import copy
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from services.gateway.guides import is_local_ref, schema_nodes, schema_problem
 
 Mode = Literal["none", "auto", "required", "named"]
 MakeId = Callable[[], str]
@@ -47,159 +49,12 @@ def new_call_id() -> str:
 
 # -- the schemas the engine is given ----------------------------------------------------------
 
-JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then",
-               "else", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_BOUNDS = (("minItems", "maxItems"), ("minLength", "maxLength"), ("minProperties", "maxProperties"))
-_UNSUPPORTED_ESCAPES = frozenset("123456789bBpP")
-"""Back-references, word boundaries and Unicode classes: xgrammar's regex converter refuses them
-(as it does lookaround, named groups and inline flags: `(?` other than `(?:`)."""
-
-
-def schema_problem(schema: Any, at: str = "parameters") -> str | None:
-    """What xgrammar would refuse in a schema the engine is to enforce, or None.
-
-    A schema the engine's grammar compiler refuses fails inside `ContinuousBatchingPipeline.step`
-    and leaves the pipeline unusable for every request in it (measured with OpenVINO GenAI
-    2026.4: each later step raises "cannot be called when we are already in scheduling
-    phase"), so such a schema must be a 400 before it gets there. This checks what was
-    measured to be refused (an unknown `type`, a `$ref` that does not resolve, `items` as a
-    list, an empty `enum` or `anyOf`, a non-integer or contradictory `minItems`/`maxItems`, a
-    `pattern` with lookaround or `\\b`, ...), not all of JSON Schema; keywords xgrammar
-    ignores (`not`, `multipleOf`, `uniqueItems`, `if`) pass, unenforced."""
-    if not isinstance(schema, dict):
-        return f"{at} must be a JSON Schema object"
-    return next(_problems(schema, schema, at), None)
-
-
-def _problems(node: Any, root: dict[str, Any], at: str) -> Iterator[str]:
-    if isinstance(node, bool):  # true / false: anything / nothing
-        return
-    if not isinstance(node, dict):
-        yield f"{at} must be a JSON Schema (an object or a boolean)"
-        return
-    yield from _node_problems(node, root, at)
-    for key in _SCHEMA_MAPS:
-        if key in node:
-            if not isinstance(node[key], dict):
-                yield f"{at}.{key} must be an object"
-                continue
-            for name, sub in node[key].items():
-                yield from _problems(sub, root, f"{at}.{key}.{name}")
-    for key in _SCHEMA_ONE:
-        if key in node:
-            if key == "items" and isinstance(node[key], list):
-                yield f"{at}.items must be a schema, not a list (use prefixItems)"
-                continue
-            yield from _problems(node[key], root, f"{at}.{key}")
-    for key in _SCHEMA_LISTS:
-        if key in node:
-            if not isinstance(node[key], list) or not node[key]:
-                yield f"{at}.{key} must be a non-empty array"
-                continue
-            for i, sub in enumerate(node[key]):
-                yield from _problems(sub, root, f"{at}.{key}[{i}]")
-
-
-def _node_problems(node: dict[str, Any], root: dict[str, Any], at: str) -> Iterator[str]:
-    """The keywords of one schema node itself (its subschemas are `_problems`'s)."""
-    if "type" in node:
-        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-        if not types or not all(isinstance(t, str) and t in JSON_TYPES for t in types):
-            yield (f"{at}.type must be one of {sorted(JSON_TYPES)} or a list of them, "
-                   f"got {node['type']!r}")
-    ref = node.get("$ref")
-    if ref is not None and not isinstance(ref, str):
-        yield f"{at}.$ref must be a string"
-    elif _is_local_ref(ref) and not _resolves(root, ref):
-        yield f"{at}.$ref {ref!r} does not point to a schema in parameters (e.g. '#/$defs/Name')"
-    if "required" in node and not (isinstance(node["required"], list)
-                                   and all(isinstance(r, str) for r in node["required"])):
-        yield f"{at}.required must be an array of property names"
-    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
-        yield f"{at}.enum must be a non-empty array"
-    for low, high in _BOUNDS:
-        for key in (low, high):
-            if key in node and not (type(node[key]) is int and node[key] >= 0):
-                yield f"{at}.{key} must be a non-negative integer"
-        if type(node.get(low)) is int and type(node.get(high)) is int and node[low] > node[high]:
-            yield f"{at}.{low} is greater than {high}"
-    if "pattern" in node:
-        yield from _pattern_problems(node["pattern"], at)
-
-
-def _pattern_problems(pattern: Any, at: str) -> Iterator[str]:
-    if not isinstance(pattern, str):
-        yield f"{at}.pattern must be a string"
-        return
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        yield f"{at}.pattern is not a regular expression: {e}"
-        return
-    if _unsupported_regex(pattern):
-        yield (f"{at}.pattern uses what cannot be enforced (lookaround, a named group, an inline "
-               "flag, a back-reference, \\b or \\p{...})")
-
-
-def _unsupported_regex(pattern: str) -> bool:
-    i = 0
-    while i < len(pattern):
-        if pattern[i] == "\\":
-            if pattern[i + 1:i + 2] in _UNSUPPORTED_ESCAPES:
-                return True
-            i += 2
-            continue
-        if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
-            return True
-        i += 1
-    return False
-
-
-def _resolves(root: dict[str, Any], ref: str) -> bool:
-    """Whether a local `$ref` names a schema, walked as xgrammar walks it: through objects only
-    (no array index such as `anyOf/0`) and without `~0`/`~1` or %-escapes."""
-    if ref == "#":
-        return True
-    if not ref.startswith("#/"):
-        return False
-    node: Any = root
-    for part in ref[2:].split("/"):
-        if "~" in part or "%" in part or not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return isinstance(node, (dict, bool))
-
-
-def _nodes(schema: Any) -> Iterator[dict[str, Any]]:
-    """Every schema object in `schema`, itself included (not the values of `enum`, `const`...)."""
-    if not isinstance(schema, dict):
-        return
-    yield schema
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for sub in schema[key].values():
-                yield from _nodes(sub)
-    for key in _SCHEMA_ONE:
-        yield from _nodes(schema.get(key))
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for sub in schema[key]:
-                yield from _nodes(sub)
-
-
-def _is_local_ref(ref: Any) -> bool:
-    return isinstance(ref, str) and ref.startswith("#")
-
-
 def _moved_refs(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
     """A copy of `schema` whose local `$ref`s point into it where it lies at `prefix` of a larger
     document ("#/$defs/P" -> prefix + "/$defs/P")."""
     moved = copy.deepcopy(schema)
-    for node in _nodes(moved):
-        if _is_local_ref(node.get("$ref")):
+    for node in schema_nodes(moved):
+        if is_local_ref(node.get("$ref")):
             node["$ref"] = prefix + node["$ref"][1:]
     return moved
 
@@ -354,7 +209,7 @@ def required_schema(tools: Sequence[Tool], parallel: bool = True) -> dict[str, A
     branches, defs = [], {}
     for i, tool in enumerate(tools):
         params = tool.function.arguments_schema()
-        if any(_is_local_ref(node.get("$ref")) for node in _nodes(params)):
+        if any(is_local_ref(node.get("$ref")) for node in schema_nodes(params)):
             defs[f"tool_{i}"] = params = _moved_refs(params, f"#/$defs/tool_{i}")
         branches.append({
             "type": "object",
