@@ -9,8 +9,8 @@ fail its own request but the pipeline's whole step, for every request on it (mea
 OpenVINO GenAI 2026.4: the step raises, and the pipeline is unusable after). So only what can
 be checked is let through: JSON Schemas valid against their meta-schema with local `$ref`s
 that resolve (a remote one would also make the checker fetch a URL), regexes in the subset
-xgrammar converts, and choices rendered into a grammar here. A free-form EBNF `grammar` is
-refused by name: nothing here can check it short of the engine's own compiler.
+xgrammar converts, choices rendered into a grammar here, and EBNF grammars that `ebnf.py`
+finds the compiler reads (only reading fails that way: measured, see there).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import jsonschema_rs
 
+from services.gateway import ebnf
 from shared.messages import Guide
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -299,6 +300,15 @@ def structured_outputs(value: dict[str, Any] | None, guided: dict[str, Any]) -> 
         return regex(spec, param[kind])
     if kind == "choice":
         return choice(spec, param[kind])
-    raise GuideError(param[kind], "a free-form grammar is not supported: it cannot be checked before it "
-                                  "reaches the engine, where one that fails to compile fails every request "
-                                  "beside it; use json, regex or choice")
+    return grammar(spec, param[kind])
+
+
+def grammar(text: Any, param: str) -> Guide:
+    """A free-form EBNF grammar in xgrammar's syntax (as vLLM's `grammar` takes it)."""
+    if not isinstance(text, str) or not text.strip():
+        raise GuideError(param, "must be a non-empty EBNF grammar")
+    _plain_text(text, param)
+    problem = ebnf.problem(text)
+    if problem:
+        raise GuideError(param, f"does not read as an EBNF grammar: {problem}")
+    return Guide(kind="grammar", spec=text)

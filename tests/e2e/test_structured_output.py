@@ -62,6 +62,19 @@ def test_vllm_structured_outputs_regex_and_choice(client: openai.OpenAI, model: 
     assert r.choices[0].message.content in ("yes", "no", "it depends")
 
 
+def test_a_free_form_grammar_is_enforced_and_one_that_does_not_read_is_a_400(client: openai.OpenAI, model: str) -> None:
+    gram = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,20} "."'
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is the sea blue?"}],
+                                       max_tokens=30, temperature=0, extra_body={"structured_outputs": {"grammar": gram}})
+    assert re.fullmatch(r"(yes|no) because [a-z ]{3,20}\.", r.choices[0].message.content or "")
+    with pytest.raises(openai.BadRequestError) as e:  # a rule used, never defined: the compiler would not read it
+        client.completions.create(model=model, prompt="x", max_tokens=4,
+                                  extra_body={"guided_grammar": 'root ::= "a" nowhere'})
+    assert e.value.param == "guided_grammar"
+    # ... and the engine serves on: nothing of it reached the pipeline.
+    assert client.completions.create(model=model, prompt="x", max_tokens=4).choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_it(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=8, response_format={

@@ -8,6 +8,7 @@ import pytest
 
 from services.gateway import guides
 from services.gateway.guides import GuideError
+from shared.messages import Guide
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -48,9 +49,10 @@ def test_structured_outputs_kinds() -> None:
     assert guides.structured_outputs(None, {}) is None
     with pytest.raises(GuideError, match="not several"):
         guides.structured_outputs({"regex": "a"}, {"guided_json": PERSON})
+    assert guides.structured_outputs({"grammar": 'root ::= "a"'}, {}) == Guide(kind="grammar", spec='root ::= "a"')
     with pytest.raises(GuideError) as e:
-        guides.structured_outputs({"grammar": 'root ::= "a"'}, {})
-    assert e.value.param == "structured_outputs.grammar"
+        guides.structured_outputs(None, {"guided_grammar": 'root ::= "a" | undefined'})
+    assert e.value.param == "guided_grammar" and "undefined" in str(e.value)
 
 
 def test_choice_is_a_grammar_of_literals_that_keeps_regex_characters_literal() -> None:

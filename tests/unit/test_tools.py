@@ -510,18 +510,6 @@ def _conforms(value: Any, schema: Any, root: Any) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's IR, converted from its GGUF as the loader does (≈ 12 s here)."""
-    from services.loader.convert import convert
-    from shared.localcluster import default_model_path
-
-    gguf = default_model_path()  # installed by `make install`, as every engine test needs it
-    dest = tmp_path_factory.mktemp("tools") / "smol"
-    convert(gguf, dest, "0" * 64, "tools-test")
-    return dest
-
-
 MAX_NEW_TOKENS = 150
 
 
