@@ -21,6 +21,8 @@ WORKDIR /src
 # pyproject.toml is always there.
 COPY pyproject.toml README.md* constraints.txt* ./
 COPY shared ./shared
+COPY policy ./policy
+COPY ops ./ops
 COPY services ./services
 COPY cuda_ext ./cuda_ext
 COPY bench ./bench

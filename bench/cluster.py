@@ -25,7 +25,7 @@ Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance 
 itself and its requests queue on it; no sharing, no scale-out. Tessera: shadow validation on
 measured performance, scale-out to other nodes (sharing them) when the queue would miss the
 TTFT SLO. `--nodes` defaults to 3, the issue's cluster; on a machine with fewer cores each
-node gets an equal CPU quota (`core_shares` in shared/localcluster.py), which the JSON records.
+node gets an equal CPU quota (`core_shares` in ops/localcluster.py), which the JSON records.
 
 Prints one JSON object and writes `<out>/cluster.json` and `<out>/cluster.png`.
 """
@@ -52,7 +52,7 @@ if __package__ in (None, ""):  # `python bench/cluster.py`
 import httpx
 
 from bench.common import machine_info, make_log, percentile
-from shared.localcluster import LocalCluster, core_shares, default_model_path
+from ops.localcluster import LocalCluster, core_shares, default_model_path
 
 log = make_log("cluster")
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -65,7 +65,7 @@ from bench.common import (
     resident_ids,
     stream_chat,
 )
-from shared.localcluster import REPO_ROOT, LocalCluster, default_model_path
+from ops.localcluster import REPO_ROOT, LocalCluster, default_model_path
 
 MODEL_NAME = "bench-smollm2-135m"
 KEEP_ALIVE_S = 1.0

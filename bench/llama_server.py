@@ -35,7 +35,7 @@ from types import TracebackType
 
 import httpx
 
-from shared.localcluster import free_port
+from ops.localcluster import free_port
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 ENV_VAR = "TESSERA_LLAMA_SERVER"

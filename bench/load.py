@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # `python bench/load.py`
 import httpx
 
 from bench.common import machine_info, make_log, percentile
-from shared.localcluster import LocalCluster, default_model_path
+from ops.localcluster import LocalCluster, default_model_path
 
 log = make_log("load")
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -53,7 +53,7 @@ from bench.common import (
     percentile,
     stream_chat,
 )
-from shared.localcluster import REPO_ROOT, LocalCluster, default_model_path
+from ops.localcluster import REPO_ROOT, LocalCluster, default_model_path
 
 A_NAME = "nostall-a"
 B_NAME = "nostall-b"

@@ -55,7 +55,7 @@ import httpx
 
 from bench.common import ChatStream, chat_body, machine_info, make_log, percentile
 from bench.llama_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer
-from shared.localcluster import LocalCluster, default_model_path
+from ops.localcluster import LocalCluster, default_model_path
 
 log = make_log("serving")
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -3,11 +3,11 @@
     .venv/bin/python -m bench.sim [--quick] [--out bench/results]
 
 It replays a seeded bursty multi-model trace (`bench.trace`) on N CPU and M GPU nodes with the
-services' policy code: every Tessera placement is `services.scheduler.policy.place` (shadow
+services' policy code: every Tessera placement is `policy.scheduling.place` (shadow
 validation by `placement.validate`, compute preemption, starts by affinity, the early reject
 that is its admission), over `placement.NodeState` views that the simulator's nodes and
 instances implement; memory is the memory manager's station, KV watermark and tensor pool
-(Tangram's eviction rule, `shared.eviction`), with defrag's choice of idle neighbours to
+(Tangram's eviction rule, `policy.eviction`), with defrag's choice of idle neighbours to
 preempt for memory. What the simulator adds is only what the cluster does: the engines, the
 loads and resizes, the clock. Where the services differ: their engine (OpenVINO on CPU)
 batches as `max_batch` and `join_recompute_tokens` say, which `placement.validate` predicts in
@@ -74,13 +74,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.trace import ModelSpec, Trace, generate
-from services.memory_manager import kv_watermark as kvw
-from services.memory_manager.station import MemOp, OpKind, Station, load, resize_kv, unload
-from services.memory_manager.tensor_pool import Tensor, TensorPool
-from services.scheduler import defrag
-from services.scheduler import policy as sched
-from services.scheduler.perf_model import PerfModel, profile
-from services.scheduler.placement import Demand, Profile
+from policy import defrag
+from policy import kv_watermark as kvw
+from policy import scheduling as sched
+from policy.perf_model import PerfModel, profile
+from policy.placement import Demand, Profile
+from policy.station import MemOp, OpKind, Station, load, resize_kv, unload
+from policy.tensor_pool import Tensor, TensorPool
 from shared.messages import Rejected, Tier
 
 TPOT_SLO = 0.25

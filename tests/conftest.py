@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster
 
 # The suite calls the API as any OpenAI client would, with api_key="unused": clusters run with
 # auth off unless a test asks for it (tests/e2e/test_auth.py). The environment default also

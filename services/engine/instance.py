@@ -22,8 +22,8 @@ import numpy as np
 import openvino as ov
 
 from services.engine.batch import BatchItem, Join, RowEmit, RowResult, generate_batch
-from services.engine.layout import compiled_cache_dir, model_xml
 from services.engine.stops import StopMatcher
+from shared.artifact import compile_config, model_xml
 from shared.messages import Artifact, FinishReason, Tier
 
 
@@ -35,28 +35,6 @@ class Flag(Protocol):
 
 Emit = Callable[[str, int], None]
 """emit(text, tokens): text to send and the tokens decoded since the last call."""
-
-def compile_config(
-    artifact: Artifact, device: str, threads: int, cache_dir: str | None = None, tier: Tier = Tier.STEADY
-) -> dict[str, object]:
-    """`cache_dir`: where the compiled blob is (the loader's host cache); the store's copy
-    when None."""
-    config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device, tier))}
-    if device == "CPU":
-        config["INFERENCE_NUM_THREADS"] = threads
-    return config
-
-
-def first_pass(compiled: ov.CompiledModel) -> None:
-    """One token through a throwaway infer request: the CPU plugin repacks the weights on a
-    model's first forward pass, so after this the next pass runs at full speed."""
-    compiled.create_infer_request().infer({
-        "input_ids": np.ones((1, 1), dtype=np.int64),
-        "attention_mask": np.ones((1, 1), dtype=np.int64),
-        "position_ids": np.zeros((1, 1), dtype=np.int64),
-        "beam_idx": np.zeros(1, dtype=np.int32),
-    })
-
 
 DETOKENIZER_XML = "openvino_detokenizer.xml"
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from services.engine.kv_account import KvAccount
+from policy.defrag import Neighbour, choose_preemption
+from policy.eviction import Resident, choose_evictions, over_budget
+from policy.kv_account import KvAccount
+from policy.kv_watermark import Action, KvPlan, floor_tokens
 from services.engine.core import CORE_MAX_SEQS
-from services.engine.layout import has_tier
 from services.engine.metrics import (
     BATCHED_REQUESTS,
     BOUND_BY_TIER,
@@ -35,8 +37,8 @@ from services.engine.metrics import (
     COLD_WORKERS,
     DECODED_TOKENS,
     GATE_WAIT,
-    INSTANCES,
     INSTANCE_EVICTIONS,
+    INSTANCES,
     KV_ALLOCATED,
     KV_EVICTIONS,
     KV_RESERVED,
@@ -53,8 +55,8 @@ from services.engine.metrics import (
     REIMPORTS,
     REQUESTS,
     RESIDENT_BYTES,
-    TIER_UPS,
     TIER_UP_SECONDS,
+    TIER_UPS,
     TTFT,
     WORKER_RSS_BYTES,
     forget_kv_gauges,
@@ -63,12 +65,10 @@ from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker import Chunk, Done, Loaded, Run, TieredUp
 from services.engine.workers import Cancelled, Worker, WorkerDied, WorkerPool
-from services.memory_manager.kv_watermark import Action, KvPlan, floor_tokens
-from services.scheduler.defrag import Neighbour, choose_preemption
 from shared import subjects
+from shared.artifact import has_tier
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
-from shared.eviction import Resident, choose_evictions, over_budget
 from shared.messages import (
     Artifact,
     Cancel,

@@ -5,7 +5,7 @@ decode side by side and each is slowed by the others however urgent its requests
 gate makes the node run one iteration (a prefill, or one decode step of a batch) at a time
 per `capacity` (the node's cores over the threads an instance uses), and when several
 instances want the next one it goes to the one holding the most urgent request: the least
-headroom, eq. 1 (`services/scheduler/headroom.py`). At a common moment, least headroom is
+headroom, eq. 1 (`policy/headroom.py`). At a common moment, least headroom is
 earliest deadline, ST + TTFT_SLO + TPOT_SLO · O, so a worker posts that deadline and the
 earliest goes first.
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
-from services.engine.step_gate import StepGate
 from services.engine.core import needs_core, needs_logits
+from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk, CoreStreams
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
 

@@ -17,13 +17,18 @@ from typing import Any
 import msgspec
 
 from services.gateway.auth import Grant, Principal, Quotas
-from services.gateway.openai_format import Shape, chat_logprobs, completion_logprobs, finish_reason, sse
+from services.gateway.openai_format import (
+    Shape,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    sse,
+)
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Gateway, Generation, Prepared
 from services.gateway.tools import ToolStream, parse
 from shared.errors import TesseraError
 from shared.messages import ErrorCode, Finished, TokenChunk, TokenLogprob
-
 
 _CLOSING: set[asyncio.Future[None]] = set()
 

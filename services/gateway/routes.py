@@ -20,9 +20,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway import choices
 from services.gateway.admin import Admin
 from services.gateway.auth import ApiError, Auth, Principal, Quotas, check_model
-from services.gateway import choices
 from services.gateway.openai_format import Shape
 from services.gateway.protocol import (
     ChatCompletionRequest,

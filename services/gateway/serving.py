@@ -22,6 +22,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.gateway import guides
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -31,12 +32,11 @@ from services.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from services.gateway import guides
 from services.gateway.settings import GatewaySettings
-from services.gateway.tools import ToolPlan
-from services.gateway.tools import render as render_tools
-from services.gateway.tools import plan as tool_plan
 from services.gateway.tokenizers import Tokenizers
+from services.gateway.tools import ToolPlan
+from services.gateway.tools import plan as tool_plan
+from services.gateway.tools import render as render_tools
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError

@@ -23,12 +23,17 @@ import gguf
 import openvino as ov
 import openvino_genai as ov_genai
 
-from services.engine.instance import compile_config, first_pass
-from services.engine.layout import START_DIR, compiled_cache_dir, has_tier, model_xml
 from services.loader.start_ir import write_start_ir
 from services.loader.store import IR_FILES, kv_bytes_per_token, read_artifact, write_artifact
+from shared.artifact import (
+    START_DIR,
+    compile_config,
+    compiled_cache_dir,
+    first_pass,
+    has_tier,
+    model_xml,
+)
 from shared.messages import Artifact, Tier
-
 
 SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "repetition_penalty"}
 """GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""

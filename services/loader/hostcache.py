@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.engine.layout import compiled_cache_dir
+from policy.eviction import Resident, choose_evictions, over_budget
 from services.loader.blocks import (
     Manifest,
     bad_blocks,
@@ -25,7 +25,7 @@ from services.loader.blocks import (
     drop_from_page_cache,
     manifest_of,
 )
-from shared.eviction import Resident, choose_evictions, over_budget
+from shared.artifact import compiled_cache_dir
 from shared.messages import Artifact, Tier
 
 

@@ -12,12 +12,12 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.layout import compiled_cache_dir
 from services.loader.convert import is_materialized
 from services.loader.hostcache import HostCache, StageResult, forget_store_pages
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
+from shared.artifact import compiled_cache_dir
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,

@@ -18,8 +18,8 @@ import logging
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
+from policy.station import MemOp, OpKind, Station
 from services.memory_manager.settings import MemoryManagerSettings
-from services.memory_manager.station import MemOp, OpKind, Station
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.messages import Release, Reserve, ReserveDone, ReserveResult

@@ -11,10 +11,10 @@ import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from services.scheduler import defrag, policy
-from services.scheduler.perf_book import PerfBook
-from services.scheduler.placement import Demand, Profile, validate
-from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
+from policy import defrag, scheduling
+from policy.perf_book import PerfBook
+from policy.placement import Demand, Profile, validate
+from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import Bus, decode
@@ -98,7 +98,7 @@ class SchedulerService:
         if status.sent_at < self._changed_at.get(status.node_id, 0.0):
             return
         self.nodes[status.node_id] = NodeView.from_status(status)
-        LIVE_NODES.set(len(policy.live_nodes(self.nodes.values(), time.time(), self.settings.node_timeout_s)))
+        LIVE_NODES.set(len(scheduling.live_nodes(self.nodes.values(), time.time(), self.settings.node_timeout_s)))
 
     def _set_instance(self, node_id: str, model: str, inst: InstanceView | None) -> None:
         now = time.time()
@@ -113,7 +113,7 @@ class SchedulerService:
 
     async def on_status(self, msg: Msg) -> None:
         now = time.time()
-        live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
+        live = scheduling.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
         await self.bus.reply(
             msg,
             ClusterStatus(
@@ -157,12 +157,12 @@ class SchedulerService:
         validate on another node (a join or a new instance there)."""
         req = decode(msg.data, RelocateQuery)
         now = time.time()
-        others = [n for n in policy.live_nodes(self._view(now), now, self.settings.node_timeout_s)
+        others = [n for n in scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
                   if n.node_id != req.node_id]
         profiles = self._profiles()
 
         def validates(node: NodeView, model: str) -> bool:
-            return policy.relocatable(model, [node], profiles)
+            return scheduling.relocatable(model, [node], profiles)
 
         await self.bus.reply(msg, RelocateAnswer(relocatable=defrag.relocatable(req.models, others, validates)))
 
@@ -178,7 +178,7 @@ class SchedulerService:
             view = [n for n in view if n.node_id != req.avoid]  # it was preempted there
         demand = Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s)
         profiles = self._profiles()
-        decision = policy.place(
+        decision = scheduling.place(
             req.model,
             view,
             self._starts_by_model(),
@@ -245,7 +245,7 @@ class SchedulerService:
         and the starts this scheduler has under way there (placement is told only the latest
         start of each model)."""
         out = []
-        for n in policy.with_starts(self.nodes.values(), self._starts):
+        for n in scheduling.with_starts(self.nodes.values(), self._starts):
             extra: dict[str, tuple[int, int]] = {}
             for model in n.instances:
                 placed = self._placed.get((n.node_id, model), [])
@@ -331,8 +331,8 @@ class SchedulerService:
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}
         now = time.time()
-        live = policy.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
-        for order in policy.idle_instances(live, keep, self._last_placed, now):
+        live = scheduling.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
+        for order in scheduling.idle_instances(live, keep, self._last_placed, now):
             if (order.model, order.node_id) in self._starts:
                 continue
             try:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, Process, free_port
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster, Process, free_port
 from tests.conftest import start_cluster
 from tests.helpers.cluster import wait_for
 

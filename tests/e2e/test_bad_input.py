@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
-from shared.localcluster import LocalCluster, default_model_path
+from ops.localcluster import LocalCluster, default_model_path
 from tests.conftest import start_cluster
 
 MODEL = "bad-input-model"

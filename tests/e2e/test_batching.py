@@ -16,10 +16,10 @@ import openai
 import openvino as ov
 import pytest
 
+from ops.localcluster import LocalCluster
 from services.engine.batch import BatchItem, generate_batch
 from services.engine.instance import LoadedModel
 from services.engine.stops import StopMatcher
-from shared.localcluster import LocalCluster
 from shared.messages import Artifact, SamplingParams
 from tests.helpers.cluster import metric, register, wait_for
 

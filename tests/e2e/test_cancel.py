@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from tests.helpers.cluster import metric, wait_for
 
 ENGINE = "engine@node-0"

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster, free_port
 from shared import cli
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, free_port
 from tests.helpers.cluster import wait_for
 
 
@@ -104,7 +104,7 @@ def test_up_prints_an_admin_key_saved_0600_and_a_curl_that_carries_it(tmp_path: 
     env = {**os.environ, "COLUMNS": "80", "TESSERA_AUTH": "on"}
     env.pop("TESSERA_ADMIN_KEY", None)
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--home", str(home)],
+        proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--home", str(home)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: "Ctrl-C stops everything" in log.read_text() or proc.poll() is not None, 300,

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster, default_model_path
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster, default_model_path
 from tests.conftest import start_cluster
 from tests.helpers.cluster import metric, on_the_core, wait_for
 

@@ -20,11 +20,11 @@ import httpx
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
 
+from ops.localcluster import LocalCluster
 from services.gateway.serving import Gateway, Generation
 from services.gateway.settings import GatewaySettings
 from shared.bus import encode
 from shared.errors import TesseraError
-from shared.localcluster import LocalCluster
 from shared.messages import Finished, FinishReason, TokenChunk
 from tests.conftest import start_cluster
 from tests.helpers.cluster import metric, on_the_core, register, wait_for

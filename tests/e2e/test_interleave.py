@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster, default_model_path
+from ops.localcluster import LocalCluster, default_model_path
 from tests.conftest import start_cluster
 from tests.helpers.cluster import metric
 

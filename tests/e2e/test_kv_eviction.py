@@ -15,7 +15,7 @@ import msgspec
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from shared.messages import Artifact
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import metric, on_the_core, register

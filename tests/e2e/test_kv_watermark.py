@@ -11,9 +11,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from ops.localcluster import LocalCluster, default_model_path
 from services.loader.convert import gguf_facts
 from services.loader.store import kv_bytes_per_token
-from shared.localcluster import LocalCluster, default_model_path
 from tests.conftest import start_cluster
 from tests.helpers.cluster import metric, register, wait_for
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from tests.helpers.cluster import metric, wait_for
 
 CHAT = [{"role": "user", "content": "Name three colours."}]

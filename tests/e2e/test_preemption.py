@@ -15,9 +15,9 @@ import msgspec
 import openai
 import pytest
 
+from ops.localcluster import LocalCluster, default_model_path
 from shared import subjects
 from shared.bus import Bus
-from shared.localcluster import LocalCluster, default_model_path
 from shared.messages import Artifact, InstanceStopped, PreemptInstance
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import metric, on_the_core, wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from tests.helpers.cluster import cold_starts, loaded_models, metric, register, wait_for
 
 ENGINE, MEMORY = "engine@node-0", "memory_manager@node-0"

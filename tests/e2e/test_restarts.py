@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import SERVICES, LocalCluster
+from ops.localcluster import SERVICES, LocalCluster
 from tests.helpers.cluster import register, wait_for
 
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import metric, on_the_core, register, wait_for
 

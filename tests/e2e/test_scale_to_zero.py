@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 from tests.helpers.cluster import cold_starts, loaded_models, metric, register, wait_for
 
 PHASES = ("init_s", "load_s", "profile_s", "prefill_s")

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster
 from tests.helpers.cluster import wait_for
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)

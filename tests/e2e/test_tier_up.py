@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from shared.localcluster import LocalCluster, default_model_path
+from ops.localcluster import LocalCluster, default_model_path
 from tests.helpers.cluster import metric, register, wait_for
 
 ENGINE = "engine@node-0"

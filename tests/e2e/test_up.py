@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.localcluster import free_port
+from ops.localcluster import free_port
 from tests.helpers.cluster import wait_for
 
 
@@ -48,7 +48,7 @@ def test_up_serves_the_default_model_and_ctrl_c_leaves_no_process(tmp_path: Path
     (home / "store").symlink_to(model_store)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--home", str(home)],
+            [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--home", str(home)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "80"},
         )
     try:

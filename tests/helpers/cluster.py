@@ -9,7 +9,7 @@ from typing import TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.localcluster import LocalCluster
+from ops.localcluster import LocalCluster
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
 def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None,
              **slo: float) -> dict[str, object]:
     """Register `name` (the default model unless `source`); `slo`: ttft_slo_s, tpot_slo_s."""
-    from shared.localcluster import default_model_path
+    from ops.localcluster import default_model_path
 
     def post() -> httpx.Response | None:
         r = httpx.post(

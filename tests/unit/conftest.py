@@ -11,8 +11,8 @@ import pytest
 def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's IR, converted from its GGUF as the loader does (≈ 12 s here), once
     for every test that needs the real library."""
+    from ops.localcluster import default_model_path
     from services.loader.convert import convert
-    from shared.localcluster import default_model_path
 
     gguf = default_model_path()  # installed by `make install`, as every engine test needs it
     dest = tmp_path_factory.mktemp("ir") / "smol"

@@ -1,6 +1,6 @@
 import pytest
 
-from services.scheduler.affinity import (
+from policy.affinity import (
     Offer,
     choose_node,
     load_time_s,

@@ -1,4 +1,4 @@
-from services.scheduler.defrag import (
+from policy.defrag import (
     Bin,
     InstanceLoad,
     Neighbour,
@@ -37,7 +37,7 @@ def test_best_fit_packs_the_node_left_with_least_free_memory() -> None:
 
 
 def test_only_instances_whose_requests_validate_on_another_node_are_relocatable() -> None:
-    from services.scheduler.defrag import relocatable
+    from policy.defrag import relocatable
 
     room = {("n1", "a"), ("n2", "b")}  # where each model would validate
     assert relocatable(["a", "b", "c"], ["n1", "n2"], lambda n, m: (n, m) in room) == ("a", "b")

@@ -1,4 +1,4 @@
-from shared.eviction import Resident, choose_evictions, eviction_cost, over_budget
+from policy.eviction import Resident, choose_evictions, eviction_cost, over_budget
 
 NOW = 10_000.0
 

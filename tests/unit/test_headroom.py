@@ -1,6 +1,6 @@
 import pytest
 
-from services.scheduler.headroom import RequestClock, headroom, pick_next, run_iteration
+from policy.headroom import RequestClock, headroom, pick_next, run_iteration
 
 
 def test_headroom_follows_eq1() -> None:

@@ -1,9 +1,9 @@
-"""An instance's KV reservation under the watermark rule (services/engine/kv_account.py)."""
+"""An instance's KV reservation under the watermark rule (policy/kv_account.py)."""
 
 from __future__ import annotations
 
-from services.engine.kv_account import KvAccount
-from services.memory_manager.kv_watermark import Action
+from policy.kv_account import KvAccount
+from policy.kv_watermark import Action
 
 C = 10  # bytes per token
 

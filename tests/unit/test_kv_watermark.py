@@ -1,4 +1,4 @@
-from services.memory_manager.kv_watermark import (
+from policy.kv_watermark import (
     Action,
     on_admit,
     on_complete,
@@ -51,7 +51,7 @@ def test_on_underestimate_the_request_with_longest_headroom_is_evicted() -> None
 
 
 def test_l_min_is_the_setting_within_the_context_and_zero_means_the_context() -> None:
-    from services.memory_manager.kv_watermark import floor_tokens
+    from policy.kv_watermark import floor_tokens
 
     assert floor_tokens(0, 8192) == 8192
     assert floor_tokens(1024, 8192) == 1024

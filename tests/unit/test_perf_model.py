@@ -1,6 +1,6 @@
 import pytest
 
-from services.scheduler.perf_model import (
+from policy.perf_model import (
     DecodeSample,
     PerfModel,
     PrefillSample,

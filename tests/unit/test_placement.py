@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.scheduler.perf_book import PerfBook
-from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
-from services.scheduler.placement import Demand, Failure, Profile, service_s, start_order, validate
-from services.scheduler.policy import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
+from policy.perf_book import PerfBook
+from policy.perf_model import DecodeSample, PerfModel, PrefillSample
+from policy.placement import Demand, Failure, Profile, service_s, start_order, validate
+from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
 from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, PerfReport, Rejected
 
 NOW = 1000.0
@@ -286,7 +286,7 @@ def test_neighbours_with_smaller_batches_are_preempted_to_fit_a_request_into_a_b
 
 
 def test_preemption_spares_bigger_neighbours_and_those_that_cannot_go_elsewhere() -> None:
-    from services.scheduler.placement import preemption_for
+    from policy.placement import preemption_for
 
     tight = Profile(PERF, 60.0, 0.03, "a1", weight_bytes=100, kv_bytes=10)
     crowded = node("a", inst("m", active=1), inst("big", active=4), inst("small", active=1))

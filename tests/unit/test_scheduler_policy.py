@@ -1,4 +1,4 @@
-from services.scheduler.policy import (
+from policy.scheduling import (
     AwaitStart,
     NodeView,
     StartOn,

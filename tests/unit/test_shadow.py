@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 
-from services.scheduler.perf_model import profile
-from services.scheduler.shadow import (
+from policy.perf_model import profile
+from policy.shadow import (
     Failure,
     NewRequest,
     Pending,

@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.memory_manager.station import MemOp, OpKind, Refused, Station, load, resize_kv, unload
+from policy.station import MemOp, OpKind, Refused, Station, load, resize_kv, unload
 
 
 def test_a_grow_that_would_exceed_the_optimistic_budget_is_refused() -> None:

@@ -1,4 +1,4 @@
-from services.memory_manager.tensor_pool import Tensor, TensorPool
+from policy.tensor_pool import Tensor, TensorPool
 
 
 def pool(cap: int = 100) -> TensorPool:

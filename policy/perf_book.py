@@ -14,9 +14,9 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
-from services.memory_manager.kv_watermark import floor_tokens
-from services.scheduler.perf_model import DecodeSample, PerfModel, PrefillSample
-from services.scheduler.placement import Profile
+from policy.kv_watermark import floor_tokens
+from policy.perf_model import DecodeSample, PerfModel, PrefillSample
+from policy.placement import Profile
 from shared.messages import ModelRecord, PerfReport
 
 SPAWNED_S = 0.5

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared.localcluster import (
+from ops.localcluster import (
     DEFAULT_MODEL_NAME,
     LocalCluster,
     admin_key_path,

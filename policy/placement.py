@@ -36,9 +36,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.scheduler.affinity import start_s_if_fits
-from services.scheduler.perf_model import PerfModel
-from services.scheduler.shadow import OVERESTIMATE, Failure
+from policy.affinity import start_s_if_fits
+from policy.perf_model import PerfModel
+from policy.shadow import OVERESTIMATE, Failure
 
 TYPICAL_COMPLETION_TOKENS = 128
 """What a request ahead in the queue is assumed to generate when nothing better is known:

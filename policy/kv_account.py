@@ -1,5 +1,5 @@
 """One instance's KV cache as the memory manager sees it: sized by LLM-Mesh's watermark rule
-(§6.2, `services/memory_manager/kv_watermark.py`) from the requests it is running.
+(§6.2, `policy/kv_watermark.py`) from the requests it is running.
 
 The OpenVINO runtime allocates the cache on demand as rows grow, so what this sizes is the
 reservation: the bytes the node's reservation station counts against its budget for
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.memory_manager.kv_watermark import (
+from policy.headroom import headroom
+from policy.kv_watermark import (
     Action,
     KvPlan,
     on_admit,
     on_complete,
     required_bytes,
 )
-from services.scheduler.headroom import headroom
 
 
 @dataclass

@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from services.scheduler import defrag, placement
-from services.scheduler.placement import Demand, NodeState, Profile
+from policy import defrag, placement
+from policy.placement import Demand, NodeState, Profile
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, TypeVar
 
-from services.scheduler.headroom import RequestClock
-from services.scheduler.perf_model import PerfModel
+from policy.headroom import RequestClock
+from policy.perf_model import PerfModel
 
 OVERESTIMATE = 1.1
 """§5.3: each simulated iteration is taken 10% longer than the model predicts."""

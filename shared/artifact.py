@@ -1,0 +1,62 @@
+"""An artifact's layout, as the loader writes it and the engine reads it: where the IR of each
+tier and each tier's compiled blob are, the configuration a tier is compiled with, and the
+first pass that makes a compiled model run at full speed.
+
+Paths and plain values (OpenVINO is only needed by `first_pass`'s caller), so the engine's
+main process, the loader and the converter all agree on them cheaply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shared.messages import Artifact, Tier
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+MODEL_XML = "openvino_model.xml"
+START_DIR = "start"
+"""Sub-directory of an artifact holding the start tier's IR (`services/loader/start_ir.py`)."""
+
+
+def compiled_cache_dir(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
+    """Where the compiled blob of one tier for this device lives, inside the artifact (keyed
+    by device; the artifact itself is keyed by the OpenVINO version)."""
+    name = device.lower() if tier == Tier.STEADY else f"{device.lower()}-{tier}"
+    return Path(artifact.path) / "compiled" / name
+
+
+def model_xml(artifact: Artifact, tier: Tier = Tier.STEADY) -> Path:
+    base = Path(artifact.path)
+    return base / MODEL_XML if tier == Tier.STEADY else base / START_DIR / MODEL_XML
+
+
+def has_tier(artifact: Artifact, device: str, tier: Tier) -> bool:
+    cache = compiled_cache_dir(artifact, device, tier)
+    return model_xml(artifact, tier).is_file() and cache.is_dir() and any(cache.glob("*.blob"))
+
+
+def compile_config(
+    artifact: Artifact, device: str, threads: int, cache_dir: str | None = None, tier: Tier = Tier.STEADY
+) -> dict[str, object]:
+    """`cache_dir`: where the compiled blob is (the loader's host cache); the store's copy
+    when None."""
+    config: dict[str, object] = {"CACHE_DIR": cache_dir or str(compiled_cache_dir(artifact, device, tier))}
+    if device == "CPU":
+        config["INFERENCE_NUM_THREADS"] = threads
+    return config
+
+
+def first_pass(compiled: ov.CompiledModel) -> None:
+    """One token through a throwaway infer request: the CPU plugin repacks the weights on a
+    model's first forward pass, so after this the next pass runs at full speed."""
+    compiled.create_infer_request().infer({
+        "input_ids": np.ones((1, 1), dtype=np.int64),
+        "attention_mask": np.ones((1, 1), dtype=np.int64),
+        "position_ids": np.zeros((1, 1), dtype=np.int64),
+        "beam_idx": np.zeros(1, dtype=np.int32),
+    })
