@@ -95,8 +95,15 @@ def arrivals(seed: int, duration_s: float, burst: int = 4, spread_s: float = 0.0
 async def one_request(http: httpx.AsyncClient, model: Model, prompt: str) -> dict[str, Any]:
     """Stream one request; retry 429/503 after Retry-After while the TTFT budget lasts."""
     sent = time.perf_counter()
-    body = {"model": model.name, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
-            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     retries = 0
     while True:
         first = last = None
@@ -116,8 +123,12 @@ async def one_request(http: httpx.AsyncClient, model: Model, prompt: str) -> dic
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
-                        return {"model": model.name, "ok": False, "error": event["error"].get("code"),
-                                "retries": retries}
+                        return {
+                            "model": model.name,
+                            "ok": False,
+                            "error": event["error"].get("code"),
+                            "retries": retries,
+                        }
                     if event.get("usage"):
                         tokens = int(event["usage"]["completion_tokens"])
                     if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
@@ -130,9 +141,15 @@ async def one_request(http: httpx.AsyncClient, model: Model, prompt: str) -> dic
             return {"model": model.name, "ok": False, "error": "no content", "retries": retries}
         ttft = first - sent
         tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-        return {"model": model.name, "ok": True, "ttft_s": ttft, "tpot_s": tpot, "tokens": tokens,
-                "retries": retries,
-                "slo_met": ttft <= model.ttft_slo_s and tpot <= model.tpot_slo_s}
+        return {
+            "model": model.name,
+            "ok": True,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "tokens": tokens,
+            "retries": retries,
+            "slo_met": ttft <= model.ttft_slo_s and tpot <= model.tpot_slo_s,
+        }
 
 
 async def drive(base_url: str, plan: list[tuple[float, str]]) -> list[dict[str, Any]]:
@@ -180,9 +197,17 @@ def prepare_store(store: Path, sources: dict[str, Path], keep_alive_s: float) ->
         try:
             cluster.start(timeout_s=180)
             for m in MODELS:
-                httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
-                    "name": m.name, "source": str(sources[m.name]), "keep_alive_s": keep_alive_s,
-                    "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s}).raise_for_status()
+                httpx.post(
+                    f"{cluster.base_url}/admin/models",
+                    timeout=900,
+                    json={
+                        "name": m.name,
+                        "source": str(sources[m.name]),
+                        "keep_alive_s": keep_alive_s,
+                        "ttft_slo_s": m.ttft_slo_s,
+                        "tpot_slo_s": m.tpot_slo_s,
+                    },
+                ).raise_for_status()
         finally:
             cluster.stop()
     os.sync()
@@ -197,24 +222,48 @@ VARIANTS = {
 }
 
 
-def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], plan: list[tuple[float, str]],
-               keep_alive_s: float, keep_logs: Path | None = None) -> dict[str, Any]:
+def run_policy(
+    variant: str,
+    nodes: int,
+    store: Path,
+    sources: dict[str, Path],
+    plan: list[tuple[float, str]],
+    keep_alive_s: float,
+    keep_logs: Path | None = None,
+) -> dict[str, Any]:
     policy, extra = VARIANTS[variant]
     per_node, _ = core_shares(nodes)
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
-        cluster = LocalCluster(home=Path(home), store=store, nodes=nodes, node_env=per_node, env={
-            "TESSERA_PLACEMENT": policy, "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
-            "TESSERA_MAX_INFLIGHT": "64", "TESSERA_WORKER_REFILL_DELAY_S": "1", **extra,
-            **({"TESSERA_LOG_LEVEL": "DEBUG"} if keep_logs is not None else {}),
-        })
+        cluster = LocalCluster(
+            home=Path(home),
+            store=store,
+            nodes=nodes,
+            node_env=per_node,
+            env={
+                "TESSERA_PLACEMENT": policy,
+                "TESSERA_HEARTBEAT_INTERVAL_S": "0.25",
+                "TESSERA_MAX_INFLIGHT": "64",
+                "TESSERA_WORKER_REFILL_DELAY_S": "1",
+                **extra,
+                **({"TESSERA_LOG_LEVEL": "DEBUG"} if keep_logs is not None else {}),
+            },
+        )
         try:
             t = time.perf_counter()
             cluster.start(timeout_s=180)
             log(f"{policy}: {nodes} nodes up in {time.perf_counter() - t:.1f}s")
             for m in MODELS:
-                r = httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
-                    "name": m.name, "source": str(sources[m.name]), "keep_alive_s": keep_alive_s,
-                    "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s})
+                r = httpx.post(
+                    f"{cluster.base_url}/admin/models",
+                    timeout=900,
+                    json={
+                        "name": m.name,
+                        "source": str(sources[m.name]),
+                        "keep_alive_s": keep_alive_s,
+                        "ttft_slo_s": m.ttft_slo_s,
+                        "tpot_slo_s": m.tpot_slo_s,
+                    },
+                )
                 r.raise_for_status()
             # Warm-up: each model starts (its request measures nothing: it shared the start),
             # then serves one request the engine measures, so placement has a performance model.
@@ -224,10 +273,18 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
             results = asyncio.run(drive(cluster.base_url, plan))
             wall = time.perf_counter() - t
             sched = httpx.get(f"http://127.0.0.1:{cluster.procs['scheduler'].http_port}/metrics", timeout=10).text
-            counters = {name: sum(float(line.split()[-1]) for line in sched.splitlines()
-                                  if line.startswith(name) and not line.startswith(name + "_created"))
-                        for name in ("tessera_scheduler_scale_outs_total", "tessera_scheduler_scale_to_zero_total",
-                                     "tessera_scheduler_preemptions_total")}
+            counters = {
+                name: sum(
+                    float(line.split()[-1])
+                    for line in sched.splitlines()
+                    if line.startswith(name) and not line.startswith(name + "_created")
+                )
+                for name in (
+                    "tessera_scheduler_scale_outs_total",
+                    "tessera_scheduler_scale_to_zero_total",
+                    "tessera_scheduler_preemptions_total",
+                )
+            }
             starts = len(httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json())
             status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
             placed = {n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]}
@@ -236,14 +293,22 @@ def run_policy(variant: str, nodes: int, store: Path, sources: dict[str, Path], 
             if keep_logs is not None:
                 shutil.copytree(Path(home) / "logs", keep_logs / variant, dirs_exist_ok=True)
     summary = summarize(results)
-    log(f"{variant}: SLO attainment {summary['all']['slo_attainment']:.3f} "
+    log(
+        f"{variant}: SLO attainment {summary['all']['slo_attainment']:.3f} "
         + ", ".join(f"{m.name} {summary[m.name]['slo_attainment']:.2f}" for m in MODELS)
-        + f"; instances at the end {placed}")
-    return {"policy": variant, "summary": summary, "instances_at_end": placed, "wall_s": wall,
-            "scale_outs": counters["tessera_scheduler_scale_outs_total"],
-            "scale_to_zero": counters["tessera_scheduler_scale_to_zero_total"], "cold_starts": starts,
-            "preemptions": counters["tessera_scheduler_preemptions_total"],
-            "results": results}
+        + f"; instances at the end {placed}"
+    )
+    return {
+        "policy": variant,
+        "summary": summary,
+        "instances_at_end": placed,
+        "wall_s": wall,
+        "scale_outs": counters["tessera_scheduler_scale_outs_total"],
+        "scale_to_zero": counters["tessera_scheduler_scale_to_zero_total"],
+        "cold_starts": starts,
+        "preemptions": counters["tessera_scheduler_preemptions_total"],
+        "results": results,
+    }
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -279,18 +344,34 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    ap.add_argument("--nodes", type=int, default=3,
-                    help="engine nodes, each pinned to its own cores (sharing them past one per core)")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=3,
+        help="engine nodes, each pinned to its own cores (sharing them past one per core)",
+    )
     ap.add_argument("--keep-alive", type=float, default=30.0, help="every model's keep-alive (s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--burst", type=int, default=6, help="chat requests per burst")
-    ap.add_argument("--burst-spread", type=float, default=0.5,
-                    help="seconds over which a burst's requests arrive (evenly; 0: at once)")
+    ap.add_argument(
+        "--burst-spread",
+        type=float,
+        default=0.5,
+        help="seconds over which a burst's requests arrive (evenly; 0: at once)",
+    )
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's service logs here")
-    ap.add_argument("--ablate-interleave", action="store_true",
-                    help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)")
-    ap.add_argument("--only", choices=sorted(VARIANTS), action="append", default=None,
-                    help="run only this variant (repeatable): writes <out>/cluster-only.json, no comparison")
+    ap.add_argument(
+        "--ablate-interleave",
+        action="store_true",
+        help="also run Tessera with TESSERA_INTERLEAVE=false (the headroom gate off)",
+    )
+    ap.add_argument(
+        "--only",
+        choices=sorted(VARIANTS),
+        action="append",
+        default=None,
+        help="run only this variant (repeatable): writes <out>/cluster-only.json, no comparison",
+    )
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     plan = arrivals(args.seed, args.duration, args.burst, args.burst_spread)
@@ -327,8 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         "slo_attainment_exclusive": runs[1]["summary"]["all"]["slo_attainment"],
         "target": "tessera >= 0.95 where exclusive is below",
         "target_met": runs[0]["summary"]["all"]["slo_attainment"] >= 0.95 > runs[1]["summary"]["all"]["slo_attainment"],
-        **({"slo_attainment_tessera_no_interleave": runs[2]["summary"]["all"]["slo_attainment"]}
-           if len(runs) > 2 else {}),
+        **(
+            {"slo_attainment_tessera_no_interleave": runs[2]["summary"]["all"]["slo_attainment"]}
+            if len(runs) > 2
+            else {}
+        ),
         "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
         "nodes": args.nodes,
         "core_share": core_shares(args.nodes)[1],

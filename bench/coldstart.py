@@ -106,8 +106,7 @@ class Tessera(TesseraClient):
             "text": "".join(res["chunks"]),
         }
 
-    def evict(self, artifact_id: str, tier: str = "resident",
-              timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
+    def evict(self, artifact_id: str, tier: str = "resident", timeout_s: float = EVICT_TIMEOUT_S) -> dict[str, Any]:
         """`POST /admin/cache/evict?tier=<tier>` until the bench model's artifact is among the
         resident models dropped (`host` and `all` drop the resident models too, then the deeper
         caches); see `TesseraClient.evict_until`."""
@@ -116,16 +115,21 @@ class Tessera(TesseraClient):
         for e in (e for answer in answers for e in answer):
             t = str(e.get("tier"))
             freed[t] = freed.get(t, 0) + int(e.get("freed_bytes", 0))
-        return {"tier": tier, "freed_bytes": sum(freed.values()), "freed_bytes_by_tier": freed,
-                "artifact_ids": resident_ids(answers[-1]), "calls": len(answers), "evict_s": evict_s}
+        return {
+            "tier": tier,
+            "freed_bytes": sum(freed.values()),
+            "freed_bytes_by_tier": freed,
+            "artifact_ids": resident_ids(answers[-1]),
+            "calls": len(answers),
+            "evict_s": evict_s,
+        }
 
 
 async def _burst_one(http: httpx.AsyncClient) -> dict[str, Any]:
     """One streamed request of the burst: its TTFT, or the status/error that ended it."""
     t0 = time.perf_counter()
     chat = ChatStream()
-    async with http.stream("POST", "/v1/chat/completions",
-                           json=chat_body(MODEL_NAME, PROMPT, BURST_MAX_TOKENS)) as r:
+    async with http.stream("POST", "/v1/chat/completions", json=chat_body(MODEL_NAME, PROMPT, BURST_MAX_TOKENS)) as r:
         if r.status_code != 200:
             await r.aread()
             return {"ok": False, "status": r.status_code, "error": r.text[:300]}
@@ -181,8 +185,7 @@ def burst(client: Tessera, n: int) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
         "cold_starts": len(starts),
-        "errors": [{"index": r["index"], "status": r["status"], "error": r["error"]}
-                   for r in results if not r["ok"]],
+        "errors": [{"index": r["index"], "status": r["status"], "error": r["error"]} for r in results if not r["ok"]],
         "ttft_runs_s": sorted(ttfts),
         "cold_start_sources": [e.get("source") for e in starts],
         "wall_s": wall,
@@ -233,16 +236,17 @@ def quiesce(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         # ... and no worker is still on the START tier (its tier-up would share the cores).
-        if (metric(cluster, "engine@node-0", "tessera_engine_prewarmed_workers") >= 1
-                and metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1
-                and metric(cluster, "engine@node-0", "tessera_engine_bound_workers", tier="start") == 0):
+        if (
+            metric(cluster, "engine@node-0", "tessera_engine_prewarmed_workers") >= 1
+            and metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1
+            and metric(cluster, "engine@node-0", "tessera_engine_bound_workers", tier="start") == 0
+        ):
             return
         time.sleep(0.2)
     log("WARNING: the cluster did not settle before a side-by-side round")
 
 
-def settle(cluster: LocalCluster, idle_cpu_s: float = 0.02, window_s: float = 0.2,
-           timeout_s: float = 10.0) -> float:
+def settle(cluster: LocalCluster, idle_cpu_s: float = 0.02, window_s: float = 0.2, timeout_s: float = 10.0) -> float:
     """Wait until the cluster's processes together use under `idle_cpu_s` of CPU in a
     `window_s` window (an evicted worker's exit, the loader's re-check and the pool's refill
     are done): a scaled-to-zero model's next request finds the node quiet, as the peers'
@@ -260,9 +264,15 @@ def settle(cluster: LocalCluster, idle_cpu_s: float = 0.02, window_s: float = 0.
     return time.monotonic() - t0
 
 
-def cold_trials(client: Tessera, trials: int, what: str, expect: str,
-                evict: str | None = None, tier: str = "resident",
-                cluster: LocalCluster | None = None) -> list[dict[str, Any]]:
+def cold_trials(
+    client: Tessera,
+    trials: int,
+    what: str,
+    expect: str,
+    evict: str | None = None,
+    tier: str = "resident",
+    cluster: LocalCluster | None = None,
+) -> list[dict[str, Any]]:
     """Cold starts from zero; with `evict` (an artifact id), the caches down to `tier` are
     dropped after each scale to zero (`resident`: the start stages the blob from the host
     cache; `all`: it reads the model store from disk). A start whose `source` is not `expect`
@@ -276,12 +286,22 @@ def cold_trials(client: Tessera, trials: int, what: str, expect: str,
         entry = client.cold_start_after(MODEL_NAME, res["sent_wall"])
         if entry.get("source") != expect:
             log(f"WARNING: {what} trial {i + 1}: source {entry.get('source')!r}, expected {expect!r}")
-        out.append({"ttft_s": res["ttft_s"], "waited_for_zero_s": waited, "evicted": evicted, "settled_s": settled,
-                    "record": entry, "text": res["text"]})
-        log(f"{what} trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
+        out.append(
+            {
+                "ttft_s": res["ttft_s"],
+                "waited_for_zero_s": waited,
+                "evicted": evicted,
+                "settled_s": settled,
+                "record": entry,
+                "text": res["text"],
+            }
+        )
+        log(
+            f"{what} trial {i + 1}/{trials}: ttft {res['ttft_s']:.3f}s, engine total "
             f"{entry['total_s']:.3f}s, source {entry.get('source')}, from cache "
             f"{entry.get('loaded_from_cache')}, phases "
-            + ", ".join(f"{p} {entry['phases'][f'{p}_s']:.3f}" for p in PHASES))
+            + ", ".join(f"{p} {entry['phases'][f'{p}_s']:.3f}" for p in PHASES)
+        )
     return out
 
 
@@ -315,8 +335,10 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             log(f"cluster up in {time.perf_counter() - t:.1f}s at {cluster.base_url}")
             t = time.perf_counter()
             reg = cluster.register_default_model(keep_alive_s=KEEP_ALIVE_S, name=MODEL_NAME)
-            log(f"registered {MODEL_NAME} from {gguf.name} in {time.perf_counter() - t:.1f}s "
-                f"(converted={reg.get('converted')}, import_s={reg.get('import_s')})")
+            log(
+                f"registered {MODEL_NAME} from {gguf.name} in {time.perf_counter() - t:.1f}s "
+                f"(converted={reg.get('converted')}, import_s={reg.get('import_s')})"
+            )
             client = Tessera(cluster.base_url)
             artifact_id = str(reg["artifact"]["artifact_id"])  # type: ignore[index]
 
@@ -324,23 +346,41 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
             # trials (which measure a start from zero with the weights still resident).
             first = client.stream(COLD_MAX_TOKENS)
             first_entry = client.cold_start_after(MODEL_NAME, first["sent_wall"])
-            log(f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
-                f"engine total {first_entry['total_s']:.3f}s")
+            log(
+                f"first start ({first_entry.get('source')}): ttft {first['ttft_s']:.3f}s, "
+                f"engine total {first_entry['total_s']:.3f}s"
+            )
 
             cold = cold_trials(client, trials, "cold (resident)", expect="resident", cluster=cluster)
 
             client.wait_zero()
             log(f"burst: {BURST_SIZE} concurrent streamed first requests on the model scaled to zero")
             burst_result = burst(client, BURST_SIZE)
-            log(f"burst: {burst_result['succeeded']}/{BURST_SIZE} ok, ttft p50 "
+            log(
+                f"burst: {burst_result['succeeded']}/{BURST_SIZE} ok, ttft p50 "
                 f"{burst_result['ttft_p50_s']}, p99 {burst_result['ttft_p99_s']}, "
                 f"{burst_result['cold_starts']} cold start(s) {burst_result['cold_start_sources']}, "
-                f"errors {burst_result['errors']}")
+                f"errors {burst_result['errors']}"
+            )
 
-            host = cold_trials(client, trials, "cold (worker evicted, host cache)", expect="host",
-                               evict=artifact_id, tier="resident", cluster=cluster)
-            disk = cold_trials(client, trials, "cold (all caches dropped, from disk)", expect="store",
-                               evict=artifact_id, tier="all", cluster=cluster)
+            host = cold_trials(
+                client,
+                trials,
+                "cold (worker evicted, host cache)",
+                expect="host",
+                evict=artifact_id,
+                tier="resident",
+                cluster=cluster,
+            )
+            disk = cold_trials(
+                client,
+                trials,
+                "cold (all caches dropped, from disk)",
+                expect="store",
+                evict=artifact_id,
+                tier="all",
+                cluster=cluster,
+            )
 
             # Warm: one request loads it (discarded), then back-to-back requests on the live
             # instance, once its worker has tiered up (a warm instance's steady state).
@@ -389,16 +429,27 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
                 t_dec = (n_done - 1) / (d["last"] - d["first"])
                 peer = run_peer("openvino", Path(str(reg["artifact"]["path"])))  # type: ignore[index]
                 llama_round = run_peer("llamacpp", gguf)
-                (h,) = cold_trials(client, 1, "side-by-side host", "host", evict=artifact_id, tier="resident",
-                                   cluster=cluster)
-                (k,) = cold_trials(client, 1, "side-by-side disk", "store", evict=artifact_id, tier="all",
-                                   cluster=cluster)
-                side.append({"tessera_warm_ttft_s": t_warm, "inproc_warm_ttft_s": peer["warm_ttft_s"],
-                             "tessera_decode_tok_s": t_dec, "inproc_decode_tok_s": peer["decode_tok_s"],
-                             "tessera_host_ttft_s": h["ttft_s"], "tessera_disk_ttft_s": k["ttft_s"],
-                             "llamacpp_cold_ttft_s": llama_round["cold_ttft_s"]})
-                log(f"side by side {i + 1}: warm {t_warm:.4f} vs {peer['warm_ttft_s']:.4f} s, "
-                    f"decode {t_dec:.1f} vs {peer['decode_tok_s']:.1f} tok/s")
+                (h,) = cold_trials(
+                    client, 1, "side-by-side host", "host", evict=artifact_id, tier="resident", cluster=cluster
+                )
+                (k,) = cold_trials(
+                    client, 1, "side-by-side disk", "store", evict=artifact_id, tier="all", cluster=cluster
+                )
+                side.append(
+                    {
+                        "tessera_warm_ttft_s": t_warm,
+                        "inproc_warm_ttft_s": peer["warm_ttft_s"],
+                        "tessera_decode_tok_s": t_dec,
+                        "inproc_decode_tok_s": peer["decode_tok_s"],
+                        "tessera_host_ttft_s": h["ttft_s"],
+                        "tessera_disk_ttft_s": k["ttft_s"],
+                        "llamacpp_cold_ttft_s": llama_round["cold_ttft_s"],
+                    }
+                )
+                log(
+                    f"side by side {i + 1}: warm {t_warm:.4f} vs {peer['warm_ttft_s']:.4f} s, "
+                    f"decode {t_dec:.1f} vs {peer['decode_tok_s']:.1f} tok/s"
+                )
         finally:
             if client is not None:
                 client.close()
@@ -419,10 +470,13 @@ def bench_tessera(trials: int, warm_runs: int, decode_runs_n: int = 3) -> dict[s
         "host_evictions": [x["evicted"] for x in host],
         "disk": d,
         "disk_evictions": [x["evicted"] for x in disk],
-        "first_start": {"ttft_s": first["ttft_s"], "engine_total_s": first_entry["total_s"],
-                        "source": first_entry.get("source"),
-                        "loaded_from_cache": first_entry.get("loaded_from_cache"),
-                        "phases": {p: first_entry["phases"][f"{p}_s"] for p in PHASES}},
+        "first_start": {
+            "ttft_s": first["ttft_s"],
+            "engine_total_s": first_entry["total_s"],
+            "source": first_entry.get("source"),
+            "loaded_from_cache": first_entry.get("loaded_from_cache"),
+            "phases": {p: first_entry["phases"][f"{p}_s"] for p in PHASES},
+        },
         "burst": burst_result,
         "warm_ttft_s": median(warm),
         "warm_ttft_runs_s": warm,
@@ -452,7 +506,12 @@ def run_peer(which: str, gguf: Path) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     p = subprocess.run(
         [sys.executable, "-m", "bench.peers", which, str(gguf)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=PEER_TIMEOUT_S, check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=PEER_TIMEOUT_S,
+        check=False,
     )
     if p.returncode != 0:
         raise RuntimeError(f"peer {which} exited with {p.returncode}:\n{p.stderr[-2000:]}")
@@ -466,9 +525,11 @@ def bench_peer(which: str, runs: int, gguf: Path) -> list[dict[str, Any]]:
     out = []
     for i in range(runs):
         r = run_peer(which, gguf)
-        log(f"{which} run {i + 1}/{runs}: cold ttft {r['cold_ttft_s']:.3f}s "
+        log(
+            f"{which} run {i + 1}/{runs}: cold ttft {r['cold_ttft_s']:.3f}s "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
-            + f"; decode {r['decode_tok_s']:.1f} tok/s")
+            + f"; decode {r['decode_tok_s']:.1f} tok/s"
+        )
         out.append(r)
     return out
 
@@ -480,9 +541,17 @@ def median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:
 # --- targets -------------------------------------------------------------------------------------
 
 
-def targets(t_cold: float, t_host: float, t_disk: float, l_cold: float, o_cold: float,
-            warm_ratio: float, decode_ratio: float, side_host: float, side_disk: float,
-            ) -> dict[str, dict[str, Any]]:
+def targets(
+    t_cold: float,
+    t_host: float,
+    t_disk: float,
+    l_cold: float,
+    o_cold: float,
+    warm_ratio: float,
+    decode_ratio: float,
+    side_host: float,
+    side_disk: float,
+) -> dict[str, dict[str, Any]]:
     """Each ratio with its target (and stretch target, where there is one) and whether it is met.
     The warm TTFT and decode ratios are the side-by-side (interleaved) ones."""
 
@@ -524,38 +593,75 @@ def plot(result: dict[str, Any], path: Path) -> None:
         i = median_index(trials)
         tp = phase_trials[i]
         overhead = trials[i] - sum(tp.values())
-        return [("init", tp["init"]), ("load", tp["load"]), ("profile", tp["profile"]),
-                ("prefill", tp["prefill"]), ("stack overhead", max(0.0, overhead))]
+        return [
+            ("init", tp["init"]),
+            ("load", tp["load"]),
+            ("profile", tp["profile"]),
+            ("prefill", tp["prefill"]),
+            ("stack overhead", max(0.0, overhead)),
+        ]
 
     lp = result["llamacpp_phase_runs"][median_index(result["llamacpp_cold_ttft_runs_s"])]
     op = result["openvino_naive_phase_runs"][median_index(result["openvino_naive_cold_ttft_runs_s"])]
     systems = [
-        ("Tessera, scaled to zero\n(weights resident)", result["tessera_cold_resident_ttft_s"],
-         tessera_parts(result["tessera_cold_resident_ttft_trials_s"], result["tessera_resident_phase_trials_s"])),
-        ("Tessera, worker evicted\n(host-cache hit)", result["tessera_cold_host_ttft_s"],
-         tessera_parts(result["tessera_cold_host_ttft_trials_s"], result["tessera_host_phase_trials_s"])),
-        ("Tessera, all caches dropped\n(from disk)", result["tessera_cold_disk_ttft_s"],
-         tessera_parts(result["tessera_cold_disk_ttft_trials_s"], result["tessera_disk_phase_trials_s"])),
-        ("llama.cpp (new process)", result["llamacpp_cold_ttft_s"],
-         [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])]),
-        ("OpenVINO on the GGUF\n(new process, converts at load)", result["openvino_naive_cold_ttft_s"],
-         [("import", op["import_s"]), ("load", op["load_s"]), ("first token", op["first_token_s"])]),
+        (
+            "Tessera, scaled to zero\n(weights resident)",
+            result["tessera_cold_resident_ttft_s"],
+            tessera_parts(result["tessera_cold_resident_ttft_trials_s"], result["tessera_resident_phase_trials_s"]),
+        ),
+        (
+            "Tessera, worker evicted\n(host-cache hit)",
+            result["tessera_cold_host_ttft_s"],
+            tessera_parts(result["tessera_cold_host_ttft_trials_s"], result["tessera_host_phase_trials_s"]),
+        ),
+        (
+            "Tessera, all caches dropped\n(from disk)",
+            result["tessera_cold_disk_ttft_s"],
+            tessera_parts(result["tessera_cold_disk_ttft_trials_s"], result["tessera_disk_phase_trials_s"]),
+        ),
+        (
+            "llama.cpp (new process)",
+            result["llamacpp_cold_ttft_s"],
+            [("import", lp["import_s"]), ("load", lp["load_s"]), ("first token", lp["first_token_s"])],
+        ),
+        (
+            "OpenVINO on the GGUF\n(new process, converts at load)",
+            result["openvino_naive_cold_ttft_s"],
+            [("import", op["import_s"]), ("load", op["load_s"]), ("first token", op["first_token_s"])],
+        ),
     ]
-    colors = {"init": "#9ecae1", "import": "#9ecae1", "load": "#3182bd", "profile": "#fdae6b",
-              "prefill": "#31a354", "first token": "#31a354", "stack overhead": "#bdbdbd"}
-    labels = {"prefill": "prefill / first token",
-              "first token": "prefill / first token", "init": "init / import",
-              "import": "init / import"}
+    colors = {
+        "init": "#9ecae1",
+        "import": "#9ecae1",
+        "load": "#3182bd",
+        "profile": "#fdae6b",
+        "prefill": "#31a354",
+        "first token": "#31a354",
+        "stack overhead": "#bdbdbd",
+    }
+    labels = {
+        "prefill": "prefill / first token",
+        "first token": "prefill / first token",
+        "init": "init / import",
+        "import": "init / import",
+    }
 
     fig, ax = plt.subplots(figsize=(10, 5.8))
     seen: set[str] = set()
     longest = max(total for _, total, _ in systems)
-    for y, (name, total, parts) in enumerate(systems):
+    for y, (_name, total, parts) in enumerate(systems):
         left = 0.0
         for phase, secs in parts:
             label = labels.get(phase, phase)
-            ax.barh(y, secs, left=left, color=colors[phase], edgecolor="white", height=0.6,
-                    label=None if label in seen else label)
+            ax.barh(
+                y,
+                secs,
+                left=left,
+                color=colors[phase],
+                edgecolor="white",
+                height=0.6,
+                label=None if label in seen else label,
+            )
             seen.add(label)
             left += secs
         ax.text(max(left, total) + longest * 0.01, y, f"{total:.2f} s", va="center", fontsize=10)
@@ -673,12 +779,18 @@ def main(argv: list[str] | None = None) -> int:
         "sequential_warm_ttft_ratio_vs_inproc": tessera["warm_ttft_s"] / o_warm,
         "sequential_decode_ratio_vs_inproc": tessera["decode_tok_s"] / o_decode,
         "side_by_side": tessera["side_by_side"],
-        "targets": targets(t_cold, t_host, t_disk, l_cold, o_cold,
-                           tessera["side_by_side"]["warm_ttft_ratio"], tessera["side_by_side"]["decode_ratio"],
-                           tessera["side_by_side"]["host_ratio_vs_llamacpp"],
-                           tessera["side_by_side"]["disk_ratio_vs_llamacpp"]),
-        "samples": {"tessera": tessera["sample"], "llamacpp": llama[0]["sample"],
-                    "openvino": ov[0]["sample"]},
+        "targets": targets(
+            t_cold,
+            t_host,
+            t_disk,
+            l_cold,
+            o_cold,
+            tessera["side_by_side"]["warm_ttft_ratio"],
+            tessera["side_by_side"]["decode_ratio"],
+            tessera["side_by_side"]["host_ratio_vs_llamacpp"],
+            tessera["side_by_side"]["disk_ratio_vs_llamacpp"],
+        ),
+        "samples": {"tessera": tessera["sample"], "llamacpp": llama[0]["sample"], "openvino": ov[0]["sample"]},
         "versions": {"llama_cpp_python": llama[0]["version"], "openvino_genai": ov[0]["version"]},
         "threads": THREADS,
         "trials": args.trials,

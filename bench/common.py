@@ -130,8 +130,9 @@ class ChatStream:
         return None
 
 
-def stream_chat(http: httpx.Client, body: dict[str, Any], on_chunk: Callable[[int], Any] | None = None,
-                label: str | None = None) -> dict[str, Any]:
+def stream_chat(
+    http: httpx.Client, body: dict[str, Any], on_chunk: Callable[[int], Any] | None = None, label: str | None = None
+) -> dict[str, Any]:
     """One streamed chat request, timed from just before sending it: `sent_wall` (time.time),
     `sent` and `arrivals` (perf_counter: when it was sent, when each content chunk arrived),
     `chunks` (each chunk's content) and `usage` (None if no chunk carried one). `on_chunk(n)`
@@ -150,8 +151,7 @@ def stream_chat(http: httpx.Client, body: dict[str, Any], on_chunk: Callable[[in
     problem = chat.problem()
     if problem is not None:
         raise RuntimeError(f"{err}{problem}")
-    return {"sent_wall": sent_wall, "sent": sent, "arrivals": chat.arrivals, "chunks": chat.chunks,
-            "usage": chat.usage}
+    return {"sent_wall": sent_wall, "sent": sent, "arrivals": chat.arrivals, "chunks": chat.chunks, "usage": chat.usage}
 
 
 # --- the admin API -------------------------------------------------------------------------------
@@ -197,16 +197,15 @@ class TesseraClient:
 
     def cold_starts(self) -> list[dict[str, Any]]:
         """The latest cold-start records (`GET /admin/coldstarts`), newest first."""
-        return list(self.http.get("/admin/coldstarts", params={"limit": 200}, timeout=10)
-                    .raise_for_status().json())
+        return list(self.http.get("/admin/coldstarts", params={"limit": 200}, timeout=10).raise_for_status().json())
 
     def cold_starts_since(self, model: str, sent_wall: float) -> list[dict[str, Any]]:
         """The cold-start records of `model` that began after `sent_wall`, newest first."""
-        return [e for e in self.cold_starts()
-                if e.get("model") == model and e.get("started_at", 0) >= sent_wall - 0.05]
+        return [e for e in self.cold_starts() if e.get("model") == model and e.get("started_at", 0) >= sent_wall - 0.05]
 
-    def cold_start_after(self, model: str, sent_wall: float,
-                         timeout_s: float = COLDSTART_LOG_TIMEOUT_S) -> dict[str, Any]:
+    def cold_start_after(
+        self, model: str, sent_wall: float, timeout_s: float = COLDSTART_LOG_TIMEOUT_S
+    ) -> dict[str, Any]:
         """The newest cold-start record of `model` that began after `sent_wall` (it is written
         once the first token is out, so it may trail the stream a little)."""
         deadline = time.monotonic() + timeout_s
@@ -217,8 +216,9 @@ class TesseraClient:
             time.sleep(0.1)
         raise TimeoutError(f"no cold-start record for {model} after {sent_wall} within {timeout_s}s")
 
-    def evict_until(self, artifact_id: str, params: dict[str, str],
-                    timeout_s: float = EVICT_TIMEOUT_S) -> tuple[list[list[dict[str, Any]]], float]:
+    def evict_until(
+        self, artifact_id: str, params: dict[str, str], timeout_s: float = EVICT_TIMEOUT_S
+    ) -> tuple[list[list[dict[str, Any]]], float]:
         """`POST /admin/cache/evict` with `params` until `artifact_id` is among the resident
         models dropped (the entries with `"tier": "resident"`). Returns every answer, one per
         call, and the seconds it took.
@@ -230,12 +230,13 @@ class TesseraClient:
         deadline = t0 + timeout_s
         answers: list[list[dict[str, Any]]] = []
         while True:
-            answer = list(self.http.post("/admin/cache/evict", params=params, timeout=30)
-                          .raise_for_status().json())
+            answer = list(self.http.post("/admin/cache/evict", params=params, timeout=30).raise_for_status().json())
             answers.append(answer)
             if artifact_id in resident_ids(answer):
                 return answers, time.monotonic() - t0
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"artifact {artifact_id} not evicted within {timeout_s}s "
-                                   f"({len(answers)} calls, last answer {answer})")
+                raise TimeoutError(
+                    f"artifact {artifact_id} not evicted within {timeout_s}s "
+                    f"({len(answers)} calls, last answer {answer})"
+                )
             time.sleep(0.1)

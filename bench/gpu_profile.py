@@ -24,12 +24,30 @@ from pathlib import Path
 from typing import Any
 
 SHAPES: dict[float, dict[str, int]] = {
-    3.0: {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
-          "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256},
-    7.0: {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-          "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000},
-    13.0: {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
-           "num_key_value_heads": 40, "intermediate_size": 13824, "vocab_size": 32000},
+    3.0: {
+        "hidden_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+    },
+    7.0: {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+    },
+    13.0: {
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+    },
 }
 """The simulator's sizes (`bench.trace.SIZES_B`), as Llama configurations."""
 PREFILL_LENGTHS = (64, 256, 1024, 2048, 4096)
@@ -92,9 +110,9 @@ class _Llama:
                 a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
                 kc, vc = cache[i]
-                kc[:, :, at:at + n] = k
-                vc[:, :, at:at + n] = v
-                a = F.scaled_dot_product_attention(q, kc[:, :, :at + n], vc[:, :, :at + n], enable_gqa=True)
+                kc[:, :, at : at + n] = k
+                vc[:, :, at : at + n] = v
+                a = F.scaled_dot_product_attention(q, kc[:, :, : at + n], vc[:, :, : at + n], enable_gqa=True)
             x = x + a.transpose(1, 2).reshape(b, n, self.h) @ o_w
             gate, up = (self._norm(x) @ up_w).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ down_w
@@ -115,9 +133,13 @@ def measure(params_b: float) -> dict[str, Any]:
             for n in DECODE_LENGTHS:
                 if b * n > KV_TOKEN_BUDGET:
                     continue
-                cache = [(torch.zeros(b, model.kv_heads, n + 1, model.d, device="cuda", dtype=torch.bfloat16),
-                          torch.zeros(b, model.kv_heads, n + 1, model.d, device="cuda", dtype=torch.bfloat16))
-                         for _ in range(model.layers)]
+                cache = [
+                    (
+                        torch.zeros(b, model.kv_heads, n + 1, model.d, device="cuda", dtype=torch.bfloat16),
+                        torch.zeros(b, model.kv_heads, n + 1, model.d, device="cuda", dtype=torch.bfloat16),
+                    )
+                    for _ in range(model.layers)
+                ]
                 x = torch.randn(b, 1, model.h, device="cuda", dtype=torch.bfloat16)
                 # Captured as a CUDA graph, as serving engines run decode steps (vLLM): one
                 # launch rather than hundreds of small ones.
@@ -137,14 +159,25 @@ def compare(params_b: float, measured: dict[str, Any]) -> dict[str, Any]:
     from bench.sim import gpu_decode, gpu_prefill
 
     return {
-        "prefill": [{"input_tokens": n, "measured_s": round(s, 5),
-                     "sim_model_s": round(gpu_prefill(params_b, n), 5),
-                     "sim_over_measured": round(gpu_prefill(params_b, n) / s, 2)}
-                    for n, s in measured["prefill"]],
-        "decode": [{"batch": b, "mean_length": n, "measured_s": round(s, 5),
-                    "sim_model_s": round(gpu_decode(params_b, b, n), 5),
-                    "sim_over_measured": round(gpu_decode(params_b, b, n) / s, 2)}
-                   for b, n, s in measured["decode"]],
+        "prefill": [
+            {
+                "input_tokens": n,
+                "measured_s": round(s, 5),
+                "sim_model_s": round(gpu_prefill(params_b, n), 5),
+                "sim_over_measured": round(gpu_prefill(params_b, n) / s, 2),
+            }
+            for n, s in measured["prefill"]
+        ],
+        "decode": [
+            {
+                "batch": b,
+                "mean_length": n,
+                "measured_s": round(s, 5),
+                "sim_model_s": round(gpu_decode(params_b, b, n), 5),
+                "sim_over_measured": round(gpu_decode(params_b, b, n) / s, 2),
+            }
+            for b, n, s in measured["decode"]
+        ],
     }
 
 
@@ -171,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "note": "bf16, random weights, a Llama-shaped decoder in plain PyTorch (SDPA attention); "
-                "decode: one step over a KV cache of batch x mean_length tokens, as a CUDA graph; "
-                "medians of 5 after a warm-up",
+        "decode: one step over a KV cache of batch x mean_length tokens, as a CUDA graph; "
+        "medians of 5 after a warm-up",
         "models": {},
     }
     for size in (float(s) for s in args.sizes.split(",")):
@@ -190,8 +223,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     for name, m in result["models"].items():
         p = [x["sim_over_measured"] for x in m["prefill"]]
         d = [x["sim_over_measured"] for x in m["decode"]]
-        out[name] = {"prefill_sim_over_measured": [min(p), max(p)],
-                     "decode_sim_over_measured": [min(d), max(d)]}
+        out[name] = {"prefill_sim_over_measured": [min(p), max(p)], "decode_sim_over_measured": [min(d), max(d)]}
     return {"device": result["device"], "models": out}
 
 

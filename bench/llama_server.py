@@ -42,9 +42,14 @@ ENV_VAR = "TESSERA_LLAMA_SERVER"
 # AMX off (the prebuilt code paths die here), AVX2 on, no curl (models are local files),
 # static libraries so the binary is self-contained once copied into the cache.
 BASE_FLAGS = (
-    "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-    "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX2=ON",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
 )
 # What ggml's AVX-512 variant compiles with (-mavx512f/cd/vl/dq/bw): all of them, or it is off.
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"})
@@ -90,8 +95,19 @@ def download_source(dest: Path) -> Path:
     # only; with `:all:` pip also builds every build dependency of the sdist's metadata step
     # (scikit-build-core, hatchling, ...) from source, which takes minutes for nothing.
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
-         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+            "-d",
+            str(dest),
+        ],
         check=True,
     )
     (sdist,) = dest.glob("llama_cpp_python-*.tar.gz")
@@ -105,8 +121,7 @@ def build(source: Path) -> Path:
     """Configure and build only the `llama-server` target; returns the built binary."""
     build_dir = source / "build"
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *cmake_flags()], check=True)
-    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{BUILD_JOBS}"],
-                   check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{BUILD_JOBS}"], check=True)
     binary = build_dir / "bin" / "llama-server"
     if not binary.is_file():
         raise RuntimeError(f"the build produced no {binary}")
@@ -146,8 +161,10 @@ def ensure_llama_server() -> Path:
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"building llama-server needs {tool} on PATH")
-    log(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s llama.cpp "
-        f"(takes minutes) into {target}")
+    log(
+        f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s llama.cpp "
+        f"(takes minutes) into {target}"
+    )
     with tempfile.TemporaryDirectory(prefix="tessera-llama-build-") as tmp:
         install(build(download_source(Path(tmp))), target)
     log(f"built {target}")
@@ -166,14 +183,26 @@ class LlamaServer:
     Split in three so that a cold-start measurement can time the spawn and the load apart;
     as a context manager it starts, waits and always stops."""
 
-    def __init__(self, gguf: Path | str, *, threads: int, ctx: int, parallel: int,
-                 extra: Sequence[str] = ()) -> None:
+    def __init__(self, gguf: Path | str, *, threads: int, ctx: int, parallel: int, extra: Sequence[str] = ()) -> None:
         self.binary = ensure_llama_server()
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [str(self.binary), "-m", str(gguf), "-t", str(threads), "-c", str(ctx),
-                    "--parallel", str(parallel), "--host", "127.0.0.1", "--port", str(self.port),
-                    *extra]
+        self.cmd = [
+            str(self.binary),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-c",
+            str(ctx),
+            "--parallel",
+            str(parallel),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.TemporaryFile()
 
@@ -183,8 +212,9 @@ class LlamaServer:
         return self.proc.pid
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
 
     def wait_ready(self, timeout_s: float = 120.0, http: httpx.Client | None = None) -> None:
         """Poll `/health` until it answers 200 (503 while loading; refused before it listens);
@@ -231,8 +261,9 @@ class LlamaServer:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

@@ -48,8 +48,13 @@ DRAIN_S = 60.0
 
 
 async def one(http: httpx.AsyncClient, model: str, t0: float) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": "Say something about rivers."}],
-            "max_tokens": TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say something about rivers."}],
+        "max_tokens": TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     out: dict[str, Any] = {"model": model, "at_s": sent - t0}
     first = last = None
@@ -125,8 +130,7 @@ async def drive(base_url: str, clients: int, duration_s: float) -> tuple[list[di
     return results, started, time.perf_counter() - t0
 
 
-def summarize(results: list[dict[str, Any]], started: int, cold_times: list[tuple[float, float]]
-              ) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], started: int, cold_times: list[tuple[float, float]]) -> dict[str, Any]:
     done = [r for r in results if r["kind"] == "completed" and "ttft_s" in r]
 
     def in_cold_start(r: dict[str, Any]) -> bool:
@@ -187,25 +191,38 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as home:
         # Admission refuses what would be far past its SLO (429) instead of queueing it.
-        cluster = LocalCluster(home=Path(home), env={"TESSERA_KEEP_ALIVE_CHECK_S": "0.25",
-                                                     "TESSERA_REJECT_OVER_SLO": "4"})
+        cluster = LocalCluster(
+            home=Path(home), env={"TESSERA_KEEP_ALIVE_CHECK_S": "0.25", "TESSERA_REJECT_OVER_SLO": "4"}
+        )
         try:
             cluster.start(timeout_s=120)
             for name, keep in MODELS:
-                httpx.post(f"{cluster.base_url}/admin/models", timeout=900, json={
-                    "name": name, "source": str(default_model_path()), "keep_alive_s": keep}).raise_for_status()
+                httpx.post(
+                    f"{cluster.base_url}/admin/models",
+                    timeout=900,
+                    json={"name": name, "source": str(default_model_path()), "keep_alive_s": keep},
+                ).raise_for_status()
             # Warm-up, not measured: each model starts and the engine reports the measurements
             # the scheduler's performance model (and so its admission) is fitted from.
             for name, _ in MODELS:
                 for _ in range(3):
-                    httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=120, json={
-                        "model": name, "max_tokens": TOKENS,
-                        "messages": [{"role": "user", "content": "Say something about rivers."}]}).raise_for_status()
+                    httpx.post(
+                        f"{cluster.base_url}/v1/chat/completions",
+                        timeout=120,
+                        json={
+                            "model": name,
+                            "max_tokens": TOKENS,
+                            "messages": [{"role": "user", "content": "Say something about rivers."}],
+                        },
+                    ).raise_for_status()
             log(f"{args.clients} clients for {args.duration:.0f}s at {cluster.base_url}")
             before = time.time()
             results, started, wall = asyncio.run(drive(cluster.base_url, args.clients, args.duration))
-            starts = [s for s in httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json()
-                      if s["started_at"] >= before]
+            starts = [
+                s
+                for s in httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json()
+                if s["started_at"] >= before
+            ]
         finally:
             cluster.stop()
     t_begin = before
@@ -217,12 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration,
         "wall_s": wall,
         "max_tokens": TOKENS,
-        "cold_starts": [{"model": s["model"], "source": s.get("source"), "total_s": s["total_s"],
-                         "at_s": s["started_at"] - t_begin} for s in starts],
+        "cold_starts": [
+            {"model": s["model"], "source": s.get("source"), "total_s": s["total_s"], "at_s": s["started_at"] - t_begin}
+            for s in starts
+        ],
         "targets": {
             "lost": {"value": summary["lost"], "target": "== 0", "pass": summary["lost"] == 0},
-            "warm_ttft_p99_over_p50": {"value": summary["warm_ttft_p99_over_p50"], "target": "<= 2",
-                                       "pass": (summary["warm_ttft_p99_over_p50"] or 99) <= 2},
+            "warm_ttft_p99_over_p50": {
+                "value": summary["warm_ttft_p99_over_p50"],
+                "target": "<= 2",
+                "pass": (summary["warm_ttft_p99_over_p50"] or 99) <= 2,
+            },
         },
         "machine": machine_info(load_before),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -110,9 +110,16 @@ class Client(TesseraClient):
     """The client, with registration and the eviction of B's caches."""
 
     def register(self, name: str, source: Path, keep_alive_s: float) -> dict[str, Any]:
-        r = self.http.post("/admin/models", timeout=REGISTER_TIMEOUT_S, json={
-            "name": name, "source": str(source), "keep_alive_s": keep_alive_s, "tpot_slo_s": A_TPOT_SLO_S,
-        })
+        r = self.http.post(
+            "/admin/models",
+            timeout=REGISTER_TIMEOUT_S,
+            json={
+                "name": name,
+                "source": str(source),
+                "keep_alive_s": keep_alive_s,
+                "tpot_slo_s": A_TPOT_SLO_S,
+            },
+        )
         if r.status_code != 201:
             raise RuntimeError(f"registering {name}: HTTP {r.status_code}: {r.text[:500]}")
         return dict(r.json())
@@ -121,24 +128,36 @@ class Client(TesseraClient):
         """`POST /admin/cache/evict?tier=all` for B's artifact until its resident copy is among
         those dropped (right after scale-to-zero the engine may still be releasing it)."""
         answers, evict_s = self.evict_until(artifact_id, {"tier": "all", "artifact_id": artifact_id})
-        return {"calls": len(answers), "evict_s": evict_s,
-                "freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in answers[-1])}
+        return {
+            "calls": len(answers),
+            "evict_s": evict_s,
+            "freed_bytes": sum(int(e.get("freed_bytes", 0)) for e in answers[-1]),
+        }
 
 
-def stream(http: httpx.Client, model: str, prompt: str, max_tokens: int, ignore_eos: bool,
-           on_chunk: Any = None) -> dict[str, Any]:
+def stream(
+    http: httpx.Client, model: str, prompt: str, max_tokens: int, ignore_eos: bool, on_chunk: Any = None
+) -> dict[str, Any]:
     """One streamed chat request: perf_counter arrival time of every content chunk."""
     res = stream_chat(http, chat_body(model, prompt, max_tokens, ignore_eos), on_chunk, label=model)
     sent, arrivals = res["sent"], res["arrivals"]
-    return {"sent": sent, "sent_wall": res["sent_wall"], "arrivals": arrivals, "ttft_s": arrivals[0] - sent,
-            "completion_tokens": int((res["usage"] or {}).get("completion_tokens", 0))}
+    return {
+        "sent": sent,
+        "sent_wall": res["sent_wall"],
+        "arrivals": arrivals,
+        "ttft_s": arrivals[0] - sent,
+        "completion_tokens": int((res["usage"] or {}).get("completion_tokens", 0)),
+    }
 
 
 def gap_stats(gaps: list[float], prefix: str) -> dict[str, Any]:
     if not gaps:
         return {f"{prefix}_p50_s": None, f"{prefix}_p99_s": None, f"{prefix}_max_s": None}
-    return {f"{prefix}_p50_s": percentile(gaps, 50), f"{prefix}_p99_s": percentile(gaps, 99),
-            f"{prefix}_max_s": max(gaps)}
+    return {
+        f"{prefix}_p50_s": percentile(gaps, 50),
+        f"{prefix}_p99_s": percentile(gaps, 99),
+        f"{prefix}_max_s": max(gaps),
+    }
 
 
 # --- one repetition ------------------------------------------------------------------------------
@@ -206,10 +225,14 @@ def repetition(client: Client, b_artifact: str) -> dict[str, Any]:
         "a_outlived_start": t[-1] > b_first,
         "b_cold_ttft_s": b["ttft_s"],
         "b_start_interval_s": b_first - b_sent,
-        "b_coldstart": {"source": record.get("source"), "total_s": record.get("total_s"),
-                        "loaded_from_cache": record.get("loaded_from_cache"),
-                        "stage_s": record.get("stage_s"), "worker_load_s": record.get("worker_load_s"),
-                        "phases": {p: record["phases"].get(f"{p}_s") for p in PHASES}},
+        "b_coldstart": {
+            "source": record.get("source"),
+            "total_s": record.get("total_s"),
+            "loaded_from_cache": record.get("loaded_from_cache"),
+            "stage_s": record.get("stage_s"),
+            "worker_load_s": record.get("worker_load_s"),
+            "phases": {p: record["phases"].get(f"{p}_s") for p in PHASES},
+        },
         "baseline_chunks": len(base["arrivals"]),
         "baseline_completion_tokens": base["completion_tokens"],
         "contended_chunks": len(t),
@@ -218,9 +241,12 @@ def repetition(client: Client, b_artifact: str) -> dict[str, Any]:
         "b_evicted": evicted,
         "busy_before": quiet,
         # For the plot: A's gaps on A's clock (0 = A's request sent), and B's start interval.
-        "_series": {"t_s": [round(x - a["sent"], 5) for x in t[1:]],
-                    "gap_s": [round(t[i] - t[i - 1], 5) for i in range(1, len(t))],
-                    "b_start_s": round(b_sent - a["sent"], 5), "b_first_s": round(b_first - a["sent"], 5)},
+        "_series": {
+            "t_s": [round(x - a["sent"], 5) for x in t[1:]],
+            "gap_s": [round(t[i] - t[i - 1], 5) for i in range(1, len(t))],
+            "b_start_s": round(b_sent - a["sent"], 5),
+            "b_first_s": round(b_first - a["sent"], 5),
+        },
     }
     p50b, p50d = rep["a_tpot_baseline_p50_s"], rep["a_tpot_during_start_p50_s"]
     rep["a_slowdown_p50"] = p50d / p50b if p50d is not None and p50b else None
@@ -237,8 +263,11 @@ def repetition(client: Client, b_artifact: str) -> dict[str, Any]:
 
 
 def bench_share(share: float, reps: int, store: Path, a_gguf: Path, b_gguf: Path) -> dict[str, Any]:
-    env = {"TESSERA_INFERENCE_THREADS": str(THREADS), "TESSERA_START_CPU_SHARE": str(share),
-           "TESSERA_STREAM_INTERVAL_S": "0"}
+    env = {
+        "TESSERA_INFERENCE_THREADS": str(THREADS),
+        "TESSERA_START_CPU_SHARE": str(share),
+        "TESSERA_STREAM_INTERVAL_S": "0",
+    }
     with tempfile.TemporaryDirectory(prefix="tessera-nostall-") as home:
         cluster = LocalCluster(home=Path(home), env=env, store=store)
         client: Client | None = None
@@ -253,15 +282,18 @@ def bench_share(share: float, reps: int, store: Path, a_gguf: Path, b_gguf: Path
             b_artifact = str(reg_b["artifact"]["artifact_id"])
             if b_artifact == reg_a["artifact"]["artifact_id"]:
                 raise RuntimeError("A and B share one artifact: B would not load anything")
-            log(f"registered A and B in {time.perf_counter() - t:.1f}s (converted: "
-                f"A {reg_a.get('converted')}, B {reg_b.get('converted')})")
+            log(
+                f"registered A and B in {time.perf_counter() - t:.1f}s (converted: "
+                f"A {reg_a.get('converted')}, B {reg_b.get('converted')})"
+            )
             stream(client.http, A_NAME, PROMPT, 8, False)  # A's first start: warm from here on
             stream(client.http, B_NAME, B_PROMPT, B_TOKENS, False)  # B's first start
             runs = []
             for i in range(reps):
                 rep = repetition(client, b_artifact)
                 runs.append(rep)
-                log(f"share {share} rep {i + 1}/{reps}: A tpot baseline p50 "
+                log(
+                    f"share {share} rep {i + 1}/{reps}: A tpot baseline p50 "
                     f"{rep['a_tpot_baseline_p50_s'] * 1e3:.1f} ms p99 {rep['a_tpot_baseline_p99_s'] * 1e3:.1f} ms;"
                     f" during B's start ({rep['a_chunks_during_start']} chunks) p50 "
                     f"{(rep['a_tpot_during_start_p50_s'] or 0) * 1e3:.1f} ms p99 "
@@ -269,15 +301,25 @@ def bench_share(share: float, reps: int, store: Path, a_gguf: Path, b_gguf: Path
                     f"{(rep['a_tpot_during_start_max_s'] or 0) * 1e3:.1f} ms; after max "
                     f"{(rep['a_tpot_after_start_max_s'] or 0) * 1e3:.1f} ms; B ttft "
                     f"{rep['b_cold_ttft_s']:.3f}s ({rep['b_coldstart']['source']}, phases "
-                    + ", ".join(f"{p} {v:.3f}" for p, v in rep["b_coldstart"]["phases"].items()) + ")")
+                    + ", ".join(f"{p} {v:.3f}" for p, v in rep["b_coldstart"]["phases"].items())
+                    + ")"
+                )
         finally:
             if client is not None:
                 client.close()
             cluster.stop()
-    return {"share": share, "runs": runs,
-            "registration": {"a_converted": reg_a.get("converted"), "b_converted": reg_b.get("converted"),
-                             "a_import_s": reg_a.get("import_s"), "b_import_s": reg_b.get("import_s"),
-                             "a_artifact_id": reg_a["artifact"]["artifact_id"], "b_artifact_id": b_artifact}}
+    return {
+        "share": share,
+        "runs": runs,
+        "registration": {
+            "a_converted": reg_a.get("converted"),
+            "b_converted": reg_b.get("converted"),
+            "a_import_s": reg_a.get("import_s"),
+            "b_import_s": reg_b.get("import_s"),
+            "a_artifact_id": reg_a["artifact"]["artifact_id"],
+            "b_artifact_id": b_artifact,
+        },
+    }
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -287,10 +329,20 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         xs = [r[key] for r in runs if r[key] is not None]
         return median(xs) if xs else None
 
-    keys = ("a_tpot_baseline_p50_s", "a_tpot_baseline_p99_s", "a_tpot_during_start_p50_s",
-            "a_tpot_during_start_p99_s", "a_tpot_during_start_max_s", "a_slowdown_p50",
-            "b_cold_ttft_s", "a_chunks_during_start", "a_tpot_before_start_p50_s",
-            "a_tpot_after_start_p50_s", "a_tpot_after_start_p99_s", "a_tpot_after_start_max_s")
+    keys = (
+        "a_tpot_baseline_p50_s",
+        "a_tpot_baseline_p99_s",
+        "a_tpot_during_start_p50_s",
+        "a_tpot_during_start_p99_s",
+        "a_tpot_during_start_max_s",
+        "a_slowdown_p50",
+        "b_cold_ttft_s",
+        "a_chunks_during_start",
+        "a_tpot_before_start_p50_s",
+        "a_tpot_after_start_p50_s",
+        "a_tpot_after_start_p99_s",
+        "a_tpot_after_start_max_s",
+    )
     out: dict[str, Any] = {"start_cpu_share": res["share"]}
     out.update({k: med(k) for k in keys})
     p99 = out["a_tpot_during_start_p99_s"]
@@ -299,8 +351,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     out["a_slo_met_during_start_reps"] = [r["a_slo_met_during_start"] for r in runs]
     i = median_index([r["b_cold_ttft_s"] for r in runs])
     out["b_coldstart"] = runs[i]["b_coldstart"]  # the start with the median TTFT
-    out["b_coldstart_phases_median"] = {
-        p: median([r["b_coldstart"]["phases"][p] for r in runs]) for p in PHASES}
+    out["b_coldstart_phases_median"] = {p: median([r["b_coldstart"]["phases"][p] for r in runs]) for p in PHASES}
     out["b_coldstart_sources"] = [r["b_coldstart"]["source"] for r in runs]
     out["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     out["registration"] = res["registration"]
@@ -325,18 +376,35 @@ def plot(results: list[dict[str, Any]], path: Path) -> dict[str, Any]:
         i = median_index([r["a_tpot_during_start_p99_s"] or 0.0 for r in runs])
         s = runs[i]["_series"]
         plotted[str(res["share"])] = {"rep": i + 1, **s}
-        ax.axvspan(s["b_start_s"], s["b_first_s"], color="#fdae6b", alpha=0.45,
-                   label=f"B's cold start (sent → first token, {s['b_first_s'] - s['b_start_s']:.2f} s)")
-        ax.plot(s["t_s"], [g * 1e3 for g in s["gap_s"]], ".-", lw=0.6, ms=2.5, color="#3182bd",
-                label="A: gap between consecutive chunks")
-        ax.axhline(A_TPOT_SLO_S * 1e3, color="#de2d26", ls="--", lw=1.2, label=f"A's TPOT SLO ({A_TPOT_SLO_S * 1e3:.0f} ms)")
+        ax.axvspan(
+            s["b_start_s"],
+            s["b_first_s"],
+            color="#fdae6b",
+            alpha=0.45,
+            label=f"B's cold start (sent → first token, {s['b_first_s'] - s['b_start_s']:.2f} s)",
+        )
+        ax.plot(
+            s["t_s"],
+            [g * 1e3 for g in s["gap_s"]],
+            ".-",
+            lw=0.6,
+            ms=2.5,
+            color="#3182bd",
+            label="A: gap between consecutive chunks",
+        )
+        ax.axhline(
+            A_TPOT_SLO_S * 1e3, color="#de2d26", ls="--", lw=1.2, label=f"A's TPOT SLO ({A_TPOT_SLO_S * 1e3:.0f} ms)"
+        )
         ax.set_yscale("log")
         ax.set_ylabel("A per-token gap (ms)")
         r = runs[i]
         p99 = r["a_tpot_during_start_p99_s"]
-        ax.set_title(f"TESSERA_START_CPU_SHARE={res['share']:g} (rep {i + 1}): during B's start p50 "
-                     f"{(r['a_tpot_during_start_p50_s'] or 0) * 1e3:.1f} ms, p99 {(p99 or 0) * 1e3:.1f} ms; "
-                     f"baseline p50 {r['a_tpot_baseline_p50_s'] * 1e3:.1f} ms", fontsize=10)
+        ax.set_title(
+            f"TESSERA_START_CPU_SHARE={res['share']:g} (rep {i + 1}): during B's start p50 "
+            f"{(r['a_tpot_during_start_p50_s'] or 0) * 1e3:.1f} ms, p99 {(p99 or 0) * 1e3:.1f} ms; "
+            f"baseline p50 {r['a_tpot_baseline_p50_s'] * 1e3:.1f} ms",
+            fontsize=10,
+        )
         ax.grid(alpha=0.3, which="both")
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since A's request was sent")
@@ -382,19 +450,33 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "model_a": a_gguf.name,
         "model_b": f"{a_gguf.name} + {VARIANT_SUFFIX!r} appended: a different artifact with the "
-                   "same weights, a stand-in for a fine-tune of A",
+        "same weights, a stand-in for a fine-tune of A",
         "by_share": {str(s["start_cpu_share"]): s for s in summary},
         "plot_series": plotted,
         "settings": {
             "start_cpu_shares": shares,
             "reps": args.reps,
-            "env": {"TESSERA_INFERENCE_THREADS": str(THREADS), "TESSERA_STREAM_INTERVAL_S": "0",
-                    "TESSERA_START_CPU_SHARE": "per share"},
-            "a": {"keep_alive_s": A_KEEP_ALIVE_S, "tpot_slo_s": A_TPOT_SLO_S, "prompt": PROMPT,
-                  "baseline_max_tokens": BASELINE_TOKENS, "contended_max_tokens": CONTENDED_TOKENS,
-                  "ignore_eos": True, "temperature": 0},
-            "b": {"keep_alive_s": B_KEEP_ALIVE_S, "prompt": B_PROMPT, "max_tokens": B_TOKENS,
-                  "sent_after_a_chunks": TRIGGER_CHUNKS, "evict_before_each": "tier=all (B's artifact)"},
+            "env": {
+                "TESSERA_INFERENCE_THREADS": str(THREADS),
+                "TESSERA_STREAM_INTERVAL_S": "0",
+                "TESSERA_START_CPU_SHARE": "per share",
+            },
+            "a": {
+                "keep_alive_s": A_KEEP_ALIVE_S,
+                "tpot_slo_s": A_TPOT_SLO_S,
+                "prompt": PROMPT,
+                "baseline_max_tokens": BASELINE_TOKENS,
+                "contended_max_tokens": CONTENDED_TOKENS,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+            "b": {
+                "keep_alive_s": B_KEEP_ALIVE_S,
+                "prompt": B_PROMPT,
+                "max_tokens": B_TOKENS,
+                "sent_after_a_chunks": TRIGGER_CHUNKS,
+                "evict_before_each": "tier=all (B's artifact)",
+            },
             "during_start": "A's gaps whose chunk arrived in [B request sent, B first content chunk]",
             "percentiles": "linear between closest ranks",
         },

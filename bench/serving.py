@@ -243,8 +243,7 @@ class RssSampler:
 # --- clients over HTTP (Tessera's gateway, llama-server) -----------------------------------------
 
 
-async def stream_request(http: httpx.AsyncClient, body: dict[str, Any],
-                         chat: ChatStream | None = None) -> Outcome:
+async def stream_request(http: httpx.AsyncClient, body: dict[str, Any], chat: ChatStream | None = None) -> Outcome:
     """One streamed chat completion, timed from just before it is sent. `chat` (given by the
     caller) lets a caller that cancels it see the tokens so far."""
     chat = chat or ChatStream()
@@ -268,8 +267,9 @@ async def stream_request(http: httpx.AsyncClient, body: dict[str, Any],
     return timed_outcome(sent, chat.arrivals, tokens)
 
 
-async def client_loop(http: httpx.AsyncClient, model: str, index: int, more: Callable[[], bool],
-                      out: list[Outcome]) -> None:
+async def client_loop(
+    http: httpx.AsyncClient, model: str, index: int, more: Callable[[], bool], out: list[Outcome]
+) -> None:
     """One client: requests back to back while `more()`; after a 429/503 it waits the
     `Retry-After` it was given, as a polite client does."""
     k = 0
@@ -279,7 +279,7 @@ async def client_loop(http: httpx.AsyncClient, model: str, index: int, more: Cal
         out.append(outcome)
         k += 1
         wake = time.perf_counter() + outcome.retry_after_s
-        while more() and time.perf_counter() < wake:  # no wait past the run's end
+        while more() and time.perf_counter() < wake:  # noqa: ASYNC110 (no wait past the run's end)
             await asyncio.sleep(0.05)
 
 
@@ -295,8 +295,9 @@ async def http_run(base_url: str, model: str, clients: int, duration_s: float, l
         if long_tokens:
             started = asyncio.Event()
             long_chat.on_chunk = lambda n: started.set()
-            long_task = asyncio.create_task(stream_request(
-                http, chat_body(model, PROMPTS[0], long_tokens, ignore_eos=True), long_chat))
+            long_task = asyncio.create_task(
+                stream_request(http, chat_body(model, PROMPTS[0], long_tokens, ignore_eos=True), long_chat)
+            )
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({long_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -325,8 +326,9 @@ async def finish_long(task: asyncio.Task[Outcome] | None, chat: ChatStream) -> O
     return Outcome("running", len(chat.arrivals))
 
 
-def bench_http(base_url: str, model: str, levels: list[int], duration_s: float,
-               pids: Callable[[], Iterable[int]], label: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def bench_http(
+    base_url: str, model: str, levels: list[int], duration_s: float, pids: Callable[[], Iterable[int]], label: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every concurrency level, then the mixed run (alone, then with the long request)."""
     out: dict[str, Any] = {}
     for c in levels:
@@ -346,15 +348,19 @@ def log_level(label: str, clients: int, s: dict[str, Any]) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f}ms"
 
-    log(f"{label} c={clients}: {s['tok_s'] or 0:.0f} tok/s, {s['completed']}/{s['requests']} ok, "
+    log(
+        f"{label} c={clients}: {s['tok_s'] or 0:.0f} tok/s, {s['completed']}/{s['requests']} ok, "
         f"ttft p50 {ms(s['ttft_p50_s'])} p99 {ms(s['ttft_p99_s'])}, tpot p50 {ms(s['tpot_p50_s'])} "
         f"p99 {ms(s['tpot_p99_s'])}, errors {s['errors']}, not {MAX_TOKENS} tokens: "
-        f"{s['outputs_not_full']}, peak rss {(s['peak_rss_bytes'] or 0) / 2**20:.0f} MiB")
+        f"{s['outputs_not_full']}, peak rss {(s['peak_rss_bytes'] or 0) / 2**20:.0f} MiB"
+    )
 
 
 def log_mixed(label: str, m: dict[str, Any]) -> None:
-    log(f"{label} mixed: short ttft p99 {m['short_ttft_p99_s']} s with the long one, "
-        f"{m['short_ttft_p99_alone_s']} s alone; long {m['long']}")
+    log(
+        f"{label} mixed: short ttft p99 {m['short_ttft_p99_s']} s with the long one, "
+        f"{m['short_ttft_p99_alone_s']} s alone; long {m['long']}"
+    )
 
 
 # --- Tessera -------------------------------------------------------------------------------------
@@ -362,8 +368,12 @@ def log_mixed(label: str, m: dict[str, Any]) -> None:
 
 def register(cluster: LocalCluster, gguf: Path) -> dict[str, Any]:
     """Register the model (this converts the GGUF into the store; not measured)."""
-    r = httpx.post(f"{cluster.base_url}/admin/models", headers=cluster.admin_headers, timeout=900,
-                   json={"name": MODEL_NAME, "source": str(gguf), **TESSERA_REGISTRATION})
+    r = httpx.post(
+        f"{cluster.base_url}/admin/models",
+        headers=cluster.admin_headers,
+        timeout=900,
+        json={"name": MODEL_NAME, "source": str(gguf), **TESSERA_REGISTRATION},
+    )
     r.raise_for_status()
     return dict(r.json())
 
@@ -388,8 +398,7 @@ def _on_core(cluster: LocalCluster) -> bool:
     return any(i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
 
 
-def bench_tessera(cluster: LocalCluster, reg: dict[str, Any], levels: list[int],
-                  duration_s: float) -> Measured:
+def bench_tessera(cluster: LocalCluster, reg: dict[str, Any], levels: list[int], duration_s: float) -> Measured:
     """Through the gateway; memory = the engine service's worker processes."""
     warm(cluster.base_url, MODEL_NAME, "tessera")
     # Steady state is what is compared: a start serves its first requests on the start tier
@@ -398,8 +407,9 @@ def bench_tessera(cluster: LocalCluster, reg: dict[str, Any], levels: list[int],
     while not _on_core(cluster) and time.monotonic() < deadline:
         time.sleep(0.2)  # sync-ok: polling a condition with a deadline
     engine_pid = cluster.procs["engine@node-0"].pid
-    by_level, mixed = bench_http(cluster.base_url, MODEL_NAME, levels, duration_s,
-                                 lambda: descendants(engine_pid), "tessera")
+    by_level, mixed = bench_http(
+        cluster.base_url, MODEL_NAME, levels, duration_s, lambda: descendants(engine_pid), "tessera"
+    )
     return by_level, mixed, {"registration": {k: reg.get(k) for k in ("name", *TESSERA_REGISTRATION)}}
 
 
@@ -421,8 +431,7 @@ def bench_llama_server(gguf: Path, levels: list[int], duration_s: float) -> Meas
     with LlamaServer(gguf, threads=THREADS, ctx=ctx, parallel=parallel, extra=extra) as server:
         log(f"llama-server up: {' '.join(server.cmd)}")
         warm(server.base_url, "gguf", "llama_server")
-        by_level, mixed = bench_http(server.base_url, "gguf", levels, duration_s,
-                                     lambda: [server.pid], "llama_server")
+        by_level, mixed = bench_http(server.base_url, "gguf", levels, duration_s, lambda: [server.pid], "llama_server")
     return by_level, mixed, {"cmd": server.cmd, "version": LLAMA_CPP_PYTHON_VERSION}
 
 
@@ -486,15 +495,13 @@ class PipelineLoop:
 
         self.ov_genai = ov_genai
         tok = ov_genai.Tokenizer(ir)
-        chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                 for p in PROMPTS]
+        chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
         self.prompts = [tok.encode(c).input_ids for c in chats]  # as Tessera's gateway encodes
         self.sched = ov_genai.SchedulerConfig()
         self.sched.enable_prefix_caching = True
         self.sched.cache_size = 0
         self.sched.num_kv_blocks = kv_blocks(max(int(p.shape[1]) for p in self.prompts), kv_clients)
-        self.pipe = ov_genai.ContinuousBatchingPipeline(ir, self.sched, "CPU",
-                                                        {"INFERENCE_NUM_THREADS": THREADS})
+        self.pipe = ov_genai.ContinuousBatchingPipeline(ir, self.sched, "CPU", {"INFERENCE_NUM_THREADS": THREADS})
         self.running = ov_genai.py_openvino_genai.GenerationStatus.RUNNING
         self.short_cfg = self.config(MAX_TOKENS)
         self.live: dict[int, Live] = {}
@@ -564,10 +571,14 @@ class PipelineLoop:
                 self.pipe.step()
         for o in outcomes:  # perf_counter of this process: relative to the run's start
             o.arrivals = [t - t0 for t in o.arrivals]
-        return {"outcomes": [dataclasses.asdict(o) for o in outcomes], "wall_s": end - t0,
-                "window_s": duration_s,
-                "long": dataclasses.asdict(dataclasses.replace(long_outcome, arrivals=[])) if long_outcome else None,
-                "scheduler": self.sched.to_string(), "kv_blocks": self.sched.num_kv_blocks}
+        return {
+            "outcomes": [dataclasses.asdict(o) for o in outcomes],
+            "wall_s": end - t0,
+            "window_s": duration_s,
+            "long": dataclasses.asdict(dataclasses.replace(long_outcome, arrivals=[])) if long_outcome else None,
+            "scheduler": self.sched.to_string(),
+            "kv_blocks": self.sched.num_kv_blocks,
+        }
 
 
 def pipeline_driver(spec: dict[str, Any]) -> dict[str, Any]:
@@ -579,16 +590,27 @@ def pipeline_driver(spec: dict[str, Any]) -> dict[str, Any]:
     return loop.serve(spec["clients"], spec["duration_s"], spec["long_tokens"])
 
 
-def run_pipeline(ir: Path, clients: int, duration_s: float, kv_clients: int, long_tokens: int = 0
-                 ) -> tuple[Run, dict[str, Any]]:
+def run_pipeline(
+    ir: Path, clients: int, duration_s: float, kv_clients: int, long_tokens: int = 0
+) -> tuple[Run, dict[str, Any]]:
     """One run in a fresh process; its memory is sampled from READY (after load and warm-up,
     as the other systems' are) to its exit."""
-    spec = {"ir": str(ir), "clients": clients, "duration_s": duration_s, "kv_clients": kv_clients,
-            "long_tokens": long_tokens}
+    spec = {
+        "ir": str(ir),
+        "clients": clients,
+        "duration_s": duration_s,
+        "kv_clients": kv_clients,
+        "long_tokens": long_tokens,
+    }
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "bench.serving", "--pipeline-driver", json.dumps(spec)],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.serving", "--pipeline-driver", json.dumps(spec)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -605,8 +627,14 @@ def run_pipeline(ir: Path, clients: int, duration_s: float, kv_clients: int, lon
             proc.wait()
     answer = json.loads(rest.strip().splitlines()[-1])
     long = Outcome(**answer["long"]) if answer["long"] else None
-    run = Run([Outcome(**o) for o in answer["outcomes"]], answer["wall_s"], long, rss.peak,
-              t0=0.0, window_s=answer["window_s"])
+    run = Run(
+        [Outcome(**o) for o in answer["outcomes"]],
+        answer["wall_s"],
+        long,
+        rss.peak,
+        t0=0.0,
+        window_s=answer["window_s"],
+    )
     return run, {"scheduler": answer["scheduler"], "kv_blocks": answer["kv_blocks"]}
 
 
@@ -643,10 +671,8 @@ def ratios(res: dict[str, Any]) -> dict[str, float | None]:
     return {
         "tessera_over_pipeline_tok_s_c32": ratio(get("tessera", 32, "tok_s"), get("pipeline", 32, "tok_s")),
         "tessera_over_pipeline_tok_s_c64": ratio(get("tessera", 64, "tok_s"), get("pipeline", 64, "tok_s")),
-        "tessera_over_llama_server_tok_s_c32": ratio(get("tessera", 32, "tok_s"),
-                                                     get("llama_server", 32, "tok_s")),
-        "tessera_over_pipeline_tpot_p50_c1": ratio(get("tessera", 1, "tpot_p50_s"),
-                                                   get("pipeline", 1, "tpot_p50_s")),
+        "tessera_over_llama_server_tok_s_c32": ratio(get("tessera", 32, "tok_s"), get("llama_server", 32, "tok_s")),
+        "tessera_over_pipeline_tpot_p50_c1": ratio(get("tessera", 1, "tpot_p50_s"), get("pipeline", 1, "tpot_p50_s")),
     }
 
 
@@ -669,12 +695,13 @@ def targets(res: dict[str, Any], r: dict[str, float | None]) -> dict[str, Any]:
         "tessera_over_pipeline_c32": at_least(r["tessera_over_pipeline_tok_s_c32"], 0.9),
         "tessera_over_pipeline_c64": at_least(r["tessera_over_pipeline_tok_s_c64"], 0.9),
         "tessera_over_llama_server_c32": at_least(r["tessera_over_llama_server_tok_s_c32"], 3.0),
-        "tessera_429_5xx": {"value": refused, "target": "== 0",
-                            "pass": None if refused is None else refused == 0},
-        "mixed_short_ttft_p99_ratio": {"value": mixed.get("ratio"), "target": "<= 2",
-                                       "pass": None if mixed.get("ratio") is None else mixed["ratio"] <= 2},
-        "tpot_c1_within_10pct": {"value": tpot, "target": "<= 1.1",
-                                 "pass": None if tpot is None else tpot <= 1.1},
+        "tessera_429_5xx": {"value": refused, "target": "== 0", "pass": None if refused is None else refused == 0},
+        "mixed_short_ttft_p99_ratio": {
+            "value": mixed.get("ratio"),
+            "target": "<= 2",
+            "pass": None if mixed.get("ratio") is None else mixed["ratio"] <= 2,
+        },
+        "tpot_c1_within_10pct": {"value": tpot, "target": "<= 1.1", "pass": None if tpot is None else tpot <= 1.1},
     }
 
 
@@ -684,8 +711,11 @@ def plot(res: dict[str, Any], levels: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"tessera": "Tessera (gateway)", "pipeline": "ContinuousBatchingPipeline (one process)",
-              "llama_server": f"llama-server --parallel {LLAMA_PARALLEL}"}
+    labels = {
+        "tessera": "Tessera (gateway)",
+        "pipeline": "ContinuousBatchingPipeline (one process)",
+        "llama_server": f"llama-server --parallel {LLAMA_PARALLEL}",
+    }
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for system in SYSTEMS:
         by_c = res.get(system) or {}
@@ -721,8 +751,9 @@ def run_systems(systems: list[str], levels: list[int], duration_s: float, home: 
     res: dict[str, Any] = {"mixed": {}, "setup": {}, "failed": {}}
     ir: Path | None = None
     if "tessera" in systems or "pipeline" in systems:
-        cluster = LocalCluster(home=home / "home", store=home / "store",
-                               env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV})
+        cluster = LocalCluster(
+            home=home / "home", store=home / "store", env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV}
+        )
         try:
             cluster.start(timeout_s=120.0)
             reg = register(cluster, gguf)
@@ -748,30 +779,51 @@ STRUCTURED_CLIENTS = 8
 STRUCTURED_MAX_TOKENS = 160
 STRUCTURED_SCHEMA = {
     "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 80}, "mood": {"type": "string", "enum": ["calm", "busy", "sad", "happy"]},
-                   "lines": {"type": "integer"}},
-    "required": ["title", "mood", "lines"], "additionalProperties": False,
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "mood": {"type": "string", "enum": ["calm", "busy", "sad", "happy"]},
+        "lines": {"type": "integer"},
+    },
+    "required": ["title", "mood", "lines"],
+    "additionalProperties": False,
 }
 
 
-async def structured_load(base_url: str, model: str, duration_s: float, schema: dict[str, Any] | None,
-                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+async def structured_load(
+    base_url: str, model: str, duration_s: float, schema: dict[str, Any] | None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """STRUCTURED_CLIENTS clients back to back (non-streamed, greedy, same prompts), with the
     JSON schema enforced or not: completion tokens per second of the run, and the share of
     answers that parse and validate against the schema."""
     import jsonschema_rs
 
-    body_format = {} if schema is None else {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "poem", "schema": schema, "strict": True}}}
+    body_format = (
+        {}
+        if schema is None
+        else {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "poem", "schema": schema, "strict": True},
+            }
+        }
+    )
     done: list[tuple[int, bool]] = []
     errors: Counter[str] = Counter()
 
     async def client(http: httpx.AsyncClient, index: int, deadline: float) -> None:
         k = 0
         while time.perf_counter() < deadline:
-            prompt = PROMPTS[(index + k) % len(PROMPTS)] + " Answer as JSON with a title, a mood and the number of lines."
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                    "max_tokens": STRUCTURED_MAX_TOKENS, **body_format, **(extra or {})}
+            prompt = (
+                PROMPTS[(index + k) % len(PROMPTS)] + " Answer as JSON with a title, a mood and the number of lines."
+            )
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "max_tokens": STRUCTURED_MAX_TOKENS,
+                **body_format,
+                **(extra or {}),
+            }
             k += 1
             r = await http.post("/v1/chat/completions", json=body)
             if r.status_code != 200:
@@ -790,17 +842,23 @@ async def structured_load(base_url: str, model: str, duration_s: float, schema: 
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http, i, t0 + duration_s) for i in range(STRUCTURED_CLIENTS)))
         wall = time.perf_counter() - t0
-    return {"tok_s": round(sum(n for n, _ in done) / wall, 1), "requests": len(done), "tokens": sum(n for n, _ in done),
-            "valid_share": round(sum(v for _, v in done) / len(done), 3) if done else None,
-            "errors": dict(errors), "wall_s": round(wall, 2)}
+    return {
+        "tok_s": round(sum(n for n, _ in done) / wall, 1),
+        "requests": len(done),
+        "tokens": sum(n for n, _ in done),
+        "valid_share": round(sum(v for _, v in done) / len(done), 3) if done else None,
+        "errors": dict(errors),
+        "wall_s": round(wall, 2),
+    }
 
 
 def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
     """Tessera at c=STRUCTURED_CLIENTS: json_schema, plain answers of the same length, json_schema
     again (`tok_s` is the mean of the two), then what logprobs cost: the chosen token's, and
     with 5 alternatives."""
-    cluster = LocalCluster(home=home / "home", store=home / "store",
-                           env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV})
+    cluster = LocalCluster(
+        home=home / "home", store=home / "store", env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV}
+    )
     try:
         cluster.start(timeout_s=120.0)
         register(cluster, default_model_path())
@@ -814,37 +872,54 @@ def bench_structured(duration_s: float, home: Path) -> dict[str, Any]:
         # the plain one against drift.
         first = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, STRUCTURED_SCHEMA))
         mean = max(1, round(first["tokens"] / max(first["requests"], 1)))
-        plain_run = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, None,
-                                                {"max_tokens": mean, "ignore_eos": True}))
+        plain_run = asyncio.run(
+            structured_load(cluster.base_url, MODEL_NAME, duration_s, None, {"max_tokens": mean, "ignore_eos": True})
+        )
         second = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, STRUCTURED_SCHEMA))
         # What logprobs cost, same load: the chosen token's (the library's, on the core), and
         # 5 alternatives (read from the logits on the stateful tier).
         # What logprobs cost, at the plain run's shape: the chosen token's (the library's, on
         # the core), and 5 alternatives (read from the logits on the stateful tier).
         shape = {"max_tokens": mean, "ignore_eos": True}
-        chosen = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, None,
-                                             {**shape, "logprobs": True}))
-        top5 = asyncio.run(structured_load(cluster.base_url, MODEL_NAME, duration_s, None,
-                                           {**shape, "logprobs": True, "top_logprobs": 5}))
+        chosen = asyncio.run(
+            structured_load(cluster.base_url, MODEL_NAME, duration_s, None, {**shape, "logprobs": True})
+        )
+        top5 = asyncio.run(
+            structured_load(
+                cluster.base_url, MODEL_NAME, duration_s, None, {**shape, "logprobs": True, "top_logprobs": 5}
+            )
+        )
     finally:
         cluster.stop()
     structured = (first["tok_s"] + second["tok_s"]) / 2
     plain = plain_run["tok_s"]
     valid = min(first["valid_share"] or 0.0, second["valid_share"] or 0.0)
     ratio = round(structured / plain, 3) if plain else None
-    out = {"tok_s": round(structured, 1), "plain_tok_s": plain, "valid_share": valid, "ratio": ratio,
-           "clients": STRUCTURED_CLIENTS, "max_tokens": STRUCTURED_MAX_TOKENS, "plain_max_tokens": mean,
-           "schema": STRUCTURED_SCHEMA,
-           "runs": {"structured_before": first, "plain": plain_run, "structured_after": second},
-           "targets": {"valid_share": {"value": valid, "target": "== 1.0"},
-                       "ratio": {"value": ratio, "target": ">= 0.8"}}}
-    out["logprobs"] = {"chosen_tok_s": chosen["tok_s"], "top5_tok_s": top5["tok_s"], "plain_tok_s": plain,
-                       "chosen_ratio": round(chosen["tok_s"] / plain, 3) if plain else None,
-                       "top5_ratio": round(top5["tok_s"] / plain, 3) if plain else None,
-                       "runs": {"chosen": chosen, "top5": top5}}
-    log(f"structured: {out['tok_s']} tok/s against plain {out['plain_tok_s']} ({out['ratio']}x), "
+    out = {
+        "tok_s": round(structured, 1),
+        "plain_tok_s": plain,
+        "valid_share": valid,
+        "ratio": ratio,
+        "clients": STRUCTURED_CLIENTS,
+        "max_tokens": STRUCTURED_MAX_TOKENS,
+        "plain_max_tokens": mean,
+        "schema": STRUCTURED_SCHEMA,
+        "runs": {"structured_before": first, "plain": plain_run, "structured_after": second},
+        "targets": {"valid_share": {"value": valid, "target": "== 1.0"}, "ratio": {"value": ratio, "target": ">= 0.8"}},
+    }
+    out["logprobs"] = {
+        "chosen_tok_s": chosen["tok_s"],
+        "top5_tok_s": top5["tok_s"],
+        "plain_tok_s": plain,
+        "chosen_ratio": round(chosen["tok_s"] / plain, 3) if plain else None,
+        "top5_ratio": round(top5["tok_s"] / plain, 3) if plain else None,
+        "runs": {"chosen": chosen, "top5": top5},
+    }
+    log(
+        f"structured: {out['tok_s']} tok/s against plain {out['plain_tok_s']} ({out['ratio']}x), "
         f"valid {out['valid_share']}; logprobs: chosen {out['logprobs']['chosen_ratio']}x, "
-        f"top 5 {out['logprobs']['top5_ratio']}x plain")
+        f"top 5 {out['logprobs']['top5_ratio']}x plain"
+    )
     return out
 
 
@@ -855,8 +930,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     ap.add_argument("--only", choices=SYSTEMS, help="run one system (writes serving-only.json)")
     ap.add_argument("--pipeline-driver", help=argparse.SUPPRESS)
-    ap.add_argument("--structured-only", action="store_true",
-                    help="run only the structured-output run; its result replaces `structured` in serving.json")
+    ap.add_argument(
+        "--structured-only",
+        action="store_true",
+        help="run only the structured-output run; its result replaces `structured` in serving.json",
+    )
     args = ap.parse_args(argv)
     if args.pipeline_driver:
         print(json.dumps(pipeline_driver(json.loads(args.pipeline_driver))), flush=True)
@@ -866,8 +944,11 @@ def main(argv: list[str] | None = None) -> int:
             structured = bench_structured(args.duration, Path(home))
         path = args.out / "serving.json"
         res = json.loads(path.read_text()) if path.exists() else {}
-        res["structured"] = {**structured, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                             "duration_s": args.duration}
+        res["structured"] = {
+            **structured,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "duration_s": args.duration,
+        }
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res["structured"], indent=2))
         return 0
@@ -881,16 +962,26 @@ def main(argv: list[str] | None = None) -> int:
             res["structured"] = bench_structured(args.duration, Path(home))
     tessera_mixed = res["mixed"].get("tessera") or {}
     # The issue's two mixed keys at the top are Tessera's; every system's are under its name.
-    res["mixed"] = {"short_ttft_p99_s": tessera_mixed.get("short_ttft_p99_s"),
-                    "short_ttft_p99_alone_s": tessera_mixed.get("short_ttft_p99_alone_s"), **res["mixed"]}
+    res["mixed"] = {
+        "short_ttft_p99_s": tessera_mixed.get("short_ttft_p99_s"),
+        "short_ttft_p99_alone_s": tessera_mixed.get("short_ttft_p99_alone_s"),
+        **res["mixed"],
+    }
     res["ratios"] = ratios(res)
     res["targets"] = targets(res, res["ratios"])
-    res.update({
-        "concurrency": levels, "duration_s": args.duration, "max_tokens": MAX_TOKENS,
-        "long_tokens": LONG_TOKENS, "mixed_short_clients": MIXED_SHORT_CLIENTS, "prompts": list(PROMPTS),
-        "threads": THREADS, "machine": machine_info(load_before),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    })
+    res.update(
+        {
+            "concurrency": levels,
+            "duration_s": args.duration,
+            "max_tokens": MAX_TOKENS,
+            "long_tokens": LONG_TOKENS,
+            "mixed_short_clients": MIXED_SHORT_CLIENTS,
+            "prompts": list(PROMPTS),
+            "threads": THREADS,
+            "machine": machine_info(load_before),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "serving-only" if args.only else "serving"
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -144,8 +144,9 @@ TYPICAL_LENGTH = 1000.0
 
 def first_kv_bytes(spec: ModelSpec, input_len: int, mean_output: float) -> int:
     """An instance's first KV cache, for one request of `input_len` (eq. 2 and the watermark)."""
-    return kvw.recommended_bytes(kvw.required_bytes(
-        spec.kv_bytes_per_token, [(input_len, 0)], mean_output, L_MIN_TOKENS))
+    return kvw.recommended_bytes(
+        kvw.required_bytes(spec.kv_bytes_per_token, [(input_len, 0)], mean_output, L_MIN_TOKENS)
+    )
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,30 @@ EXCLUSIVE = Policy("exclusive", shared=False)
 
 
 class Req:
-    __slots__ = ("arrival", "cold", "d0", "dec", "done", "eligible_at", "first", "inp", "inst",
-                 "k0",
-                 "kv_wait", "met", "model", "moves", "out", "outcome", "pf_end", "pf_start",
-                 "queued", "rid", "seg", "ttft")
+    __slots__ = (
+        "arrival",
+        "cold",
+        "d0",
+        "dec",
+        "done",
+        "eligible_at",
+        "first",
+        "inp",
+        "inst",
+        "k0",
+        "kv_wait",
+        "met",
+        "model",
+        "moves",
+        "out",
+        "outcome",
+        "pf_end",
+        "pf_start",
+        "queued",
+        "rid",
+        "seg",
+        "ttft",
+    )
 
     def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int) -> None:
         self.rid, self.model, self.arrival, self.inp, self.out = rid, model, arrival, inp, out
@@ -217,16 +238,36 @@ class Req:
 class Inst:
     """An instance, as placement sees one (`placement.InstanceState`) and as it runs."""
 
-    __slots__ = ("alive", "hst", "idle_ver", "inp_dec", "kv", "kv_free_at", "last_used",
-                 "load_s", "model", "nd", "node", "npend", "pend_inp", "perf", "ready",
-                 "ready_at", "reqs", "s", "sim", "weights")
+    __slots__ = (
+        "alive",
+        "hst",
+        "idle_ver",
+        "inp_dec",
+        "kv",
+        "kv_free_at",
+        "last_used",
+        "load_s",
+        "model",
+        "nd",
+        "node",
+        "npend",
+        "pend_inp",
+        "perf",
+        "ready",
+        "ready_at",
+        "reqs",
+        "s",
+        "sim",
+        "weights",
+    )
 
     worker_pid = 0
     """Each has a worker of its own (no names sharing an artifact's worker)."""
     tier = Tier.STEADY.value
 
-    def __init__(self, sim: Sim, model: int, node: Node, perf: PerfModel, load_s: float,
-                 now: float, weights: int) -> None:
+    def __init__(
+        self, sim: Sim, model: int, node: Node, perf: PerfModel, load_s: float, now: float, weights: int
+    ) -> None:
         self.sim = sim
         self.model, self.node, self.perf, self.load_s = model, node, perf, load_s
         self.ready = False
@@ -427,8 +468,7 @@ class Stats:
             "ttft_p50_s": pct(0.5),
             "ttft_p99_s": pct(0.99),
             "memory_held_gb_mean": round(mean([m[1] for m in self.mem_samples]) / GB, 2),
-            "memory_held_gb_peak": round(max((m[1] for m in self.mem_samples), default=0) / GB,
-                                         2),
+            "memory_held_gb_peak": round(max((m[1] for m in self.mem_samples), default=0) / GB, 2),
             "idle_resident_gb_mean": round(mean([m[2] for m in self.mem_samples]) / GB, 2),
             "busy_cpu_nodes_mean": round(mean([b[0] for b in self.busy_samples]), 2),
             "busy_gpu_nodes_mean": round(mean([b[1] for b in self.busy_samples]), 2),
@@ -454,8 +494,7 @@ class Sim:
             for hw in (CPU, GPU):
                 self.perf[(p, hw.kind)] = _profile(hw, p)
         self.insts: list[list[Inst]] = [[] for _ in self.models]
-        self.iheap: list[dict[str, list[tuple[int, int, int, Inst]]]] = [
-            {"cpu": [], "gpu": []} for _ in self.models]
+        self.iheap: list[dict[str, list[tuple[int, int, int, Inst]]]] = [{"cpu": [], "gpu": []} for _ in self.models]
         """Model → kind → its instances by batch, highest first (lazy: an entry is live while
         its stamp is the instance's), so placement never scans a hot model's instances."""
         self.hseq = 0
@@ -493,8 +532,19 @@ class Sim:
         by_kind = {hw.kind: self.perf[(spec.params_b, hw.kind)] for hw in (CPU, GPU)}
         kv0 = first_kv_bytes(spec, int(TYPICAL_LENGTH), DEFAULT_MEAN_OUTPUT)
         starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in (CPU, GPU)}
-        return Profile(by_kind["gpu"], 2.0, TPOT_SLO, f"w{m}", spec.weight_bytes, kv0,
-                       max(starts.values()), 0.0, by_kind, starts, max(CPU.init_s, GPU.init_s))
+        return Profile(
+            by_kind["gpu"],
+            2.0,
+            TPOT_SLO,
+            f"w{m}",
+            spec.weight_bytes,
+            kv0,
+            max(starts.values()),
+            0.0,
+            by_kind,
+            starts,
+            max(CPU.init_s, GPU.init_s),
+        )
 
     # -- events
     def push(self, t: float, kind: int, obj: Any, ver: int = 0) -> None:
@@ -739,8 +789,7 @@ class Sim:
         heap = self.heaps[node.kind]
         heapq.heappush(heap, (-node.pool.available_bytes(), node.nid, node.mem_stamp))
         if len(heap) > 8 * len(self.nodes) + 64:
-            fresh = [(-n.pool.available_bytes(), n.nid, n.mem_stamp)
-                     for n in self.nodes if n.kind == node.kind]
+            fresh = [(-n.pool.available_bytes(), n.nid, n.mem_stamp) for n in self.nodes if n.kind == node.kind]
             heapq.heapify(fresh)
             self.heaps[node.kind] = fresh
 
@@ -774,8 +823,11 @@ class Sim:
         heap = self.iheap[inst.model][inst.node.hw.kind]
         heapq.heappush(heap, (-inst.batch, inst.hst, self.hseq, inst))
         if len(heap) > 4 * len(self.insts[inst.model]) + 16:
-            live = [(-i.batch, i.hst, k, i) for k, i in enumerate(self.insts[inst.model])
-                    if i.node.hw.kind == inst.node.hw.kind]
+            live = [
+                (-i.batch, i.hst, k, i)
+                for k, i in enumerate(self.insts[inst.model])
+                if i.node.hw.kind == inst.node.hw.kind
+            ]
             heapq.heapify(live)
             self.iheap[inst.model][inst.node.hw.kind] = live
 
@@ -809,8 +861,7 @@ class Sim:
             elif op.kind is OpKind.UNLOAD:
                 d = UNLOAD_S
             else:
-                d = kvw.resize_seconds(op.old_bytes, op.new_bytes, node.hw.kv_copy_bps,
-                                       RESIZE_FIXED_S)
+                d = kvw.resize_seconds(op.old_bytes, op.new_bytes, node.hw.kv_copy_bps, RESIZE_FIXED_S)
             self.push(self.now + d, OP_DONE, (node, op.op_id))
 
     def on_op_done(self, node: Node, op_id: int) -> None:
@@ -840,8 +891,7 @@ class Sim:
         required = self._kv_required(inst, int(TYPICAL_LENGTH))
         if required <= inst.kv:
             return 0.0
-        return kvw.resize_seconds(inst.kv, kvw.recommended_bytes(required),
-                                  inst.node.hw.kv_copy_bps, RESIZE_FIXED_S)
+        return kvw.resize_seconds(inst.kv, kvw.recommended_bytes(required), inst.node.hw.kv_copy_bps, RESIZE_FIXED_S)
 
     def kv_required(self, inst: Inst, extra: Req | None) -> int:
         return self._kv_required(inst, None if extra is None else extra.inp)
@@ -857,8 +907,7 @@ class Sim:
             n += 1
             inp += extra_inp
         mean = self.mean_output(inst.model)
-        return kvw.required_bytes(spec.kv_bytes_per_token, [(inp, int(generated))], n * mean,
-                                  L_MIN_TOKENS)
+        return kvw.required_bytes(spec.kv_bytes_per_token, [(inp, int(generated))], n * mean, L_MIN_TOKENS)
 
     def shrink_kv(self, inst: Inst) -> None:
         """§6.2 lazy scale-down after a request leaves."""
@@ -867,11 +916,9 @@ class Sim:
         node = inst.node
         plan = kvw.on_complete(inst.kv, self.kv_required(inst, None))
         if plan.action is kvw.Action.SHRINK:
-            self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv,
-                                       plan.target_bytes), inst, [])
+            self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, plan.target_bytes), inst, [])
             node.pool.shrink_kv(str(inst.model), inst.kv - plan.target_bytes)
-            d = kvw.resize_seconds(inst.kv, plan.target_bytes, node.hw.kv_copy_bps,
-                                   RESIZE_FIXED_S)
+            d = kvw.resize_seconds(inst.kv, plan.target_bytes, node.hw.kv_copy_bps, RESIZE_FIXED_S)
             inst.kv = plan.target_bytes
             inst.kv_free_at = max(inst.kv_free_at, self.now) + d
             self._mem_changed(node)
@@ -884,8 +931,7 @@ class Sim:
         ready = self.now if inst.ready else inst.ready_at
         if plan.accepts and plan.target_bytes > inst.kv:
             start = max(self.now, inst.kv_free_at, ready)
-            d = kvw.resize_seconds(inst.kv, plan.target_bytes, node.hw.kv_copy_bps,
-                                   RESIZE_FIXED_S)
+            d = kvw.resize_seconds(inst.kv, plan.target_bytes, node.hw.kv_copy_bps, RESIZE_FIXED_S)
             return plan, start + d
         return plan, ready
 
@@ -941,17 +987,27 @@ class Sim:
         # candidates are gathered only when no instance of it validates.
         running = self.running_on(m, avoid)
         joins = sched.first_join(
-            name, running.values(), max_active_per_instance=self.policy.max_active_per_instance,
-            demand=demand, profiles=self.profiles)
+            name,
+            running.values(),
+            max_active_per_instance=self.policy.max_active_per_instance,
+            demand=demand,
+            profiles=self.profiles,
+        )
         decision: Any = joins.joined if joins is not None else None
         if decision is None:
             start = self.starts.get(name)
             decision = sched.place(
-                name, self.candidates(m, avoid, running), {name: start} if start else {},
-                self.now, node_timeout_s=math.inf,
+                name,
+                self.candidates(m, avoid, running),
+                {name: start} if start else {},
+                self.now,
+                node_timeout_s=math.inf,
                 max_active_per_instance=self.policy.max_active_per_instance,
-                demand=demand, profiles=self.profiles,
-                reject_over_slo=self.policy.reject_over_slo, joins=joins)
+                demand=demand,
+                profiles=self.profiles,
+                reject_over_slo=self.policy.reject_over_slo,
+                joins=joins,
+            )
         if isinstance(decision, Rejected):
             self.reject(r, decision.code.value)
             return
@@ -1013,8 +1069,7 @@ class Sim:
             self._evicted(node, evicted)
             r.kv_wait = True
             inst.kv_free_at = eligible_at
-            self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, kv_target),
-                       inst, [r])
+            self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, kv_target), inst, [r])
             inst.kv = kv_target
             self._mem_changed(node)
         if inst.ready and not r.kv_wait:
@@ -1035,7 +1090,8 @@ class Sim:
             return False
         neighbours = [
             defrag.Neighbour(str(o.model), o.batch, o.weights + o.kv, o.batch == 0)
-            for o in node.insts.values() if o is not inst and o.ready
+            for o in node.insts.values()
+            if o is not inst and o.ready
         ]
         choice = defrag.choose_preemption(inst.batch + 1, need, neighbours)
         if choice is None:
@@ -1080,8 +1136,7 @@ class Sim:
         self.insts[m].append(inst)
         self.issue(node, load(self.next_op(), str(m), spec.weight_bytes), inst, [])
         self.issue(node, resize_kv(self.next_op(), str(m), 0, kv0), inst, [])
-        inst.kv_free_at = inst.ready_at + kvw.resize_seconds(0, kv0, node.hw.kv_copy_bps,
-                                                             RESIZE_FIXED_S)
+        inst.kv_free_at = inst.ready_at + kvw.resize_seconds(0, kv0, node.hw.kv_copy_bps, RESIZE_FIXED_S)
         self._mem_changed(node)
         self._indexed(inst)
         if r is not None:
@@ -1134,8 +1189,7 @@ class Sim:
             del self.starts[name]
         if self.policy.shared:
             if inst.kv:
-                self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, 0), inst,
-                           [])
+                self.issue(node, resize_kv(self.next_op(), str(inst.model), inst.kv, 0), inst, [])
                 node.pool.shrink_kv(str(inst.model), inst.kv)
                 inst.kv = 0
             self.issue(node, unload(self.next_op(), str(inst.model), inst.weights), inst, [])
@@ -1174,18 +1228,15 @@ class Sim:
         if key not in self.limit_cache:
             spec = self.models[m]
             hw = CPU if kind == "cpu" else GPU
-            by_compute = self.perf_of(m, kind).max_batch(
-                TYPICAL_LENGTH, TPOT_SLO * self.policy.limit_tpot_fraction)
-            by_memory = int((hw.memory_bytes - spec.weight_bytes)
-                            // (spec.kv_bytes_per_token * TYPICAL_LENGTH))
+            by_compute = self.perf_of(m, kind).max_batch(TYPICAL_LENGTH, TPOT_SLO * self.policy.limit_tpot_fraction)
+            by_memory = int((hw.memory_bytes - spec.weight_bytes) // (spec.kv_bytes_per_token * TYPICAL_LENGTH))
             self.limit_cache[key] = max(0, min(by_compute, by_memory))
         return self.limit_cache[key]
 
     def place_exclusive(self, r: Req) -> None:
         best = None
         for inst in self.insts[r.model]:
-            if inst.batch < self.limit(r.model, inst.node.kind) and (
-                    best is None or inst.batch < best.batch):
+            if inst.batch < self.limit(r.model, inst.node.kind) and (best is None or inst.batch < best.batch):
                 best = inst
         if best is not None:
             self.attach_exclusive(best, r)
@@ -1215,8 +1266,7 @@ class Sim:
             if free:
                 node = self.nodes[free.pop()]
                 load_s = node.hw.init_s + spec.weight_bytes / node.hw.load_bps
-                inst = Inst(self, m, node, self.perf_of(m, kind), load_s, self.now,
-                            spec.weight_bytes)
+                inst = Inst(self, m, node, self.perf_of(m, kind), load_s, self.now, spec.weight_bytes)
                 node.insts[m] = inst
                 self.insts[m].append(inst)
                 self.stats.cold_starts += 1
@@ -1297,7 +1347,8 @@ def _profile(hw: Hardware, params_b: float) -> PerfModel:
         _PROFILES[key] = profile(
             lambda n: hw.prefill(params_b, n),
             lambda b, n: hw.decode(params_b, b, n),
-            max_length=4096, max_batch=256,
+            max_length=4096,
+            max_batch=256,
         )
     return _PROFILES[key]
 
@@ -1328,8 +1379,14 @@ def cell_trace(trace: Trace, cell: int, cells: int) -> Trace:
     if cells == 1:
         return trace
     keep = trace.model % cells == cell
-    return Trace(trace.models[cell::cells], trace.duration_s, trace.arrival[keep],
-                 trace.model[keep] // cells, trace.input_len[keep], trace.output_len[keep])
+    return Trace(
+        trace.models[cell::cells],
+        trace.duration_s,
+        trace.arrival[keep],
+        trace.model[keep] // cells,
+        trace.input_len[keep],
+        trace.output_len[keep],
+    )
 
 
 def _run_cell(job: ScaleJob, cell: int) -> Stats:
@@ -1353,18 +1410,30 @@ def merge(stats: Sequence[Stats]) -> Stats:
     """One cluster's stats from its cells' (samples at the same times added up)."""
     out = Stats(stats[0].policy)
     for st in stats:
-        for f in ("requests", "met", "late", "rejected", "expired", "cold_starts",
-                  "reuse_starts", "preemptions", "unfinished"):
+        for f in (
+            "requests",
+            "met",
+            "late",
+            "rejected",
+            "expired",
+            "cold_starts",
+            "reuse_starts",
+            "preemptions",
+            "unfinished",
+        ):
             setattr(out, f, getattr(out, f) + getattr(st, f))
         out.ttfts += st.ttfts
         for name in ("late_on", "reject_reasons", "served_on"):
             total = getattr(out, name)
             for k, v in getattr(st, name).items():
                 total[k] = total.get(k, 0) + v
-    out.mem_samples = [(xs[0][0], sum(x[1] for x in xs), sum(x[2] for x in xs))
-                       for xs in zip(*(st.mem_samples for st in stats), strict=False)]
-    out.busy_samples = [(sum(x[0] for x in xs), sum(x[1] for x in xs))
-                        for xs in zip(*(st.busy_samples for st in stats), strict=False)]
+    out.mem_samples = [
+        (xs[0][0], sum(x[1] for x in xs), sum(x[2] for x in xs))
+        for xs in zip(*(st.mem_samples for st in stats), strict=False)
+    ]
+    out.busy_samples = [
+        (sum(x[0] for x in xs), sum(x[1] for x in xs)) for xs in zip(*(st.busy_samples for st in stats), strict=False)
+    ]
     return out
 
 
@@ -1388,7 +1457,11 @@ def run_at(setup: Setup, policy: Policy, rate: float) -> Stats:
 
 
 def capacity(
-    setup: Setup, policy: Policy, *, start: float = 0.25, steps: int = 6,
+    setup: Setup,
+    policy: Policy,
+    *,
+    start: float = 0.25,
+    steps: int = 6,
     log: Callable[[str], None] = lambda _: None,
 ) -> tuple[float, list[tuple[float, float]]]:
     """The highest mean request rate (req/s) with SLO attainment ≥ 95%, by doubling then
@@ -1433,8 +1506,11 @@ GPU-first."""
 
 
 def _describe(p: Policy) -> dict[str, Any]:
-    return {"keep_alive_s": p.keep_alive_s, "limit_tpot_fraction": p.limit_tpot_fraction,
-            "kind_order": list(p.exclusive_kinds)}
+    return {
+        "keep_alive_s": p.keep_alive_s,
+        "limit_tpot_fraction": p.limit_tpot_fraction,
+        "kind_order": list(p.exclusive_kinds),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1445,10 +1521,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--big-nodes", type=int, default=1000)
     ap.add_argument("--big-duration-s", type=float, default=3600.0)
     ap.add_argument("--big-rate-per-node", type=float, default=0.1)
-    ap.add_argument("--cells", type=int, default=2,
-                    help="run the scale run's cluster as this many cells, one process each")
-    ap.add_argument("--single-process", action="store_true",
-                    help="also time the scale run as one cell in one process")
+    ap.add_argument(
+        "--cells", type=int, default=2, help="run the scale run's cluster as this many cells, one process each"
+    )
+    ap.add_argument("--single-process", action="store_true", help="also time the scale run as one cell in one process")
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -1456,8 +1532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     setup = Setup(seed=args.seed, duration_s=300.0 if args.quick else 1200.0)
     steps = 3 if args.quick else 6
-    result: dict[str, Any] = {"setup": asdict(setup), "slo": {
-        "ttft_s": "max(2, input_len / 512)", "tpot_s": TPOT_SLO, "target": SLO_TARGET}}
+    result: dict[str, Any] = {
+        "setup": asdict(setup),
+        "slo": {"ttft_s": "max(2, input_len / 512)", "tpot_s": TPOT_SLO, "target": SLO_TARGET},
+    }
     caps: dict[str, float] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     t0 = time.perf_counter()
@@ -1479,12 +1557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_policy = {}
     for pol in (TESSERA, excl, GPU_ONLY):
         st = run_at(setup, pol, common)
-        per_policy[pol.name] = {"capacity_req_per_s": round(caps[pol.name], 4),
-                                "at_common_rate": st.summary()}
+        per_policy[pol.name] = {"capacity_req_per_s": round(caps[pol.name], 4), "at_common_rate": st.summary()}
     per_policy["exclusive"]["settings"] = _describe(excl)
     per_policy["exclusive"]["settings_tried"] = grid
-    per_policy["tessera"]["settings"] = {"keep_alive_s": TESSERA.keep_alive_s,
-                                         "reject_over_slo": TESSERA.reject_over_slo}
+    per_policy["tessera"]["settings"] = {
+        "keep_alive_s": TESSERA.keep_alive_s,
+        "reject_over_slo": TESSERA.reject_over_slo,
+    }
 
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if b > 0 else None
@@ -1511,18 +1590,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     big_rate = args.big_rate_per_node * nodes
     big_models = setup.n_models * nodes // (setup.n_cpu + setup.n_gpu)
     cells = max(1, args.cells)
-    log(f"scale run: {nodes} nodes, {big_models} models, {big_rate:g} req/s, "
-        f"{args.big_duration_s:g} s, as {cells} cell(s) in parallel")
+    log(
+        f"scale run: {nodes} nodes, {big_models} models, {big_rate:g} req/s, "
+        f"{args.big_duration_s:g} s, as {cells} cell(s) in parallel"
+    )
     job = ScaleJob(args.seed, big_models, args.big_duration_s, big_rate, n_cpu, n_gpu, cells)
     big, wall = scale_run(job)
     result["sim_1000_nodes_1h_wall_s"] = round(wall, 2)
-    result["scale_run"] = {"nodes": nodes, "cpu_nodes": n_cpu, "gpu_nodes": n_gpu,
-                           "models": big_models, "duration_s": args.big_duration_s,
-                           "rate_req_per_s": round(big_rate, 2),
-                           "rate_per_node_vs_small_setup_capacity": round(
-                               args.big_rate_per_node
-                               / max(caps["tessera"] / (setup.n_cpu + setup.n_gpu), 1e-9), 3),
-                           "cells": cells, **big.summary()}
+    result["scale_run"] = {
+        "nodes": nodes,
+        "cpu_nodes": n_cpu,
+        "gpu_nodes": n_gpu,
+        "models": big_models,
+        "duration_s": args.big_duration_s,
+        "rate_req_per_s": round(big_rate, 2),
+        "rate_per_node_vs_small_setup_capacity": round(
+            args.big_rate_per_node / max(caps["tessera"] / (setup.n_cpu + setup.n_gpu), 1e-9), 3
+        ),
+        "cells": cells,
+        **big.summary(),
+    }
     log(f"scale run took {wall:.1f}s")
     if args.single_process and cells > 1:
         one, one_wall = scale_run(replace(job, cells=1))
@@ -1533,8 +1620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "sim.png")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("curves", "policies")},
-                     indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("curves", "policies")}, indent=2))
     return 0
 
 
@@ -1557,10 +1643,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     names = list(result["policies"])
     common = [result["policies"][n]["at_common_rate"] for n in names]
     x = range(len(names))
-    ax2.bar([i - 0.2 for i in x], [c["memory_held_gb_mean"] for c in common], 0.4,
-            label="memory held (GB, mean)")
-    ax2.bar([i + 0.2 for i in x], [c["cold_starts"] for c in common], 0.4,
-            label="cold starts")
+    ax2.bar([i - 0.2 for i in x], [c["memory_held_gb_mean"] for c in common], 0.4, label="memory held (GB, mean)")
+    ax2.bar([i + 0.2 for i in x], [c["cold_starts"] for c in common], 0.4, label="cold starts")
     ax2.set_xticks(list(x), names)
     ax2.set_title(f"at {result['common_rate_req_per_s']:.2f} req/s")
     ax2.legend(fontsize=8)

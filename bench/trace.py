@@ -49,9 +49,7 @@ def model_spec(name: str, params_b: float) -> ModelSpec:
     """fp16 weights (2 bytes a parameter); KV per token from the Llama shapes: 7B (32 layers,
     4096 wide, no GQA) 512 KiB, 13B (40 × 5120) 800 KiB, Llama-3.2-3B (28 layers, GQA 8 of 24
     heads) 112 KiB."""
-    kv = {3.0: 112 * 1024, 7.0: 512 * 1024, 13.0: 800 * 1024}.get(
-        params_b, int(params_b * 75 * 1024)
-    )
+    kv = {3.0: 112 * 1024, 7.0: 512 * 1024, 13.0: 800 * 1024}.get(params_b, int(params_b * 75 * 1024))
     return ModelSpec(name, params_b, int(params_b * 2e9), kv)
 
 

@@ -38,14 +38,23 @@ app.add_typer(keys, name="keys")
 console = Console()
 
 URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="TESSERA_URL", help="Gateway URL.")
-ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TESSERA_ADMIN_KEY", show_default=False,
-                         help="Admin key (default: the one `tessera up` saved under --home).")
+ADMIN_KEY = typer.Option(
+    None,
+    "--admin-key",
+    envvar="TESSERA_ADMIN_KEY",
+    show_default=False,
+    help="Admin key (default: the one `tessera up` saved under --home).",
+)
 HOME = typer.Option(Path(".tessera"), "--home", help="Local cluster home (where its admin key is).")
 MODELS = typer.Option([], "--model", "-m", help="A model the key may use (repeat); none: all.")
 RPM = typer.Option(None, "--rpm", min=1, help="Requests per minute (default: no limit).")
 TPM = typer.Option(None, "--tpm", min=1, help="Prompt + completion tokens per minute (default: no limit).")
-METRICS = typer.Option([], "--metrics", help="NODE=URL of a node service's HTTP port (loader, memory "
-                       "manager), repeatable: adds that node's host cache and memory from its /metrics.")
+METRICS = typer.Option(
+    [],
+    "--metrics",
+    help="NODE=URL of a node service's HTTP port (loader, memory "
+    "manager), repeatable: adds that node's host cache and memory from its /metrics.",
+)
 STARTS = typer.Option(10, min=1, max=200, help="Recent cold starts to show.")
 
 
@@ -73,8 +82,14 @@ def _ok(r: httpx.Response) -> Any:
 def _working(what: str) -> Iterator[None]:
     """A progress line for long work whose length is not known in advance (the import converts
     and compiles in one loader call): a pulsing bar and the time elapsed."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         progress.add_task(what, total=None)
         yield
 
@@ -84,14 +99,14 @@ def up(
     port: int = typer.Option(8000, help="Gateway port (the OpenAI API)."),
     home: Path = typer.Option(Path(".tessera"), help="Model store, Valkey data and logs."),
     nodes: int = typer.Option(1, min=1, help="Engine nodes to run."),
-    auth: bool = typer.Option(True, "--auth/--no-auth", envvar="TESSERA_AUTH",
-                              help="Require API keys (TESSERA_AUTH=off runs open)."),
+    auth: bool = typer.Option(
+        True, "--auth/--no-auth", envvar="TESSERA_AUTH", help="Require API keys (TESSERA_AUTH=off runs open)."
+    ),
     admin_key: str | None = ADMIN_KEY,
 ) -> None:
     """Start NATS, Valkey and every service; register the default model; wait for Ctrl-C."""
     shares, how = core_shares(nodes)
-    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes, auth=auth, admin_key=admin_key,
-                           node_env=shares)
+    cluster = LocalCluster(home=home, gateway_port=port, nodes=nodes, auth=auth, admin_key=admin_key, node_env=shares)
     if nodes > 1:
         console.print(f"{nodes} engine nodes, cores shared by {how}", highlight=False)
     stop = threading.Event()
@@ -103,18 +118,22 @@ def up(
         with _working(f"importing {DEFAULT_MODEL_NAME} (converted and materialized once, then reused)"):
             cluster.register_default_model()
         url = cluster.base_url
-        console.print(f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})",
-                      soft_wrap=True)
+        console.print(
+            f"[bold green]Tessera is up[/] at [bold]{url}/v1[/]  (logs in {cluster.home / 'logs'})", soft_wrap=True
+        )
         auth_header = ""
         if cluster.admin_key:
-            console.print(f"admin key: [bold]{cluster.admin_key}[/]  (saved in "
-                          f"{admin_key_path(cluster.home)}; make API keys with `tessera keys add`)",
-                          soft_wrap=True, highlight=False)
+            console.print(
+                f"admin key: [bold]{cluster.admin_key}[/]  (saved in "
+                f"{admin_key_path(cluster.home)}; make API keys with `tessera keys add`)",
+                soft_wrap=True,
+                highlight=False,
+            )
             auth_header = f"-H 'Authorization: Bearer {cluster.admin_key}' "
         console.print(
             f"curl {url}/v1/chat/completions {auth_header}-H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{DEFAULT_MODEL_NAME}\", \"messages\": "
-            f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}]}}'",
+            f'-d \'{{"model": "{DEFAULT_MODEL_NAME}", "messages": '
+            f'[{{"role": "user", "content": "Say hello"}}]}}\'',
             soft_wrap=True,  # one line, ready to paste, whatever the terminal width
             highlight=False,
             markup=False,
@@ -138,10 +157,19 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
     table = Table("name", "artifact", "context", "keep-alive s", "TTFT SLO s", "TPOT SLO s", "defaults")
     for m in found:
         d = m.get("defaults", {})
-        defaults = (f"temperature {d.get('temperature', 1.0):g}, top_p {d.get('top_p', 1.0):g}, "
-                    f"repetition {d.get('repetition_penalty', 1.0):g}, max_tokens {d.get('max_tokens', '-')}")
-        table.add_row(m["name"], m["artifact"]["artifact_id"], str(m["artifact"]["context_length"]),
-                      f"{m['keep_alive_s']:g}", f"{m['ttft_slo_s']:g}", f"{m['tpot_slo_s']:g}", defaults)
+        defaults = (
+            f"temperature {d.get('temperature', 1.0):g}, top_p {d.get('top_p', 1.0):g}, "
+            f"repetition {d.get('repetition_penalty', 1.0):g}, max_tokens {d.get('max_tokens', '-')}"
+        )
+        table.add_row(
+            m["name"],
+            m["artifact"]["artifact_id"],
+            str(m["artifact"]["context_length"]),
+            f"{m['keep_alive_s']:g}",
+            f"{m['ttft_slo_s']:g}",
+            f"{m['tpot_slo_s']:g}",
+            defaults,
+        )
     console.print(table)
 
 
@@ -161,13 +189,29 @@ def models_add(
     home: Path = HOME,
 ) -> None:
     """Register NAME on a GGUF; the sampling options set its defaults for requests that omit them."""
-    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p),
-                                   ("repetition_penalty", repetition_penalty), ("max_tokens", max_tokens))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("temperature", temperature),
+            ("top_p", top_p),
+            ("repetition_penalty", repetition_penalty),
+            ("max_tokens", max_tokens),
+        )
+        if v is not None
+    }
     with _admin(url, admin_key, home) as http, _working(f"importing {source} (GGUF → IR → compiled tiers)"):
-        r = http.post("/admin/models", timeout=900, json={
-            "name": name, "source": str(source.resolve()), "keep_alive_s": keep_alive_s,
-            "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, **overrides})
+        r = http.post(
+            "/admin/models",
+            timeout=900,
+            json={
+                "name": name,
+                "source": str(source.resolve()),
+                "keep_alive_s": keep_alive_s,
+                "ttft_slo_s": ttft_slo_s,
+                "tpot_slo_s": tpot_slo_s,
+                **overrides,
+            },
+        )
     _ok(r)
     console.print(f"registered {name}")
 
@@ -191,8 +235,12 @@ def keys_add(
 ) -> None:
     """Make an API key; its secret is printed this once and never stored."""
     with _admin(url, admin_key, home) as http:
-        made = _ok(http.post("/admin/keys", json={
-            "name": name, "models": model, "requests_per_minute": rpm, "tokens_per_minute": tpm}))
+        made = _ok(
+            http.post(
+                "/admin/keys",
+                json={"name": name, "models": model, "requests_per_minute": rpm, "tokens_per_minute": tpm},
+            )
+        )
     console.print(f"made API key {name}; its secret, shown only now:", highlight=False)
     console.print(made["key"], soft_wrap=True, highlight=False, markup=False)
 
@@ -203,9 +251,14 @@ def keys_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME
         found = _ok(http.get("/admin/keys"))
     table = Table("name", "key starts", "models", "requests/min", "tokens/min", "created")
     for k in found:
-        table.add_row(k["name"], k["hint"], ", ".join(k["models"]) or "all",
-                      _limit(k["requests_per_minute"]), _limit(k["tokens_per_minute"]),
-                      time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])))
+        table.add_row(
+            k["name"],
+            k["hint"],
+            ", ".join(k["models"]) or "all",
+            _limit(k["requests_per_minute"]),
+            _limit(k["tokens_per_minute"]),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])),
+        )
     console.print(table)
 
 
@@ -238,8 +291,7 @@ def status(
         gauges.setdefault(node, {}).update(_gauges(base))
     now = time.time()
 
-    nodes = Table("node", "memory used", "memory budget", "host cache", "instances", "starting",
-                  title="nodes")
+    nodes = Table("node", "memory used", "memory budget", "host cache", "instances", "starting", title="nodes")
     for n in cluster["nodes"]:
         g = gauges.get(n["node_id"], {})
         used = g.get("tessera_memory_used_bytes", n["memory_used_bytes"])
@@ -247,40 +299,67 @@ def status(
         cache = "?"
         if n["node_id"] in caches:
             c = caches[n["node_id"]]
-            cache = (f"{_bytes(c['used_bytes'])} / {_bytes(c['budget_bytes'])} "
-                     f"({len(c['entries'])} models)")
+            cache = f"{_bytes(c['used_bytes'])} / {_bytes(c['budget_bytes'])} ({len(c['entries'])} models)"
         elif "tessera_loader_host_cache_bytes" in g:
-            cache = (f"{_bytes(g['tessera_loader_host_cache_bytes'])} / "
-                     f"{_bytes(g.get('tessera_loader_host_cache_budget_bytes', 0))} "
-                     f"({g.get('tessera_loader_host_cache_entries', 0):.0f} models)")
-        nodes.add_row(n["node_id"], _bytes(used), _bytes(budget), cache, str(len(n["instances"])),
-                      ", ".join(n["starting"]) or "-")
+            cache = (
+                f"{_bytes(g['tessera_loader_host_cache_bytes'])} / "
+                f"{_bytes(g.get('tessera_loader_host_cache_budget_bytes', 0))} "
+                f"({g.get('tessera_loader_host_cache_entries', 0):.0f} models)"
+            )
+        nodes.add_row(
+            n["node_id"], _bytes(used), _bytes(budget), cache, str(len(n["instances"])), ", ".join(n["starting"]) or "-"
+        )
     console.print(nodes)
 
-    instances = Table("node", "model", "tier", "worker pid", "active", "weights", "loaded", "idle",
-                      title="instances")
+    instances = Table("node", "model", "tier", "worker pid", "active", "weights", "loaded", "idle", title="instances")
     for n in cluster["nodes"]:
         for i in n["instances"]:
-            instances.add_row(n["node_id"], i["model"], i["tier"] or "-", str(i["worker_pid"] or "-"),
-                              str(i["active"]), _bytes(i["weight_bytes"]), _ago(now - i["loaded_at"]),
-                              _ago(now - i["last_used"]))
+            instances.add_row(
+                n["node_id"],
+                i["model"],
+                i["tier"] or "-",
+                str(i["worker_pid"] or "-"),
+                str(i["active"]),
+                _bytes(i["weight_bytes"]),
+                _ago(now - i["loaded_at"]),
+                _ago(now - i["last_used"]),
+            )
     console.print(instances)
 
-    colds = Table("when", "node", "model", "source", "tier", "init s", "load s", "profile s",
-                  "prefill s", "total s", title="recent cold starts")
+    colds = Table(
+        "when",
+        "node",
+        "model",
+        "source",
+        "tier",
+        "init s",
+        "load s",
+        "profile s",
+        "prefill s",
+        "total s",
+        title="recent cold starts",
+    )
     for c in recent:
         p = c["phases"]
-        colds.add_row(_ago(now - c["started_at"]) + " ago", c["node_id"], c["model"], c["source"],
-                      c["tier"] or "-", f"{p['init_s']:.2f}", f"{p['load_s']:.2f}",
-                      f"{p['profile_s']:.2f}", f"{p['prefill_s']:.2f}", f"{c['total_s']:.2f}")
+        colds.add_row(
+            _ago(now - c["started_at"]) + " ago",
+            c["node_id"],
+            c["model"],
+            c["source"],
+            c["tier"] or "-",
+            f"{p['init_s']:.2f}",
+            f"{p['load_s']:.2f}",
+            f"{p['profile_s']:.2f}",
+            f"{p['prefill_s']:.2f}",
+            f"{c['total_s']:.2f}",
+        )
     console.print(colds)
 
 
 def _gauges(base: str) -> dict[str, float]:
     """Every unlabelled sample of one service's /metrics, by name."""
     text = httpx.get(f"{base.rstrip('/')}/metrics", timeout=10).raise_for_status().text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if not s.labels}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
 def _limit(value: int | None) -> str:

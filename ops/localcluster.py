@@ -126,13 +126,22 @@ def core_shares(nodes: int) -> tuple[dict[str, dict[str, str]], str]:
         return {}, "every core"
     if nodes > len(cores) and supported():
         share = f"{len(cores) / nodes:.3f}"
-        return ({f"node-{i}": {"TESSERA_CPU_QUOTA": share, "TESSERA_INFERENCE_THREADS": "1"} for i in range(nodes)},
-                f"a quota of {share} cores each")
-    pinned = [[cores[i % len(cores)]] for i in range(nodes)] if nodes > len(cores) else \
-        [cores[i::nodes] for i in range(nodes)]
-    return ({f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
-             for i, cs in enumerate(pinned)},
-            "pinned cores" + (", some shared" if nodes > len(cores) else ""))
+        return (
+            {f"node-{i}": {"TESSERA_CPU_QUOTA": share, "TESSERA_INFERENCE_THREADS": "1"} for i in range(nodes)},
+            f"a quota of {share} cores each",
+        )
+    pinned = (
+        [[cores[i % len(cores)]] for i in range(nodes)]
+        if nodes > len(cores)
+        else [cores[i::nodes] for i in range(nodes)]
+    )
+    return (
+        {
+            f"node-{i}": {"TESSERA_CPU_CORES": ",".join(map(str, cs)), "TESSERA_INFERENCE_THREADS": str(len(cs))}
+            for i, cs in enumerate(pinned)
+        },
+        "pinned cores" + (", some shared" if nodes > len(cores) else ""),
+    )
 
 
 @dataclass
@@ -282,9 +291,25 @@ class LocalCluster:
         data.mkdir(parents=True, exist_ok=True)
         self.procs["valkey"] = Process(
             "valkey",
-            [valkey_server_binary(), "--port", str(self.valkey_port), "--bind", "127.0.0.1",
-             "--dir", str(data), "--appendonly", "yes", "--appendfsync", "everysec",
-             "--save", "", "--protected-mode", "no", "--daemonize", "no"],
+            [
+                valkey_server_binary(),
+                "--port",
+                str(self.valkey_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(data),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--protected-mode",
+                "no",
+                "--daemonize",
+                "no",
+            ],
             dict(os.environ),
             logs / "valkey.log",
         )
@@ -355,8 +380,9 @@ class LocalCluster:
             p.stop()
         shutil.rmtree(self.host_cache, ignore_errors=True)  # give the host memory back
 
-    def register_default_model(self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME,
-                               timeout_s: float = 600.0) -> dict[str, object]:
+    def register_default_model(
+        self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME, timeout_s: float = 600.0
+    ) -> dict[str, object]:
         """Register the default model unless it already is (a restart keeps registrations)."""
         r = httpx.get(f"{self.base_url}/admin/models", headers=self.admin_headers, timeout=10)
         r.raise_for_status()
@@ -365,8 +391,12 @@ class LocalCluster:
                 return dict(m)
         r = httpx.post(
             f"{self.base_url}/admin/models",
-            json={"name": name, "source": str(default_model_path()), "keep_alive_s": keep_alive_s,
-                  **DEFAULT_MODEL_SAMPLING},
+            json={
+                "name": name,
+                "source": str(default_model_path()),
+                "keep_alive_s": keep_alive_s,
+                **DEFAULT_MODEL_SAMPLING,
+            },
             headers=self.admin_headers,
             timeout=timeout_s,
         )

@@ -54,8 +54,9 @@ class Choice:
     """Expected seconds until the instance can serve: init plus eq. 3."""
 
 
-def start_s_if_fits(free_bytes: int, reusable_bytes: int, model_bytes: int, need_bytes: int,
-                    bandwidth_bps: float, init_s: float = 0.0) -> float | None:
+def start_s_if_fits(
+    free_bytes: int, reusable_bytes: int, model_bytes: int, need_bytes: int, bandwidth_bps: float, init_s: float = 0.0
+) -> float | None:
     """The expected start on a node (init plus eq. 3), or None where the instance does not
     fit: resident tensors of the model count toward `need_bytes`, since they are reused."""
     if free_bytes + reusable_bytes < need_bytes:
@@ -84,8 +85,7 @@ def rank_nodes(
         if t is None:
             continue
         free_after = o.free_bytes + o.reusable_bytes - need_bytes
-        keyed.append(((rank.get(o.kind, len(rank)), round(t, 3), free_after, o.node_id),
-                      Choice(o.node_id, t)))
+        keyed.append(((rank.get(o.kind, len(rank)), round(t, 3), free_after, o.node_id), Choice(o.node_id, t)))
     keyed.sort(key=lambda kc: kc[0])
     return [c for _, c in keyed]
 
@@ -116,8 +116,7 @@ def schedule_starts(
     out: dict[str, Choice | None] = {}
     for model, model_bytes, need in models:
         cands = [
-            Offer(o.node_id, o.kind, o.free_bytes, reusable.get((model, o.node_id), 0),
-                  o.bandwidth_bps, o.init_s)
+            Offer(o.node_id, o.kind, o.free_bytes, reusable.get((model, o.node_id), 0), o.bandwidth_bps, o.init_s)
             for o in left.values()
         ]
         choice = choose_node(model_bytes, need, cands, kind_order)

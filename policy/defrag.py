@@ -41,9 +41,7 @@ class Preempt:
     freed_bytes: int
 
 
-def choose_preemption(
-    batch: int, need_bytes: int, neighbours: Iterable[Neighbour]
-) -> Preempt | None:
+def choose_preemption(batch: int, need_bytes: int, neighbours: Iterable[Neighbour]) -> Preempt | None:
     """Neighbours to preempt so an instance of `batch` gains `need_bytes`, or None.
 
     Only lower-batch neighbours, lowest batch first (ties: the one freeing more first, so

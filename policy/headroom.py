@@ -40,9 +40,7 @@ class RequestClock:
         return headroom(self.start, self.ttft_slo, self.tpot_slo, self.generated, now)
 
     def after_token(self) -> RequestClock:
-        return RequestClock(
-            self.request_id, self.start, self.ttft_slo, self.tpot_slo, self.generated + 1
-        )
+        return RequestClock(self.request_id, self.start, self.ttft_slo, self.tpot_slo, self.generated + 1)
 
 
 @dataclass(frozen=True)
@@ -71,16 +69,12 @@ def pick_next(instances: Mapping[str, Iterable[RequestClock]], now: float) -> Pi
     return best
 
 
-def run_iteration(
-    instances: Mapping[str, tuple[RequestClock, ...]], pick: Pick
-) -> dict[str, tuple[RequestClock, ...]]:
+def run_iteration(instances: Mapping[str, tuple[RequestClock, ...]], pick: Pick) -> dict[str, tuple[RequestClock, ...]]:
     """The request clocks after `pick` has run: one token more for each request it served."""
     out = dict(instances)
     reqs = instances[pick.instance]
     if pick.prefill_of is not None:
-        out[pick.instance] = tuple(
-            r.after_token() if r.request_id == pick.prefill_of else r for r in reqs
-        )
+        out[pick.instance] = tuple(r.after_token() if r.request_id == pick.prefill_of else r for r in reqs)
     else:
         out[pick.instance] = tuple(r.after_token() if r.generated > 0 else r for r in reqs)
     return out

@@ -60,8 +60,7 @@ class KvAccount:
     def reserved_tokens(self) -> int:
         return self.reserved_bytes // self.per_token_bytes if self.per_token_bytes else 0
 
-    def admit(self, request_id: str, input_tokens: int, cap: int, available: int, received_at: float = 0.0
-              ) -> KvPlan:
+    def admit(self, request_id: str, input_tokens: int, cap: int, available: int, received_at: float = 0.0) -> KvPlan:
         """Count a request in and plan the cache for it (`available`: bytes the node could
         still grant). The request stays counted whatever the plan: the caller removes it
         with `forget` if it cannot run."""
@@ -96,8 +95,12 @@ class KvAccount:
         last resort)."""
         if len(self.running) < 2:
             return None
-        return max(self.running, key=lambda rid: headroom(
-            self.running[rid].received_at, ttft_slo_s, tpot_slo_s, self.running[rid].generated, now))
+        return max(
+            self.running,
+            key=lambda rid: headroom(
+                self.running[rid].received_at, ttft_slo_s, tpot_slo_s, self.running[rid].generated, now
+            ),
+        )
 
     def forget(self, request_id: str) -> None:
         """A request that never ran (refused): no trace in Ō."""

@@ -72,9 +72,7 @@ class KvPlan:
         return self.action is not Action.REFUSE
 
 
-def on_admit(
-    current: int, required: int, available: int, watermark: float = DEFAULT_WATERMARK
-) -> KvPlan:
+def on_admit(current: int, required: int, available: int, watermark: float = DEFAULT_WATERMARK) -> KvPlan:
     """The cache plan when a request joins: `required` is eq. 2 with the request counted,
     `available` the bytes the node could still grant (its optimistic budget headroom)."""
     if current >= required:

@@ -79,10 +79,7 @@ class PerfBook:
         alone = PerfModel.fit(prefill, decode)
         return _with_batches(alone, batched) if batched else alone
 
-
-    def profiles(
-        self, records: Iterable[ModelRecord], kind: str = "cpu", kv_min_tokens: int = 0
-    ) -> dict[str, Profile]:
+    def profiles(self, records: Iterable[ModelRecord], kind: str = "cpu", kv_min_tokens: int = 0) -> dict[str, Profile]:
         """A profile for every registered model whose artifact has been measured, with its
         performance per kind of node measured (`kind`'s where placement knows no better). Its
         KV bytes are what an engine reserves at a start: L_min tokens (`kv_min_tokens`; 0: the
@@ -93,10 +90,15 @@ class PerfBook:
             by_kind = {k: m for k in kinds if (m := self.model(r.artifact.artifact_id, k)) is not None}
             if by_kind:
                 out[r.name] = Profile(
-                    next(iter(by_kind.values())), r.ttft_slo_s, r.tpot_slo_s, r.artifact.artifact_id,
+                    next(iter(by_kind.values())),
+                    r.ttft_slo_s,
+                    r.tpot_slo_s,
+                    r.artifact.artifact_id,
                     r.artifact.weight_bytes,
                     r.artifact.kv_bytes_per_token * floor_tokens(kv_min_tokens, r.artifact.context_length),
-                    self.start_s(r.artifact.artifact_id), self.spawn_s(), by_kind,
+                    self.start_s(r.artifact.artifact_id),
+                    self.spawn_s(),
+                    by_kind,
                 )
         return out
 
@@ -117,5 +119,4 @@ def _with_batches(alone: PerfModel, batched: list[tuple[int, int, float]]) -> Pe
         floor = max(floor, statistics.median(ratios[b]))
         batches.append(float(b))
         rows.append(tuple(x * floor for x in alone.decode_seconds[0]))
-    return PerfModel(alone.prefill_lengths, alone.prefill_seconds, tuple(batches), alone.decode_lengths,
-                     tuple(rows))
+    return PerfModel(alone.prefill_lengths, alone.prefill_seconds, tuple(batches), alone.decode_lengths, tuple(rows))

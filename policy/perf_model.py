@@ -116,9 +116,7 @@ class PerfModel:
         return lo
 
     @classmethod
-    def fit(
-        cls, prefill: Iterable[PrefillSample], decode: Iterable[DecodeSample]
-    ) -> PerfModel:
+    def fit(cls, prefill: Iterable[PrefillSample], decode: Iterable[DecodeSample]) -> PerfModel:
         """A model from measurements; repeated points are averaged.
 
         The decode samples must cover a full grid (every measured batch at every measured
@@ -143,9 +141,7 @@ class PerfModel:
             prefill_seconds=tuple(sum(pre[x]) / len(pre[x]) for x in lengths),
             decode_batches=tuple(float(b) for b in batches),
             decode_lengths=tuple(float(x) for x in dlengths),
-            decode_seconds=tuple(
-                tuple(sum(dec[(b, ln)]) / len(dec[(b, ln)]) for ln in dlengths) for b in batches
-            ),
+            decode_seconds=tuple(tuple(sum(dec[(b, ln)]) / len(dec[(b, ln)]) for ln in dlengths) for b in batches),
         )
 
 

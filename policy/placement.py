@@ -162,8 +162,7 @@ def _tokens(max_tokens: int) -> int:
 
 def service_s(perf: PerfModel, prompt_tokens: int, tokens: int, batch: int = 1) -> float:
     """A batch of `batch` such requests from prefill to its last token, alone on its instance."""
-    return (perf.prefill_s(prompt_tokens * batch)
-            + max(tokens - 1, 0) * perf.decode_s(batch, prompt_tokens + tokens / 2))
+    return perf.prefill_s(prompt_tokens * batch) + max(tokens - 1, 0) * perf.decode_s(batch, prompt_tokens + tokens / 2)
 
 
 def validate(
@@ -199,8 +198,11 @@ def validate(
     if inst is None:
         ahead, running, held, queued_tokens = start_waiting, 0, 0, start_waiting * demand.prompt_tokens
         # A new instance must start first: quickly where its weights are resident, else a load.
-        full = (own.resident_start_s if own.artifact_id in node.resident
-                else own.start_on(node.kind) + (0.0 if node.prewarmed else own.spawn_s))
+        full = (
+            own.resident_start_s
+            if own.artifact_id in node.resident
+            else own.start_on(node.kind) + (0.0 if node.prewarmed else own.spawn_s)
+        )
         ready_in = max(0.0, full - start_elapsed_s)
     else:
         if inst.worker_pid:
@@ -248,9 +250,12 @@ def validate(
     if continuous:
         ttft = overestimate * (max(ready_in, ahead_s) + own_prefill)
     else:
-        ttft = overestimate * (ready_in + first_token_wait_s(
-            perf, demand.prompt_tokens, tokens, running, held, ahead - running, width,
-            node.join_recompute_tokens))
+        ttft = overestimate * (
+            ready_in
+            + first_token_wait_s(
+                perf, demand.prompt_tokens, tokens, running, held, ahead - running, width, node.join_recompute_tokens
+            )
+        )
     round_s *= overestimate
     # A round too long hurts everyone on the node: it rules the node out, a late first token
     # only this request (the fallback may still queue it there).
@@ -266,8 +271,9 @@ def _prefill_s(perf: PerfModel, requests: int, tokens: int) -> float:
     return requests * perf.prefill_s(tokens / requests) if requests > 0 else 0.0
 
 
-def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, held: int, queued: int,
-                       width: int, join_tokens: int) -> float:
+def first_token_wait_s(
+    perf: PerfModel, prompt: int, tokens: int, running: int, held: int, queued: int, width: int, join_tokens: int
+) -> float:
     """Seconds from a request reaching a worker to its first token, as the engine batches
     (`services/engine/worker.py`): `running` rows holding `held` context tokens decode, and
     `queued` requests (each taken as this one's size) wait.
@@ -294,8 +300,9 @@ def first_token_wait_s(perf: PerfModel, prompt: int, tokens: int, running: int, 
     return left + batches * service_s(perf, prompt, tokens, min(queued, width)) + perf.prefill_s(prompt)
 
 
-def preemption_for(node: NodeState, model: str, demand: Demand, profiles: Mapping[str, Profile],
-                   relocatable: Callable[[str], bool]) -> tuple[str, ...] | None:
+def preemption_for(
+    node: NodeState, model: str, demand: Demand, profiles: Mapping[str, Profile], relocatable: Callable[[str], bool]
+) -> tuple[str, ...] | None:
     """LLM-Mesh §7.1: the instance of `model` on `node` cannot take the request because its
     neighbours' decode rounds would break a TPOT SLO. The neighbours to preempt so that it
     validates: only instances with a smaller batch than it would have (a big instance is not
@@ -307,8 +314,10 @@ def preemption_for(node: NodeState, model: str, demand: Demand, profiles: Mappin
     mates = worker_mates(node, inst)
     own = sum(v.active for v in mates) + 1
     candidates = sorted(
-        (sum(w.active for w in worker_mates(node, v)), m) for m, v in node.instances.items()
-        if v.active > 0 and v not in mates)
+        (sum(w.active for w in worker_mates(node, v)), m)
+        for m, v in node.instances.items()
+        if v.active > 0 and v not in mates
+    )
     victims: list[str] = []
     for batch, m in candidates:
         if batch >= own:
@@ -332,8 +341,9 @@ def join_order(nodes: Iterable[NodeState], model: str) -> list[NodeState]:
     return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, n.node_id))
 
 
-def start_order(nodes: Iterable[NodeState], profile: Profile | None,
-                neighbours: Mapping[str, Profile] | None = None) -> list[NodeState]:
+def start_order(
+    nodes: Iterable[NodeState], profile: Profile | None, neighbours: Mapping[str, Profile] | None = None
+) -> list[NodeState]:
     """Nodes that could start the model, best first: CPU first, then the soonest start (its
     weights still resident there: Tangram's affinity), then the fewest instances (they share
     the node's cores), then the neighbours with the laxest TTFT SLO (the new instance takes
@@ -354,7 +364,19 @@ def start_order(nodes: Iterable[NodeState], profile: Profile | None,
         reusable = weights if profile.artifact_id in n.resident else 0
         load_s = start_s_if_fits(free, reusable, weights, need, LOAD_BANDWIDTH_BPS)
         if load_s is not None:
-            keyed.append(((kind_rank(n.kind), round(load_s, 3), -reusable, len(n.instances) + len(n.starting),
-                           -tightest_neighbour(n), free, n.node_id), n))
+            keyed.append(
+                (
+                    (
+                        kind_rank(n.kind),
+                        round(load_s, 3),
+                        -reusable,
+                        len(n.instances) + len(n.starting),
+                        -tightest_neighbour(n),
+                        free,
+                        n.node_id,
+                    ),
+                    n,
+                )
+            )
     keyed.sort(key=lambda kn: kn[0])
     return [n for _, n in keyed]

@@ -157,29 +157,34 @@ def place(
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
     instance starts only on a node running nothing."""
-    live = with_starts(live_nodes(nodes, now, node_timeout_s),
-                       ((m, s.node_id) for m, s in starts_in_flight.items()))
+    live = with_starts(live_nodes(nodes, now, node_timeout_s), ((m, s.node_id) for m, s in starts_in_flight.items()))
     start = starts_in_flight.get(model)
     profiles = profiles or {}
     measured = demand is not None and model in profiles
     if start is not None and not (measured and any(model in n.instances for n in live)):
         return AwaitStart(start.node_id)  # a first start: nothing else serves the model yet
     if not live:
-        return Rejected(
-            code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0
-        )
+        return Rejected(code=ErrorCode.UNAVAILABLE, message="no engine node is alive", retry_after_s=2.0)
     if exclusive:
-        return _place_exclusive(model, live, max_active_per_instance,
-                                {s.node_id for s in starts_in_flight.values()})
+        return _place_exclusive(model, live, max_active_per_instance, {s.node_id for s in starts_in_flight.values()})
     if demand is not None and model in profiles:
-        return _place_validated(model, live, start, now, max_active_per_instance, demand, profiles,
-                                reject_over_slo, joins)
+        return _place_validated(
+            model, live, start, now, max_active_per_instance, demand, profiles, reject_over_slo, joins
+        )
     return _fallback(model, live, max_active_per_instance, profiles.get(model))
 
 
-def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | None, now: float,
-                     max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile],
-                     reject_over_slo: float | None, joins: Joins | None) -> Decision:
+def _place_validated(
+    model: str,
+    live: list[NodeState],
+    start: StartUnderWay | None,
+    now: float,
+    max_active_per_instance: int,
+    demand: Demand,
+    profiles: Mapping[str, Profile],
+    reject_over_slo: float | None,
+    joins: Joins | None,
+) -> Decision:
     # Shadow validation: join the first instance where nobody would miss an SLO...
     if joins is None:
         joins = _join(model, live, max_active_per_instance, demand, profiles)
@@ -193,8 +198,9 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
     # new fragment) ...
     for n in crowded:
         others = [o for o in live if o.node_id != n.node_id]
-        victims = placement.preemption_for(n, model, demand, profiles,
-                                           lambda m, others=others: relocatable(m, others, profiles))
+        victims = placement.preemption_for(
+            n, model, demand, profiles, lambda m, others=others: relocatable(m, others, profiles)
+        )
         if victims:
             return UseNode(n.node_id, preempt=victims, why=why)
     spare: NodeState | None = None
@@ -202,8 +208,9 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
         # ... else the start under way, if it serves it in time ...
         at = next((n for n in live if n.node_id == start.node_id), None)
         if at is not None:
-            v = placement.validate(at, model, demand, profiles, start_elapsed_s=now - start.since,
-                                   start_waiting=start.waiting)
+            v = placement.validate(
+                at, model, demand, profiles, start_elapsed_s=now - start.since, start_waiting=start.waiting
+            )
             if v.ok:
                 return AwaitStart(start.node_id)
             if v.failure is placement.Failure.NEW_LATE:
@@ -221,8 +228,7 @@ def _place_validated(model: str, live: list[NodeState], start: StartUnderWay | N
                 return StartOn(n.node_id, why)
             if v.failure is placement.Failure.NEW_LATE:
                 options.append((v.ttft_s, True, StartOn(n.node_id, why)))
-                if spare is None and placement.validate(n, model, demand, profiles,
-                                                        start_elapsed_s=float("inf")).ok:
+                if spare is None and placement.validate(n, model, demand, profiles, start_elapsed_s=float("inf")).ok:
                     spare = n
     # ... else this request misses its TTFT wherever it goes: the soonest first token wins,
     # a queue or a new instance, as long as it keeps the node's decode rounds within every
@@ -267,8 +273,9 @@ class Joins:
     """The ones whose neighbours' decode rounds are in its way (§7.1 may preempt them)."""
 
 
-def _join(model: str, live: Iterable[NodeState], max_active_per_instance: int, demand: Demand,
-          profiles: Mapping[str, Profile]) -> Joins:
+def _join(
+    model: str, live: Iterable[NodeState], max_active_per_instance: int, demand: Demand, profiles: Mapping[str, Profile]
+) -> Joins:
     late: list[tuple[float, UseNode]] = []
     refusals: list[str] = []
     crowded: list[NodeState] = []
@@ -287,8 +294,14 @@ def _join(model: str, live: Iterable[NodeState], max_active_per_instance: int, d
     return Joins(None, tuple(refusals), tuple(late), tuple(crowded))
 
 
-def first_join(model: str, running: Iterable[NodeState], *, max_active_per_instance: int, demand: Demand,
-               profiles: Mapping[str, Profile]) -> Joins | None:
+def first_join(
+    model: str,
+    running: Iterable[NodeState],
+    *,
+    max_active_per_instance: int,
+    demand: Demand,
+    profiles: Mapping[str, Profile],
+) -> Joins | None:
     """What `place` decides first, from the nodes running the model alone: `Joins.joined` is
     the first of their instances that validates the request. A caller with many nodes to
     gather tries this first, and gathers them (for a start) only when none does, passing
@@ -318,8 +331,7 @@ def _scale_out_warming(model: str, live: list[NodeState]) -> bool:
     return len(running) > 1 and any(i.tier == Tier.START for i in running)
 
 
-def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, profile: Profile | None
-              ) -> Decision:
+def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, profile: Profile | None) -> Decision:
     """Placement without a measurement to go by (none yet, or every candidate would break a
     neighbour's TPOT): the least busy instance, else a start where the model can start
     soonest (its weights resident), else spread."""
@@ -339,20 +351,28 @@ def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, p
     return StartOn(target.node_id)
 
 
-def _place_exclusive(model: str, live: list[NodeState], max_active_per_instance: int, starting_on: set[str]
-                     ) -> Decision:
+def _place_exclusive(
+    model: str, live: list[NodeState], max_active_per_instance: int, starting_on: set[str]
+) -> Decision:
     running = [(n, n.instances[model]) for n in live if model in n.instances]
     if running:
         node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
         if inst.active >= max_active_per_instance:
-            return Rejected(code=ErrorCode.OVERLOADED, message=f"model {model!r} is at its limit of "
-                            f"{max_active_per_instance} concurrent requests; retry shortly", retry_after_s=1.0)
+            return Rejected(
+                code=ErrorCode.OVERLOADED,
+                message=f"model {model!r} is at its limit of "
+                f"{max_active_per_instance} concurrent requests; retry shortly",
+                retry_after_s=1.0,
+            )
         return UseNode(node.node_id)
     # A node a start is under way on is taken, though no heartbeat may say so yet.
     free = [n for n in live if not n.instances and not n.starting and n.node_id not in starting_on]
     if not free:
-        return Rejected(code=ErrorCode.NO_CAPACITY, message="every node is taken by another model's "
-                        "instance (exclusive placement); retry shortly", retry_after_s=1.0)
+        return Rejected(
+            code=ErrorCode.NO_CAPACITY,
+            message="every node is taken by another model's instance (exclusive placement); retry shortly",
+            retry_after_s=1.0,
+        )
     return StartOn(min(free, key=lambda n: n.node_id).node_id)
 
 

@@ -94,8 +94,7 @@ class ShadowInstance:
                 total += input_len + clock.generated
                 if h >= 0:
                     least = min(least, h)
-        return cls(key, perf, batch, total / batch if batch else 0.0, least, tuple(pending),
-                   ready_in_s)
+        return cls(key, perf, batch, total / batch if batch else 0.0, least, tuple(pending), ready_in_s)
 
     def round_s(self, extra: int = 0, extra_length: float = 0.0) -> float:
         """Predicted seconds of one decode iteration, with `extra` requests added."""
@@ -150,8 +149,9 @@ def validate(
             total_round += inst.round_s()
     total_round *= overestimate
     if total_round > tpot:
-        return Verdict(False, Failure.ROUND_TOO_LONG, total_round,
-                       f"decode round {total_round:.3f}s > TPOT SLO {tpot:.3f}s")
+        return Verdict(
+            False, Failure.ROUND_TOO_LONG, total_round, f"decode round {total_round:.3f}s > TPOT SLO {tpot:.3f}s"
+        )
 
     # Fast accept: if every request can absorb all pending prefills plus one full round in any
     # order, no schedule can make one negative; the simulation below is then unnecessary.
@@ -160,11 +160,7 @@ def validate(
         + sum(i.perf.prefill_s(p.input_len) for i in node for p in i.pending)
     )
     worst_wait = max((i.ready_in_s for i in node), default=0.0) + prefill_work + total_round
-    least = min(
-        [new.headroom_s]
-        + [i.least_headroom_s for i in node]
-        + [p.headroom_s for i in node for p in i.pending]
-    )
+    least = min([new.headroom_s] + [i.least_headroom_s for i in node] + [p.headroom_s for i in node for p in i.pending])
     if least >= worst_wait:
         return Verdict(True, None, total_round)
     return _simulate(node, target, new, total_round, overestimate, rounds_after, max_iterations)
@@ -191,8 +187,19 @@ def _simulate(
             pend.append((new.headroom_s, new.input_len, True))
         pend.sort()
         dec = overestimate * i.perf.decode_s(i.batch, i.mean_length) if i.batch else 0.0
-        sims.append([i.least_headroom_s if i.batch else inf, i.batch, i.mean_length * i.batch,
-                     pend, i.ready_in_s, 0, dec, i.perf, i.key])
+        sims.append(
+            [
+                i.least_headroom_s if i.batch else inf,
+                i.batch,
+                i.mean_length * i.batch,
+                pend,
+                i.ready_in_s,
+                0,
+                dec,
+                i.perf,
+                i.key,
+            ]
+        )
     t = 0.0
     new_done = False
     for _ in range(max_iterations):
@@ -227,8 +234,7 @@ def _simulate(
             t += overestimate * s[7].prefill_s(length)
             if h - t < 0:
                 failure = Failure.NEW_LATE if is_new else Failure.EXISTING_LATE
-                return Verdict(False, failure, total_round,
-                               f"prefill on {s[8]} ends {t - h:.3f}s past its headroom")
+                return Verdict(False, failure, total_round, f"prefill on {s[8]} ends {t - h:.3f}s past its headroom")
             s[0] = min(s[0], h + tpot)
             s[1] += 1
             s[2] += length
@@ -238,8 +244,12 @@ def _simulate(
         else:
             t += s[6]
             if s[0] - t < 0:
-                return Verdict(False, Failure.EXISTING_LATE, total_round,
-                               f"decode on {s[8]} ends {t - s[0]:.3f}s past its headroom")
+                return Verdict(
+                    False,
+                    Failure.EXISTING_LATE,
+                    total_round,
+                    f"decode on {s[8]} ends {t - s[0]:.3f}s past its headroom",
+                )
             s[0] += tpot
             s[2] += s[1]
             if new_done:
@@ -248,8 +258,7 @@ def _simulate(
             if o[0] - t < 0 or (o[3] and o[3][0][0] - t < 0):
                 is_new = any(p[2] for p in o[3])
                 failure = Failure.NEW_LATE if is_new else Failure.EXISTING_LATE
-                return Verdict(False, failure, total_round,
-                               f"a request on {o[8]} waits past its headroom")
+                return Verdict(False, failure, total_round, f"a request on {o[8]} waits past its headroom")
     return Verdict(True, None, total_round)
 
 

@@ -54,9 +54,7 @@ class MemOp:
 
     def conflicts(self, other: MemOp) -> bool:
         """RAW, WAR or WAW on any region: the two may not run at the same time."""
-        return bool(
-            self.writes & (other.writes | other.reads) or other.writes & self.reads
-        )
+        return bool(self.writes & (other.writes | other.reads) or other.writes & self.reads)
 
 
 def load(op_id: int, model: str, nbytes: int) -> MemOp:
@@ -68,8 +66,7 @@ def unload(op_id: int, model: str, nbytes: int) -> MemOp:
 
 
 def resize_kv(op_id: int, model: str, old_bytes: int, new_bytes: int) -> MemOp:
-    return MemOp(op_id, OpKind.RESIZE, f"{model}:kv", old_bytes, new_bytes,
-                 reads=frozenset((model,)))
+    return MemOp(op_id, OpKind.RESIZE, f"{model}:kv", old_bytes, new_bytes, reads=frozenset((model,)))
 
 
 class Refused(StrEnum):
@@ -130,9 +127,7 @@ class Station:
         # or it could take the memory they wait for and starve them
         still: list[MemOp] = []
         for op in self.waiting:
-            hazard = any(op.conflicts(r) for r in self.running.values()) or any(
-                op.conflicts(b) for b in blocked
-            )
+            hazard = any(op.conflicts(r) for r in self.running.values()) or any(op.conflicts(b) for b in blocked)
             fits = op.delta <= 0 or pess + reserved + op.delta <= self.budget_bytes
             if hazard or not fits:
                 blocked.append(op)

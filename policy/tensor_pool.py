@@ -88,9 +88,7 @@ class TensorPool:
             self._idle -= r.nbytes
         return tuple(chosen)
 
-    def acquire(
-        self, model: str, tensors: Sequence[Tensor], now: float, alpha: float = 1.0
-    ) -> Acquired | None:
+    def acquire(self, model: str, tensors: Sequence[Tensor], now: float, alpha: float = 1.0) -> Acquired | None:
         """Make `model`'s tensors resident and in use, evicting idle ones if needed.
 
         None when the missing tensors cannot fit even after evicting every idle tensor; the
@@ -107,8 +105,9 @@ class TensorPool:
         for t in tensors:
             r = self.residents.get(t.fingerprint)
             if r is None:
-                r = Resident(t.fingerprint, t.nbytes, t.nbytes / self.bandwidth_bps, now, now,
-                             uses=1, users=0, alpha=alpha)
+                r = Resident(
+                    t.fingerprint, t.nbytes, t.nbytes / self.bandwidth_bps, now, now, uses=1, users=0, alpha=alpha
+                )
                 self.residents[t.fingerprint] = r
                 self._used += t.nbytes
             else:

@@ -54,9 +54,11 @@ def compile_config(
 def first_pass(compiled: ov.CompiledModel) -> None:
     """One token through a throwaway infer request: the CPU plugin repacks the weights on a
     model's first forward pass, so after this the next pass runs at full speed."""
-    compiled.create_infer_request().infer({
-        "input_ids": np.ones((1, 1), dtype=np.int64),
-        "attention_mask": np.ones((1, 1), dtype=np.int64),
-        "position_ids": np.zeros((1, 1), dtype=np.int64),
-        "beam_idx": np.zeros(1, dtype=np.int32),
-    })
+    compiled.create_infer_request().infer(
+        {
+            "input_ids": np.ones((1, 1), dtype=np.int64),
+            "attention_mask": np.ones((1, 1), dtype=np.int64),
+            "position_ids": np.zeros((1, 1), dtype=np.int64),
+            "beam_idx": np.zeros(1, dtype=np.int32),
+        }
+    )

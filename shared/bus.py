@@ -90,25 +90,19 @@ class Bus:
         if msg.reply:
             await self.client.publish(msg.reply, encode(message))
 
-    async def request(
-        self, subject: str, message: Message, reply_type: type[T], timeout: float
-    ) -> T:
+    async def request(self, subject: str, message: Message, reply_type: type[T], timeout: float) -> T:
         """Request/reply with a timeout; bus failures become `TesseraError`s a client can read."""
         try:
             msg = await self.client.request(subject, encode(message), timeout=timeout)
         except NoRespondersError as e:
-            raise TesseraError(
-                ErrorCode.UNAVAILABLE, f"no service is listening on {subject}", retry_after_s=1
-            ) from e
+            raise TesseraError(ErrorCode.UNAVAILABLE, f"no service is listening on {subject}", retry_after_s=1) from e
         except NatsTimeout as e:
             raise TesseraError(
                 ErrorCode.UNAVAILABLE, f"no reply on {subject} within {timeout:g}s", retry_after_s=1
             ) from e
         return decode(msg.data, reply_type)
 
-    async def subscribe(
-        self, subject: str, handler: Handler | None = None, queue: str = ""
-    ) -> Subscription:
+    async def subscribe(self, subject: str, handler: Handler | None = None, queue: str = "") -> Subscription:
         """Subscribe; with a handler, each message runs in a task of its own so that a long
         handler (a cold start) never holds up the next message."""
         if handler is None:

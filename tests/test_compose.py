@@ -91,9 +91,7 @@ def test_the_code_has_the_five_tessera_services() -> None:
 
 
 @pytest.mark.parametrize("name", code_services())
-def test_every_service_in_the_code_has_a_compose_entry_that_runs_it(
-    compose: dict[str, Any], name: str
-) -> None:
+def test_every_service_in_the_code_has_a_compose_entry_that_runs_it(compose: dict[str, Any], name: str) -> None:
     service = compose["services"].get(name)
     assert service is not None, f"compose.yaml has no entry for services/{name}"
     assert argv(service.get("command")) == ["python", "-m", f"services.{name}"]
@@ -102,9 +100,7 @@ def test_every_service_in_the_code_has_a_compose_entry_that_runs_it(
 
 
 @pytest.mark.parametrize("name", code_services())
-def test_every_service_in_the_code_has_a_healthcheck_on_its_own_readyz_port(
-    compose: dict[str, Any], name: str
-) -> None:
+def test_every_service_in_the_code_has_a_healthcheck_on_its_own_readyz_port(compose: dict[str, Any], name: str) -> None:
     service = compose["services"][name]
     env = environment(service)
     assert env.get("TESSERA_HTTP_HOST") == "0.0.0.0", f"{name} must listen on every interface"
@@ -120,9 +116,7 @@ def test_every_service_in_the_code_has_a_healthcheck_on_its_own_readyz_port(
 
 
 @pytest.mark.parametrize("name", code_services())
-def test_every_service_in_the_code_starts_once_nats_and_valkey_are_healthy(
-    compose: dict[str, Any], name: str
-) -> None:
+def test_every_service_in_the_code_starts_once_nats_and_valkey_are_healthy(compose: dict[str, Any], name: str) -> None:
     service = compose["services"][name]
     deps = depends_on_healthy(service)
     assert deps.get("nats") and deps.get("valkey"), (
@@ -213,9 +207,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
     if standalone is not None:
         candidates.append([standalone])
     for cli in candidates:
-        version = subprocess.run(
-            [*cli, "version", "--short"], capture_output=True, text=True, timeout=60
-        )
+        version = subprocess.run([*cli, "version", "--short"], capture_output=True, text=True, timeout=60)
         # Only Compose v2 (the CLI plugin, or its standalone binary) knows the current spec.
         major = version.stdout.strip().lstrip("v").split(".")[0]
         if version.returncode == 0 and major.isdigit() and int(major) >= 2:

@@ -119,8 +119,9 @@ def scraped(prometheus: dict[str, Any]) -> dict[str, str]:
 
 def test_every_metric_the_dashboard_queries_is_registered_in_the_code(dashboard: dict[str, Any]) -> None:
     exposed = {s for name, kind in registered_metrics().items() for s in exposed_series(name, kind)}
-    missing = {(title, m) for title, expr in queries(dashboard) for m in METRIC_IN_QUERY.findall(expr)
-               if m not in exposed}
+    missing = {
+        (title, m) for title, expr in queries(dashboard) for m in METRIC_IN_QUERY.findall(expr) if m not in exposed
+    }
     assert not missing, f"the dashboard queries metrics no code registers: {sorted(missing)}"
 
 
@@ -135,23 +136,28 @@ def test_every_quantile_is_taken_over_buckets_summed_by_le(dashboard: dict[str, 
     for title, expr in queries(dashboard):
         if "histogram_quantile" in expr:
             assert "_bucket[" in expr and re.search(r"by \([^)]*\ble\b", expr), (
-                f"{title!r}: histogram_quantile needs rate(..._bucket[..]) summed by le: {expr}")
+                f"{title!r}: histogram_quantile needs rate(..._bucket[..]) summed by le: {expr}"
+            )
 
 
 def test_the_dashboard_shows_latency_cold_starts_instances_caches_and_tier_ups(dashboard: dict[str, Any]) -> None:
     queried = {m for _, expr in queries(dashboard) for m in METRIC_IN_QUERY.findall(expr)}
     needed = {
-        "tessera_gateway_ttft_seconds_bucket", "tessera_gateway_tpot_seconds_bucket",
-        "tessera_gateway_placement_seconds_bucket", "tessera_coldstart_phase_seconds_sum",
-        "tessera_coldstart_phase_seconds_count", "tessera_engine_instances",
-        "tessera_engine_resident_model_bytes", "tessera_loader_host_cache_bytes",
+        "tessera_gateway_ttft_seconds_bucket",
+        "tessera_gateway_tpot_seconds_bucket",
+        "tessera_gateway_placement_seconds_bucket",
+        "tessera_coldstart_phase_seconds_sum",
+        "tessera_coldstart_phase_seconds_count",
+        "tessera_engine_instances",
+        "tessera_engine_resident_model_bytes",
+        "tessera_loader_host_cache_bytes",
         "tessera_engine_tier_ups_total",
     }
     assert needed <= queried, f"the dashboard lacks {sorted(needed - queried)}"
     stacked = [p for p in panels(dashboard) if "phase" in p["title"].lower()]
-    assert stacked and all(
-        p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal" for p in stacked
-    ), "the cold-start phases are not stacked"
+    assert stacked and all(p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal" for p in stacked), (
+        "the cold-start phases are not stacked"
+    )
 
 
 def test_dashboard_panels_have_unique_ids_and_read_the_datasource_variable(dashboard: dict[str, Any]) -> None:
@@ -210,8 +216,13 @@ def test_promtool_accepts_the_scrape_config() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed")
-    result = subprocess.run([promtool, "check", "config", "--syntax-only", str(PROMETHEUS)],
-                            check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(PROMETHEUS)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

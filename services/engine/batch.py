@@ -84,8 +84,13 @@ def take_batch(queue: Sequence[tuple[int, int]], max_batch: int, kv_tokens: int)
     return 1 + joinable(queue[:1], queue[1:], max_batch, kv_tokens, recompute_tokens=sys.maxsize)
 
 
-def joinable(running: Sequence[tuple[int, int]], queue: Sequence[tuple[int, int]], max_batch: int,
-             kv_tokens: int, recompute_tokens: int) -> int:
+def joinable(
+    running: Sequence[tuple[int, int]],
+    queue: Sequence[tuple[int, int]],
+    max_batch: int,
+    kv_tokens: int,
+    recompute_tokens: int,
+) -> int:
     """How many queued requests, each (prompt tokens, max_tokens), join the running batch
     whose rows are each (context tokens, tokens left): within `max_batch` and the KV budget,
     and only while re-prefilling the running rows costs at most `recompute_tokens` positions
@@ -104,8 +109,9 @@ def joinable(running: Sequence[tuple[int, int]], queue: Sequence[tuple[int, int]
 class _Row:
     """One sequence's decoding state: sampling, stop strings, text out, why it ended."""
 
-    def __init__(self, seq: BatchItem, eos_ids: frozenset[int], text: TextFactory, emit: RowEmit,
-                 interval_s: float) -> None:
+    def __init__(
+        self, seq: BatchItem, eos_ids: frozenset[int], text: TextFactory, emit: RowEmit, interval_s: float
+    ) -> None:
         self.seq = seq
         p = seq.params
         self.sampler = Sampler.of(p)
@@ -191,12 +197,13 @@ def _prefill(request: ov.InferRequest, contexts: Sequence[Sequence[int]]) -> tup
     positions = np.zeros((b, width), dtype=np.int64)
     for i, c in enumerate(contexts):
         n = lengths[i]
-        ids[i, width - n:] = c
-        mask[i, width - n:] = 1
-        positions[i, width - n:] = np.arange(n)
+        ids[i, width - n :] = c
+        mask[i, width - n :] = 1
+        positions[i, width - n :] = np.arange(n)
     request.reset_state()
-    request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                   "beam_idx": np.arange(b, dtype=np.int32)})
+    request.infer(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "beam_idx": np.arange(b, dtype=np.int32)}
+    )
     return request.get_tensor("logits").data[:, -1], mask
 
 
@@ -254,8 +261,14 @@ def generate_batch(
         idx = np.asarray(keep)
         mask = np.concatenate([mask[idx], np.ones((len(keep), 1), dtype=np.int64)], axis=1)
         pos = next_pos[active][:, None]
-        request.infer({"input_ids": np.asarray(tokens, dtype=np.int64)[:, None], "attention_mask": mask,
-                       "position_ids": pos, "beam_idx": idx.astype(np.int32)})
+        request.infer(
+            {
+                "input_ids": np.asarray(tokens, dtype=np.int64)[:, None],
+                "attention_mask": mask,
+                "position_ids": pos,
+                "beam_idx": idx.astype(np.int32),
+            }
+        )
         next_pos[active] += 1
         logits = request.get_tensor("logits").data[:, -1]
     return [results[i] for i in range(len(rows))]

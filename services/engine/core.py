@@ -84,8 +84,14 @@ def needs_core(params: SamplingParams) -> bool:
     logits). Such a request waits for the core."""
     if needs_logits(params):
         return False
-    return (params.guide is not None or params.seed is not None or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0 or params.top_k > 0 or params.min_p > 0.0)
+    return (
+        params.guide is not None
+        or params.seed is not None
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or params.top_k > 0
+        or params.min_p > 0.0
+    )
 
 
 def needs_logits(params: SamplingParams) -> bool:
@@ -121,8 +127,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
     properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads} if device == "CPU" else {}
     tokenizer = ov_genai.Tokenizer(str(Path(artifact_path)))
-    return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device,
-                                               **properties)
+    return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device, **properties)
 
 
 class TextSink:
@@ -180,8 +185,7 @@ class EngineCore:
         return len(self._live)
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: TextSink) -> None:
-        out = Output(request_id, added_at=self.clock(), prompt_tokens=len(prompt_ids),
-                     peak_running=len(self._live) + 1)
+        out = Output(request_id, added_at=self.clock(), prompt_tokens=len(prompt_ids), peak_running=len(self._live) + 1)
         self._live[request_id] = _Live(self._submit(prompt_ids, params), sink, out, prompt_ids, params)
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
@@ -240,8 +244,7 @@ class EngineCore:
                 if running > 1:
                     live.handle = self._submit(live.prompt_ids, live.params)
                     continue
-                out.error = (f"a prompt of {out.prompt_tokens} tokens does not fit in this "
-                             f"instance's KV cache")
+                out.error = f"a prompt of {out.prompt_tokens} tokens does not fit in this instance's KV cache"
                 finish = FinishReason.CANCELLED
             elif finish is None and status != "RUNNING":
                 # Ended without a reason (the handle was stopped or dropped): over either way.

@@ -305,5 +305,6 @@ class Batcher:
             return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
 
         request_for = self._request_for if wrap is None else (lambda rows: wrap(self._request_for(rows)))
-        return generate_batch(request_for, items, self.loaded.eos_ids, text, emit, is_cancelled,
-                              stream_interval_s, between_steps, join)
+        return generate_batch(
+            request_for, items, self.loaded.eos_ids, text, emit, is_cancelled, stream_interval_s, between_steps, join
+        )

@@ -19,9 +19,7 @@ DECODED_TOKENS = Counter("tessera_engine_decoded_tokens_total", "Tokens decoded 
 REQUESTS = Counter("tessera_engine_requests_total", "Generations ended", ["finish_reason"])
 INSTANCES = Gauge("tessera_engine_instances", "Model instances serving on this engine")
 RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Weight bytes of bound workers, in use or not")
-POOL_IDLE_BYTES = Gauge(
-    "tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)"
-)
+POOL_IDLE_BYTES = Gauge("tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)")
 POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")
 POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
 PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
@@ -62,9 +60,7 @@ KV_ALLOCATED = Gauge(
     "with the requests admitted under the reservation; freed blocks stay in its pool)",
     ["model"],
 )
-KV_RESIZES = Counter(
-    "tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"]
-)
+KV_RESIZES = Counter("tessera_engine_kv_resizes_total", "KV reservations resized by the watermark rule", ["direction"])
 PREEMPTIONS = Counter(
     "tessera_engine_preemptions_total",
     "Instances preempted so that a bigger instance's KV reservation could grow (LLM-Mesh §7.1)",

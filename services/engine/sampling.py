@@ -20,10 +20,18 @@ from shared.messages import SamplingParams, TokenLogprob
 
 
 class Sampler:
-    def __init__(self, temperature: float, top_p: float, seed: int | None,
-                 repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-                 presence_penalty: float = 0.0, top_k: int = 0, min_p: float = 0.0,
-                 logit_bias: Sequence[tuple[int, float]] = ()) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        logit_bias: Sequence[tuple[int, float]] = (),
+    ) -> None:
         self.temperature = temperature
         self.top_p = top_p
         self.rng = np.random.default_rng(seed)
@@ -42,8 +50,17 @@ class Sampler:
 
     @classmethod
     def of(cls, p: SamplingParams) -> Sampler:
-        return cls(p.temperature, p.top_p, p.seed, p.repetition_penalty, p.frequency_penalty,
-                   p.presence_penalty, p.top_k, p.min_p, p.logit_bias)
+        return cls(
+            p.temperature,
+            p.top_p,
+            p.seed,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            p.top_k,
+            p.min_p,
+            p.logit_bias,
+        )
 
     @property
     def greedy(self) -> bool:

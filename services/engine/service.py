@@ -191,7 +191,9 @@ class EngineService:
         capacity = max(1, cores // max(1, settings.inference_threads))
         self.gate = StepGate(multiprocessing.get_context("spawn"), capacity) if settings.interleave else None
         self.workers = WorkerPool(
-            settings.worker_pool_size, settings.device, settings.inference_threads,
+            settings.worker_pool_size,
+            settings.device,
+            settings.inference_threads,
             refill_delay_s=settings.worker_refill_delay_s,
             prefault_bytes=settings.worker_prefault_mb << 20,
             max_batch=settings.max_batch,
@@ -338,8 +340,12 @@ class EngineService:
         """Release and wait for the answer: a reservation sent next must see it (messages on
         two subjects may be handled in either order)."""
         try:
-            result = await self.bus.request(subjects.memory_release(self.node), Release(owner=owner),
-                                            ReserveResult, timeout=self.settings.memory_request_timeout_s)
+            result = await self.bus.request(
+                subjects.memory_release(self.node),
+                Release(owner=owner),
+                ReserveResult,
+                timeout=self.settings.memory_request_timeout_s,
+            )
             self._memory_seen = (result.budget_bytes, result.used_bytes)
         except Exception:
             log.warning("could not release memory of %s", owner)
@@ -482,8 +488,12 @@ class EngineService:
                 inst.evicted.add(victim)
                 inst.kv.forget(victim)  # its rows leave the cache now; Ō learns nothing from it
                 KV_EVICTIONS.inc()
-                log.info("evicting %s from %s's KV cache (most headroom; the node cannot grow it)", victim,
-                         inst.model, extra={"model": inst.model})
+                log.info(
+                    "evicting %s from %s's KV cache (most headroom; the node cannot grow it)",
+                    victim,
+                    inst.model,
+                    extra={"model": inst.model},
+                )
                 self._cancel(victim, by_client=False)
 
     async def _kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
@@ -502,9 +512,12 @@ class EngineService:
         False when no such set frees enough (nothing is preempted then)."""
         users = {aid: b.resident.users for aid, b in self.bound.items()}
         neighbours = [
-            Neighbour(i.model, i.active,
-                      i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1
-                                             else 0), relocatable=False)
+            Neighbour(
+                i.model,
+                i.active,
+                i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1 else 0),
+                relocatable=False,
+            )
             for i in self.instances.values()
             if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
         ]
@@ -512,14 +525,18 @@ class EngineService:
             return False
         try:
             answer = await self.bus.request(
-                subjects.relocatable(), RelocateQuery(node_id=self.node, models=tuple(n.key for n in neighbours)),
-                RelocateAnswer, timeout=self.settings.memory_request_timeout_s)
+                subjects.relocatable(),
+                RelocateQuery(node_id=self.node, models=tuple(n.key for n in neighbours)),
+                RelocateAnswer,
+                timeout=self.settings.memory_request_timeout_s,
+            )
         except TesseraError as e:
             log.warning("no relocation check (%s): preempting nobody", e.message)
             return False
         ok = set(answer.relocatable)
-        plan = choose_preemption(preemptor.active, need,
-                                 [dataclasses.replace(n, relocatable=n.key in ok) for n in neighbours])
+        plan = choose_preemption(
+            preemptor.active, need, [dataclasses.replace(n, relocatable=n.key in ok) for n in neighbours]
+        )
         if plan is None or not plan.victims:
             return False
         for model in plan.victims:
@@ -532,9 +549,14 @@ class EngineService:
         """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
         inst.preempted = True
         PREEMPTIONS.inc()
-        log.info("preempting %s (batch %d) for %s (batch %d)", inst.model, inst.active,
-                 preemptor.model if preemptor else "a neighbour", preemptor.active if preemptor else 0,
-                 extra={"model": inst.model})
+        log.info(
+            "preempting %s (batch %d) for %s (batch %d)",
+            inst.model,
+            inst.active,
+            preemptor.model if preemptor else "a neighbour",
+            preemptor.active if preemptor else 0,
+            extra={"model": inst.model},
+        )
         for rid in list(inst.requests):
             self._cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
@@ -609,21 +631,29 @@ class EngineService:
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
-        self.instances[record.name] = Served(record.name, bound, now, now, kv, record.ttft_slo_s, record.tpot_slo_s,
-                                             warm_since=float("inf"))
+        self.instances[record.name] = Served(
+            record.name, bound, now, now, kv, record.ttft_slo_s, record.tpot_slo_s, warm_since=float("inf")
+        )
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
         log.info(
             "instance of %s ready",
             record.name,
-            extra={"model": record.name, "init_s": phases.init_s, "load_s": phases.load_s,
-                   "profile_s": phases.profile_s, "resident": hit, "worker_pid": bound.worker.pid},
+            extra={
+                "model": record.name,
+                "init_s": phases.init_s,
+                "load_s": phases.load_s,
+                "profile_s": phases.profile_s,
+                "resident": hit,
+                "worker_pid": bound.worker.pid,
+            },
         )
         if not bound.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
-        return InstanceReady(node_id=self.node, model=record.name, phases=phases,
-                             loaded_from_cache=bound.loaded_from_cache)
+        return InstanceReady(
+            node_id=self.node, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
+        )
 
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances are generating, so that
@@ -698,16 +728,21 @@ class EngineService:
         if checked is not None and checked.repaired_blocks == 0:
             return loaded, waited
         REIMPORTS.inc()
-        log.warning("the host-cache copy of %s failed its check (%s); importing it again",
-                    artifact.artifact_id, f"{checked.repaired_blocks} block(s) repaired" if checked else "unconfirmed")
+        log.warning(
+            "the host-cache copy of %s failed its check (%s); importing it again",
+            artifact.artifact_id,
+            f"{checked.repaired_blocks} block(s) repaired" if checked else "unconfirmed",
+        )
         again = await worker.load(artifact, cores, checked.cache_dir if checked else None, timeout, tier)
         return again, waited
 
     async def _verified(self, artifact: Artifact) -> Staged | None:
         try:
             reply = await self.bus.request(
-                subjects.loader_verify(self.node), VerifyStaged(artifact_id=artifact.artifact_id),
-                Staged | Rejected, timeout=self.settings.load_timeout_s,
+                subjects.loader_verify(self.node),
+                VerifyStaged(artifact_id=artifact.artifact_id),
+                Staged | Rejected,
+                timeout=self.settings.load_timeout_s,
             )
         except TesseraError as e:
             log.warning("no block check of %s (%s)", artifact.artifact_id, e.message)
@@ -728,8 +763,13 @@ class EngineService:
             return
         TIER_UPS.labels("done").inc()
         TIER_UP_SECONDS.observe(msg.load_s)
-        log.info("%s tiered up to %s in %.2fs", artifact.artifact_id, msg.tier, msg.load_s,
-                 extra={"artifact": artifact.artifact_id})
+        log.info(
+            "%s tiered up to %s in %.2fs",
+            artifact.artifact_id,
+            msg.tier,
+            msg.load_s,
+            extra={"artifact": artifact.artifact_id},
+        )
 
     async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
         """The verified blob in host memory, from this node's loader; None (read the store's
@@ -773,8 +813,9 @@ class EngineService:
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictResidents)
-        keys = [k for k, b in self.bound.items()
-                if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)]
+        keys = [
+            k for k, b in self.bound.items() if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)
+        ]
         freed = await self._evict(keys)
         await self.bus.reply(msg, Evicted(node_id=self.node, artifact_ids=tuple(keys), freed_bytes=freed))
 
@@ -845,8 +886,11 @@ class EngineService:
         if inst is None or inst.preempted:
             await self.bus.reply(
                 msg,
-                Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED,
-                       message=f"{req.model} is not loaded on {self.node}"),
+                Failed(
+                    request_id=req.request_id,
+                    code=ErrorCode.INSTANCE_NOT_LOADED,
+                    message=f"{req.model} is not loaded on {self.node}",
+                ),
             )
             return
         cancelled = Cancelled()
@@ -861,8 +905,9 @@ class EngineService:
                 await self._kv_admit(inst, req)
             except TesseraError as e:
                 REQUESTS.labels("error").inc()
-                await self.bus.publish(req.stream_subject, Failed(
-                    request_id=req.request_id, code=e.code, message=e.message))
+                await self.bus.publish(
+                    req.stream_subject, Failed(request_id=req.request_id, code=e.code, message=e.message)
+                )
                 return
             await self._generate(inst, req, cancelled)
         finally:
@@ -878,8 +923,17 @@ class EngineService:
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()
-        run = Run(req.request_id, inst.model, req.prompt_ids, req.params, self.settings.stream_interval_s,
-                  inst.kv.reserved_tokens, received, inst.ttft_slo_s, inst.tpot_slo_s)
+        run = Run(
+            req.request_id,
+            inst.model,
+            req.prompt_ids,
+            req.params,
+            self.settings.stream_interval_s,
+            inst.kv.reserved_tokens,
+            received,
+            inst.ttft_slo_s,
+            inst.tpot_slo_s,
+        )
         generated = 0
         final: Finished | Failed = Finished(
             request_id=req.request_id,
@@ -888,6 +942,7 @@ class EngineService:
             completion_tokens=0,
         )
         try:
+
             def started(batch: int) -> None:
                 QUEUE_WAIT.observe(time.monotonic() - received)
                 BATCHED_REQUESTS.labels(str(batch)).inc()
@@ -902,8 +957,7 @@ class EngineService:
                     await self._kv_progress(inst, req.request_id, generated)
                     await self.bus.publish(
                         req.stream_subject,
-                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens,
-                                   logprobs=out.logprobs),
+                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens, logprobs=out.logprobs),
                     )
                 elif isinstance(out, Done):
                     if received >= inst.warm_since and not out.beside_build:
@@ -925,10 +979,17 @@ class EngineService:
                     if out.first_token_at is not None:
                         TTFT.observe(out.first_token_at - received)
                         await self._maybe_record_cold_start(inst, out.first_token_at)
-            if ((inst.preempted or req.request_id in inst.evicted) and isinstance(final, Finished)
-                    and final.finish_reason is FinishReason.CANCELLED and not cancelled.by_client):
-                why = (f"the instance of {inst.model} on {self.node} was preempted" if inst.preempted else
-                       f"evicted from the KV cache of {inst.model} on {self.node}, which could not grow")
+            if (
+                (inst.preempted or req.request_id in inst.evicted)
+                and isinstance(final, Finished)
+                and final.finish_reason is FinishReason.CANCELLED
+                and not cancelled.by_client
+            ):
+                why = (
+                    f"the instance of {inst.model} on {self.node} was preempted"
+                    if inst.preempted
+                    else f"evicted from the KV cache of {inst.model} on {self.node}, which could not grow"
+                )
                 final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
                 REQUESTS.labels("preempted").inc()
             else:
@@ -936,8 +997,11 @@ class EngineService:
         except WorkerDied as e:
             log.error("worker of %s died during %s", inst.model, req.request_id)
             REQUESTS.labels("error").inc()
-            final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED,
-                           message=f"the worker serving {inst.model} died ({e}); retry the request")
+            final = Failed(
+                request_id=req.request_id,
+                code=ErrorCode.ENGINE_FAILED,
+                message=f"the worker serving {inst.model} died ({e}); retry the request",
+            )
             await self._lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", req.request_id)
@@ -956,7 +1020,9 @@ class EngineService:
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
         phases = ColdStartPhases(
-            init_s=p.init_s, load_s=p.load_s, profile_s=p.profile_s,
+            init_s=p.init_s,
+            load_s=p.load_s,
+            profile_s=p.profile_s,
             prefill_s=max(0.0, first_token_at - ready_at),
         )
         total = first_token_at - pending.t0
@@ -975,8 +1041,20 @@ class EngineService:
             worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
             tier=inst.bound.worker.tier or "",
         )
-        log.info("cold start of %s: %.2fs", inst.model, total, extra={"model": inst.model, "phases": {
-            "init_s": phases.init_s, "load_s": phases.load_s,
-            "profile_s": phases.profile_s, "prefill_s": phases.prefill_s}, "source": pending.source,
-            "tier": inst.bound.worker.tier})
+        log.info(
+            "cold start of %s: %.2fs",
+            inst.model,
+            total,
+            extra={
+                "model": inst.model,
+                "phases": {
+                    "init_s": phases.init_s,
+                    "load_s": phases.load_s,
+                    "profile_s": phases.profile_s,
+                    "prefill_s": phases.prefill_s,
+                },
+                "source": pending.source,
+                "tier": inst.bound.worker.tier,
+            },
+        )
         await self.bus.publish(subjects.cold_start_recorded(), event)

@@ -89,7 +89,9 @@ class CoreStreams:
         stream = self._streams[request_id]
         stream.detok.extend(tokens)
         stream.pending += len(tokens)
-        stream.logprobs += [TokenLogprob(token=int(t), logprob=float(lp)) for t, lp in zip(tokens, logprobs)]
+        stream.logprobs += [
+            TokenLogprob(token=int(t), logprob=float(lp)) for t, lp in zip(tokens, logprobs, strict=False)
+        ]  # none when not asked for
 
     def end(self, request_id: str) -> None:
         self._streams[request_id].ended = True
@@ -103,8 +105,11 @@ class CoreStreams:
         that ends mid-character waits for its next token."""
         now = self.clock()
         crowd_s = len(self._streams) / self.chunks_per_s if self.chunks_per_s > 0 else 0.0
-        due = [(rid, s) for rid, s in self._streams.items()
-               if s.ended or (s.pending and (s.last is None or now - s.last >= max(s.interval_s, crowd_s)))]
+        due = [
+            (rid, s)
+            for rid, s in self._streams.items()
+            if s.ended or (s.pending and (s.last is None or now - s.last >= max(s.interval_s, crowd_s)))
+        ]
         if not due:
             return []
         # An ended stream with nothing pending has emitted all its text: nothing to decode.

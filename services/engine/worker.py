@@ -265,8 +265,7 @@ class _CoreBuild:
         self.error = ""
         self.seconds = 0.0
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(artifact, device, threads), daemon=True,
-                         name="core-build").start()
+        threading.Thread(target=self._run, args=(artifact, device, threads), daemon=True, name="core-build").start()
 
     def _run(self, artifact: Artifact, device: str, threads: int) -> None:
         from services.engine.core import build_pipeline
@@ -306,9 +305,17 @@ class _GatedRequest:
 class _Loop:
     """The worker's commands, its queue of requests and the batches run from it."""
 
-    def __init__(self, conn: Connection, core: ov.Core, device: str, threads: int,
-                 max_batch: int, join_recompute_tokens: int = 0, gate: StepGate | None = None,
-                 slot: int = -1) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        core: ov.Core,
+        device: str,
+        threads: int,
+        max_batch: int,
+        join_recompute_tokens: int = 0,
+        gate: StepGate | None = None,
+        slot: int = -1,
+    ) -> None:
         self.conn = conn
         self.gate = gate
         self.slot = slot
@@ -465,17 +472,27 @@ class _Loop:
         if chunks:
             self.conn.send(Chunks(tuple(chunks)))
         for out in finished:
-            run, waited_at = self.in_core.pop(out.request_id, (None, self.waited))
+            _, waited_at = self.in_core.pop(out.request_id, (None, self.waited))
             if out.error:
                 self.conn.send(Failure(out.request_id, out.error))
                 continue
             first = out.first_token_at
-            self.conn.send(Done(
-                out.request_id, out.finish_reason or FinishReason.STOP, out.completion_tokens, first,
-                out.prompt_tokens, max(0.0, (first or out.finished_at) - out.added_at),
-                max(0.0, out.finished_at - first) if first is not None else 0.0,
-                out.peak_running, out.prompt_tokens, self.waited - waited_at,
-                self._beside_build(out.added_at, out.finished_at), self.engine.kv_allocated_bytes()))
+            self.conn.send(
+                Done(
+                    out.request_id,
+                    out.finish_reason or FinishReason.STOP,
+                    out.completion_tokens,
+                    first,
+                    out.prompt_tokens,
+                    max(0.0, (first or out.finished_at) - out.added_at),
+                    max(0.0, out.finished_at - first) if first is not None else 0.0,
+                    out.peak_running,
+                    out.prompt_tokens,
+                    self.waited - waited_at,
+                    self._beside_build(out.added_at, out.finished_at),
+                    self.engine.kv_allocated_bytes(),
+                )
+            )
         if gate is not None and not self.engine.has_work() and not self.running:
             gate.idle(self.slot)
 
@@ -491,8 +508,13 @@ class _Loop:
                     self._add_to_core(cmd)
                 elif cmd.params.guide is not None and self.build_failed:
                     # A grammar would be ignored on the start tier: say so, never ignore it.
-                    self.conn.send(Failure(cmd.request_id, "this instance cannot enforce structured output: "
-                                           "its continuous-batching core failed to build"))
+                    self.conn.send(
+                        Failure(
+                            cmd.request_id,
+                            "this instance cannot enforce structured output: "
+                            "its continuous-batching core failed to build",
+                        )
+                    )
                 elif needs_core(cmd.params) and self.build_failed:
                     self.queue.append(cmd)  # the start tier's sampler has seeds, penalties, top-k, min-p
                 elif needs_core(cmd.params) and self.artifact is not None and not self.build_failed:
@@ -518,8 +540,7 @@ class _Loop:
                     _pin_all_threads(set(cmd.cores))
                 # The first forward pass (the CPU plugin repacks weights then) also runs under
                 # the bounded share; all cores come back once the first batch is done.
-                loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir,
-                                          cmd.tier)
+                loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir, cmd.tier)
                 self.batcher = Batcher(loaded)
                 self.load = cmd
                 self.artifact = cmd.artifact
@@ -537,8 +558,11 @@ class _Loop:
             from services.engine.instance import Batcher, LoadedModel
 
             cmd = self.load
-            self.batcher = Batcher(LoadedModel.load(self.core, cmd.artifact, self.device, self.threads,
-                                                    cmd.cache_dir, cmd.tier, self.detokenizer))
+            self.batcher = Batcher(
+                LoadedModel.load(
+                    self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir, cmd.tier, self.detokenizer
+                )
+            )
 
     def _cancel(self, request_id: str) -> None:
         if self.engine is not None and self.engine.abort(request_id):
@@ -560,9 +584,13 @@ class _Loop:
 
     def _deadline(self) -> float:
         """The most urgent running request's deadline: what this worker waits at the gate with."""
-        return min([*(run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
-                    *(run.deadline(0) for run, _ in self.in_core.values())],
-                   default=time.monotonic() + NO_SLO_S)
+        return min(
+            [
+                *(run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
+                *(run.deadline(0) for run, _ in self.in_core.values()),
+            ],
+            default=time.monotonic() + NO_SLO_S,
+        )
 
     def _gated(self, request: ov.InferRequest) -> _GatedRequest:
         return _GatedRequest(request, self)
@@ -595,8 +623,13 @@ class _Loop:
             self._arriving = len(self.queue)
             return []
         self._arriving = 0
-        n = joinable(rows, [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue], self.max_batch,
-                     self._kv_budget(self.queue), self.join_recompute_tokens)
+        n = joinable(
+            rows,
+            [(len(r.prompt_ids), r.params.max_tokens) for r in self.queue],
+            self.max_batch,
+            self._kv_budget(self.queue),
+            self.join_recompute_tokens,
+        )
         runs = [self.queue.popleft() for _ in range(n)]
         if runs:
             longest = max([c for c, _ in rows] + [len(r.prompt_ids) for r in runs])
@@ -621,8 +654,12 @@ class _Loop:
 
         try:
             results = self.batcher.generate(
-                [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs], emit,
-                self.cancelled.__contains__, runs[0].stream_interval_s, self._between_steps, self._join,
+                [BatchItem(r.request_id, r.prompt_ids, r.params) for r in runs],
+                emit,
+                self.cancelled.__contains__,
+                runs[0].stream_interval_s,
+                self._between_steps,
+                self._join,
                 self._gated if self.gate is not None and self.slot >= 0 else None,
             )
         except Exception as e:  # every request of the batch fails; the worker lives on
@@ -649,15 +686,32 @@ class _Loop:
             t_first = res.first_token_at
             at_start, at_first = (waits[res.request_id] + [self.waited])[:2]
             prefill_wait, decode_wait = at_first - at_start, self.waited - at_first
-            conn.send(Done(run.request_id, res.finish_reason, res.completion_tokens, t_first,
-                           len(run.prompt_ids), max(0.0, (t_first or t_end) - t_run - prefill_wait),
-                           max(0.0, t_end - t_first - decode_wait) if t_first is not None else 0.0,
-                           width, positions, self.waited - at_start, self._beside_build(t_run, t_end)))
+            conn.send(
+                Done(
+                    run.request_id,
+                    res.finish_reason,
+                    res.completion_tokens,
+                    t_first,
+                    len(run.prompt_ids),
+                    max(0.0, (t_first or t_end) - t_run - prefill_wait),
+                    max(0.0, t_end - t_first - decode_wait) if t_first is not None else 0.0,
+                    width,
+                    positions,
+                    self.waited - at_start,
+                    self._beside_build(t_run, t_end),
+                )
+            )
 
 
 def worker_main(
-    conn: Connection, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
-    join_recompute_tokens: int = 0, gate: StepGate | None = None, slot: int = -1,
+    conn: Connection,
+    device: str,
+    threads: int,
+    prefault_bytes: int = 0,
+    max_batch: int = 1,
+    join_recompute_tokens: int = 0,
+    gate: StepGate | None = None,
+    slot: int = -1,
 ) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends

@@ -62,8 +62,15 @@ class WorkerDied(Exception):
 
 
 class Worker:
-    def __init__(self, device: str, threads: int, prefault_bytes: int = 0, max_batch: int = 1,
-                 join_recompute_tokens: int = 0, gate: StepGate | None = None) -> None:
+    def __init__(
+        self,
+        device: str,
+        threads: int,
+        prefault_bytes: int = 0,
+        max_batch: int = 1,
+        join_recompute_tokens: int = 0,
+        gate: StepGate | None = None,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
@@ -72,7 +79,8 @@ class Worker:
         self.process = ctx.Process(
             target=worker_main,
             args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, self._slot),
-            daemon=True, name="tessera-worker",
+            daemon=True,
+            name="tessera-worker",
         )
         with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
             self.process.start()
@@ -277,8 +285,7 @@ class WorkerPool:
         """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
         the node's headroom gate, shared by every worker it spawns."""
         self.size = size
-        self._spawn = spawn or (
-            lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate))
+        self._spawn = spawn or (lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate))
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device

@@ -52,8 +52,13 @@ def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDef
     """The platform's defaults, overridden by the model's metadata, overridden by the
     registration; the length cap never past the context."""
     chosen: dict[str, Any] = {**artifact.sampling}
-    chosen.update({k: v for k in ("temperature", "top_p", "repetition_penalty", "max_tokens")
-                   if (v := getattr(req, k)) is not None})
+    chosen.update(
+        {
+            k: v
+            for k in ("temperature", "top_p", "repetition_penalty", "max_tokens")
+            if (v := getattr(req, k)) is not None
+        }
+    )
     defaults = msgspec.structs.replace(GenerationDefaults(), **chosen)
     return msgspec.structs.replace(defaults, max_tokens=min(defaults.max_tokens, artifact.context_length))
 
@@ -98,8 +103,7 @@ class Admin:
         return {"name": name, "removed": True}
 
     async def create_key(self, req: CreateApiKey) -> dict[str, Any]:
-        secret, record = await self.keys.create(
-            req.name, req.models, req.requests_per_minute, req.tokens_per_minute)
+        secret, record = await self.keys.create(req.name, req.models, req.requests_per_minute, req.tokens_per_minute)
         return {**record.public(), "key": secret}
 
     async def list_keys(self) -> list[dict[str, Any]]:
@@ -120,13 +124,17 @@ class Admin:
         if tier not in ("resident", "host", "all"):
             raise TesseraError(ErrorCode.INVALID_REQUEST, "tier must be resident, host or all", param="tier")
         status = await self.bus.request(
-            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            subjects.cluster_status(),
+            ClusterStatusQuery(),
+            ClusterStatus,
             timeout=self.settings.request_timeout_s,
         )
         results = []
         for node in status.nodes:
             evicted = await self.bus.request(
-                subjects.engine_evict(node.node_id), EvictResidents(artifact_id=artifact_id), Evicted,
+                subjects.engine_evict(node.node_id),
+                EvictResidents(artifact_id=artifact_id),
+                Evicted,
                 timeout=self.settings.request_timeout_s,
             )
             results.append({"tier": "resident", **as_json(evicted)})
@@ -143,14 +151,20 @@ class Admin:
     async def cache(self) -> list[dict[str, Any]]:
         """Each node's host block cache: budget, use and the artifacts in it."""
         status = await self.bus.request(
-            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            subjects.cluster_status(),
+            ClusterStatusQuery(),
+            ClusterStatus,
             timeout=self.settings.request_timeout_s,
         )
         out: list[dict[str, Any]] = []
         for node in status.nodes:
             try:
-                cache = await self.bus.request(subjects.loader_cache(node.node_id), CacheQuery(), CacheStatus,
-                                               timeout=self.settings.request_timeout_s)
+                cache = await self.bus.request(
+                    subjects.loader_cache(node.node_id),
+                    CacheQuery(),
+                    CacheStatus,
+                    timeout=self.settings.request_timeout_s,
+                )
                 out.append(as_json(cache))
             except TesseraError as e:  # one silent loader does not hide the others
                 out.append({"node_id": node.node_id, "error": e.message})
@@ -158,7 +172,9 @@ class Admin:
 
     async def instances(self) -> dict[str, Any]:
         status = await self.bus.request(
-            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus,
+            subjects.cluster_status(),
+            ClusterStatusQuery(),
+            ClusterStatus,
             timeout=self.settings.request_timeout_s,
         )
         return as_json(status)

@@ -41,8 +41,16 @@ class ApiError(Exception):
     """An HTTP error with OpenAI's body, for what `shared.errors.ErrorCode` does not cover
     (it names failures that travel on the bus; these never leave the gateway)."""
 
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None,
-                 retry_after_s: float | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -69,9 +77,14 @@ class ApiKeyRecord(msgspec.Struct, frozen=True):
     created_at: float = 0.0
 
     def public(self) -> dict[str, object]:
-        return {"name": self.name, "hint": self.hint, "models": list(self.models),
-                "requests_per_minute": self.requests_per_minute,
-                "tokens_per_minute": self.tokens_per_minute, "created_at": self.created_at}
+        return {
+            "name": self.name,
+            "hint": self.hint,
+            "models": list(self.models),
+            "requests_per_minute": self.requests_per_minute,
+            "tokens_per_minute": self.tokens_per_minute,
+            "created_at": self.created_at,
+        }
 
 
 def digest(secret: str) -> str:
@@ -109,12 +122,19 @@ class KeyStore:
     def valkey(self) -> aioredis.Redis:
         return self._registry.valkey
 
-    async def create(self, name: str, models: Sequence[str], requests_per_minute: int | None,
-                     tokens_per_minute: int | None) -> tuple[str, ApiKeyRecord]:
+    async def create(
+        self, name: str, models: Sequence[str], requests_per_minute: int | None, tokens_per_minute: int | None
+    ) -> tuple[str, ApiKeyRecord]:
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-        record = ApiKeyRecord(name=name, digest=digest(secret), hint=secret[:10] + "…",
-                              models=tuple(models), requests_per_minute=requests_per_minute,
-                              tokens_per_minute=tokens_per_minute, created_at=time.time())
+        record = ApiKeyRecord(
+            name=name,
+            digest=digest(secret),
+            hint=secret[:10] + "…",
+            models=tuple(models),
+            requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute,
+            created_at=time.time(),
+        )
         # HSETNX claims the name atomically: two admins creating one name cannot both win.
         if not await self.valkey.hsetnx(NAMES_KEY, name, record.digest):
             raise ApiError(409, f"an API key named `{name}` exists already", "key_exists", param="name")
@@ -127,8 +147,7 @@ class KeyStore:
 
     async def all(self) -> list[ApiKeyRecord]:
         items = await self.valkey.hgetall(KEYS_KEY)
-        return sorted((msgspec.json.decode(v, type=ApiKeyRecord) for v in items.values()),
-                      key=lambda r: r.name)
+        return sorted((msgspec.json.decode(v, type=ApiKeyRecord) for v in items.values()), key=lambda r: r.name)
 
     async def delete(self, name: str) -> bool:
         found = await self.valkey.hget(NAMES_KEY, name)
@@ -182,8 +201,10 @@ class Quotas:
     async def admit(self, who: Principal, prompt_tokens: int, max_tokens: int) -> Grant:
         if not who.limited:
             return Grant()
-        limits = [("requests", "rpm", who.requests_per_minute, 1),
-                  ("tokens", "tpm", who.tokens_per_minute, prompt_tokens + max_tokens)]
+        limits = [
+            ("requests", "rpm", who.requests_per_minute, 1),
+            ("tokens", "tpm", who.tokens_per_minute, prompt_tokens + max_tokens),
+        ]
         limits = [lim for lim in limits if lim[2] is not None]
         argv: list[object] = [int(WINDOW_S * 1000)]
         for _, tag, _, cost in limits:
@@ -236,15 +257,22 @@ def _rate_limited(who: Principal, denied: list[tuple[str, int, int, Decision]]) 
     for what, limit, cost, d in denied:
         if d.retry_after_s is None:
             return ApiError(
-                429, f"Request too large for key `{who.name}`: it needs {cost} {what} "
+                429,
+                f"Request too large for key `{who.name}`: it needs {cost} {what} "
                 f"(prompt + max_tokens) and the limit is {limit} {what} per minute. Lower "
-                "max_tokens or shorten the prompt.", "rate_limit_exceeded")
+                "max_tokens or shorten the prompt.",
+                "rate_limit_exceeded",
+            )
         parts.append(f"{what} per minute (limit {limit})")
         retries.append(d.retry_after_s)
     wait = max(retries)
     return ApiError(
-        429, f"Rate limit reached for key `{who.name}` on {' and '.join(parts)}. "
-        f"Please try again in {retry_after_header(wait)}s.", "rate_limit_exceeded", retry_after_s=wait)
+        429,
+        f"Rate limit reached for key `{who.name}` on {' and '.join(parts)}. "
+        f"Please try again in {retry_after_header(wait)}s.",
+        "rate_limit_exceeded",
+        retry_after_s=wait,
+    )
 
 
 class Auth:
@@ -269,29 +297,33 @@ class Auth:
         if scheme.lower() != "bearer" or not secret:
             raise _unauthorized(
                 "You didn't provide an API key. You need to provide your API key in an "
-                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
         if self._admin_digest and hmac.compare_digest(digest(secret), self._admin_digest):
             return ADMIN
         record = await self.keys.get(secret)
         if record is None:
             shown = secret[:6] + "*" * 4 + secret[-4:] if len(secret) > 12 else "*" * len(secret)
             raise _unauthorized(f"Incorrect API key provided: {shown}.")
-        return Principal(name=record.name, models=record.models,
-                         requests_per_minute=record.requests_per_minute,
-                         tokens_per_minute=record.tokens_per_minute)
+        return Principal(
+            name=record.name,
+            models=record.models,
+            requests_per_minute=record.requests_per_minute,
+            tokens_per_minute=record.tokens_per_minute,
+        )
 
     async def admin(self, request: Request) -> Principal:
         who = await self.principal(request)
         if not who.admin:
-            raise ApiError(403, "The admin API needs the admin key (TESSERA_ADMIN_KEY).",
-                           "admin_key_required")
+            raise ApiError(403, "The admin API needs the admin key (TESSERA_ADMIN_KEY).", "admin_key_required")
         return who
 
 
 def check_model(who: Principal, model: str) -> None:
     if not who.may_use(model):
-        raise ApiError(403, f"The API key `{who.name}` may not use the model `{model}`.",
-                       "model_not_allowed", param="model")
+        raise ApiError(
+            403, f"The API key `{who.name}` may not use the model `{model}`.", "model_not_allowed", param="model"
+        )
 
 
 def _unauthorized(message: str) -> ApiError:

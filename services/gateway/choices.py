@@ -60,8 +60,14 @@ def legs_of(req: ChatCompletionRequest | CompletionRequest, prepared: Sequence[P
             params = p.params
             if j and params.seed is not None:
                 params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**64)
-            legs.append(Leg(p_i * k + j, p_i, Prepared(p.record, p.prompt, p.prompt_ids, params, p.tools),
-                            p.prompt if echo else ""))
+            legs.append(
+                Leg(
+                    p_i * k + j,
+                    p_i,
+                    Prepared(p.record, p.prompt, p.prompt_ids, params, p.tools),
+                    p.prompt if echo else "",
+                )
+            )
     return legs
 
 
@@ -70,8 +76,11 @@ async def open_legs(gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequ
     if one cannot start, those already open are closed and the error goes to the client."""
     limit = gateway.settings.max_inflight
     if len(legs) > limit:  # its own legs would wait in line behind each other
-        raise TesseraError(ErrorCode.INVALID_REQUEST, f"{len(legs)} generations (n, best_of, prompts) are more "
-                           f"than this gateway runs at once ({limit})", param="n")
+        raise TesseraError(
+            ErrorCode.INVALID_REQUEST,
+            f"{len(legs)} generations (n, best_of, prompts) are more than this gateway runs at once ({limit})",
+            param="n",
+        )
     try:
         for leg in legs:
             p = leg.prepared
@@ -126,8 +135,9 @@ def _best(legs: list[Leg], n: int) -> list[Leg]:
     return kept
 
 
-async def answer(gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape,
-                 legs: list[Leg]) -> dict[str, Any]:
+async def answer(
+    gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape, legs: list[Leg]
+) -> dict[str, Any]:
     """The whole answer, once every leg has finished."""
     await asyncio.gather(*(_collect(leg) for leg in legs))
     prompt_tokens, completion_tokens = _usage(legs)
@@ -141,8 +151,11 @@ async def answer(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
         text, finish = "".join(leg.text), finish_reason(leg.finished)
         logprobs = None
         if wants_logprobs:
-            logprobs = (chat_logprobs(leg.logprobs, texts) if shape.chat
-                        else completion_logprobs(leg.logprobs, texts, len(leg.echo)))
+            logprobs = (
+                chat_logprobs(leg.logprobs, texts)
+                if shape.chat
+                else completion_logprobs(leg.logprobs, texts, len(leg.echo))
+            )
         plan = leg.prepared.tools
         if shape.chat and plan is not None and plan.mode != "none":
             content, calls = parse(text, plan)
@@ -173,16 +186,20 @@ async def _events(leg: Leg, out: asyncio.Queue[tuple[Leg, TokenChunk | Finished 
         await out.put((leg, e))
 
 
-async def stream(gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape,
-                 legs: list[Leg], quotas: Quotas) -> AsyncIterator[str]:
+async def stream(
+    gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape, legs: list[Leg], quotas: Quotas
+) -> AsyncIterator[str]:
     """Every leg's chunks as they come, each under its choice's index; usage (if asked) once
     all have finished; `[DONE]`. An error of one leg ends the answer."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     wants_logprobs = req.logprob_count() >= 0
     queue: asyncio.Queue[tuple[Leg, TokenChunk | Finished | BaseException]] = asyncio.Queue()
     tasks = [asyncio.ensure_future(_events(leg, queue)) for leg in legs]
-    tools = {leg.index: ToolStream(leg.prepared.tools) for leg in legs
-             if shape.chat and leg.prepared.tools is not None and leg.prepared.tools.mode != "none"}
+    tools = {
+        leg.index: ToolStream(leg.prepared.tools)
+        for leg in legs
+        if shape.chat and leg.prepared.tools is not None and leg.prepared.tools.mode != "none"
+    }
     offsets = {leg.index: len(leg.echo) for leg in legs}
     try:
         for leg in legs:
@@ -211,8 +228,9 @@ async def stream(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
                         yield sse(shape.chunk(None, index=leg.index, delta=delta))
                     if tool.called and leg.prepared.tools is not None and leg.prepared.tools.mode != "named":
                         finish = "tool_calls"
-                yield sse(shape.chunk(None if shape.chat else "", finish, index=leg.index,
-                                      delta={} if shape.chat else None))
+                yield sse(
+                    shape.chunk(None if shape.chat else "", finish, index=leg.index, delta={} if shape.chat else None)
+                )
                 continue
             leg.produced += event.tokens
             logprobs = None
@@ -250,4 +268,3 @@ async def stream(gateway: Gateway, req: ChatCompletionRequest | CompletionReques
 async def _close(tasks: Sequence[asyncio.Future[None]], quotas: Quotas, legs: Sequence[Leg]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await close_legs(quotas, legs)
-

@@ -65,7 +65,7 @@ class _Lexer:
         return self.text[i] if i < len(self.text) else ""
 
     def take(self, count: int = 1) -> str:
-        out = self.text[self.pos:self.pos + count]
+        out = self.text[self.pos : self.pos + count]
         for ch in out:
             self.line, self.column = (self.line + 1, 1) if ch == "\n" else (self.line, self.column + 1)
         self.pos += len(out)
@@ -85,7 +85,7 @@ class _Lexer:
         self.take()
         ch = self.peek()
         if ch in _HEX_ESCAPES:
-            digits = self.text[self.pos + 1:self.pos + 1 + _HEX_ESCAPES[ch]]
+            digits = self.text[self.pos + 1 : self.pos + 1 + _HEX_ESCAPES[ch]]
             if len(digits) != _HEX_ESCAPES[ch] or not all(c in "0123456789abcdefABCDEF" for c in digits):
                 raise self.fail(f"\\{ch} takes exactly {_HEX_ESCAPES[ch]} hex digits")
             self.take(1 + len(digits))
@@ -239,8 +239,11 @@ class _Parser:
         elif tok.kind == "name" and not self.starts_rule():
             after = self.peek(1)
             if after.kind == "(" and (after.line, after.column) == (tok.line, tok.column + len(tok.text)):
-                raise self.fail(tok, "macros such as TagDispatch(...) are not supported (a rule name "
-                                     "and the group after it need a space between them)")
+                raise self.fail(
+                    tok,
+                    "macros such as TagDispatch(...) are not supported (a rule name "
+                    "and the group after it need a space between them)",
+                )
             self.used.append(tok)
             self.i += 1
         elif tok.kind == "(":

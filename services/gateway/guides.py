@@ -73,7 +73,9 @@ def choice(choices: Any, param: str) -> Guide:
 
 
 def _literal(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    escaped = (
+        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    )
     return f'"{escaped}"'
 
 
@@ -89,7 +91,9 @@ def json_schema(schema: Any, param: str) -> Guide:
     for node in schema_nodes(schema):
         ref = node.get("$ref")
         if isinstance(ref, str) and not is_local_ref(ref):  # also: the checker below would fetch it
-            raise GuideError(param, f"$ref {ref!r} is not local: only references into the schema itself (#/...) are followed")
+            raise GuideError(
+                param, f"$ref {ref!r} is not local: only references into the schema itself (#/...) are followed"
+            )
     problem = schema_problem(schema, param)  # what xgrammar refuses though the meta-schema allows it
     if problem:
         raise GuideError(param, problem)
@@ -105,8 +109,19 @@ def json_schema(schema: Any, param: str) -> Guide:
 
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_ONE = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then",
-              "else", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+SCHEMA_ONE = (
+    "additionalProperties",
+    "items",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _BOUNDS = (("minItems", "maxItems"), ("minLength", "maxLength"), ("minProperties", "maxProperties"))
 _UNSUPPORTED_ESCAPES = frozenset("123456789bBpPAZzG")
@@ -165,15 +180,15 @@ def _node_problems(node: dict[str, Any], root: dict[str, Any], at: str) -> Itera
     if "type" in node:
         types = node["type"] if isinstance(node["type"], list) else [node["type"]]
         if not types or not all(isinstance(t, str) and t in JSON_TYPES for t in types):
-            yield (f"{at}.type must be one of {sorted(JSON_TYPES)} or a list of them, "
-                   f"got {node['type']!r}")
+            yield (f"{at}.type must be one of {sorted(JSON_TYPES)} or a list of them, got {node['type']!r}")
     ref = node.get("$ref")
     if ref is not None and not isinstance(ref, str):
         yield f"{at}.$ref must be a string"
     elif is_local_ref(ref) and not _resolves(root, ref):
         yield f"{at}.$ref {ref!r} does not point to a schema in parameters (e.g. '#/$defs/Name')"
-    if "required" in node and not (isinstance(node["required"], list)
-                                   and all(isinstance(r, str) for r in node["required"])):
+    if "required" in node and not (
+        isinstance(node["required"], list) and all(isinstance(r, str) for r in node["required"])
+    ):
         yield f"{at}.required must be an array of property names"
     if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
         yield f"{at}.enum must be a non-empty array"
@@ -203,8 +218,10 @@ def regex_problem(pattern: str) -> str | None:
     except re.error as e:
         return f"is not a valid regular expression: {e}"
     if _unsupported_regex(pattern):
-        return ("uses what structured output cannot enforce (lookaround, a named group, an inline "
-                "flag, a back-reference, \\b, \\A/\\Z anchors or \\p{...})")
+        return (
+            "uses what structured output cannot enforce (lookaround, a named group, an inline "
+            "flag, a back-reference, \\b, \\A/\\Z anchors or \\p{...})"
+        )
     return None
 
 
@@ -212,7 +229,7 @@ def _unsupported_regex(pattern: str) -> bool:
     i = 0
     while i < len(pattern):
         if pattern[i] == "\\":
-            if pattern[i + 1:i + 2] in _UNSUPPORTED_ESCAPES:
+            if pattern[i + 1 : i + 2] in _UNSUPPORTED_ESCAPES:
                 return True
             i += 2
             continue
@@ -291,7 +308,7 @@ def structured_outputs(value: dict[str, Any] | None, guided: dict[str, Any]) -> 
         raise GuideError("structured_outputs", f"give one of {', '.join(sorted(param.values()))}, not several")
     if not asked:
         return None
-    (kind, spec), = asked.items()
+    ((kind, spec),) = asked.items()
     if kind == "json":
         return json_schema(spec, param[kind])
     if kind == "json_object":

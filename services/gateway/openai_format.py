@@ -33,9 +33,13 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str]) -> dict[str, Any]:
     """Chat's `logprobs`: each token with its alternatives (`texts`: each id's text)."""
-    return {"content": [{**_entry(texts[e.token], e.logprob),
-                         "top_logprobs": [_entry(texts[t], lp) for t, lp in e.top]} for e in entries],
-            "refusal": None}
+    return {
+        "content": [
+            {**_entry(texts[e.token], e.logprob), "top_logprobs": [_entry(texts[t], lp) for t, lp in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int) -> dict[str, Any]:
@@ -64,8 +68,14 @@ class Shape:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, text: str | None, finish: str, logprobs: dict[str, Any] | None = None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def choice(
+        self,
+        index: int,
+        text: str | None,
+        finish: str,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
@@ -77,8 +87,16 @@ class Shape:
         body = self._base("chat.completion" if self.chat else "text_completion")
         return {**body, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, index: int = 0,
-              logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """One SSE chunk of choice `index`: its text (chat: or the given `delta`)."""
         if self.chat:
             if delta is None:

@@ -158,8 +158,12 @@ class _Sampling(_Lenient):
         return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b != 0.0)
 
     def guided(self) -> dict[str, Any]:
-        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
-                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        return {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -203,8 +207,10 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _few_choices(self) -> CompletionRequest:
         if len(self.prompts()) * self.candidates() > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompts())} prompts x {self.candidates()} generations each is more "
-                             f"than {MAX_CHOICES} generations in one request")
+            raise ValueError(
+                f"{len(self.prompts())} prompts x {self.candidates()} generations each is more "
+                f"than {MAX_CHOICES} generations in one request"
+            )
         return self
 
     def prompts(self) -> list[str]:

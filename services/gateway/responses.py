@@ -52,13 +52,17 @@ _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "conversation": (_off, _NO_STORE),
     "tools": (_off, _NO_TOOLS),
     "tool_choice": (lambda v: _off(v) or v in ("auto", "none"), _NO_TOOLS),
-    "reasoning": (lambda v: _off(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
-                  "the models it serves take no reasoning settings"),
+    "reasoning": (
+        lambda v: _off(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
+        "the models it serves take no reasoning settings",
+    ),
     "background": (_off, "it answers in the foreground only (stream the answer instead)"),
     "include": (_off, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
     "prompt": (_off, "it keeps no prompt templates"),
-    "truncation": (lambda v: _off(v) or v == "disabled",
-                   "it drops no input to fit the context (a prompt over it is refused)"),
+    "truncation": (
+        lambda v: _off(v) or v == "disabled",
+        "it drops no input to fit the context (a prompt over it is refused)",
+    ),
     "top_logprobs": (lambda v: _off(v) or v == 0, "logprobs are not returned yet"),
 }
 
@@ -87,8 +91,11 @@ def _check_input(value: Any) -> None:
             raise ValueError(f"{where} must be a message: an object with a `role` and `content`")
         kind = item.get("type", "message")
         if kind != "message":
-            raise Refused(where, f"{where}: input items of type {kind!r} are not supported by Tessera "
-                          "(it takes messages with text content)")
+            raise Refused(
+                where,
+                f"{where}: input items of type {kind!r} are not supported by Tessera "
+                "(it takes messages with text content)",
+            )
         if item.get("role") not in _ROLES:
             raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}")
         content = item.get("content")
@@ -103,8 +110,11 @@ def _check_input(value: Any) -> None:
             if not isinstance(kind, str):
                 raise ValueError(f"{at} must be a content part: an object with a `type`")
             if kind not in _TEXT_PARTS:
-                raise Refused(at, f"{at}: content of type {kind!r} is not supported by Tessera "
-                              f"(it takes text: {', '.join(_TEXT_PARTS)})")
+                raise Refused(
+                    at,
+                    f"{at}: content of type {kind!r} is not supported by Tessera "
+                    f"(it takes text: {', '.join(_TEXT_PARTS)})",
+                )
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"{at}.text must be a string")
             _utf8(part["text"], f"{at}.text")
@@ -134,8 +144,9 @@ class TextFormat(_Lenient):
     @model_validator(mode="after")
     def _known(self) -> TextFormat:
         if self.type not in ("text", "json_object", "json_schema"):
-            raise _unserved("text.format", f"a format of type {self.type!r} is not served (text, "
-                            "json_object and json_schema are)")
+            raise _unserved(
+                "text.format", f"a format of type {self.type!r} is not served (text, json_object and json_schema are)"
+            )
         if self.type == "json_schema" and (not self.name or self.schema_ is None):
             raise ValueError("a json_schema format needs a `name` and a `schema`")
         return self
@@ -143,8 +154,7 @@ class TextFormat(_Lenient):
     def response_format(self) -> dict[str, Any] | None:
         """The chat request's `response_format` asking for the same."""
         if self.type == "json_schema":
-            spec = {"name": self.name, "description": self.description, "schema": self.schema_,
-                    "strict": self.strict}
+            spec = {"name": self.name, "description": self.description, "schema": self.schema_, "strict": self.strict}
             return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
         return {"type": "json_object"} if self.type == "json_object" else None
 
@@ -194,8 +204,11 @@ class ResponsesRequest(_Lenient):
         return self
 
     def messages(self) -> list[dict[str, str]]:
-        said = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else [
-            {"role": m.role, "content": m.text()} for m in self.input]
+        said = (
+            [{"role": "user", "content": self.input}]
+            if isinstance(self.input, str)
+            else [{"role": m.role, "content": m.text()} for m in self.input]
+        )
         return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + said
 
     def format(self) -> dict[str, Any]:
@@ -207,8 +220,9 @@ class ResponsesRequest(_Lenient):
         when it cannot be)."""
         messages = self.messages()
         if not messages:
-            raise ApiError(400, "input is empty: give a string or at least one message", "invalid_request",
-                           param="input")
+            raise ApiError(
+                400, "input is empty: give a string or at least one message", "invalid_request", param="input"
+            )
         passed = {k: v for k, v in (self.model_extra or {}).items() if k not in _UNSERVED}
         body: dict[str, Any] = {**passed, "model": self.model, "messages": messages}
         for name in ("temperature", "top_p", "user"):
@@ -234,8 +248,7 @@ def _as_responses_error(e: ValidationError) -> ApiError:
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, UnsupportedParameter):
         param = _RENAMED.get(cause.param, cause.param)
-        return ApiError(400, str(cause).replace(f"`{cause.param}`", f"`{param}`"), "unsupported_parameter",
-                        param=param)
+        return ApiError(400, str(cause).replace(f"`{cause.param}`", f"`{param}`"), "unsupported_parameter", param=param)
     loc = [str(p) for p in first.get("loc", ())]
     param = ".".join([_RENAMED.get(loc[0], loc[0]), *loc[1:]]) if loc else None
     msg = first.get("msg", "invalid request")
@@ -262,20 +275,30 @@ class Answer:
 
     def item(self, text: str | None, status: str) -> dict[str, Any]:
         """The answer's message; `text` None: not started (no content part yet)."""
-        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
-                "content": [] if text is None else [self.part(text)]}
+        return {
+            "id": self.item_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [] if text is None else [self.part(text)],
+        }
 
-    def body(self, status: str, text: str | None = None, finished: Finished | None = None,
-             error: TesseraError | None = None) -> dict[str, Any]:
+    def body(
+        self, status: str, text: str | None = None, finished: Finished | None = None, error: TesseraError | None = None
+    ) -> dict[str, Any]:
         cut = finished is not None and finished.finish_reason == FinishReason.LENGTH
         output = [] if text is None else [self.item(text, "incomplete" if cut or error else "completed")]
-        usage = None if finished is None else {
-            "input_tokens": finished.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": finished.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        }
+        usage = (
+            None
+            if finished is None
+            else {
+                "input_tokens": finished.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": finished.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            }
+        )
         req = self.req
         return {
             "id": self.id,
@@ -284,7 +307,9 @@ class Answer:
             "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "background": False,
-            "error": None if error is None else {
+            "error": None
+            if error is None
+            else {
                 "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
                 "message": error.message,
             },
@@ -321,15 +346,15 @@ def responses_router(gateway: Gateway, quotas: Quotas) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/responses", response_model=None)
-    async def create_response(req: ResponsesRequest, request: Request,
-                              who: Principal = Depends(_caller)) -> Response:
+    async def create_response(req: ResponsesRequest, request: Request, who: Principal = Depends(_caller)) -> Response:
         return await _unless_disconnected(request, _respond(gateway, quotas, who, req))
 
     return router
 
 
-async def _respond(gateway: Gateway, quotas: Quotas, who: Principal,
-                   req: ResponsesRequest) -> JSONResponse | StreamingResponse:
+async def _respond(
+    gateway: Gateway, quotas: Quotas, who: Principal, req: ResponsesRequest
+) -> JSONResponse | StreamingResponse:
     """`routes._complete`, with a Responses body: the same admission, quota and closing."""
     chat = req.chat()
     check_model(who, chat.model)

@@ -46,18 +46,24 @@ from shared.health import Readiness, health_routes
 
 log = logging.getLogger(__name__)
 
-CLIENT_GONE = Counter("tessera_gateway_client_disconnects_total",
-                      "Requests whose client went away before its answer was ready (cancelled)")
+CLIENT_GONE = Counter(
+    "tessera_gateway_client_disconnects_total",
+    "Requests whose client went away before its answer was ready (cancelled)",
+)
 
 
-def error_response(status: int, message: str, code: str | None, param: str | None = None,
-                   retry_after_s: float | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    code: str | None,
+    param: str | None = None,
+    retry_after_s: float | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    body = {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"),
-                      "param": param, "code": code}}
+    body = {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"), "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -137,8 +143,7 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     @app.exception_handler(RedisTimeoutError)
     async def _state_down(_: Request, e: Exception) -> JSONResponse:
         log.warning("Valkey unreachable: %s", e)
-        return error_response(503, "the state store is unreachable; retry shortly", "unavailable",
-                              retry_after_s=2)
+        return error_response(503, "the state store is unreachable; retry shortly", "unavailable", retry_after_s=2)
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, e: Exception) -> JSONResponse:
@@ -148,8 +153,7 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(who: Caller) -> ModelList:
         records = await gateway.registry.all()
-        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at))
-                               for r in records if who.may_use(r.name)])
+        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at)) for r in records if who.may_use(r.name)])
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, who: Caller) -> ModelCard:
@@ -268,8 +272,9 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
     return task.result()
 
 
-async def _complete(gateway: Gateway, quotas: Quotas, who: Principal,
-                    req: ChatCompletionRequest | CompletionRequest, chat: bool) -> JSONResponse | StreamingResponse:
+async def _complete(
+    gateway: Gateway, quotas: Quotas, who: Principal, req: ChatCompletionRequest | CompletionRequest, chat: bool
+) -> JSONResponse | StreamingResponse:
     check_model(who, req.model)
     legs = choices.legs_of(req, await gateway.prepare_all(req))
     await choices.open_legs(gateway, quotas, who, legs)

@@ -65,8 +65,11 @@ INFLIGHT = Gauge("tessera_gateway_inflight_requests", "Requests admitted and not
 PLACE_ATTEMPTS = 4
 """Placements a request may get when its instance is gone by the time it is sent."""
 WAITING = Gauge("tessera_gateway_waiting_requests", "Requests waiting in line for admission")
-ADMISSION_WAIT = Histogram("tessera_gateway_admission_wait_seconds", "Time a request waited in line",
-                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+ADMISSION_WAIT = Histogram(
+    "tessera_gateway_admission_wait_seconds",
+    "Time a request waited in line",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+)
 REJECTED = Counter("tessera_gateway_rejected_total", "Requests refused", ["code"])
 TTFT = Histogram(
     "tessera_gateway_ttft_seconds",
@@ -81,8 +84,7 @@ TPOT = Histogram(
 )
 RESUMED = Counter(
     "tessera_gateway_resumed_total",
-    "Requests that went on on another node: their instance was preempted mid-way, or their "
-    "node had no memory for them",
+    "Requests that went on on another node: their instance was preempted mid-way, or their node had no memory for them",
 )
 MAX_RESUMES = 2
 """Moves to another node one request makes (then its error reaches the client)."""
@@ -249,8 +251,11 @@ class Generation:
             else:
                 self._done = True
                 if self._carried:  # the whole request, not its last leg
-                    event = msgspec.structs.replace(event, completion_tokens=event.completion_tokens + self._carried,
-                                                    prompt_tokens=self._prompt_tokens)
+                    event = msgspec.structs.replace(
+                        event,
+                        completion_tokens=event.completion_tokens + self._carried,
+                        prompt_tokens=self._prompt_tokens,
+                    )
                 if tokens < event.completion_tokens:
                     # Chunks published while the bus was reconnecting never reached us: the text
                     # has a hole. Say so rather than pass it off as the completion.
@@ -271,9 +276,7 @@ class Generation:
             if not self._done and self.node_id:
                 # The client left or something failed: stop the engine decoding for nobody.
                 try:
-                    await self.gw.bus.publish(
-                        subjects.engine_cancel(self.node_id), Cancel(request_id=self.request_id)
-                    )
+                    await self.gw.bus.publish(subjects.engine_cancel(self.node_id), Cancel(request_id=self.request_id))
                 except Exception:
                     log.warning("could not send cancel for %s", self.request_id)
             try:
@@ -339,8 +342,7 @@ class Gateway:
             REJECTED.labels(ErrorCode.OVERLOADED.value).inc()
             raise TesseraError(
                 ErrorCode.OVERLOADED,
-                f"waited {wait_s:g} s in line behind {self.settings.max_inflight} requests in flight; "
-                "retry shortly",
+                f"waited {wait_s:g} s in line behind {self.settings.max_inflight} requests in flight; retry shortly",
                 retry_after_s=max(1.0, wait_s / 2),
             ) from None
         finally:
@@ -364,9 +366,7 @@ class Gateway:
         record = await self.registry.get(name)
         if record is None:
             REJECTED.labels(ErrorCode.MODEL_NOT_FOUND.value).inc()
-            raise TesseraError(
-                ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model"
-            )
+            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model")
         return record
 
     async def _render(self, tok: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
@@ -392,9 +392,11 @@ class Gateway:
         vocab = await self.tokenizers.vocab_size(tok)
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise TesseraError(ErrorCode.INVALID_REQUEST,
-                               f"token id {bad[0]} is outside the vocabulary of `{req.model}` ({vocab} tokens)",
-                               param="tokens")
+            raise TesseraError(
+                ErrorCode.INVALID_REQUEST,
+                f"token id {bad[0]} is outside the vocabulary of `{req.model}` ({vocab} tokens)",
+                param="tokens",
+            )
         return DetokenizeResponse(prompt=await self.tokenizers.decode(tok, req.tokens))
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
@@ -408,8 +410,9 @@ class Gateway:
         plan: ToolPlan | None = None
         if isinstance(req, ChatCompletionRequest):
             try:
-                plan = tool_plan([_message(m) for m in req.messages], req.tools, req.tool_choice,
-                                 req.parallel_tool_calls)
+                plan = tool_plan(
+                    [_message(m) for m in req.messages], req.tools, req.tool_choice, req.parallel_tool_calls
+                )
             except ValueError as e:
                 raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
             prompts = [await self.tokenizers.render_chat(tok, plan.messages)]
@@ -422,38 +425,68 @@ class Gateway:
             vocab = await self.tokenizers.vocab_size(tok)
             bad = [t for t, _ in logit_bias if t >= vocab]
             if bad:
-                raise TesseraError(ErrorCode.INVALID_REQUEST, f"token id {bad[0]} is outside the vocabulary "
-                                   f"of `{req.model}` ({vocab} tokens)", param="logit_bias")
+                raise TesseraError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"token id {bad[0]} is outside the vocabulary of `{req.model}` ({vocab} tokens)",
+                    param="logit_bias",
+                )
         logprobs = req.logprob_count()
         if guide is not None and (logit_bias or logprobs > 0):
             # Both need the logits, which only the stateful tier has, and it has no grammar.
-            both = "logit_bias" if logit_bias else ("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
-            raise TesseraError(ErrorCode.INVALID_REQUEST, f"`{both}` cannot be combined with structured output "
-                               "(response_format, structured_outputs, or tools that must be called)", param=both)
+            both = (
+                "logit_bias"
+                if logit_bias
+                else ("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
+            )
+            raise TesseraError(
+                ErrorCode.INVALID_REQUEST,
+                f"`{both}` cannot be combined with structured output "
+                "(response_format, structured_outputs, or tools that must be called)",
+                param=both,
+            )
         if req.best_of is not None and req.best_of > req.choices() and logprobs < 0:
             logprobs = 0  # best_of ranks candidates by their log-probability
-        return [await self._prepare_one(req, record, tok, prompt, param, guide, logit_bias, logprobs, plan)
-                for prompt in prompts]
+        return [
+            await self._prepare_one(req, record, tok, prompt, param, guide, logit_bias, logprobs, plan)
+            for prompt in prompts
+        ]
 
     @staticmethod
     def _guide(req: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None) -> Guide | None:
         try:
-            asked = [g for g in (guides.response_format(req.response_format),
-                                 guides.structured_outputs(req.structured_outputs, req.guided())) if g is not None]
+            asked = [
+                g
+                for g in (
+                    guides.response_format(req.response_format),
+                    guides.structured_outputs(req.structured_outputs, req.guided()),
+                )
+                if g is not None
+            ]
             if plan is not None and plan.json_schema is not None:
                 asked.append(guides.json_schema(plan.json_schema, "tools"))
         except guides.GuideError as e:
             raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param=e.param) from None
         if len(asked) > 1:
-            raise TesseraError(ErrorCode.INVALID_REQUEST, "ask for one structured output: response_format, "
-                               "structured_outputs or a tool_choice that must call, not several",
-                               param="response_format")
+            raise TesseraError(
+                ErrorCode.INVALID_REQUEST,
+                "ask for one structured output: response_format, "
+                "structured_outputs or a tool_choice that must call, not several",
+                param="response_format",
+            )
         return asked[0] if asked else None
 
-    async def _prepare_one(self, req: ChatCompletionRequest | CompletionRequest, record: ModelRecord,
-                           tok: Any, prompt: str, param: str, guide: Guide | None,
-                           logit_bias: tuple[tuple[int, float], ...], logprobs: int,
-                           plan: ToolPlan | None) -> Prepared:
+    async def _prepare_one(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        record: ModelRecord,
+        tok: Any,
+        prompt: str,
+        param: str,
+        guide: Guide | None,
+        logit_bias: tuple[tuple[int, float], ...],
+        logprobs: int,
+        plan: ToolPlan | None,
+    ) -> Prepared:
         ids = await self.tokenizers.encode(tok, prompt)
         n = len(ids)
         if n == 0:
@@ -473,8 +506,9 @@ class Gateway:
             max_tokens=max_tokens,
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
-            repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
-                                else req.repetition_penalty),
+            repetition_penalty=(
+                defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty
+            ),
             seed=None if req.seed is None else req.seed % 2**64,  # numpy takes no negative seed
             stop=req.stops(),
             ignore_eos=req.ignore_eos,

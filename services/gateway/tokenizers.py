@@ -44,8 +44,9 @@ class Tokenizers:
                     self._loaded[artifact.artifact_id] = tok
         return tok
 
-    async def render_chat(self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]],
-                          add_generation_prompt: bool = True) -> str:
+    async def render_chat(
+        self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         return await self._run(_render_chat, tok, messages, add_generation_prompt)
 
     async def encode(self, tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ class Tokenizers:
         known = self._texts.setdefault(id(tok), {})
         missing = sorted({i for i in ids if i not in known})
         if missing:
-            for i, text in zip(missing, await self._run(_decode_each, tok, missing)):
+            for i, text in zip(missing, await self._run(_decode_each, tok, missing), strict=True):
                 known[i] = text
         return {i: known[i] for i in ids}
 

@@ -49,6 +49,7 @@ def new_call_id() -> str:
 
 # -- the schemas the engine is given ----------------------------------------------------------
 
+
 def _moved_refs(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
     """A copy of `schema` whose local `$ref`s point into it where it lies at `prefix` of a larger
     document ("#/$defs/P" -> prefix + "/$defs/P")."""
@@ -60,6 +61,7 @@ def _moved_refs(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 # -- request types ----------------------------------------------------------------------------
+
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -78,8 +80,7 @@ class FunctionDef(BaseModel):
         # OpenAI's rule too. The rest of the schema is checked only where the engine is to
         # enforce it (`check_tool_choice`): in "auto" nothing reads it but the model.
         if v is not None and v.get("type", "object") != "object":
-            raise ValueError(f"parameters must be a JSON Schema of type 'object', "
-                             f"got type {v['type']!r}")
+            raise ValueError(f"parameters must be a JSON Schema of type 'object', got type {v['type']!r}")
         return v
 
     @model_validator(mode="after")
@@ -88,8 +89,7 @@ class FunctionDef(BaseModel):
         try:
             json.dumps(self.shown(), ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode text "
-                             "(a lone surrogate \\ud800-\\udfff is not)") from None
+            raise ValueError("must be valid Unicode text (a lone surrogate \\ud800-\\udfff is not)") from None
         return self
 
     def arguments_schema(self) -> dict[str, Any]:
@@ -114,8 +114,10 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
-_CHOICE_SHAPE = ("tool_choice must be 'none', 'auto', 'required' or "
-                 '{"type": "function", "function": {"name": "<a function in tools>"}}')
+_CHOICE_SHAPE = (
+    "tool_choice must be 'none', 'auto', 'required' or "
+    '{"type": "function", "function": {"name": "<a function in tools>"}}'
+)
 
 
 def check_tool_choice(tools: Sequence[Tool] | None, tool_choice: Any) -> tuple[Mode, str | None]:
@@ -130,8 +132,7 @@ def check_tool_choice(tools: Sequence[Tool] | None, tool_choice: Any) -> tuple[M
             problem = schema_problem(tool.function.arguments_schema(), at)
             if problem:
                 asked = "'required'" if mode == "required" else f"naming {name!r}"
-                raise ValueError(f"{problem}: the engine cannot enforce it, as tool_choice {asked} "
-                                 "would have it")
+                raise ValueError(f"{problem}: the engine cannot enforce it, as tool_choice {asked} would have it")
     return mode, name
 
 
@@ -152,8 +153,7 @@ def _choice(tools: Sequence[Tool] | None, tool_choice: Any) -> tuple[Mode, str |
         raise ValueError(_CHOICE_SHAPE)
     if name not in names:
         known = ", ".join(names) if names else "none: `tools` is empty"
-        raise ValueError(f"tool_choice names function {name!r}, which is not in `tools` "
-                         f"(declared: {known})")
+        raise ValueError(f"tool_choice names function {name!r}, which is not in `tools` (declared: {known})")
     return "named", name
 
 
@@ -166,6 +166,7 @@ def _named(choice: Any) -> str | None:
 
 
 # -- the plan: prompt and schema --------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -181,8 +182,9 @@ class ToolPlan:
     parallel: bool = True
 
 
-def plan(messages: list[dict[str, Any]], tools: Sequence[Tool] | None, tool_choice: Any,
-         parallel_tool_calls: bool = True) -> ToolPlan:
+def plan(
+    messages: list[dict[str, Any]], tools: Sequence[Tool] | None, tool_choice: Any, parallel_tool_calls: bool = True
+) -> ToolPlan:
     mode, function = check_tool_choice(tools, tool_choice)
     tools = list(tools or ())
     prompt = system_prompt(tools, mode, function, parallel_tool_calls) if mode != "none" else None
@@ -211,12 +213,13 @@ def required_schema(tools: Sequence[Tool], parallel: bool = True) -> dict[str, A
         params = tool.function.arguments_schema()
         if any(is_local_ref(node.get("$ref")) for node in schema_nodes(params)):
             defs[f"tool_{i}"] = params = _moved_refs(params, f"#/$defs/tool_{i}")
-        branches.append({
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": params},
-            "required": ["name", "parameters"],
-        })
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1
@@ -226,14 +229,17 @@ def required_schema(tools: Sequence[Tool], parallel: bool = True) -> dict[str, A
 
 
 _ANSWER = {
-    "auto": ("For each function call, return a json object with function name and arguments within "
-             f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
-             '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE),
-    "required": ("Answer with a JSON array of the function calls to make, each a json object with "
-                 "function name and parameters:\n"
-                 '[{"name": <function-name>, "parameters": <args-json-object>}]'),
-    "named": ("Answer with the arguments of the function `{function}` as a JSON object: "
-              "<args-json-object>"),
+    "auto": (
+        "For each function call, return a json object with function name and arguments within "
+        f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE
+    ),
+    "required": (
+        "Answer with a JSON array of the function calls to make, each a json object with "
+        "function name and parameters:\n"
+        '[{"name": <function-name>, "parameters": <args-json-object>}]'
+    ),
+    "named": ("Answer with the arguments of the function `{function}` as a JSON object: <args-json-object>"),
 }
 
 
@@ -246,14 +252,20 @@ def system_prompt(tools: Sequence[Tool], mode: Mode, function: str | None, paral
     elif mode == "required":
         ask = f"You must call {'at least' if parallel else 'exactly'} one function."
     else:
-        ask = ("You may call one or more functions to assist with the user query." if parallel
-               else "You may call at most one function to assist with the user query.")
-    listed = "\n".join(json.dumps({"type": "function", "function": t.function.shown()},
-                                  ensure_ascii=False) for t in tools)
+        ask = (
+            "You may call one or more functions to assist with the user query."
+            if parallel
+            else "You may call at most one function to assist with the user query."
+        )
+    listed = "\n".join(
+        json.dumps({"type": "function", "function": t.function.shown()}, ensure_ascii=False) for t in tools
+    )
     answer = _ANSWER[mode].replace("{function}", function or "")
-    return (f"# Tools\n\n{ask}\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{listed}\n</tools>\n\n{answer}")
+    return (
+        f"# Tools\n\n{ask}\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n{answer}"
+    )
 
 
 def render(messages: Sequence[dict[str, Any]], prompt: str | None = None) -> list[dict[str, str]]:
@@ -302,6 +314,7 @@ def _call_block(call: Any) -> str:
 
 # -- reading the answer -----------------------------------------------------------------------
 
+
 def parse(text: str, plan: ToolPlan, make_id: MakeId = new_call_id) -> Parsed:
     """The finished text as (content, tool_calls in OpenAI's shape)."""
     if plan.mode == "none":
@@ -322,7 +335,7 @@ _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) +
 def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
     pieces, calls, end = [], [], 0
     for block in _BLOCK.finditer(text):
-        pieces.append(text[end:block.start()])
+        pieces.append(text[end : block.start()])
         end = block.end()
         call = _block_call(block.group(1), plan)
         if call is None:
@@ -409,9 +422,11 @@ def compact_json(text: str) -> str:
 
 # -- streaming --------------------------------------------------------------------------------
 
+
 def _opening(index: int, call_id: str, name: str) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                            "function": {"name": name, "arguments": ""}}]}
+    return {
+        "tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]
+    }
 
 
 def _fragment(index: int, arguments: str) -> dict[str, Any]:
@@ -485,7 +500,7 @@ class ToolStream:
                 end = self._buffer.find(CALL_CLOSE)
                 if end < 0:
                     return out
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE):]
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE) :]
                 out += self._decided(body, closed=True)
             else:
                 start = self._buffer.find(CALL_OPEN)
@@ -494,7 +509,7 @@ class ToolStream:
                     sure, self._buffer = self._buffer[:cut], self._buffer[cut:]
                     return out + self._say(sure)
                 out += self._say(self._buffer[:start])
-                self._buffer = self._buffer[start + len(CALL_OPEN):]
+                self._buffer = self._buffer[start + len(CALL_OPEN) :]
                 self._in_block = True
 
     def _decided(self, body: str, closed: bool) -> list[dict[str, Any]]:
@@ -511,8 +526,7 @@ class ToolStream:
     def _emit(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         index, self._calls = self._calls, self._calls + 1
         function = call["function"]
-        return [_opening(index, call["id"], function["name"]),
-                _fragment(index, function["arguments"])]
+        return [_opening(index, call["id"], function["name"]), _fragment(index, function["arguments"])]
 
     def _say(self, text: str) -> list[dict[str, Any]]:
         """Content, its whitespace at the ends held back as `parse`'s strip() would drop it."""
@@ -523,5 +537,5 @@ class ToolStream:
             self._space += text
             return []
         self._started = True
-        out, self._space = self._space + body, text[len(body):]
+        out, self._space = self._space + body, text[len(body) :]
         return [{"content": out}]

@@ -35,8 +35,9 @@ def histogram_snapshot(histogram: Histogram) -> list[dict[str, Any]]:
     for family in histogram.collect():
         for sample in family.samples:
             labels = {k: v for k, v in sample.labels.items() if k != "le"}
-            entry = series.setdefault(tuple(sorted(labels.items())),
-                                      {"labels": labels, "buckets": [], "count": 0.0, "sum": 0.0})
+            entry = series.setdefault(
+                tuple(sorted(labels.items())), {"labels": labels, "buckets": [], "count": 0.0, "sum": 0.0}
+            )
             if sample.name.endswith("_bucket"):
                 entry["buckets"].append([sample.labels["le"], sample.value])
             elif sample.name.endswith("_count"):

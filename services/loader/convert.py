@@ -50,8 +50,11 @@ def gguf_facts(source: Path) -> dict[str, int | str]:
     heads = int(value(f"{arch}.attention.head_count"))
     kv_key = f"{arch}.attention.head_count_kv"
     kv_heads = int(value(kv_key)) if kv_key in fields else heads
-    sampling = {name: float(fields[f"general.sampling.{key}"].contents())
-                for key, name in SAMPLING_KEYS.items() if f"general.sampling.{key}" in fields}
+    sampling = {
+        name: float(fields[f"general.sampling.{key}"].contents())
+        for key, name in SAMPLING_KEYS.items()
+        if f"general.sampling.{key}" in fields
+    }
     return {
         "sampling": sampling,  # type: ignore[dict-item]
         "architecture": arch,
@@ -81,9 +84,7 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
             path=str(dest.resolve()),
             source_sha256=source_sha256,
             context_length=int(facts["context_length"]),
-            kv_bytes_per_token=kv_bytes_per_token(
-                int(facts["layers"]), int(facts["kv_heads"]), int(facts["head_dim"])
-            ),
+            kv_bytes_per_token=kv_bytes_per_token(int(facts["layers"]), int(facts["kv_heads"]), int(facts["head_dim"])),
             weight_bytes=(tmp / "openvino_model.bin").stat().st_size,
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),

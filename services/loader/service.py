@@ -53,7 +53,9 @@ REPAIRED_BLOCKS = Counter(
     "tessera_loader_corrupt_blocks_total", "Cached blocks that failed their checksum and were re-read"
 )
 STAGE_SECONDS = Histogram(
-    "tessera_loader_stage_seconds", "Seconds to stage an artifact in host memory", ["result"],
+    "tessera_loader_stage_seconds",
+    "Seconds to stage an artifact in host memory",
+    ["result"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4),
 )
 
@@ -102,10 +104,16 @@ class LoaderService:
                     # A miss: the start reads the store's copy now, and the cache fills behind
                     # it, off the start's critical path (TIDAL §5.2: overlap loading).
                     STAGES.labels("miss").inc()
-                    await self.bus.reply(msg, Staged(
-                        cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)), hit=False,
-                        repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0,
-                    ))
+                    await self.bus.reply(
+                        msg,
+                        Staged(
+                            cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)),
+                            hit=False,
+                            repaired_blocks=0,
+                            copied_bytes=0,
+                            seconds=time.perf_counter() - t0,
+                        ),
+                    )
                     self._schedule_fill(req.artifact, req.device, req.tier)
                     return
                 checked: asyncio.Future[StageResult] | None = None
@@ -113,10 +121,17 @@ class LoaderService:
                     # The engine imports the copy while its blocks are checked here (the check
                     # is ≈ 0.1 s of a start otherwise); it asks for the result before serving.
                     checked = self._checks[aid] = asyncio.get_running_loop().create_future()
-                    await self.bus.reply(msg, Staged(
-                        cache_dir=str(self.cache.place(req.artifact, req.device, req.tier)), hit=True,
-                        repaired_blocks=0, copied_bytes=0, seconds=time.perf_counter() - t0, verified=False,
-                    ))
+                    await self.bus.reply(
+                        msg,
+                        Staged(
+                            cache_dir=str(self.cache.place(req.artifact, req.device, req.tier)),
+                            hit=True,
+                            repaired_blocks=0,
+                            copied_bytes=0,
+                            seconds=time.perf_counter() - t0,
+                            verified=False,
+                        ),
+                    )
                 try:
                     result = await asyncio.to_thread(self.cache.check, req.artifact, req.device, req.tier)
                 except Exception as e:
@@ -143,16 +158,20 @@ class LoaderService:
     @staticmethod
     def _staged(result: StageResult, seconds: float) -> Staged:
         return Staged(
-            cache_dir=str(result.cache_dir), hit=result.hit, repaired_blocks=result.repaired_blocks,
-            copied_bytes=result.copied_bytes, seconds=seconds,
+            cache_dir=str(result.cache_dir),
+            hit=result.hit,
+            repaired_blocks=result.repaired_blocks,
+            copied_bytes=result.copied_bytes,
+            seconds=seconds,
         )
 
     async def on_verify(self, msg: Msg) -> None:
         req = decode(msg.data, VerifyStaged)
         checked = self._checks.get(req.artifact_id)
         if checked is None:
-            await self.bus.reply(msg, Rejected(
-                code=ErrorCode.ENGINE_FAILED, message=f"no check of {req.artifact_id} under way"))
+            await self.bus.reply(
+                msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"no check of {req.artifact_id} under way")
+            )
             return
         t0 = time.perf_counter()
         try:
@@ -193,12 +212,24 @@ class LoaderService:
 
     async def on_cache(self, msg: Msg) -> None:
         entries = tuple(
-            CachedArtifact(artifact_id=aid, nbytes=e.nbytes, tier=str(self.cache.tiers.get(aid, "")),
-                           uses=e.uses, last_used=e.last_used)
+            CachedArtifact(
+                artifact_id=aid,
+                nbytes=e.nbytes,
+                tier=str(self.cache.tiers.get(aid, "")),
+                uses=e.uses,
+                last_used=e.last_used,
+            )
             for aid, e in sorted(self.cache.entries.items())
         )
-        await self.bus.reply(msg, CacheStatus(node_id=self.settings.node_id, budget_bytes=self.cache.budget_bytes,
-                                              used_bytes=self.cache.used_bytes, entries=entries))
+        await self.bus.reply(
+            msg,
+            CacheStatus(
+                node_id=self.settings.node_id,
+                budget_bytes=self.cache.budget_bytes,
+                used_bytes=self.cache.used_bytes,
+                entries=entries,
+            ),
+        )
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictHostCache)
@@ -246,8 +277,15 @@ class LoaderService:
                 return ModelImported(artifact=existing, converted=False, seconds=time.perf_counter() - t0)
             log.info("importing %s into %s", path, dest)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.loader.convert", str(path), str(dest), sha, aid,
-                self.settings.device, str(self.settings.inference_threads),
+                sys.executable,
+                "-m",
+                "services.loader.convert",
+                str(path),
+                str(dest),
+                sha,
+                aid,
+                self.settings.device,
+                str(self.settings.inference_threads),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -274,5 +312,7 @@ class LoaderService:
             reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=str(e))
         except Exception as e:  # an unreadable path, a symlink loop: answer, never leave it waiting
             log.exception("import of %r failed", req.source)
-            reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=f"cannot import {req.source!r}: {type(e).__name__}: {e}")
+            reply = Rejected(
+                code=ErrorCode.IMPORT_FAILED, message=f"cannot import {req.source!r}: {type(e).__name__}: {e}"
+            )
         await self.bus.reply(msg, reply)

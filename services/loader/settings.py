@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
+
 from shared.settings import CommonSettings
 
 
@@ -15,5 +17,5 @@ class LoaderSettings(CommonSettings):
     fill_delay_s: float = 2.0
     """After a miss, wait this long before copying the blob into the host cache, so that the
     copy does not compete with the start that is reading it for the node's cores and disk."""
-    allowed_model_dirs: list[Path] = []
+    allowed_model_dirs: list[Path] = Field(default_factory=list)
     """If set, imports may only read GGUFs under these directories."""

@@ -26,7 +26,9 @@ from shared.messages import Release, Reserve, ReserveDone, ReserveResult
 
 log = logging.getLogger(__name__)
 
-USED = Gauge("tessera_memory_used_bytes", "Bytes reserved on this node (optimistic: accepted operations at their target size)")
+USED = Gauge(
+    "tessera_memory_used_bytes", "Bytes reserved on this node (optimistic: accepted operations at their target size)"
+)
 PHYSICAL = Gauge("tessera_memory_physical_bytes", "Bytes that may be held right now (pessimistic view)")
 BUDGET = Gauge("tessera_memory_budget_bytes", "Bytes this node may reserve")
 DENIED = Counter("tessera_memory_denied_total", "Reservations refused for lack of memory")
@@ -98,11 +100,14 @@ class MemoryManagerService:
             DENIED.inc()
         else:
             await started.wait()
-        await self.bus.reply(msg, ReserveResult(
-            granted=started is not None,
-            used_bytes=self.station.optimistic_bytes,
-            budget_bytes=self.station.budget_bytes,
-        ))
+        await self.bus.reply(
+            msg,
+            ReserveResult(
+                granted=started is not None,
+                used_bytes=self.station.optimistic_bytes,
+                budget_bytes=self.station.budget_bytes,
+            ),
+        )
 
     async def on_done(self, msg: Msg) -> None:
         self._complete(decode(msg.data, ReserveDone).owner)
@@ -115,6 +120,9 @@ class MemoryManagerService:
             self._issue(MemOp(next(self._ids), OpKind.UNLOAD, region, self.station.size(region), 0))
         self._dispatch()
         # Answered when asked (a reservation that follows must see this release).
-        await self.bus.reply(msg, ReserveResult(
-            granted=True, used_bytes=self.station.optimistic_bytes, budget_bytes=self.station.budget_bytes
-        ))
+        await self.bus.reply(
+            msg,
+            ReserveResult(
+                granted=True, used_bytes=self.station.optimistic_bytes, budget_bytes=self.station.budget_bytes
+            ),
+        )

@@ -78,9 +78,7 @@ class SchedulerService:
         await self.bus.subscribe(subjects.cluster_status(), self.on_status, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.relocatable(), self.on_relocatable, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.node_heartbeat(), self.on_heartbeat)
-        await self.bus.subscribe(
-            subjects.cold_start_recorded(), self.on_cold_start, queue=subjects.SCHEDULER_QUEUE
-        )
+        await self.bus.subscribe(subjects.cold_start_recorded(), self.on_cold_start, queue=subjects.SCHEDULER_QUEUE)
         self._keepalive = asyncio.create_task(self._keepalive_loop())
 
     async def close(self) -> None:
@@ -118,10 +116,16 @@ class SchedulerService:
             msg,
             ClusterStatus(
                 nodes=tuple(
-                    NodeStatus(node_id=n.node_id, sent_at=n.seen_at, instances=tuple(n.instances.values()),
-                               starting=tuple(n.starting), memory_budget_bytes=n.memory_budget_bytes,
-                               memory_used_bytes=n.memory_used_bytes, kind=n.kind,
-                               resident=tuple(sorted(n.resident)))
+                    NodeStatus(
+                        node_id=n.node_id,
+                        sent_at=n.seen_at,
+                        instances=tuple(n.instances.values()),
+                        starting=tuple(n.starting),
+                        memory_budget_bytes=n.memory_budget_bytes,
+                        memory_used_bytes=n.memory_used_bytes,
+                        kind=n.kind,
+                        resident=tuple(sorted(n.resident)),
+                    )
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),
                 starting=tuple(sorted({m for m, _ in self._starts})),
@@ -157,8 +161,11 @@ class SchedulerService:
         validate on another node (a join or a new instance there)."""
         req = decode(msg.data, RelocateQuery)
         now = time.time()
-        others = [n for n in scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
-                  if n.node_id != req.node_id]
+        others = [
+            n
+            for n in scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
+            if n.node_id != req.node_id
+        ]
         profiles = self._profiles()
 
         def validates(node: NodeView, model: str) -> bool:
@@ -192,18 +199,39 @@ class SchedulerService:
         )
         if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
             SCALE_OUTS.inc()
-            log.info("scale-out of %s to %s: no running instance validates (%s)", req.model, decision.node_id,
-                     decision.why or "none measured", extra={"model": req.model})
+            log.info(
+                "scale-out of %s to %s: no running instance validates (%s)",
+                req.model,
+                decision.node_id,
+                decision.why or "none measured",
+                extra={"model": req.model},
+            )
         if log.isEnabledFor(logging.DEBUG) and isinstance(decision, UseNode) and req.model in profiles:
             at = next(n for n in view if n.node_id == decision.node_id)
-            log.debug("placed %s (%d prompt tokens) on %s: predicted %s (%s)", req.request_id, req.prompt_tokens,
-                      decision.node_id, validate(at, req.model, demand, profiles), at.instances.get(req.model),
-                      extra={"model": req.model})
-        if isinstance(decision, UseNode) and decision.scale_out_to and (req.model, decision.scale_out_to) not in self._starts:
+            log.debug(
+                "placed %s (%d prompt tokens) on %s: predicted %s (%s)",
+                req.request_id,
+                req.prompt_tokens,
+                decision.node_id,
+                validate(at, req.model, demand, profiles),
+                at.instances.get(req.model),
+                extra={"model": req.model},
+            )
+        if (
+            isinstance(decision, UseNode)
+            and decision.scale_out_to
+            and (req.model, decision.scale_out_to) not in self._starts
+        ):
             SCALE_OUTS.inc()
-            log.info("scale-out of %s to %s for the requests to come, this one queues on %s: no running "
-                     "instance validates (%s)", req.model, decision.scale_out_to, decision.node_id, decision.why,
-                     extra={"model": req.model})
+            log.info(
+                "scale-out of %s to %s for the requests to come, this one queues on %s: no running "
+                "instance validates (%s)",
+                req.model,
+                decision.scale_out_to,
+                decision.node_id,
+                decision.why,
+                extra={"model": req.model},
+            )
             self._begin_start(record, decision.scale_out_to)  # no request waits for it
         if isinstance(decision, UseNode) and decision.preempt:
             await self._preempt(decision.node_id, decision.preempt, req.model, decision.why)
@@ -229,9 +257,12 @@ class SchedulerService:
         for victim in victims:
             log.info("preempting %s on %s for %s: %s", victim, node_id, for_model, why, extra={"model": victim})
             try:
-                reply = await self.bus.request(subjects.engine_preempt(node_id),
-                                               PreemptInstance(model=victim, for_model=for_model), InstanceStopped,
-                                               timeout=self.settings.request_timeout_s)
+                reply = await self.bus.request(
+                    subjects.engine_preempt(node_id),
+                    PreemptInstance(model=victim, for_model=for_model),
+                    InstanceStopped,
+                    timeout=self.settings.request_timeout_s,
+                )
             except TesseraError as e:
                 log.warning("preemption of %s on %s failed: %s", victim, node_id, e.message)
                 continue
@@ -258,10 +289,16 @@ class SchedulerService:
                     # them ahead of the next request (a burst arrives between two heartbeats).
                     extra[model] = (len(placed), sum(n_tok for _, n_tok in placed))
             if extra:
-                instances = {m: (msgspec.structs.replace(i, active=i.active + extra[m][0],
-                                                         queued_tokens=i.queued_tokens + extra[m][1])
-                                 if m in extra else i)
-                             for m, i in n.instances.items()}
+                instances = {
+                    m: (
+                        msgspec.structs.replace(
+                            i, active=i.active + extra[m][0], queued_tokens=i.queued_tokens + extra[m][1]
+                        )
+                        if m in extra
+                        else i
+                    )
+                    for m, i in n.instances.items()
+                }
                 n = dataclasses.replace(n, instances=instances)
             out.append(n)
         return out

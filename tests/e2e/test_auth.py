@@ -24,8 +24,11 @@ def secure(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Itera
     try:
         port = free_port()
         c.procs["gateway-2"] = Process(
-            "gateway-2", [sys.executable, "-m", "services.gateway"], c.gateway_env(port),
-            c.home / "logs" / "gateway-2.log", http_port=port,
+            "gateway-2",
+            [sys.executable, "-m", "services.gateway"],
+            c.gateway_env(port),
+            c.home / "logs" / "gateway-2.log",
+            http_port=port,
         )
         c.procs["gateway-2"].start()
         c.wait_ready("gateway-2", 60)
@@ -74,8 +77,13 @@ def test_health_and_metrics_stay_open(secure: LocalCluster) -> None:
 
 def test_admin_api_refuses_no_key_with_401_and_a_plain_key_with_403(secure: LocalCluster) -> None:
     key = make_key(secure, "not-admin")
-    for method, path in (("GET", "/admin/keys"), ("POST", "/admin/keys"), ("GET", "/admin/models"),
-                         ("DELETE", "/admin/keys/not-admin"), ("GET", "/admin/instances")):
+    for method, path in (
+        ("GET", "/admin/keys"),
+        ("POST", "/admin/keys"),
+        ("GET", "/admin/models"),
+        ("DELETE", "/admin/keys/not-admin"),
+        ("GET", "/admin/instances"),
+    ):
         assert httpx.request(method, f"{secure.base_url}{path}", timeout=10).status_code == 401
         r = httpx.request(method, f"{secure.base_url}{path}", headers=bearer(key), timeout=10)
         assert r.status_code == 403, (method, path)
@@ -88,8 +96,9 @@ def test_listing_keys_shows_no_secret_and_a_deleted_key_stops_working(secure: Lo
     mine = next(k for k in listed if k["name"] == "short-lived")
     assert mine["models"] == ["a", "b"] and mine["requests_per_minute"] == 100
     assert key not in str(listed) and "key" not in mine
-    again = httpx.post(f"{secure.base_url}/admin/keys", json={"name": "short-lived"},
-                       headers=secure.admin_headers, timeout=10)
+    again = httpx.post(
+        f"{secure.base_url}/admin/keys", json={"name": "short-lived"}, headers=secure.admin_headers, timeout=10
+    )
     assert again.status_code == 409
     assert httpx.get(f"{secure.base_url}/v1/models", headers=bearer(key), timeout=10).status_code == 200
     r = httpx.delete(f"{secure.base_url}/admin/keys/short-lived", headers=secure.admin_headers, timeout=10)
@@ -131,8 +140,13 @@ def test_requests_per_minute_are_limited_across_two_gateway_replicas(secure: Loc
 
 
 def test_tokens_per_minute_reserve_max_tokens_and_settle_with_what_was_generated(secure: LocalCluster) -> None:
-    body = {"model": DEFAULT_MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 300,
-            "temperature": 0, "stop": [".", "\n"]}
+    body = {
+        "model": DEFAULT_MODEL_NAME,
+        "prompt": "The capital of France is",
+        "max_tokens": 300,
+        "temperature": 0,
+        "stop": [".", "\n"],
+    }
     probe = httpx.post(f"{secure.base_url}/v1/completions", json=body, headers=secure.admin_headers, timeout=120)
     assert probe.status_code == 200, probe.text
     p, c = probe.json()["usage"]["prompt_tokens"], probe.json()["usage"]["completion_tokens"]
@@ -154,14 +168,17 @@ def test_tokens_per_minute_reserve_max_tokens_and_settle_with_what_was_generated
 
 
 def test_the_openai_client_works_with_a_valid_key_streamed_and_not(secure: LocalCluster) -> None:
-    key = make_key(secure, "openai-client", models=[DEFAULT_MODEL_NAME], requests_per_minute=100,
-                   tokens_per_minute=100_000)
+    key = make_key(
+        secure, "openai-client", models=[DEFAULT_MODEL_NAME], requests_per_minute=100, tokens_per_minute=100_000
+    )
     client = openai.OpenAI(base_url=f"{secure.base_url}/v1", api_key=key, max_retries=0, timeout=120)
-    r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4)
+    r = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
     assert r.choices[0].message.content
-    stream = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=4, stream=True)
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert [m.id for m in client.models.list()] == [DEFAULT_MODEL_NAME]
     with pytest.raises(openai.AuthenticationError):
@@ -175,10 +192,15 @@ def test_keys_survive_a_restart_of_valkey(secure: LocalCluster) -> None:
     secure.restart("valkey")
     # While the gateway reconnects it answers 503 with Retry-After; then the key works again.
     for url in (secure.base_url, second_gateway(secure)):
-        wait_for(lambda u=url: httpx.get(f"{u}/v1/models", headers=bearer(key), timeout=30).status_code == 200,
-                 30, f"the key to work on {url} after Valkey came back", every_s=0.2)
+        wait_for(
+            lambda u=url: httpx.get(f"{u}/v1/models", headers=bearer(key), timeout=30).status_code == 200,
+            30,
+            f"the key to work on {url} after Valkey came back",
+            every_s=0.2,
+        )
     r = httpx.post(f"{second_gateway(secure)}/v1/chat/completions", json=CHAT, headers=bearer(key), timeout=120)
     assert r.status_code == 200, r.text
-    names = [k["name"] for k in httpx.get(f"{secure.base_url}/admin/keys", headers=secure.admin_headers,
-                                          timeout=10).json()]
+    names = [
+        k["name"] for k in httpx.get(f"{secure.base_url}/admin/keys", headers=secure.admin_headers, timeout=10).json()
+    ]
     assert "durable" in names

@@ -43,8 +43,7 @@ class TokenSink:
 def loaded(cluster: LocalCluster, model_store: Path) -> LoadedModel:
     """The default model as registered (the session cluster registered it), loaded here."""
     (meta,) = [p for p in model_store.glob("*/artifact.msgpack") if (p.parent / "compiled").is_dir()][:1]
-    artifact = msgspec.structs.replace(msgspec.msgpack.decode(meta.read_bytes(), type=Artifact),
-                                       path=str(meta.parent))
+    artifact = msgspec.structs.replace(msgspec.msgpack.decode(meta.read_bytes(), type=Artifact), path=str(meta.parent))
     return LoadedModel.load(ov.Core(), artifact, "CPU", 2)
 
 
@@ -52,8 +51,12 @@ def item(i: int, prompt: list[int], max_tokens: int) -> BatchItem:
     return BatchItem(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def tokens_of(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int],
-              join_at: dict[int, list[BatchItem]] | None = None) -> dict[str, list[int]]:
+def tokens_of(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    join_at: dict[int, list[BatchItem]] | None = None,
+) -> dict[str, list[int]]:
     """Each row's tokens; `join_at`: after that many decode steps, these requests join."""
     items = [item(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
     late = [it for its in (join_at or {}).values() for it in its]
@@ -67,8 +70,15 @@ def tokens_of(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[in
         steps[0] += 1
         return (join_at or {}).get(steps[0], [])
 
-    results = generate_batch(lambda rows: loaded.compiled.create_infer_request(), items, loaded.eos_ids, sink,
-                             lambda *a: None, lambda rid: False, join=join)
+    results = generate_batch(
+        lambda rows: loaded.compiled.create_infer_request(),
+        items,
+        loaded.eos_ids,
+        sink,
+        lambda *a: None,
+        lambda rid: False,
+        join=join,
+    )
     assert [r.completion_tokens for r in results] == [*max_tokens, *(it.params.max_tokens for it in late)]
     return out
 
@@ -85,8 +95,12 @@ def test_padded_rows_decode_as_they_would_alone(loaded: LoadedModel) -> None:
     assert together == alone
     # Joining a running batch re-prefills its rows with their output so far: the running rows
     # go on with the tokens they would have had, the newcomers get theirs.
-    joined = tokens_of(loaded, prompts[:1], max_tokens[:1],
-                       join_at={2: [item(1, prompts[1], max_tokens[1])], 4: [item(2, prompts[2], max_tokens[2])]})
+    joined = tokens_of(
+        loaded,
+        prompts[:1],
+        max_tokens[:1],
+        join_at={2: [item(1, prompts[1], max_tokens[1])], 4: [item(2, prompts[2], max_tokens[2])]},
+    )
     assert joined == alone
 
 
@@ -100,21 +114,29 @@ async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_
     await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     before = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total")
     alone = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total", batch="1")
-    cancelled = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_requests_total",
-                                        finish_reason="cancelled")
+    cancelled = await asyncio.to_thread(
+        metric, cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled"
+    )
     n = 24
 
     async def complete(i: int) -> int:
         r = await client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=n,
-            extra_body={"ignore_eos": True})
+            model=name,
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            max_tokens=n,
+            extra_body={"ignore_eos": True},
+        )
         assert r.usage is not None
         return r.usage.completion_tokens
 
     async def abandon() -> None:
         stream = await client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=200,
-            stream=True, extra_body={"ignore_eos": True})
+            model=name,
+            messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 break  # its first text, then the client goes away
@@ -139,14 +161,16 @@ async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_
     assert all(i["running"] <= i["active"] for i in seen)
     assert any(i["held_tokens"] > 10 * i["running"] > 0 for i in seen)
     after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total")
-    alone_after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total",
-                                          batch="1")
+    alone_after = await asyncio.to_thread(metric, cluster, ENGINE, "tessera_engine_batched_requests_total", batch="1")
     assert after - before == 7
     assert alone_after - alone < 7, "no request shared a batch"
     # The abandoned stream's row was stopped, not run to its 200 tokens.
     await asyncio.to_thread(
-        wait_for, lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
-        > cancelled, 30, "the abandoned request to be cancelled in the engine")
+        wait_for,
+        lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled") > cancelled,
+        30,
+        "the abandoned request to be cancelled in the engine",
+    )
 
 
 def cpu_s(pid: int) -> float:
@@ -161,8 +185,7 @@ def test_an_idle_worker_waits_without_using_the_cpu(own_cluster: LocalCluster) -
     client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     client.chat.completions.create(model="idle-worker", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     # Idle also means its tier-up is done (it runs once the node is idle).
-    wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_bound_workers", tier="start") == 0, 60,
-             "the tier-up")
+    wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_bound_workers", tier="start") == 0, 60, "the tier-up")
     status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
     pid = next(int(i["worker_pid"]) for n in status["nodes"] for i in n["instances"] if i["model"] == "idle-worker")
     before, t0 = cpu_s(pid), time.monotonic()

@@ -34,8 +34,7 @@ def test_disconnect_mid_stream_cancels_generation_in_the_engine(
     stream.close()
 
     wait_for(
-        lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
-        > cancelled_before,
+        lambda: metric(cluster, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled") > cancelled_before,
         60,
         "the engine to end the generation as cancelled",
     )

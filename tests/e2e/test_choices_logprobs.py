@@ -13,8 +13,15 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.mark.parametrize("top", [0, 3])
 def test_chat_logprobs_follow_the_tokens_chosen(client: openai.OpenAI, model: str, top: int) -> None:
-    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
-                                       top_logprobs=top, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=top,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
     assert "".join(e.token for e in content) == r.choices[0].message.content
@@ -27,8 +34,9 @@ def test_chat_logprobs_follow_the_tokens_chosen(client: openai.OpenAI, model: st
 
 
 def test_streamed_logprobs_add_up_to_the_text(client: openai.OpenAI, model: str) -> None:
-    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
-                                            top_logprobs=2, stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
     text, tokens = "", ""
     for c in stream:
         if c.choices:
@@ -50,8 +58,15 @@ def test_n_gives_distinct_samples_and_streams_each_index(client: openai.OpenAI, 
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1
     seen: dict[int, str] = {}
-    for c in client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=1.0, n=2,
-                                            stream=True, stream_options={"include_usage": True}):
+    for c in client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=1.0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         for choice in c.choices:
             seen[choice.index] = seen.get(choice.index, "") + (choice.delta.content or "")
         if c.usage is not None:
@@ -62,23 +77,32 @@ def test_n_gives_distinct_samples_and_streams_each_index(client: openai.OpenAI, 
 def test_a_list_of_prompts_answers_each_in_order(client: openai.OpenAI, model: str) -> None:
     prompts = ["The capital of France is", "1, 2, 3,"]
     r = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0)
-    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text
-             for p in prompts]
+    alone = [
+        client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts
+    ]
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.text for c in r.choices] == alone
 
 
 def test_best_of_returns_n_and_counts_every_candidate(client: openai.OpenAI, model: str) -> None:
-    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0,
-                                  best_of=3, n=1, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=8,
+        temperature=1.0,
+        best_of=3,
+        n=1,
+        extra_body={"ignore_eos": True},
+    )
     assert len(r.choices) == 1 and r.choices[0].logprobs is None
     assert r.usage is not None and r.usage.completion_tokens == 3 * 8
 
 
 def test_logit_bias_keeps_a_token_out(client: openai.OpenAI, model: str, cluster: LocalCluster) -> None:
     def first_token(**extra: object) -> str:
-        r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
-                                           **extra)  # type: ignore[call-overload]
+        r = client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, **extra
+        )  # type: ignore[call-overload]
         return r.choices[0].logprobs.content[0].token  # type: ignore[union-attr, index]
 
     free = first_token()

@@ -39,8 +39,9 @@ def tessera(secure: LocalCluster) -> Iterator[CliRunner]:
 
 def run(runner: CliRunner, cluster: LocalCluster, *args: str) -> str:
     # No --admin-key: the CLI must find the key the cluster saved under its home.
-    result = runner.invoke(cli.app, [*args, "--url", cluster.base_url, "--home", str(cluster.home)],
-                           env={"TESSERA_ADMIN_KEY": ""})
+    result = runner.invoke(
+        cli.app, [*args, "--url", cluster.base_url, "--home", str(cluster.home)], env={"TESSERA_ADMIN_KEY": ""}
+    )
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -57,8 +58,11 @@ def test_keys_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert DEFAULT_MODEL_NAME in row and " 5 " in row and "9000" in row
     assert secret not in listed
 
-    again = tessera.invoke(cli.app, ["keys", "add", "cli-key", "--url", secure.base_url, "--home", str(secure.home)],
-                           env={"TESSERA_ADMIN_KEY": ""})
+    again = tessera.invoke(
+        cli.app,
+        ["keys", "add", "cli-key", "--url", secure.base_url, "--home", str(secure.home)],
+        env={"TESSERA_ADMIN_KEY": ""},
+    )
     assert again.exit_code == 1 and "409" in again.output
 
     run(tessera, secure, "keys", "rm", "cli-key")
@@ -73,10 +77,15 @@ def test_a_wrong_admin_key_is_refused_with_the_gateways_message(tessera: CliRunn
     assert "401" in result.output and "Incorrect API key" in result.output
 
 
-def test_status_shows_nodes_instances_memory_host_cache_and_cold_starts(tessera: CliRunner,
-                                                                       secure: LocalCluster) -> None:
-    r = httpx.post(f"{secure.base_url}/v1/chat/completions", headers=secure.admin_headers, timeout=120,
-                   json={"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+def test_status_shows_nodes_instances_memory_host_cache_and_cold_starts(
+    tessera: CliRunner, secure: LocalCluster
+) -> None:
+    r = httpx.post(
+        f"{secure.base_url}/v1/chat/completions",
+        headers=secure.admin_headers,
+        timeout=120,
+        json={"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     instances = httpx.get(f"{secure.base_url}/admin/instances", headers=secure.admin_headers, timeout=10).json()
     pid = instances["nodes"][0]["instances"][0]["worker_pid"]
@@ -84,15 +93,18 @@ def test_status_shows_nodes_instances_memory_host_cache_and_cold_starts(tessera:
     loader = f"http://127.0.0.1:{secure.procs['loader@node-0'].http_port}"
     out = run(tessera, secure, "status", "--metrics", f"node-0={loader}")
     lines = out.splitlines()
-    titles = {line.strip(): i for i, line in enumerate(lines) if line.strip() in ("nodes", "instances", "recent cold starts")}
+    titles = {
+        line.strip(): i for i, line in enumerate(lines) if line.strip() in ("nodes", "instances", "recent cold starts")
+    }
     assert list(titles) == ["nodes", "instances", "recent cold starts"], out
-    node_row = next(line for line in lines[titles["nodes"]:titles["instances"]] if "node-0" in line)
+    node_row = next(line for line in lines[titles["nodes"] : titles["instances"]] if "node-0" in line)
     # Memory from the heartbeat; the host cache (bytes / budget, models) from the loader's /metrics.
     assert re.search(r"\d+(\.\d)? [KMG]?i?B / \d+(\.\d)? [KMG]?i?B \(\d+ models\)", node_row), node_row
-    instance_row = next(line for line in lines[titles["instances"]:titles["recent cold starts"]]
-                        if DEFAULT_MODEL_NAME in line)
+    instance_row = next(
+        line for line in lines[titles["instances"] : titles["recent cold starts"]] if DEFAULT_MODEL_NAME in line
+    )
     assert f" {pid} " in instance_row and ("start" in instance_row or "steady" in instance_row), instance_row
-    assert any(DEFAULT_MODEL_NAME in line and "node-0" in line for line in lines[titles["recent cold starts"]:])
+    assert any(DEFAULT_MODEL_NAME in line and "node-0" in line for line in lines[titles["recent cold starts"] :])
 
 
 def test_up_prints_an_admin_key_saved_0600_and_a_curl_that_carries_it(tmp_path: Path, model_store: Path) -> None:
@@ -104,11 +116,18 @@ def test_up_prints_an_admin_key_saved_0600_and_a_curl_that_carries_it(tmp_path: 
     env = {**os.environ, "COLUMNS": "80", "TESSERA_AUTH": "on"}
     env.pop("TESSERA_ADMIN_KEY", None)
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--home", str(home)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--home", str(home)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
-        wait_for(lambda: "Ctrl-C stops everything" in log.read_text() or proc.poll() is not None, 300,
-                 "tessera up to print that it is ready")
+        wait_for(
+            lambda: "Ctrl-C stops everything" in log.read_text() or proc.poll() is not None,
+            300,
+            "tessera up to print that it is ready",
+        )
         assert proc.poll() is None, log.read_text()
         text = log.read_text()
         saved = home / "admin_key"
@@ -121,8 +140,9 @@ def test_up_prints_an_admin_key_saved_0600_and_a_curl_that_carries_it(tmp_path: 
         argv = shlex.split(curl)
         body = argv.index("-d") + 1
         argv[body] = json.dumps({**json.loads(argv[body]), "max_tokens": 4})
-        answer = subprocess.run([*argv, "-s", "-w", "\n%{http_code}"], check=True, capture_output=True, text=True,
-                                timeout=120)
+        answer = subprocess.run(
+            [*argv, "-s", "-w", "\n%{http_code}"], check=True, capture_output=True, text=True, timeout=120
+        )
         assert answer.stdout.rstrip().endswith("200"), answer.stdout
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401
         proc.send_signal(signal.SIGINT)

@@ -25,12 +25,16 @@ CAP = 9
 @pytest.fixture(scope="module")
 def crowd(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     # The gateway's own admission limits (not the small ones of the shared test cluster).
-    c = start_cluster(tmp_path_factory.mktemp("crowd"), model_store, TESSERA_MAX_INFLIGHT="256",
-                      TESSERA_MAX_WAITING="1024")
+    c = start_cluster(
+        tmp_path_factory.mktemp("crowd"), model_store, TESSERA_MAX_INFLIGHT="256", TESSERA_MAX_WAITING="1024"
+    )
     try:
         c.register_default_model()
-        r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
-            "name": CAPPED, "source": str(default_model_path()), "max_tokens": CAP, "temperature": 0.0})
+        r = httpx.post(
+            f"{c.base_url}/admin/models",
+            timeout=600,
+            json={"name": CAPPED, "source": str(default_model_path()), "max_tokens": CAP, "temperature": 0.0},
+        )
         assert r.status_code == 201, r.text
         yield c
     finally:
@@ -38,9 +42,15 @@ def crowd(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterat
 
 
 def _client(c: LocalCluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=600,
-                              http_client=openai.DefaultAsyncHttpxClient(
-                                  limits=httpx.Limits(max_connections=128, max_keepalive_connections=128)))
+    return openai.AsyncOpenAI(
+        base_url=f"{c.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=600,
+        http_client=openai.DefaultAsyncHttpxClient(
+            limits=httpx.Limits(max_connections=128, max_keepalive_connections=128)
+        ),
+    )
 
 
 async def _on_the_core(c: LocalCluster) -> None:
@@ -50,8 +60,14 @@ async def _on_the_core(c: LocalCluster) -> None:
 async def _stream(client: openai.AsyncOpenAI, prompt: str, tokens: int) -> tuple[int, str | None]:
     """Completion tokens and finish reason of one streamed chat request."""
     stream = await client.chat.completions.create(
-        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     used, reason = 0, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -89,8 +105,12 @@ async def test_short_requests_finish_before_a_long_one_started_first(crowd: Loca
 
     long_task = asyncio.create_task(long())
     decoded = metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total")
-    await asyncio.to_thread(wait_for, lambda: metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total") > decoded,
-                            60, "the long request to start decoding")
+    await asyncio.to_thread(
+        wait_for,
+        lambda: metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total") > decoded,
+        60,
+        "the long request to start decoding",
+    )
     await asyncio.gather(*(short(i) for i in range(8)))
     await long_task
     assert finished[-1] == "long", finished
@@ -101,25 +121,41 @@ async def test_a_client_that_goes_away_stops_its_generation(crowd: LocalCluster,
     await _on_the_core(crowd)
     cancelled = metric(crowd, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
     decoded = metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total")
-    body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Tell a long story."}],
-            "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": DEFAULT_MODEL_NAME,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     async with httpx.AsyncClient(base_url=crowd.base_url, timeout=600) as http:
         request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
         await asyncio.to_thread(
-            wait_for, lambda: metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total") >= decoded + 8, 60,
-            "the generation to be under way")
+            wait_for,
+            lambda: metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total") >= decoded + 8,
+            60,
+            "the generation to be under way",
+        )
         request.cancel()  # closes the connection: the client is gone
         with pytest.raises(asyncio.CancelledError):
             await request
     await asyncio.to_thread(
-        wait_for, lambda: metric(crowd, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled")
-        > cancelled, 60, "the engine to end the generation as cancelled")
+        wait_for,
+        lambda: metric(crowd, ENGINE, "tessera_engine_requests_total", finish_reason="cancelled") > cancelled,
+        60,
+        "the engine to end the generation as cancelled",
+    )
     stopped_at = metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total")
     assert stopped_at - decoded < 4000 / 4
     # Nothing more is decoded for it: the next request's tokens are all that is added.
     r = await _client(crowd).chat.completions.create(
-        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage is not None and r.usage.completion_tokens == 3
     assert metric(crowd, ENGINE, "tessera_engine_decoded_tokens_total") == stopped_at + 3
 
@@ -127,10 +163,14 @@ async def test_a_client_that_goes_away_stops_its_generation(crowd: LocalCluster,
 async def test_a_request_without_max_tokens_ends_at_the_models_cap(crowd: LocalCluster) -> None:
     models = {m["name"]: m for m in httpx.get(f"{crowd.base_url}/admin/models", timeout=10).json()}
     assert models[CAPPED]["defaults"]["max_tokens"] == CAP
-    assert models[DEFAULT_MODEL_NAME]["defaults"]["max_tokens"] < models[DEFAULT_MODEL_NAME]["artifact"]["context_length"]
+    assert (
+        models[DEFAULT_MODEL_NAME]["defaults"]["max_tokens"] < models[DEFAULT_MODEL_NAME]["artifact"]["context_length"]
+    )
     r = await _client(crowd).chat.completions.create(
-        model=CAPPED, messages=[{"role": "user", "content": "Write a long essay about the sea."}],
-        extra_body={"ignore_eos": True})
+        model=CAPPED,
+        messages=[{"role": "user", "content": "Write a long essay about the sea."}],
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage is not None and r.usage.completion_tokens == CAP
     assert r.choices[0].finish_reason == "length"
 
@@ -138,7 +178,8 @@ async def test_a_request_without_max_tokens_ends_at_the_models_cap(crowd: LocalC
 async def test_max_tokens_beyond_the_context_is_a_clear_400(crowd: LocalCluster) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         await _client(crowd).chat.completions.create(
-            model=CAPPED, messages=[{"role": "user", "content": "Hi"}], max_tokens=100_000)
+            model=CAPPED, messages=[{"role": "user", "content": "Hi"}], max_tokens=100_000
+        )
     assert e.value.code == "context_length_exceeded"
 
 
@@ -148,8 +189,8 @@ async def test_greedy_output_is_the_library_pipelines_own(crowd: LocalCluster) -
     await _on_the_core(crowd)
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     r = await _client(crowd).completions.create(
-        model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
-        extra_body={"repetition_penalty": 1.0})
+        model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body={"repetition_penalty": 1.0}
+    )
     ours = r.choices[0].text
     models = {m["name"]: m for m in httpx.get(f"{crowd.base_url}/admin/models", timeout=10).json()}
     path = models[DEFAULT_MODEL_NAME]["artifact"]["path"]

@@ -38,8 +38,7 @@ def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> 
     against a reference run alone, and a batched run's greedy text may differ from it in
     late tokens (kernels round differently at another batch width; batching is tested in
     test_batching.py)."""
-    c = start_cluster(tmp_path_factory.mktemp("faults"), model_store, TESSERA_MAX_INFLIGHT="32",
-                      TESSERA_MAX_BATCH="1")
+    c = start_cluster(tmp_path_factory.mktemp("faults"), model_store, TESSERA_MAX_INFLIGHT="32", TESSERA_MAX_BATCH="1")
     try:
         yield c
     finally:
@@ -47,8 +46,15 @@ def own_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> 
 
 
 def body(model: str, max_tokens: int, stream: bool) -> dict[str, object]:
-    return {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def assert_openai_error(payload: object) -> dict[str, object]:
@@ -124,18 +130,21 @@ def call(base_url: str, payload: dict[str, object], out: Outcome, timeout_s: flo
                     out.failure = "the stream closed without [DONE]"
     except httpx.TimeoutException:
         out.failure = f"no end within the client timeout of {timeout_s}s: a hang"
-    except Exception as e:  # noqa: BLE001 - recorded here, asserted by the test
+    except Exception as e:
         out.failure = f"{type(e).__name__}: {e}"
     finally:
         out.ended_at = time.monotonic()
         out.seconds = out.ended_at - t0
 
 
-def launch(base_url: str, payloads: list[dict[str, object]],
-           timeout_s: float) -> tuple[list[Outcome], list[threading.Thread]]:
+def launch(
+    base_url: str, payloads: list[dict[str, object]], timeout_s: float
+) -> tuple[list[Outcome], list[threading.Thread]]:
     outcomes = [Outcome() for _ in payloads]
-    threads = [threading.Thread(target=call, args=(base_url, p, o, timeout_s), daemon=True)
-               for p, o in zip(payloads, outcomes, strict=True)]
+    threads = [
+        threading.Thread(target=call, args=(base_url, p, o, timeout_s), daemon=True)
+        for p, o in zip(payloads, outcomes, strict=True)
+    ]
     for t in threads:
         t.start()
     return outcomes, threads
@@ -161,8 +170,7 @@ def test_scheduler_down_gives_503_with_retry_after_at_once_and_recovers(own_clus
     try:
         for stream in (False, True):
             t0 = time.monotonic()
-            r = httpx.post(f"{own_cluster.base_url}/v1/chat/completions", json=body("f-sched", 4, stream),
-                           timeout=30)
+            r = httpx.post(f"{own_cluster.base_url}/v1/chat/completions", json=body("f-sched", 4, stream), timeout=30)
             elapsed = time.monotonic() - t0
             assert r.status_code == 503, r.text  # a stream too: placement comes before any byte
             assert elapsed <= 2.0, f"the 503 took {elapsed:.2f}s"
@@ -172,8 +180,9 @@ def test_scheduler_down_gives_503_with_retry_after_at_once_and_recovers(own_clus
     finally:
         own_cluster.restart("scheduler")
     # The new scheduler learns the node from its heartbeats; then requests are placed again.
-    wait_for(lambda: try_chat(own_cluster, "f-sched"), 60, "a request to succeed after the scheduler restart",
-             every_s=0.5)
+    wait_for(
+        lambda: try_chat(own_cluster, "f-sched"), 60, "a request to succeed after the scheduler restart", every_s=0.5
+    )
 
 
 def test_nats_restart_mid_traffic_ends_every_request_and_service_resumes(own_cluster: LocalCluster) -> None:
@@ -183,18 +192,26 @@ def test_nats_restart_mid_traffic_ends_every_request_and_service_resumes(own_clu
     tokenizer = ov_genai.Tokenizer(record["artifact"]["path"])
     on_the_core(own_cluster, "f-nats")  # the reference and the four requests on one engine
     n = 96
-    ref = httpx.post(f"{own_cluster.base_url}/v1/chat/completions", json=body("f-nats", n, False),
-                     timeout=120).json()["choices"][0]["message"]["content"]
+    ref = httpx.post(f"{own_cluster.base_url}/v1/chat/completions", json=body("f-nats", n, False), timeout=120).json()[
+        "choices"
+    ][0]["message"]["content"]
     # Two streams; once one decodes, two plain requests join them (the instance serves one at a
     # time, the others wait their turn on the engine): NATS restarts with all four in flight.
     outcomes, threads = launch(own_cluster.base_url, [body("f-nats", n, True)] * 2, timeout_s=90)
     try:
-        wait_for(lambda: any(o.first_token.is_set() or o.failure for o in outcomes), 60,
-                 "a stream to get its first token")
+        wait_for(
+            lambda: any(o.first_token.is_set() or o.failure for o in outcomes), 60, "a stream to get its first token"
+        )
         more, more_threads = launch(own_cluster.base_url, [body("f-nats", n, False)] * 2, timeout_s=90)
         outcomes, threads = outcomes + more, threads + more_threads
-        wait_for(lambda: metric(own_cluster, "gateway", "tessera_gateway_inflight_requests") >= 4
-                 or any(o.ended_at for o in outcomes), 30, "all four requests to be admitted")
+        wait_for(
+            lambda: (
+                metric(own_cluster, "gateway", "tessera_gateway_inflight_requests") >= 4
+                or any(o.ended_at for o in outcomes)
+            ),
+            30,
+            "all four requests to be admitted",
+        )
         restarted_at = time.monotonic()
         own_cluster.restart("nats")  # stopped and started: a few hundred ms without a bus
     finally:
@@ -217,8 +234,7 @@ def test_nats_restart_mid_traffic_ends_every_request_and_service_resumes(own_clu
     for name, proc in own_cluster.procs.items():
         if proc.http_port is not None:
             wait_for(lambda nm=name: own_cluster.ready(nm), 30, f"{name} to report ready again")
-    wait_for(lambda: try_chat(own_cluster, "f-nats"), 60, "a request to succeed after NATS came back",
-             every_s=0.5)
+    wait_for(lambda: try_chat(own_cluster, "f-nats"), 60, "a request to succeed after NATS came back", every_s=0.5)
 
 
 def test_no_admitted_stream_is_left_hanging_when_the_engine_dies_under_a_burst(
@@ -231,8 +247,11 @@ def test_no_admitted_stream_is_left_hanging_when_the_engine_dies_under_a_burst(
     try:
         # Every request answered (placed and accepted: 200 and streaming, or refused) and tokens
         # flowing: the engine dies with the whole burst admitted.
-        wait_for(lambda: all(o.status or o.failure for o in outcomes) and any(o.first_token.is_set() for o in outcomes),
-                 60, "the burst to be admitted and stream its first tokens")
+        wait_for(
+            lambda: all(o.status or o.failure for o in outcomes) and any(o.first_token.is_set() for o in outcomes),
+            60,
+            "the burst to be admitted and stream its first tokens",
+        )
         own_cluster.procs["engine@node-0"].kill()
         killed_at = time.monotonic()
     finally:
@@ -250,9 +269,7 @@ def test_no_admitted_stream_is_left_hanging_when_the_engine_dies_under_a_burst(
     assert admitted >= 6, f"only {admitted} of 12 streams were admitted before the engine died"
 
     own_cluster.restart("engine@node-0")
-    wait_for(lambda: try_chat(own_cluster, "f-burst"), 60, "a request to succeed on the new engine",
-             every_s=0.5)
-
+    wait_for(lambda: try_chat(own_cluster, "f-burst"), 60, "a request to succeed on the new engine", every_s=0.5)
 
 
 class _Delivered:

@@ -33,8 +33,17 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> I
     c = start_cluster(home, model_store)
     try:
         for name, source, ttft, tpot in (("urgent", default_model_path(), 1.0, 0.05), ("lax", copy, 60.0, 1.0)):
-            r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
-                "name": name, "source": str(source), "keep_alive_s": 600.0, "ttft_slo_s": ttft, "tpot_slo_s": tpot})
+            r = httpx.post(
+                f"{c.base_url}/admin/models",
+                timeout=600,
+                json={
+                    "name": name,
+                    "source": str(source),
+                    "keep_alive_s": 600.0,
+                    "ttft_slo_s": ttft,
+                    "tpot_slo_s": tpot,
+                },
+            )
             assert r.status_code == 201, r.text
         yield c
     finally:
@@ -50,8 +59,13 @@ async def test_the_lax_model_waits_for_the_urgent_models_iterations(two_models: 
     times: dict[str, list[float]] = {"urgent": [], "lax": []}
 
     async def stream(name: str, max_tokens: int) -> None:
-        s = await client.completions.create(model=name, prompt="Tell me about the sea.", max_tokens=max_tokens,
-                                            stream=True, extra_body={"ignore_eos": True})
+        s = await client.completions.create(
+            model=name,
+            prompt="Tell me about the sea.",
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in s:
             if chunk.choices and chunk.choices[0].text:
                 times[name].append(time.monotonic())
@@ -66,5 +80,6 @@ async def test_the_lax_model_waits_for_the_urgent_models_iterations(two_models: 
     # The lax model's prefill waited at the gate until the urgent batch ended.
     assert times["lax"][0] > times["urgent"][-1], (
         f"lax first token {times['lax'][0] - times['urgent'][0]:.3f}s after urgent's first, "
-        f"urgent's last at {times['urgent'][-1] - times['urgent'][0]:.3f}s")
+        f"urgent's last at {times['urgent'][-1] - times['urgent'][0]:.3f}s"
+    )
     assert metric(two_models, ENGINE, "tessera_engine_gate_wait_seconds_sum") > waits_before

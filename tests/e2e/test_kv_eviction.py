@@ -22,13 +22,16 @@ from tests.helpers.cluster import metric, on_the_core, register
 
 MIN_TOKENS = 24
 TOKENS = 120
-PROMPT = ("Describe, in the plainest words you can find, how a lighthouse keeper spends a long "
-          "winter night on a rocky island far from the coast, what she sees, and what she hears.")
+PROMPT = (
+    "Describe, in the plainest words you can find, how a lighthouse keeper spends a long "
+    "winter night on a rocky island far from the coast, what she sees, and what she hears."
+)
 
 
 @pytest.fixture(scope="module")
-def tight_node(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
-               cluster: LocalCluster) -> Iterator[LocalCluster]:
+def tight_node(
+    tmp_path_factory: pytest.TempPathFactory, model_store: Path, cluster: LocalCluster
+) -> Iterator[LocalCluster]:
     # The session cluster has converted the default GGUF: its weights' size sets the budget.
     (meta,) = [p for p in model_store.glob("*/artifact.msgpack") if (p.parent / "compiled").is_dir()][:1]
     artifact = msgspec.msgpack.decode(meta.read_bytes(), type=Artifact)
@@ -36,9 +39,17 @@ def tight_node(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
     # tokens fit while they are short, not once both have generated a few dozen tokens.
     budget = artifact.weight_bytes + (MIN_TOKENS + 100) * artifact.kv_bytes_per_token
     # A request the node cannot hold waits 2 s for room (not the default 30 s) before its 503.
-    c = LocalCluster(home=tmp_path_factory.mktemp("evict"), store=model_store, nodes=2, env={
-        **TEST_ENV, "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS), "TESSERA_MEMORY_WAIT_S": "2",
-    }, node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}})
+    c = LocalCluster(
+        home=tmp_path_factory.mktemp("evict"),
+        store=model_store,
+        nodes=2,
+        env={
+            **TEST_ENV,
+            "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
+            "TESSERA_MEMORY_WAIT_S": "2",
+        },
+        node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}},
+    )
     c.budget = budget  # type: ignore[attr-defined]
     c.start(timeout_s=90)
     try:
@@ -54,13 +65,15 @@ def nodes_of(c: LocalCluster, model: str) -> set[str]:
 
 
 async def test_requests_outgrowing_an_unexpandable_cache_evict_the_one_with_most_headroom(
-        tight_node: LocalCluster) -> None:
+    tight_node: LocalCluster,
+) -> None:
     c = tight_node
     client = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
 
     async def ask(tokens: int) -> openai.types.Completion:
-        return await client.completions.create(model="grow", prompt=PROMPT, max_tokens=tokens, temperature=0,
-                                               extra_body={"ignore_eos": True})
+        return await client.completions.create(
+            model="grow", prompt=PROMPT, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
 
     await ask(4)  # starts the instance (on node-0, the first node) and makes Ō = 4 tokens
     assert nodes_of(c, "grow") == {"node-0"}
@@ -81,14 +94,16 @@ async def test_requests_outgrowing_an_unexpandable_cache_evict_the_one_with_most
 
 
 async def test_a_request_the_node_cannot_hold_is_refused_there_and_served_by_the_other(
-        tight_node: LocalCluster) -> None:
+    tight_node: LocalCluster,
+) -> None:
     c = tight_node
     client = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
     refused = metric(c, "engine@node-0", "tessera_engine_requests_total", finish_reason="error")
     resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
     # ~600 prompt tokens: past the 124 tokens of KV node-0 has room for, whatever it reserved.
-    r = await client.completions.create(model="grow", prompt="lighthouse keeper " * 200, max_tokens=8,
-                                        temperature=0, extra_body={"ignore_eos": True})
+    r = await client.completions.create(
+        model="grow", prompt="lighthouse keeper " * 200, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 400
     assert metric(c, "engine@node-0", "tessera_engine_requests_total", finish_reason="error") == refused + 1
     assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 1

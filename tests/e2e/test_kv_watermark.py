@@ -19,8 +19,10 @@ from tests.helpers.cluster import metric, register, wait_for
 
 ENGINE, MEMORY = "engine@node-0", "memory_manager@node-0"
 MIN_TOKENS = 24
-PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle on a "
-          "stormy night, and tell what the message says and what she does next.")
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle on a "
+    "stormy night, and tell what the message says and what she does next."
+)
 
 
 def per_token() -> int:
@@ -43,8 +45,9 @@ async def test_concurrent_requests_grow_the_kv_reservation_and_it_shrinks_after(
     c = per_token()
 
     async def ask() -> openai.types.Completion:
-        return await client.completions.create(model="kvw", prompt=PROMPT, max_tokens=12,
-                                               extra_body={"ignore_eos": True})
+        return await client.completions.create(
+            model="kvw", prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
+        )
 
     await ask()  # starts the instance at the floor
     assert metric(small_floor, ENGINE, "tessera_engine_kv_reserved_bytes", model="kvw") >= c * MIN_TOKENS
@@ -60,8 +63,11 @@ async def test_concurrent_requests_grow_the_kv_reservation_and_it_shrinks_after(
     assert metric(small_floor, MEMORY, "tessera_memory_denied_total") == 0
     # All have left: Ō = 12, nothing runs; the reservation goes back near the floor (it
     # shrinks after the last one's stream ended, so look until it has).
-    wait_for(lambda: metric(small_floor, ENGINE, "tessera_engine_kv_resizes_total", direction="shrink") >= 1,
-             10, "the reservation to shrink")
+    wait_for(
+        lambda: metric(small_floor, ENGINE, "tessera_engine_kv_resizes_total", direction="shrink") >= 1,
+        10,
+        "the reservation to shrink",
+    )
     reserved = metric(small_floor, ENGINE, "tessera_engine_kv_reserved_bytes", model="kvw")
     assert c * MIN_TOKENS <= reserved <= c * MIN_TOKENS * 1.2 + c
     used = metric(small_floor, MEMORY, "tessera_memory_used_bytes")

@@ -32,8 +32,12 @@ def budget_for_three() -> int:
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("tight"), model_store,
-                      TESSERA_MEMORY_BUDGET_BYTES=str(budget_for_three()), TESSERA_MAX_INFLIGHT="32")
+    c = start_cluster(
+        tmp_path_factory.mktemp("tight"),
+        model_store,
+        TESSERA_MEMORY_BUDGET_BYTES=str(budget_for_three()),
+        TESSERA_MAX_INFLIGHT="32",
+    )
     try:
         for name in NAMES:
             register(c, name, keep_alive_s=600.0)  # no keep-alive scale-in during the test
@@ -56,8 +60,9 @@ def test_a_fourth_model_ends_an_idle_instance_to_start(tight: LocalCluster) -> N
     ask(NAMES[3])
     assert metric(tight, ENGINE, "tessera_engine_instance_evictions_total") == before + 1
     # The cluster view follows the engines' heartbeats: it shows the eviction shortly.
-    loaded = wait_for(lambda: m if len(m := loaded_models(tight) & set(NAMES)) == 3 else None, 10,
-                      "the view to show three instances")
+    loaded = wait_for(
+        lambda: m if len(m := loaded_models(tight) & set(NAMES)) == 3 else None, 10, "the view to show three instances"
+    )
     assert NAMES[3] in loaded
     assert metric(tight, MEMORY, "tessera_memory_used_bytes") <= budget_for_three()
     assert metric(tight, MEMORY, "tessera_memory_denied_total") >= 1

@@ -42,8 +42,13 @@ def test_max_tokens_ends_with_finish_reason_length(client: openai.OpenAI, model:
 
 def test_streaming_chat_yields_deltas_then_usage(client: openai.OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
-        model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -83,8 +88,14 @@ def test_stop_string_ends_the_completion_before_it(client: openai.OpenAI, model:
 
 
 def test_text_completion_streams(client: openai.OpenAI, model: str) -> None:
-    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -109,8 +120,12 @@ def test_unknown_model_is_404_in_openai_format(client: openai.OpenAI) -> None:
     ],
 )
 def test_malformed_body_is_400_in_openai_format(cluster: LocalCluster, body: str) -> None:
-    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", content=body,
-                   headers={"Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
@@ -125,20 +140,21 @@ def test_prompt_plus_max_tokens_over_the_context_is_400(client: openai.OpenAI, m
 
 
 def test_more_choices_than_the_gateway_runs_at_once_is_400_with_a_clear_message(
-        client: openai.OpenAI, model: str) -> None:
+    client: openai.OpenAI, model: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as e:  # 6 in flight in tests
         client.chat.completions.create(model=model, messages=CHAT, n=7, max_tokens=2)
     assert "more than this gateway runs at once" in e.value.message and e.value.param == "n"
 
 
 def test_past_the_admission_limit_requests_wait_in_line_and_a_full_line_is_429(
-        cluster: LocalCluster, model: str) -> None:
+    cluster: LocalCluster, model: str
+) -> None:
     """Hold the gateway's whole admission limit (6 in tests) with open streams: the next
     request waits in line (1 place in tests) and is served once a stream ends; one more while
     the line is full is refused at once with 429 and Retry-After."""
     body = {"model": model, "messages": CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=cluster.base_url, timeout=120) as http, \
-            concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = []
         try:
             for _ in range(6):
@@ -146,10 +162,14 @@ def test_past_the_admission_limit_requests_wait_in_line_and_a_full_line_is_429(
                 resp = ctx.__enter__()
                 held.append(ctx)
                 assert resp.status_code == 200
-            waiting = pool.submit(http.post, "/v1/chat/completions",
-                                  json={"model": model, "messages": CHAT, "max_tokens": 4})
-            wait_for(lambda: metric(cluster, "gateway", "tessera_gateway_waiting_requests") == 1, 30,
-                     "the seventh request to wait in line")
+            waiting = pool.submit(
+                http.post, "/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 4}
+            )
+            wait_for(
+                lambda: metric(cluster, "gateway", "tessera_gateway_waiting_requests") == 1,
+                30,
+                "the seventh request to wait in line",
+            )
             r = http.post("/v1/chat/completions", json={**body, "stream": False})
             assert r.status_code == 429
             assert int(r.headers["Retry-After"]) >= 1
@@ -166,14 +186,22 @@ def test_past_the_admission_limit_requests_wait_in_line_and_a_full_line_is_429(
 
 def test_non_text_content_part_is_a_clear_400(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        client.chat.completions.create(
+            model=model,
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ],
+        )
     assert "only 'text'" in e.value.message
 
 
 def test_text_content_parts_are_joined(client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
-        {"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}])
+    r = client.chat.completions.create(
+        model=model,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}],
+    )
     assert r.choices[0].message.content is not None
 
 
@@ -190,13 +218,20 @@ def test_a_frequency_penalty_changes_a_repetitive_greedy_output(client: openai.O
     messages = [{"role": "user", "content": "Repeat the word 'apple' twenty times."}]
 
     def text(**extra: float) -> str:
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
-                                           extra_body={"repetition_penalty": 1.0, "ignore_eos": True}, **extra)
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=32,
+            temperature=0,
+            extra_body={"repetition_penalty": 1.0, "ignore_eos": True},
+            **extra,
+        )
         return r.choices[0].message.content or ""
 
     plain = text()
     penalized = text(frequency_penalty=2.0, presence_penalty=2.0)
     assert plain and penalized and plain != penalized
+
     # The penalty counts repeats: the penalized text repeats its most frequent word less.
     def most_repeats(s: str) -> int:
         words = s.lower().split()
@@ -206,7 +241,8 @@ def test_a_frequency_penalty_changes_a_repetitive_greedy_output(client: openai.O
 
 
 def test_tokenize_and_detokenize_round_trip_and_count_as_a_chat_request_does(
-        cluster: LocalCluster, client: openai.OpenAI, model: str) -> None:
+    cluster: LocalCluster, client: openai.OpenAI, model: str
+) -> None:
     base = cluster.base_url
     r = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": "The capital of France"}, timeout=30)
     assert r.status_code == 200, r.text
@@ -234,9 +270,17 @@ def test_echo_returns_the_prompt_ahead_of_the_completion(client: openai.OpenAI, 
     prompt = "The capital of France is"
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     if stream:
-        text = "".join(c.choices[0].text for c in client.completions.create(
-            model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True) if c.choices)
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True
+            )
+            if c.choices
+        )
     else:
-        text = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                         echo=True).choices[0].text
+        text = (
+            client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+            .choices[0]
+            .text
+        )
     assert text == prompt + plain.choices[0].text

@@ -24,8 +24,10 @@ from tests.helpers.cluster import metric, on_the_core, wait_for
 
 MIN_TOKENS = 24
 VICTIM_TOKENS = 150
-LONG_PROMPT = ("Describe, in the plainest words you can find, how a lighthouse keeper spends a long "
-               "winter night on a rocky island far from the coast, what she sees, and what she hears.")
+LONG_PROMPT = (
+    "Describe, in the plainest words you can find, how a lighthouse keeper spends a long "
+    "winter night on a rocky island far from the coast, what she sees, and what she hears."
+)
 
 
 def node_models(c: LocalCluster) -> dict[str, set[str]]:
@@ -34,8 +36,9 @@ def node_models(c: LocalCluster) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def tight_pair(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
-               cluster: LocalCluster) -> Iterator[LocalCluster]:
+def tight_pair(
+    tmp_path_factory: pytest.TempPathFactory, model_store: Path, cluster: LocalCluster
+) -> Iterator[LocalCluster]:
     # The session cluster has converted the default GGUF: its weights' size sets the budget.
     (meta,) = [p for p in model_store.glob("*/artifact.msgpack") if (p.parent / "compiled").is_dir()][:1]
     artifact = msgspec.msgpack.decode(meta.read_bytes(), type=Artifact)
@@ -52,15 +55,30 @@ def tight_pair(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
             f.write(f"\x00tessera-test-{name}".encode())
         sources[name] = copy
     sources["other"] = default_model_path()
-    c = LocalCluster(home=home, store=model_store, nodes=2, env={
-        **TEST_ENV, "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
-    }, node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}})
+    c = LocalCluster(
+        home=home,
+        store=model_store,
+        nodes=2,
+        env={
+            **TEST_ENV,
+            "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
+        },
+        node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}},
+    )
     c.start(timeout_s=90)
     try:
         for name in ("victim", "other", "big"):
-            r = httpx.post(f"{c.base_url}/admin/models", timeout=600, json={
-                "name": name, "source": str(sources[name]), "keep_alive_s": 600.0,
-                "ttft_slo_s": 60.0, "tpot_slo_s": 5.0})
+            r = httpx.post(
+                f"{c.base_url}/admin/models",
+                timeout=600,
+                json={
+                    "name": name,
+                    "source": str(sources[name]),
+                    "keep_alive_s": 600.0,
+                    "ttft_slo_s": 60.0,
+                    "tpot_slo_s": 5.0,
+                },
+            )
             assert r.status_code == 201, r.text
         yield c
     finally:
@@ -68,7 +86,8 @@ def tight_pair(tmp_path_factory: pytest.TempPathFactory, model_store: Path,
 
 
 async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishes_elsewhere(
-        tight_pair: LocalCluster) -> None:
+    tight_pair: LocalCluster,
+) -> None:
     c = tight_pair
     client = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     # First instances spread over the nodes: victim on node-0, other on node-1, big beside victim.
@@ -81,18 +100,29 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
     # Measured once warm (the first request's times go with its start): the scheduler then
     # knows where the victim's requests would validate.
     await client.completions.create(model="victim", prompt="Hello there", max_tokens=4)
-    wait_for(lambda: metric(c, "scheduler", "tessera_scheduler_profiled_models") >= 1, 10,
-             "the scheduler to have the victim's measurements")
-    placed = wait_for(lambda: m if {"victim", "big"} <= (m := node_models(c)).get("node-0", set()) else None,
-                      10, "victim and big on node-0")
+    wait_for(
+        lambda: metric(c, "scheduler", "tessera_scheduler_profiled_models") >= 1,
+        10,
+        "the scheduler to have the victim's measurements",
+    )
+    placed = wait_for(
+        lambda: m if {"victim", "big"} <= (m := node_models(c)).get("node-0", set()) else None,
+        10,
+        "victim and big on node-0",
+    )
     assert "other" in placed["node-1"]
 
     victim_streaming = asyncio.Event()
 
     async def victim() -> tuple[str, int, str]:
-        s = await client.completions.create(model="victim", prompt="Tell me about the sea.", max_tokens=VICTIM_TOKENS,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+        s = await client.completions.create(
+            model="victim",
+            prompt="Tell me about the sea.",
+            max_tokens=VICTIM_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage, finish = "", 0, ""
         async for chunk in s:
             if chunk.choices and chunk.choices[0].text:
@@ -106,9 +136,14 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
 
     async def big() -> list[str | None]:
         await victim_streaming.wait()
-        rs = await asyncio.gather(*(client.completions.create(model="big", prompt=LONG_PROMPT, max_tokens=8,
-                                                              extra_body={"ignore_eos": True})
-                                    for _ in range(3)))
+        rs = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model="big", prompt=LONG_PROMPT, max_tokens=8, extra_body={"ignore_eos": True}
+                )
+                for _ in range(3)
+            )
+        )
         return [r.choices[0].finish_reason for r in rs]
 
     (text, usage, finish), big_finishes = await asyncio.gather(victim(), big())
@@ -117,15 +152,18 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
     assert metric(c, "gateway", "tessera_gateway_resumed_total") == 1
     # The client saw one whole completion: every token it asked for, across both nodes.
     assert finish == "length" and usage == VICTIM_TOKENS and text
-    after = wait_for(lambda: m if "victim" in (m := node_models(c)).get("node-1", set()) else None,
-                     10, "victim running on node-1")
+    after = wait_for(
+        lambda: m if "victim" in (m := node_models(c)).get("node-1", set()) else None, 10, "victim running on node-1"
+    )
     assert "victim" not in after.get("node-0", set())
     assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") <= metric(
-        c, "memory_manager@node-0", "tessera_memory_budget_bytes")
+        c, "memory_manager@node-0", "tessera_memory_budget_bytes"
+    )
 
 
 async def test_an_instance_the_scheduler_preempts_ends_its_requests_which_finish_elsewhere(
-        tight_pair: LocalCluster) -> None:
+    tight_pair: LocalCluster,
+) -> None:
     # The scheduler's order (LLM-Mesh §7.1, when neighbours' decode rounds keep a bigger
     # instance from a request: `placement.preemption_for`), sent here by hand over the bus to
     # the engine running "big" on node-0, mid-stream.
@@ -135,9 +173,14 @@ async def test_an_instance_the_scheduler_preempts_ends_its_requests_which_finish
     assert "big" in node_models(c)["node-0"]
     preempted = metric(c, "engine@node-0", "tessera_engine_preemptions_total")
     resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
-    stream = await client.completions.create(model="big", prompt="Tell me about the sea.", max_tokens=VICTIM_TOKENS,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model="big",
+        prompt="Tell me about the sea.",
+        max_tokens=VICTIM_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     bus = Bus("test")
     await bus.connect(c.nats_url)
     text, usage, finish, ordered = "", 0, "", False
@@ -146,9 +189,12 @@ async def test_an_instance_the_scheduler_preempts_ends_its_requests_which_finish
             if chunk.choices and chunk.choices[0].text:
                 text += chunk.choices[0].text
                 if not ordered:
-                    reply = await bus.request(subjects.engine_preempt("node-0"),
-                                              PreemptInstance(model="big", for_model="victim"), InstanceStopped,
-                                              timeout=10)
+                    reply = await bus.request(
+                        subjects.engine_preempt("node-0"),
+                        PreemptInstance(model="big", for_model="victim"),
+                        InstanceStopped,
+                        timeout=10,
+                    )
                     assert reply.stopped and reply.reason == "preempted"
                     ordered = True
             if chunk.choices and chunk.choices[0].finish_reason:

@@ -93,12 +93,16 @@ def test_a_worker_killed_mid_stream_gives_an_openai_error_and_the_next_request_r
     register(cluster, "worker-victim")
     ask(client, "worker-victim")
     # The scheduler learns the worker's pid from the engine's next heartbeat.
-    pid = wait_for(lambda: int((instance_of(cluster, "worker-victim") or {}).get("worker_pid", 0)), 30,
-                   "the worker pid")
+    pid = wait_for(
+        lambda: int((instance_of(cluster, "worker-victim") or {}).get("worker_pid", 0)), 30, "the worker pid"
+    )
     assert pid > 1 and pid != os.getpid()  # never signal a process group or ourselves
     stream = client.chat.completions.create(
-        model="worker-victim", messages=[{"role": "user", "content": "Tell a long story."}],
-        max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
+        model="worker-victim",
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     with pytest.raises(openai.APIError) as e:
         for i, _ in enumerate(stream):
@@ -117,10 +121,12 @@ async def test_a_burst_of_first_requests_to_a_model_at_zero_triggers_one_start(o
     await asyncio.to_thread(register, cluster, name, 1.0)
     await asyncio.to_thread(wait_for, lambda: name not in loaded_models(cluster), 30, "nothing loaded")
     aclient = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    replies = await asyncio.gather(*(
-        aclient.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=3)
-        for i in range(16)
-    ))
+    replies = await asyncio.gather(
+        *(
+            aclient.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=3)
+            for i in range(16)
+        )
+    )
     assert len(replies) == 16 and all(r.choices[0].message.content is not None for r in replies)
     starts = await asyncio.to_thread(wait_for, lambda: cold_starts(cluster, name), 30, "the start record")
     assert len(starts) == 1
@@ -195,8 +201,11 @@ def test_a_start_serves_the_start_tier_then_tiers_up_with_the_same_output(own_cl
 
     def greedy() -> str:
         r = client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "Name three colours."}],
-            max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+            model=name,
+            messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         return r.choices[0].message.content or ""
 

@@ -44,7 +44,10 @@ def test_messages_and_instructions_are_served_and_echoed(client: openai.OpenAI, 
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4."}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
         ],
-        max_output_tokens=12, temperature=0, metadata={"ticket": "42"}, store=True,
+        max_output_tokens=12,
+        temperature=0,
+        metadata={"ticket": "42"},
+        store=True,
     )
     assert r.output_text
     assert r.instructions == INSTRUCTIONS and r.metadata == {"ticket": "42"}
@@ -53,11 +56,12 @@ def test_messages_and_instructions_are_served_and_echoed(client: openai.OpenAI, 
 
 def test_greedy_output_is_the_chat_completion_of_the_same_messages(client: openai.OpenAI, model: str) -> None:
     chat = client.chat.completions.create(
-        model=model, max_tokens=10, temperature=0,
+        model=model,
+        max_tokens=10,
+        temperature=0,
         messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": ASK}],
     )
-    r = client.responses.create(model=model, instructions=INSTRUCTIONS, input=ASK, max_output_tokens=10,
-                                temperature=0)
+    r = client.responses.create(model=model, instructions=INSTRUCTIONS, input=ASK, max_output_tokens=10, temperature=0)
     assert r.output_text == chat.choices[0].message.content
     assert chat.usage is not None and r.usage is not None
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
@@ -65,13 +69,20 @@ def test_greedy_output_is_the_chat_completion_of_the_same_messages(client: opena
 
 def test_streamed_events_build_the_same_answer(client: openai.OpenAI, model: str) -> None:
     plain = client.responses.create(model=model, input=ASK, max_output_tokens=10, temperature=0)
-    events = list(client.responses.create(model=model, input=ASK, max_output_tokens=10, temperature=0,
-                                          stream=True))
+    events = list(client.responses.create(model=model, input=ASK, max_output_tokens=10, temperature=0, stream=True))
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", f"response.{plain.status}"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{plain.status}",
+    ]
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -84,16 +95,22 @@ def test_streamed_events_build_the_same_answer(client: openai.OpenAI, model: str
 
 def test_the_sdks_stream_helper_reads_the_events(client: openai.OpenAI, model: str) -> None:
     # A stop sequence (vLLM's, passed on) ends it as "completed", which the helper waits for.
-    with client.responses.stream(model=model, input=ASK, max_output_tokens=40, temperature=0,
-                                 extra_body={"stop": ["\n", "."]}) as stream:
+    with client.responses.stream(
+        model=model, input=ASK, max_output_tokens=40, temperature=0, extra_body={"stop": ["\n", "."]}
+    ) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert deltas and final.output_text == deltas and final.status == "completed"
 
 
 def test_max_output_tokens_ends_incomplete(client: openai.OpenAI, model: str) -> None:
-    kw: dict[str, Any] = {"model": model, "input": ASK, "max_output_tokens": 3, "temperature": 0,
-                          "extra_body": {"ignore_eos": True}}
+    kw: dict[str, Any] = {
+        "model": model,
+        "input": ASK,
+        "max_output_tokens": 3,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     r = client.responses.create(**kw)
     assert r.status == "incomplete"
     assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
@@ -115,7 +132,10 @@ PERSON = {
 def test_a_json_schema_text_format_gives_json_that_validates(client: openai.OpenAI, model: str) -> None:
     """Served by the chat request's `response_format`: waits for it where that is refused."""
     r = client.responses.create(
-        model=model, input="Make up a person: a name and an age.", max_output_tokens=60, temperature=0,
+        model=model,
+        input="Make up a person: a name and an age.",
+        max_output_tokens=60,
+        temperature=0,
         text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
     )
     assert r.status == "completed"
@@ -123,22 +143,37 @@ def test_a_json_schema_text_format_gives_json_that_validates(client: openai.Open
     assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_x"}, "previous_response_id"),
-    ({"conversation": "conv_x"}, "conversation"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"prompt": {"id": "pmpt_x"}}, "prompt"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"},
-                                             {"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content[1]"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "{}"}]}, "input[0]"),
-])
-def test_what_tessera_cannot_serve_is_refused_by_name(client: openai.OpenAI, model: str,
-                                                     extra: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"conversation": "conv_x"}, "conversation"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"prompt": {"id": "pmpt_x"}}, "prompt"),
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "Hi"},
+                            {"type": "input_image", "image_url": "https://x/y.png"},
+                        ],
+                    }
+                ]
+            },
+            "input[0].content[1]",
+        ),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "{}"}]}, "input[0]"),
+    ],
+)
+def test_what_tessera_cannot_serve_is_refused_by_name(
+    client: openai.OpenAI, model: str, extra: dict[str, Any], param: str
+) -> None:
     kw: dict[str, Any] = {"model": model, "input": "Hi", "max_output_tokens": 2, **extra}
     for stream in (False, True):  # refused before a stream starts, as a 400
         with pytest.raises(openai.BadRequestError) as e:
@@ -149,9 +184,19 @@ def test_what_tessera_cannot_serve_is_refused_by_name(client: openai.OpenAI, mod
 
 
 def test_off_values_are_accepted(client: openai.OpenAI, model: str) -> None:
-    r = client.responses.create(model=model, input="Hi", max_output_tokens=2, tools=[], tool_choice="auto",
-                                include=[], background=False, store=False, truncation="disabled",
-                                parallel_tool_calls=True, text={"format": {"type": "text"}})
+    r = client.responses.create(
+        model=model,
+        input="Hi",
+        max_output_tokens=2,
+        tools=[],
+        tool_choice="auto",
+        include=[],
+        background=False,
+        store=False,
+        truncation="disabled",
+        parallel_tool_calls=True,
+        text={"format": {"type": "text"}},
+    )
     assert r.status in ("completed", "incomplete")
 
 
@@ -206,8 +251,13 @@ async def test_a_failure_part_way_ends_with_error_then_response_failed() -> None
     raw = [chunk async for chunk in stream_events(gen, _answer(), quotas, object())]  # type: ignore[arg-type]
     events = [_parse(r) for r in raw]
     assert [name for name, _ in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "error", "response.failed",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "error",
+        "response.failed",
     ]
     assert all(name == data["type"] for name, data in events)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))

@@ -43,8 +43,10 @@ def test_a_second_name_on_the_same_gguf_is_not_converted_again(own_cluster: Loca
 def test_removed_model_is_gone_from_the_api(own_cluster: LocalCluster) -> None:
     register(own_cluster, "to-remove")
     assert httpx.delete(f"{own_cluster.base_url}/admin/models/to-remove").status_code == 200
-    r = httpx.post(f"{own_cluster.base_url}/v1/chat/completions",
-                   json={"model": "to-remove", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        f"{own_cluster.base_url}/v1/chat/completions",
+        json={"model": "to-remove", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 404
     assert httpx.delete(f"{own_cluster.base_url}/admin/models/to-remove").status_code == 404
 
@@ -61,8 +63,11 @@ def test_engine_killed_mid_stream_gives_an_openai_error_not_a_hang(own_cluster: 
     register(own_cluster, "victim")
     client = openai.OpenAI(base_url=f"{own_cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     stream = client.chat.completions.create(
-        model="victim", messages=[{"role": "user", "content": "Tell a long story."}],
-        max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
+        model="victim",
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     with pytest.raises(openai.APIError) as e:
         for i, _chunk in enumerate(stream):

@@ -25,10 +25,13 @@ NODE1_BUDGET = 3 * 1024**3
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     # node-1 is its own share of the machine: one core, a smaller memory budget.
-    c = LocalCluster(home=tmp_path_factory.mktemp("two"),
-                     env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
-                     store=model_store, nodes=2,
-                     node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}})
+    c = LocalCluster(
+        home=tmp_path_factory.mktemp("two"),
+        env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
+        store=model_store,
+        nodes=2,
+        node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}},
+    )
     c.start(timeout_s=120)
     try:
         register(c, NAME, keep_alive_s=600.0, ttft_slo_s=60.0, tpot_slo_s=1.0)
@@ -51,14 +54,16 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def ask(tokens: int) -> str:
-        r = await client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=tokens,
-                                            extra_body={"ignore_eos": True})
+        r = await client.completions.create(
+            model=NAME, prompt=LONG_PROMPT, max_tokens=tokens, extra_body={"ignore_eos": True}
+        )
         return r.choices[0].finish_reason
 
     async def ttft() -> float:
         t0 = time.perf_counter()
-        stream = await client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=2, stream=True,
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=NAME, prompt=LONG_PROMPT, max_tokens=2, stream=True, extra_body={"ignore_eos": True}
+        )
         first = None
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].text:
@@ -72,8 +77,11 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     for _ in range(2):
         assert await ask(4) == "length"
     assert len(nodes_running(cluster, NAME)) == 1
-    wait_for(lambda: metric(cluster, "scheduler", "tessera_scheduler_profiled_models") >= 1, 10,
-             "the scheduler to fit a performance model")
+    wait_for(
+        lambda: metric(cluster, "scheduler", "tessera_scheduler_profiled_models") >= 1,
+        10,
+        "the scheduler to fit a performance model",
+    )
     # The SLO from this machine's own speed: one such prompt's first token comes well within
     # it, a queue of six prefilled one after another does not (the condition the test needs,
     # whatever the machine).
@@ -89,6 +97,7 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     assert metric(cluster, "memory_manager@node-0", "tessera_memory_budget_bytes") != NODE1_BUDGET
     status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
     (pid,) = [i["worker_pid"] for n in status["nodes"] if n["node_id"] == "node-1" for i in n["instances"]]
-    allowed = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if line.startswith("Cpus_allowed_list"))
+    allowed = next(
+        line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Cpus_allowed_list")
+    )
     assert allowed.split()[-1] == "1"

@@ -59,12 +59,12 @@ async def test_requests_arriving_during_a_cold_start_share_one_start(
 ) -> None:
     name = "burst-smollm"
     await asyncio.to_thread(register, cluster, name)
-    replies = await asyncio.gather(*(
-        aclient.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=4)
-        for i in range(5)
-    ))
-    assert all(r.choices[0].message.content is not None for r in replies)
-    starts = await asyncio.to_thread(
-        wait_for, lambda: cold_starts(cluster, name), 30, "the cold start to be recorded"
+    replies = await asyncio.gather(
+        *(
+            aclient.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=4)
+            for i in range(5)
+        )
     )
+    assert all(r.choices[0].message.content is not None for r in replies)
+    starts = await asyncio.to_thread(wait_for, lambda: cold_starts(cluster, name), 30, "the cold start to be recorded")
     assert len(starts) == 1

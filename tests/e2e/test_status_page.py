@@ -46,8 +46,13 @@ def browser() -> Iterator[Any]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     # --no-sandbox: the tests may run as root in a container, where Chromium's sandbox cannot start.
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
     try:
@@ -57,9 +62,12 @@ def browser() -> Iterator[Any]:
 
 
 def chat(cluster: LocalCluster) -> None:
-    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", headers=cluster.admin_headers, timeout=300,
-                   json={"model": DEFAULT_MODEL_NAME, "max_tokens": 4,
-                         "messages": [{"role": "user", "content": "Hi"}]})
+    r = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        headers=cluster.admin_headers,
+        timeout=300,
+        json={"model": DEFAULT_MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -75,8 +83,11 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     cluster, driver = auth_cluster, browser
     chat(cluster)  # nothing runs yet: this request cold-starts the model
     # The engine publishes the record once the first token is out; it is stored a moment later.
-    start = wait_for(lambda: next((s for s in admin_get(cluster, "/admin/coldstarts")
-                                   if s["model"] == DEFAULT_MODEL_NAME), None), 30, "the cold-start record")
+    start = wait_for(
+        lambda: next((s for s in admin_get(cluster, "/admin/coldstarts") if s["model"] == DEFAULT_MODEL_NAME), None),
+        30,
+        "the cold-start record",
+    )
     nodes = admin_get(cluster, "/admin/instances")["nodes"]
     instance = next(i for n in nodes for i in n["instances"] if i["model"] == DEFAULT_MODEL_NAME)
 
@@ -101,30 +112,47 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
     key_input.send_keys(cluster.admin_key)
     driver.find_element(By.CSS_SELECTOR, "#key-form button[type=submit]").click()
 
-    row_text = wait_for(lambda: visible(f'#models tr[data-model="{DEFAULT_MODEL_NAME}"]', lambda e: e.text),
-                        PAGE_TIMEOUT_S, "the model in the models table")
+    row_text = wait_for(
+        lambda: visible(f'#models tr[data-model="{DEFAULT_MODEL_NAME}"]', lambda e: e.text),
+        PAGE_TIMEOUT_S,
+        "the model in the models table",
+    )
     assert driver.find_element(By.ID, "state").get_attribute("data-state") == "ok"
     assert "running on node-0" in row_text
 
-    pid, tier = wait_for(lambda: visible(
-        f'#nodes tr[data-instance="{DEFAULT_MODEL_NAME}"]',
-        lambda e: (e.find_element(By.CSS_SELECTOR, ".pid").text, e.find_element(By.CSS_SELECTOR, ".tier").text)),
-        PAGE_TIMEOUT_S, "the instance in its node's table")
+    pid, tier = wait_for(
+        lambda: visible(
+            f'#nodes tr[data-instance="{DEFAULT_MODEL_NAME}"]',
+            lambda e: (e.find_element(By.CSS_SELECTOR, ".pid").text, e.find_element(By.CSS_SELECTOR, ".tier").text),
+        ),
+        PAGE_TIMEOUT_S,
+        "the instance in its node's table",
+    )
     assert pid == str(instance["worker_pid"])
     # The worker may tier up meanwhile; it stays the same process.
     assert tier in ("start", "steady")
     # The node's host cache and what it holds (the first start fills it behind itself).
-    cache_text = wait_for(lambda: visible('#nodes [data-cache-node="node-0"]',
-                                          lambda e: e.text if "(start," in e.text else None),
-                          PAGE_TIMEOUT_S, "the host cache contents on the page")
+    cache_text = wait_for(
+        lambda: visible('#nodes [data-cache-node="node-0"]', lambda e: e.text if "(start," in e.text else None),
+        PAGE_TIMEOUT_S,
+        "the host cache contents on the page",
+    )
     assert "host cache" in cache_text
 
-    source, phases = wait_for(lambda: visible(
-        f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]',
-        lambda e: (e.get_attribute("data-source"),
-                   [(r.get_attribute("data-phase"), r.get_attribute("data-seconds"), r.get_attribute("height"))
-                    for r in e.find_elements(By.CSS_SELECTOR, "rect")])),
-        PAGE_TIMEOUT_S, "a cold-start bar")
+    source, phases = wait_for(
+        lambda: visible(
+            f'#coldstart-chart g.bar[data-model="{DEFAULT_MODEL_NAME}"]',
+            lambda e: (
+                e.get_attribute("data-source"),
+                [
+                    (r.get_attribute("data-phase"), r.get_attribute("data-seconds"), r.get_attribute("height"))
+                    for r in e.find_elements(By.CSS_SELECTOR, "rect")
+                ],
+            ),
+        ),
+        PAGE_TIMEOUT_S,
+        "a cold-start bar",
+    )
     assert source == start["source"]
     shown = {phase: float(seconds) for phase, seconds, _ in phases}
     assert {"load", "prefill"} <= set(shown) <= PHASE_NAMES, shown
@@ -136,14 +164,21 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
 
     # Live: a request made while the page is open shows up as a TTFT point.
     chat(cluster)
-    wait_for(lambda: int(visible("#ttft-chart", lambda e: e.get_attribute("data-points")) or 0) >= 1,
-             PAGE_TIMEOUT_S, "a TTFT point for the request made while the page is open")
+    wait_for(
+        lambda: int(visible("#ttft-chart", lambda e: e.get_attribute("data-points")) or 0) >= 1,
+        PAGE_TIMEOUT_S,
+        "a TTFT point for the request made while the page is open",
+    )
     assert driver.find_elements(By.CSS_SELECTOR, '#ttft-chart circle[data-quantile="p99"]')
 
     # The whole page in one image: a viewport as tall as the document.
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": 1400, "height": int(height), "deviceScaleFactor": 1, "mobile": False})
-    shot = SCREENSHOT if os.environ.get("TESSERA_WRITE_SCREENSHOT") == "1" else Path(tempfile.mkdtemp()) / SCREENSHOT.name
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1400, "height": int(height), "deviceScaleFactor": 1, "mobile": False},
+    )
+    shot = (
+        SCREENSHOT if os.environ.get("TESSERA_WRITE_SCREENSHOT") == "1" else Path(tempfile.mkdtemp()) / SCREENSHOT.name
+    )
     shot.parent.mkdir(parents=True, exist_ok=True)
     assert driver.save_screenshot(str(shot))

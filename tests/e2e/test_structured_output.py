@@ -11,17 +11,31 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "now", "description": "The time",
-                                          "parameters": {"type": "object", "properties": {}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "now", "description": "The time", "parameters": {"type": "object", "properties": {}}},
+}
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -33,15 +47,17 @@ class Person(BaseModel):
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_validates(client: openai.OpenAI, model: str, stream: bool) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0,
-                                       response_format=fmt, stream=stream)  # type: ignore[call-overload]
+    r = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=60, temperature=0, response_format=fmt, stream=stream
+    )  # type: ignore[call-overload]
     text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
     jsonschema_rs.validate(PERSON, json.loads(text))
 
 
 def test_json_object_output_is_an_object(client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=200, temperature=0,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=200, temperature=0, response_format={"type": "json_object"}
+    )
     assert r.choices[0].finish_reason == "stop"  # the grammar lets it end only once the object is closed
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
 
@@ -53,32 +69,54 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
 
 
 def test_vllm_structured_outputs_regex_and_choice(client: openai.OpenAI, model: str) -> None:
-    r = client.completions.create(model=model, prompt="A phone number:", max_tokens=12, temperature=0,
-                                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    r = client.completions.create(
+        model=model,
+        prompt="A phone number:",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    )
     assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is the sky green?"}],
-                                       max_tokens=8, temperature=0,
-                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "it depends"]}})
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "it depends"]}},
+    )
     assert r.choices[0].message.content in ("yes", "no", "it depends")
 
 
 def test_a_free_form_grammar_is_enforced_and_one_that_does_not_read_is_a_400(client: openai.OpenAI, model: str) -> None:
     gram = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,20} "."'
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is the sea blue?"}],
-                                       max_tokens=30, temperature=0, extra_body={"structured_outputs": {"grammar": gram}})
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is the sea blue?"}],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": gram}},
+    )
     assert re.fullmatch(r"(yes|no) because [a-z ]{3,20}\.", r.choices[0].message.content or "")
     with pytest.raises(openai.BadRequestError) as e:  # a rule used, never defined: the compiler would not read it
-        client.completions.create(model=model, prompt="x", max_tokens=4,
-                                  extra_body={"guided_grammar": 'root ::= "a" nowhere'})
+        client.completions.create(
+            model=model, prompt="x", max_tokens=4, extra_body={"guided_grammar": 'root ::= "a" nowhere'}
+        )
     assert e.value.param == "guided_grammar"
     # ... and the engine serves on: nothing of it reached the pipeline.
-    assert client.completions.create(model=model, prompt="x", max_tokens=4).choices[0].finish_reason in ("stop", "length")
+    assert client.completions.create(model=model, prompt="x", max_tokens=4).choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
 
 
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_it(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=ASK, max_tokens=8, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}})
+        client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+        )
     assert e.value.param is not None and e.value.param.startswith("response_format")
     # ... and the engine serves on: nothing of it reached the pipeline.
     assert client.chat.completions.create(model=model, messages=ASK, max_tokens=4).choices[0].message.content
@@ -91,25 +129,44 @@ def _call_of(r: openai.types.chat.ChatCompletion) -> tuple[str, dict[str, object
 
 
 def test_a_named_tool_call_validates_against_its_parameters_and_takes_a_follow_up(
-        client: openai.OpenAI, model: str) -> None:
+    client: openai.OpenAI, model: str
+) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, CLOCK],  # type: ignore[list-item]
-                                       tool_choice=choice, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    r = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+        tool_choice=choice,
+        max_tokens=40,
+        temperature=0,
+    )  # type: ignore[arg-type]
     name, args = _call_of(r)
     assert name == "get_weather"
     jsonschema_rs.validate(WEATHER["function"]["parameters"], args)  # type: ignore[index]
     call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
-    follow = client.chat.completions.create(model=model, tools=[WEATHER], max_tokens=24, temperature=0, messages=[  # type: ignore[list-item]
-        *WEATHER_ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
-    ])
+    follow = client.chat.completions.create(
+        model=model,
+        tools=[WEATHER],
+        max_tokens=24,
+        temperature=0,
+        messages=[  # type: ignore[list-item]
+            *WEATHER_ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+        ],
+    )
     assert follow.choices[0].message.content or follow.choices[0].message.tool_calls
 
 
 def test_a_streamed_named_tool_call_adds_up_to_the_same_call(client: openai.OpenAI, model: str) -> None:
-    kwargs = dict(model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=40, temperature=0,
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kwargs = dict(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER],
+        max_tokens=40,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     name, args = "", ""
     for chunk in client.chat.completions.create(**kwargs, stream=True):  # type: ignore[call-overload]
@@ -120,10 +177,23 @@ def test_a_streamed_named_tool_call_adds_up_to_the_same_call(client: openai.Open
 
 
 def test_required_gives_a_call_and_none_gives_none(client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, CLOCK],  # type: ignore[list-item]
-                                       tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
-    name, args = _call_of(r)
+    r = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    name, _ = _call_of(r)
     assert name in ("get_weather", "now") and r.choices[0].finish_reason == "tool_calls"
-    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="none",  # type: ignore[list-item]
-                                       max_tokens=20, temperature=0)
+    r = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_ASK,
+        tools=[WEATHER],
+        tool_choice="none",  # type: ignore[list-item]
+        max_tokens=20,
+        temperature=0,
+    )
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content

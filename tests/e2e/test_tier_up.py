@@ -36,8 +36,9 @@ def test_a_failed_tier_up_keeps_the_start_tier_serving_and_is_not_retried(
     client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def ask() -> str | None:
-        r = client.chat.completions.create(model="tier-up-broken", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4)
+        r = client.chat.completions.create(
+            model="tier-up-broken", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         return r.choices[0].message.content
 
     assert ask()

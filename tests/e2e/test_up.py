@@ -49,11 +49,16 @@ def test_up_serves_the_default_model_and_ctrl_c_leaves_no_process(tmp_path: Path
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "up", "--port", str(port), "--home", str(home)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "80"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "COLUMNS": "80"},
         )
     try:
-        wait_for(lambda: "Ctrl-C stops everything" in log.read_text() or proc.poll() is not None, 300,
-                 "tessera up to print that it is ready")
+        wait_for(
+            lambda: "Ctrl-C stops everything" in log.read_text() or proc.poll() is not None,
+            300,
+            "tessera up to print that it is ready",
+        )
         assert proc.poll() is None, log.read_text()
         text = log.read_text()
         assert f"http://127.0.0.1:{port}/v1" in text

@@ -9,8 +9,15 @@ from shared.messages import Artifact, GenerationDefaults
 
 
 def _artifact(context: int = 8192, **sampling: float) -> Artifact:
-    return Artifact(artifact_id="a", path="/x", source_sha256="s", context_length=context, kv_bytes_per_token=1,
-                    weight_bytes=1, sampling=sampling)
+    return Artifact(
+        artifact_id="a",
+        path="/x",
+        source_sha256="s",
+        context_length=context,
+        kv_bytes_per_token=1,
+        weight_bytes=1,
+        sampling=sampling,
+    )
 
 
 def _register(**kw: object) -> RegisterModel:
@@ -28,8 +35,9 @@ def test_the_models_metadata_overrides_the_platform() -> None:
 
 
 def test_the_registration_overrides_the_metadata() -> None:
-    d = generation_defaults(_artifact(temperature=0.2), _register(temperature=0.0, max_tokens=64,
-                                                                  repetition_penalty=1.0))
+    d = generation_defaults(
+        _artifact(temperature=0.2), _register(temperature=0.0, max_tokens=64, repetition_penalty=1.0)
+    )
     assert (d.temperature, d.max_tokens, d.repetition_penalty) == (0.0, 64, 1.0)
 
 

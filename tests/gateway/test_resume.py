@@ -70,13 +70,18 @@ class FakeBus:
         sub = self.subs[msg.stream_subject]
         refused = len(self.generates) <= self.preemptions
         if self.text or not refused:
-            sub.queue.put_nowait(_Msg(encode(TokenChunk(request_id=msg.request_id,
-                                                       text=f" w{len(self.generates)}", tokens=1))))
+            sub.queue.put_nowait(
+                _Msg(encode(TokenChunk(request_id=msg.request_id, text=f" w{len(self.generates)}", tokens=1)))
+            )
         if refused:
             end: Any = Failed(request_id=msg.request_id, code=self.code, message="no")
         else:
-            end = Finished(request_id=msg.request_id, finish_reason=FinishReason.LENGTH,
-                           prompt_tokens=len(msg.prompt_ids), completion_tokens=1)
+            end = Finished(
+                request_id=msg.request_id,
+                finish_reason=FinishReason.LENGTH,
+                prompt_tokens=len(msg.prompt_ids),
+                completion_tokens=1,
+            )
         sub.queue.put_nowait(_Msg(encode(end)))
         return GenerateAccepted(request_id=msg.request_id)
 
@@ -99,10 +104,12 @@ class FakeTokenizers:
 def generation(bus: FakeBus) -> Generation:
     gw = Gateway(GatewaySettings(), bus, None)  # type: ignore[arg-type]
     gw.tokenizers = FakeTokenizers()  # type: ignore[assignment]
-    artifact = Artifact(artifact_id="a", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=1,
-                        weight_bytes=1)
-    record = ModelRecord(name="m", source="/m.gguf", artifact=artifact, ttft_slo_s=1.0, tpot_slo_s=0.1,
-                         keep_alive_s=60, created_at=0)
+    artifact = Artifact(
+        artifact_id="a", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=1, weight_bytes=1
+    )
+    record = ModelRecord(
+        name="m", source="/m.gguf", artifact=artifact, ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60, created_at=0
+    )
     return Generation(gw, Prepared(record, "the prompt", (1, 2), SamplingParams(max_tokens=10)))
 
 

@@ -48,8 +48,9 @@ def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
     return [s for s in starts if s["model"] == model]
 
 
-def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None,
-             **slo: float) -> dict[str, object]:
+def register(
+    cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None, **slo: float
+) -> dict[str, object]:
     """Register `name` (the default model unless `source`); `slo`: ttft_slo_s, tpot_slo_s."""
     from ops.localcluster import default_model_path
 
@@ -70,8 +71,12 @@ def register(cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, sour
 def on_the_core(cluster: LocalCluster, model: str, timeout_s: float = 120.0) -> None:
     """Start `model` (its first requests run on the start tier) and wait until its
     continuous-batching core serves it: greedy text is the core's from then on."""
-    r = httpx.post(f"{cluster.base_url}/v1/chat/completions", headers=cluster.admin_headers, timeout=300, json={
-        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{cluster.base_url}/v1/chat/completions",
+        headers=cluster.admin_headers,
+        timeout=300,
+        json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
 
     def steady() -> bool:

@@ -9,8 +9,7 @@ from policy.defrag import (
 
 
 def test_only_lower_batch_neighbours_are_preempted_lowest_first() -> None:
-    ns = [Neighbour("big", 9, 100, True), Neighbour("one", 1, 40, True),
-          Neighbour("two", 2, 40, True)]
+    ns = [Neighbour("big", 9, 100, True), Neighbour("one", 1, 40, True), Neighbour("two", 2, 40, True)]
     p = choose_preemption(batch=5, need_bytes=60, neighbours=ns)
     assert p is not None and p.victims == ("one", "two")
 

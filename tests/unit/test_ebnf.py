@@ -13,47 +13,92 @@ from hypothesis import strategies as st
 from services.gateway.ebnf import MAX_REPEAT, problem
 
 
-@pytest.mark.parametrize("text", [
-    'root ::= "a"',
-    'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,20} "."',
-    'root ::= x\nx ::= x "y" | "z"',  # left recursion reads (and is served)
-    'root ::= ("a" | "b")* [^"\\\\\\x00-\\x1f]+ "\\u00e9\\n" # a comment\n# another',
-    'root ::= "a" (= "b" [0-9])',
-    'root ::= my-rule.x{2,}\nmy-rule.x ::= [\\]\\-]',
-    'root::="a"',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'root ::= "a"',
+        'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,20} "."',
+        'root ::= x\nx ::= x "y" | "z"',  # left recursion reads (and is served)
+        'root ::= ("a" | "b")* [^"\\\\\\x00-\\x1f]+ "\\u00e9\\n" # a comment\n# another',
+        'root ::= "a" (= "b" [0-9])',
+        "root ::= my-rule.x{2,}\nmy-rule.x ::= [\\]\\-]",
+        'root::="a"',
+    ],
+)
 def test_reads(text: str) -> None:
     assert problem(text) is None
 
 
-@pytest.mark.parametrize("text, says", [
-    ("", "empty"),
-    ('start ::= "a"', 'no rule named "root"'),
-    ('root ::= "a" nowhere', "'nowhere' is used but not defined"),
-    ('root ::= "a"\nroot ::= "b"', "defined twice"),
-    ('root ::= "a" |', "expected an element"),
-    ('root ::= "a"{3,2}', "wrong way round"),
-    ('root ::= "a"{,2}', "expected int"),
-    ('root ::= "a"**', "one quantifier"),
-    ("root ::= [z-a]", "runs backwards"),
-    ("root ::= [\\d]", "\\d is not supported"),
-    ('root ::= "\\q"', "escape \\q"),
-    ("root ::= 'a'", "unexpected character"),
-    ('root ::= "a', 'must end with "'),
-    ('root ::= "a" x ::= "b"\nx ::= "c"', "start its own line"),
-    ('root ::= "a" (= "b" | "c")', "expected )"),
-    ('root ::= TagDispatch(("<a>", x))\nx ::= "z"', "macros"),
-    (f'root ::= "a"{{{MAX_REPEAT + 1}}}', "above"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("", "empty"),
+        ('start ::= "a"', 'no rule named "root"'),
+        ('root ::= "a" nowhere', "'nowhere' is used but not defined"),
+        ('root ::= "a"\nroot ::= "b"', "defined twice"),
+        ('root ::= "a" |', "expected an element"),
+        ('root ::= "a"{3,2}', "wrong way round"),
+        ('root ::= "a"{,2}', "expected int"),
+        ('root ::= "a"**', "one quantifier"),
+        ("root ::= [z-a]", "runs backwards"),
+        ("root ::= [\\d]", "\\d is not supported"),
+        ('root ::= "\\q"', "escape \\q"),
+        ("root ::= 'a'", "unexpected character"),
+        ('root ::= "a', 'must end with "'),
+        ('root ::= "a" x ::= "b"\nx ::= "c"', "start its own line"),
+        ('root ::= "a" (= "b" | "c")', "expected )"),
+        ('root ::= TagDispatch(("<a>", x))\nx ::= "z"', "macros"),
+        (f'root ::= "a"{{{MAX_REPEAT + 1}}}', "above"),
+    ],
+)
 def test_refuses_with_the_reason(text: str, says: str) -> None:
     assert says in (problem(text) or "")
 
 
 # -- against the compiler ------------------------------------------------------------------------
 
-PIECES = ['"a"', '"\\n"', '"\\x41"', '"\\u00e9"', '""', '"\\q"', '"\\x4"', "'a'", "[a-z]", "[z-a]", '[^"\\\\]',
-          "[\\d]", "[\\]]", "[-a]", "[a-b-c]", "[\\x00-\\x1f]", "[]", "[^]", "|", "(", ")", "*", "+", "?", "{2}",
-          "{1,3}", "{3,1}", "{,2}", "(=", "\n", " ", "#c\n", "x", "root", "::=", "1", '"', "[", ",", "TagDispatch("]
+PIECES = [
+    '"a"',
+    '"\\n"',
+    '"\\x41"',
+    '"\\u00e9"',
+    '""',
+    '"\\q"',
+    '"\\x4"',
+    "'a'",
+    "[a-z]",
+    "[z-a]",
+    '[^"\\\\]',
+    "[\\d]",
+    "[\\]]",
+    "[-a]",
+    "[a-b-c]",
+    "[\\x00-\\x1f]",
+    "[]",
+    "[^]",
+    "|",
+    "(",
+    ")",
+    "*",
+    "+",
+    "?",
+    "{2}",
+    "{1,3}",
+    "{3,1}",
+    "{,2}",
+    "(=",
+    "\n",
+    " ",
+    "#c\n",
+    "x",
+    "root",
+    "::=",
+    "1",
+    '"',
+    "[",
+    ",",
+    "TagDispatch(",
+]
 
 
 def _element(names: list[str], depth: int = 0) -> st.SearchStrategy[str]:
@@ -111,9 +156,11 @@ def test_what_it_lets_through_the_compiler_reads(compiler_refuses: Callable[[str
 
 def test_it_lets_through_what_clients_write(compiler_refuses: Callable[[str], str | None]) -> None:
     """The check is not so strict that it refuses the grammars people send (vLLM's examples)."""
-    for text in ['root ::= select_statement\nselect_statement ::= "SELECT " column " from " table " where " condition\n'
-                 'column ::= "col_1 " | "col_2 "\ntable ::= "table_1 " | "table_2 "\ncondition ::= column "= " number\n'
-                 'number ::= "1 " | "2 "',
-                 'root ::= "{" ws "\\"name\\":" ws string ws "}"\nstring ::= "\\"" [^"\\\\\\x00-\\x1f]* "\\""\n'
-                 'ws ::= [ \\t\\n]*']:
+    for text in [
+        'root ::= select_statement\nselect_statement ::= "SELECT " column " from " table " where " condition\n'
+        'column ::= "col_1 " | "col_2 "\ntable ::= "table_1 " | "table_2 "\ncondition ::= column "= " number\n'
+        'number ::= "1 " | "2 "',
+        'root ::= "{" ws "\\"name\\":" ws string ws "}"\nstring ::= "\\"" [^"\\\\\\x00-\\x1f]* "\\""\n'
+        "ws ::= [ \\t\\n]*",
+    ]:
         assert problem(text) is None and compiler_refuses(text) is None

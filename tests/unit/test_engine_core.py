@@ -44,8 +44,9 @@ def test_parameters_below_float32_range_still_make_a_valid_config() -> None:
 
 
 def test_penalties_top_k_and_min_p_carry_over() -> None:
-    p = SamplingParams(max_tokens=5, temperature=0.7, frequency_penalty=0.5, presence_penalty=-0.25,
-                       top_k=40, min_p=0.05)
+    p = SamplingParams(
+        max_tokens=5, temperature=0.7, frequency_penalty=0.5, presence_penalty=-0.25, top_k=40, min_p=0.05
+    )
     c = generation_config(p, eos_token_id=2)
     assert abs(c.frequency_penalty - 0.5) < 1e-6 and abs(c.presence_penalty + 0.25) < 1e-6
     assert c.top_k == 40 and abs(c.min_p - 0.05) < 1e-6
@@ -56,7 +57,11 @@ def test_penalties_top_k_and_min_p_carry_over() -> None:
 
 def test_what_the_start_tier_cannot_sample_waits_for_the_core() -> None:
     assert not needs_core(SamplingParams(max_tokens=5, temperature=0.7, repetition_penalty=1.3))
-    for p in (SamplingParams(max_tokens=5, seed=1), SamplingParams(max_tokens=5, frequency_penalty=0.1),
-              SamplingParams(max_tokens=5, presence_penalty=-0.1), SamplingParams(max_tokens=5, top_k=1),
-              SamplingParams(max_tokens=5, min_p=0.1)):
+    for p in (
+        SamplingParams(max_tokens=5, seed=1),
+        SamplingParams(max_tokens=5, frequency_penalty=0.1),
+        SamplingParams(max_tokens=5, presence_penalty=-0.1),
+        SamplingParams(max_tokens=5, top_k=1),
+        SamplingParams(max_tokens=5, min_p=0.1),
+    ):
         assert needs_core(p), p

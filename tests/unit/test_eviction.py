@@ -3,8 +3,15 @@ from policy.eviction import Resident, choose_evictions, eviction_cost, over_budg
 NOW = 10_000.0
 
 
-def resident(key: str, nbytes: int = 100, reload_s: float = 1.0, uses: int = 1,
-             last_used: float = NOW - 10, first_used: float = NOW - 600, users: int = 0) -> Resident:
+def resident(
+    key: str,
+    nbytes: int = 100,
+    reload_s: float = 1.0,
+    uses: int = 1,
+    last_used: float = NOW - 10,
+    first_used: float = NOW - 600,
+    users: int = 0,
+) -> Resident:
     return Resident(key, nbytes, reload_s, first_used, last_used, uses, users)
 
 

@@ -35,22 +35,49 @@ def files(package: str) -> list[Path]:
 
 @pytest.mark.parametrize("floor", ["policy", "shared"])
 def test_the_lower_floors_import_no_service_and_no_operations_code(floor: str) -> None:
-    bad = {f"{f.relative_to(ROOT)} imports {m}" for f in files(floor) for m in imports_of(f)
-           if top(m, 1) in ("services", "ops") or (floor == "policy" and top(m, 1) == "shared"
-                                                    and m not in ("shared.messages",) and not m.startswith("shared.messages."))}
+    bad = {
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in files(floor)
+        for m in imports_of(f)
+        if top(m, 1) in ("services", "ops")
+        or (
+            floor == "policy"
+            and top(m, 1) == "shared"
+            and m not in ("shared.messages",)
+            and not m.startswith("shared.messages.")
+        )
+    }
     assert not bad, sorted(bad)
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_imports_no_other_service_and_no_operations_code(service: str) -> None:
-    bad = {f"{f.relative_to(ROOT)} imports {m}" for f in files(f"services/{service}") for m in imports_of(f)
-           if (top(m, 1) == "services" and top(m, 2) not in ("services", f"services.{service}")) or top(m, 1) == "ops"}
+    bad = {
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in files(f"services/{service}")
+        for m in imports_of(f)
+        if (top(m, 1) == "services" and top(m, 2) not in ("services", f"services.{service}")) or top(m, 1) == "ops"
+    }
     assert not bad, sorted(bad)
 
 
 def test_policy_is_pure() -> None:
     """No I/O in the ground floor: no sockets, processes, files, clocks read or event loops."""
-    impure = {"asyncio", "socket", "subprocess", "os", "threading", "multiprocessing", "nats", "redis", "httpx",
-              "openvino", "openvino_genai", "numpy", "time", "pathlib"}
+    impure = {
+        "asyncio",
+        "socket",
+        "subprocess",
+        "os",
+        "threading",
+        "multiprocessing",
+        "nats",
+        "redis",
+        "httpx",
+        "openvino",
+        "openvino_genai",
+        "numpy",
+        "time",
+        "pathlib",
+    }
     bad = {f"{f.relative_to(ROOT)} imports {m}" for f in files("policy") for m in imports_of(f) if top(m, 1) in impure}
     assert not bad, sorted(bad)

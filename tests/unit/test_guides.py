@@ -10,8 +10,11 @@ from services.gateway import guides
 from services.gateway.guides import GuideError
 from shared.messages import Guide
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 def test_json_schema_response_format_carries_the_schema() -> None:
@@ -25,17 +28,20 @@ def test_json_object_is_any_object_and_text_is_nothing() -> None:
     assert guides.response_format({"type": "text"}) is None and guides.response_format(None) is None
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "frobnicate"},
-    {"$ref": "#/nope"},
-    {"$ref": "http://example.com/schema.json"},
-    {"type": "string", "pattern": "(?=a)b"},
-    {"type": "array", "minItems": 3, "maxItems": 1},
-    {"enum": []},
-    {"enum": ["a\x00"]},
-    "{not json",
-    [1, 2],
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "frobnicate"},
+        {"$ref": "#/nope"},
+        {"$ref": "http://example.com/schema.json"},
+        {"type": "string", "pattern": "(?=a)b"},
+        {"type": "array", "minItems": 3, "maxItems": 1},
+        {"enum": []},
+        {"enum": ["a\x00"]},
+        "{not json",
+        [1, 2],
+    ],
+)
 def test_a_schema_the_engine_cannot_compile_is_refused(schema: object) -> None:
     with pytest.raises(GuideError) as e:
         guides.response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

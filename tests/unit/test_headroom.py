@@ -16,8 +16,8 @@ def test_fig5_one_iteration_then_a_token_moves_headroom_from_1_9_to_2_1() -> Non
 
 
 def test_the_instance_with_the_shortest_headroom_runs_next() -> None:
-    a = RequestClock("a", 0.0, 2.0, 0.25, generated=3)   # 2.75 - now
-    b = RequestClock("b", 0.0, 2.0, 0.25, generated=1)   # 2.25 - now
+    a = RequestClock("a", 0.0, 2.0, 0.25, generated=3)  # 2.75 - now
+    b = RequestClock("b", 0.0, 2.0, 0.25, generated=1)  # 2.25 - now
     pick = pick_next({"inst-1": [a], "inst-2": [b]}, now=0.5)
     assert pick is not None and pick.instance == "inst-2" and pick.prefill_of is None
 

@@ -20,15 +20,24 @@ from shared.messages import (
 
 
 def test_a_message_survives_the_wire_unchanged() -> None:
-    g = Generate(request_id="r1", model="m", prompt="hi", prompt_ids=(1, 2), prompt_tokens=2,
-                 params=SamplingParams(max_tokens=5, stop=("x",), seed=3), stream_subject="s")
+    g = Generate(
+        request_id="r1",
+        model="m",
+        prompt="hi",
+        prompt_ids=(1, 2),
+        prompt_tokens=2,
+        params=SamplingParams(max_tokens=5, stop=("x",), seed=3),
+        stream_subject="s",
+    )
     assert decode(encode(g), Generate) == g
 
 
 def test_a_union_decodes_to_the_type_that_was_sent() -> None:
-    for event in (TokenChunk(request_id="r", text="a", tokens=1),
-                  Finished(request_id="r", finish_reason=FinishReason.STOP, prompt_tokens=1, completion_tokens=1),
-                  Failed(request_id="r", code=ErrorCode.ENGINE_FAILED, message="x")):
+    for event in (
+        TokenChunk(request_id="r", text="a", tokens=1),
+        Finished(request_id="r", finish_reason=FinishReason.STOP, prompt_tokens=1, completion_tokens=1),
+        Failed(request_id="r", code=ErrorCode.ENGINE_FAILED, message="x"),
+    ):
         assert decode(encode(event), StreamEvent) == event
 
 

@@ -13,16 +13,23 @@ from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, Perf
 
 NOW = 1000.0
 # 2 ms per prompt token, 20 ms per decode iteration (flat in length): easy to add up by hand.
-PERF = PerfModel.fit([PrefillSample(1, 0.002), PrefillSample(1000, 2.0)],
-                     [DecodeSample(1, 1, 0.02), DecodeSample(1, 1000, 0.02)])
+PERF = PerfModel.fit(
+    [PrefillSample(1, 0.002), PrefillSample(1000, 2.0)], [DecodeSample(1, 1, 0.02), DecodeSample(1, 1000, 0.02)]
+)
 
 
 def profile(ttft: float = 2.0, tpot: float = 0.1, aid: str = "a1") -> Profile:
     return Profile(PERF, ttft, tpot, aid, weight_bytes=100, kv_bytes=10)
 
 
-def node(node_id: str, *instances: InstanceView, resident: frozenset[str] = frozenset(), kind: str = "cpu",
-         budget: int = 0, used: int = 0) -> NodeView:
+def node(
+    node_id: str,
+    *instances: InstanceView,
+    resident: frozenset[str] = frozenset(),
+    kind: str = "cpu",
+    budget: int = 0,
+    used: int = 0,
+) -> NodeView:
     return NodeView(node_id, NOW, {i.model: i for i in instances}, frozenset(), kind, resident, budget, used)
 
 
@@ -59,12 +66,14 @@ def test_with_batching_the_requests_ahead_finish_as_one_batch() -> None:
     # Five ahead are two batches (of 4, then 1, taken as full: it errs long).
     five = NodeView("n", NOW, {"m": inst("m", active=5)}, max_batch=4)
     assert validate(five, "m", demand(), {"m": profile()}).ttft_s == pytest.approx(
-        1.1 * (2 * (0.8 + 0.98) + 0.2), rel=1e-3)
+        1.1 * (2 * (0.8 + 0.98) + 0.2), rel=1e-3
+    )
 
 
 def running(model: str, rows: int, held: int, queued: int = 0) -> InstanceView:
-    return InstanceView(model=model, active=rows + queued, last_used=NOW, loaded_at=NOW - 10, running=rows,
-                        held_tokens=held)
+    return InstanceView(
+        model=model, active=rows + queued, last_used=NOW, loaded_at=NOW - 10, running=rows, held_tokens=held
+    )
 
 
 def test_a_request_that_can_join_the_running_batch_waits_only_for_the_re_prefill() -> None:
@@ -97,30 +106,52 @@ def test_a_burst_overflows_to_a_new_instance_that_starts_while_the_overflow_queu
     # "b" (1.5 s + 0.2 s) would too, and later: the request queues on "a", and "b" starts for
     # the requests after it.
     prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=1.5)
-    nodes = [NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
-             node("b")]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(ttft=1.0), profiles={"m": prof})
+    nodes = [
+        NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
+        node("b"),
+    ]
+    d = place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof}
+    )
     assert d == UseNode("a", scale_out_to="b")
     # With that start under way for 1.2 s, the next request waits for it (0.3 s left, then
     # 0.2 s of prefill: 1.1 * 0.5 s), rather than queue on "a" or start a third instance.
-    d = place("m", nodes, {"m": StartUnderWay("b", since=NOW - 1.2)}, NOW, node_timeout_s=3,
-              max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof})
+    d = place(
+        "m",
+        nodes,
+        {"m": StartUnderWay("b", since=NOW - 1.2)},
+        NOW,
+        node_timeout_s=3,
+        max_active_per_instance=16,
+        demand=demand(ttft=1.0),
+        profiles={"m": prof},
+    )
     assert d == AwaitStart("b")
     # A request that still validates on "a" joins it whatever is starting.
     idle = [node("a", inst("m", active=0)), node("b")]
-    assert place("m", idle, {"m": StartUnderWay("b", since=NOW)}, NOW, node_timeout_s=3,
-                 max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof}) == UseNode("a")
+    assert place(
+        "m",
+        idle,
+        {"m": StartUnderWay("b", since=NOW)},
+        NOW,
+        node_timeout_s=3,
+        max_active_per_instance=16,
+        demand=demand(ttft=1.0),
+        profiles={"m": prof},
+    ) == UseNode("a")
 
 
 def test_no_scale_out_where_the_new_instance_would_break_a_neighbours_tpot() -> None:
     prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=0.9)
     busy = [inst(f"o{i}", active=1) for i in range(5)]  # a round of 6 iterations: 0.132 s > 0.1 s
-    nodes = [NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
-             node("b", *busy)]
+    nodes = [
+        NodeView("a", NOW, {"m": running("m", 1, 100, queued=2)}, max_batch=4, join_recompute_tokens=256),
+        node("b", *busy),
+    ]
     profiles = {"m": prof, **{f"o{i}": profile(tpot=0.1) for i in range(5)}}
-    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-                 demand=demand(ttft=1.0), profiles=profiles) == UseNode("a")
+    assert place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(ttft=1.0), profiles=profiles
+    ) == UseNode("a")
 
 
 def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
@@ -134,28 +165,35 @@ def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
 
 def test_place_scales_out_to_where_the_weights_are_resident_when_no_instance_validates() -> None:
     nodes = [node("a", inst("m", active=3)), node("b"), node("c", resident=frozenset({"a1"}))]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(), profiles={"m": profile()})
+    d = place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(), profiles={"m": profile()}
+    )
     assert d == StartOn("c")
 
 
 def test_place_tries_the_busiest_validating_instance_first() -> None:
     nodes = [node("a", inst("m", active=0)), node("b", inst("m", active=1))]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(), profiles={"m": profile()})
+    d = place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(), profiles={"m": profile()}
+    )
     assert d == UseNode("b")
 
 
 def test_place_queues_on_the_least_busy_instance_when_nothing_validates_and_no_node_is_free() -> None:
     nodes = [node("a", inst("m", active=3)), node("b", inst("m", active=2))]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(), profiles={"m": profile()})
+    d = place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(), profiles={"m": profile()}
+    )
     assert d == UseNode("b")
 
 
 def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_room() -> None:
-    nodes = [node("gpu", kind="gpu", resident=frozenset({"a1"})), node("full", budget=100, used=95),
-             node("cpu1", inst("x", 0)), node("cpu2", resident=frozenset({"a1"}), budget=1000, used=900)]
+    nodes = [
+        node("gpu", kind="gpu", resident=frozenset({"a1"})),
+        node("full", budget=100, used=95),
+        node("cpu1", inst("x", 0)),
+        node("cpu2", resident=frozenset({"a1"}), budget=1000, used=900),
+    ]
     assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
 
 
@@ -170,8 +208,13 @@ def test_perf_book_scales_batched_iterations_from_the_batch_of_one() -> None:
     book = PerfBook()
     # Alone: 10 ms at length 64. Batches of 4 (bucketed from 3 and 4) took 1.5× that; of 16, 1.2×
     # (noise): a wider batch is kept at least as slow as a narrower one.
-    book.report("n0", "cpu", PerfReport("a1", prefill=((64, 0.1),), decode=(
-        (1, 64, 0.010), (3, 64, 0.015), (4, 64, 0.015), (16, 64, 0.012))))
+    book.report(
+        "n0",
+        "cpu",
+        PerfReport(
+            "a1", prefill=((64, 0.1),), decode=((1, 64, 0.010), (3, 64, 0.015), (4, 64, 0.015), (16, 64, 0.012))
+        ),
+    )
     perf = book.model("a1")
     assert perf is not None
     assert perf.decode_s(1, 64) == pytest.approx(0.010)
@@ -188,10 +231,17 @@ def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:
     assert perf is not None
     assert perf.prefill_s(32) == pytest.approx(0.065)  # 30 and 34 both count as 32
     assert perf.decode_s(1, 64) == pytest.approx(0.016)
-    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
-                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
-                                                         context_length=100, kv_bytes_per_token=2,
-                                                         weight_bytes=5))
+    record = ModelRecord(
+        name="m",
+        source="/x.gguf",
+        ttft_slo_s=1.0,
+        tpot_slo_s=0.1,
+        keep_alive_s=60,
+        created_at=0,
+        artifact=Artifact(
+            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
+        ),
+    )
     (p,) = book.profiles([record]).values()
     assert p.kv_bytes == 200 and p.weight_bytes == 5 and p.tpot_slo_s == 0.1
 
@@ -217,19 +267,32 @@ def test_when_nothing_validates_the_soonest_first_token_wins_a_new_instance_incl
     prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=0.9)
     # Queued behind three on "a": 1.1 * (3 * 1.18 + 0.2) = 4.1 s; a start on "b": 1.21 s.
     nodes = [node("a", inst("m", active=3)), node("b")]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(ttft=1.0), profiles={"m": prof})
+    d = place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof}
+    )
     assert d == StartOn("b")
     # Not on top of a scale-out whose instance still serves its START tier: the request queues.
-    fresh = [node("a", inst("m", active=3)), node("c", msgspec.structs.replace(inst("m", active=3), tier="start")),
-             node("b")]
-    assert place("m", fresh, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-                 demand=demand(ttft=1.0), profiles={"m": prof}) == UseNode("a")
+    fresh = [
+        node("a", inst("m", active=3)),
+        node("c", msgspec.structs.replace(inst("m", active=3), tier="start")),
+        node("b"),
+    ]
+    assert place(
+        "m", fresh, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": prof}
+    ) == UseNode("a")
     # A slow start (1.1 * 3.2 = 3.5 s) against one request ahead (1.1 * 1.38 = 1.5 s): the
     # queue, while "b" starts for the requests after this one.
     slow = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=10, start_s=3.0)
-    d = place("m", [node("a", inst("m", active=1)), node("b")], {}, NOW, node_timeout_s=3,
-              max_active_per_instance=16, demand=demand(ttft=1.0), profiles={"m": slow})
+    d = place(
+        "m",
+        [node("a", inst("m", active=1)), node("b")],
+        {},
+        NOW,
+        node_timeout_s=3,
+        max_active_per_instance=16,
+        demand=demand(ttft=1.0),
+        profiles={"m": slow},
+    )
     assert d == UseNode("a", scale_out_to="b")
 
 
@@ -244,13 +307,23 @@ def test_a_request_hopelessly_past_its_slo_is_refused_early_with_retry_after() -
     from shared.messages import ErrorCode, Rejected
 
     nodes = [node("a", inst("m", active=12))]
-    d = place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-              demand=demand(), profiles={"m": profile()}, reject_over_slo=4.0)
+    d = place(
+        "m",
+        nodes,
+        {},
+        NOW,
+        node_timeout_s=3,
+        max_active_per_instance=16,
+        demand=demand(),
+        profiles={"m": profile()},
+        reject_over_slo=4.0,
+    )
     assert isinstance(d, Rejected) and d.code == ErrorCode.OVERLOADED
     assert d.retry_after_s and d.retry_after_s > 1
     # Off by default: it queues.
-    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16,
-                 demand=demand(), profiles={"m": profile()}) == UseNode("a")
+    assert place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=demand(), profiles={"m": profile()}
+    ) == UseNode("a")
 
 
 def test_a_start_where_no_worker_is_prewarmed_also_waits_for_one_to_spawn() -> None:
@@ -258,10 +331,17 @@ def test_a_start_where_no_worker_is_prewarmed_also_waits_for_one_to_spawn() -> N
     book.report("n0", "cpu", PerfReport("a1", prefill=((128, 0.2),), decode=((1, 128, 0.02),)))
     book.start("a1", 0.5, spawn_s=3.5)  # no worker was prewarmed: it spawned one
     book.start("a1", 0.7, spawn_s=0.001)  # one was: a spawn of ~0 says nothing of spawns
-    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
-                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
-                                                         context_length=100, kv_bytes_per_token=2,
-                                                         weight_bytes=5))
+    record = ModelRecord(
+        name="m",
+        source="/x.gguf",
+        ttft_slo_s=1.0,
+        tpot_slo_s=0.1,
+        keep_alive_s=60,
+        created_at=0,
+        artifact=Artifact(
+            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
+        ),
+    )
     (p,) = book.profiles([record]).values()
     assert p.start_s == pytest.approx(0.6) and p.spawn_s == pytest.approx(3.5)
     prewarmed = NodeView("b", NOW, prewarmed=1)
@@ -281,8 +361,9 @@ def test_neighbours_with_smaller_batches_are_preempted_to_fit_a_request_into_a_b
     # m's round: its own iteration + o1's + o2's = 3 × 20 ms × 1.1 = 66 ms > o's 50 ms.
     assert validate(nodes[0], "m", d, profiles).failure == Failure.ROUND_TOO_LONG
     # Without o1 (the smaller batch, preempted first): 44 ms ≤ 50 ms. It validates on "b".
-    assert place("m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=d,
-                 profiles=profiles) == UseNode("a", preempt=("o1",))
+    assert place(
+        "m", nodes, {}, NOW, node_timeout_s=3, max_active_per_instance=16, demand=d, profiles=profiles
+    ) == UseNode("a", preempt=("o1",))
 
 
 def test_preemption_spares_bigger_neighbours_and_those_that_cannot_go_elsewhere() -> None:
@@ -305,22 +386,44 @@ def test_preemption_spares_bigger_neighbours_and_those_that_cannot_go_elsewhere(
 # --- continuous-batching nodes (vLLM's scheduler, LLM-Mesh's engine; the simulator's nodes) ---
 
 
-def cont(node_id: str, *instances: InstanceView, slack: float = float("inf"), kind: str = "cpu",
-         resident: frozenset[str] = frozenset()) -> NodeView:
-    return NodeView(node_id, NOW, {i.model: i for i in instances}, kind=kind, resident=resident, max_batch=64,
-                    continuous_batching=True, prefill_slack_s=slack)
+def cont(
+    node_id: str,
+    *instances: InstanceView,
+    slack: float = float("inf"),
+    kind: str = "cpu",
+    resident: frozenset[str] = frozenset(),
+) -> NodeView:
+    return NodeView(
+        node_id,
+        NOW,
+        {i.model: i for i in instances},
+        kind=kind,
+        resident=resident,
+        max_batch=64,
+        continuous_batching=True,
+        prefill_slack_s=slack,
+    )
 
 
 def decoding(model: str, rows: int, held: int, queued: int = 0, queued_tokens: int = 0) -> InstanceView:
-    return InstanceView(model=model, active=rows + queued, last_used=NOW, loaded_at=NOW - 10, running=rows,
-                        held_tokens=held, queued_tokens=queued_tokens)
+    return InstanceView(
+        model=model,
+        active=rows + queued,
+        last_used=NOW,
+        loaded_at=NOW - 10,
+        running=rows,
+        held_tokens=held,
+        queued_tokens=queued_tokens,
+    )
 
 
 def test_on_a_prefill_first_node_a_request_waits_for_every_prompt_queued_there() -> None:
     # Its own instance decodes 3 rows and has 1 prompt of 300 tokens queued; a neighbour has
     # 2 prompts of 100 queued. Prefill first, in arrival order: 0.6 + 2 × 0.2 s ahead, then
     # its own 100 tokens (0.2 s); no batch to wait for, no re-prefill of the rows.
-    n = cont("n", decoding("m", 3, 900, queued=1, queued_tokens=300), decoding("x", 1, 200, queued=2, queued_tokens=200))
+    n = cont(
+        "n", decoding("m", 3, 900, queued=1, queued_tokens=300), decoding("x", 1, 200, queued=2, queued_tokens=200)
+    )
     v = validate(n, "m", demand(), {"m": profile(), "x": profile(aid="a2")})
     assert v.ok and v.ttft_s == pytest.approx(1.1 * (0.6 + 0.4 + 0.2), rel=1e-3)
     # One decode iteration per busy instance per round: 20 ms each, 10 % over.
@@ -335,10 +438,21 @@ def test_a_prefill_that_would_stall_requests_there_past_their_headroom_is_refuse
 
 
 def test_placement_uses_the_perf_model_and_start_time_of_the_nodes_kind() -> None:
-    fast = PerfModel.fit([PrefillSample(1, 0.0002), PrefillSample(1000, 0.2)],
-                         [DecodeSample(1, 1, 0.002), DecodeSample(1, 1000, 0.002)])
-    p = Profile(PERF, 2.0, 0.1, "a1", 100, 10, start_s=3.0, perf_by_kind={"gpu": fast},
-                start_s_by_kind={"gpu": 0.5}, resident_start_s=0.05)
+    fast = PerfModel.fit(
+        [PrefillSample(1, 0.0002), PrefillSample(1000, 0.2)], [DecodeSample(1, 1, 0.002), DecodeSample(1, 1000, 0.002)]
+    )
+    p = Profile(
+        PERF,
+        2.0,
+        0.1,
+        "a1",
+        100,
+        10,
+        start_s=3.0,
+        perf_by_kind={"gpu": fast},
+        start_s_by_kind={"gpu": 0.5},
+        resident_start_s=0.05,
+    )
     # A new instance: a 3 s load on a CPU node misses the 2 s TTFT, a 0.5 s one on a GPU does not.
     assert validate(cont("c"), "m", demand(), {"m": p}).failure == Failure.NEW_LATE
     on_gpu = validate(cont("g", kind="gpu"), "m", demand(), {"m": p})
@@ -371,20 +485,42 @@ def test_a_start_under_way_that_cannot_serve_a_request_in_time_does_not_block_an
     # that cannot wait that long starts m on c (a burst can need several new instances).
     p = Profile(PERF, 2.0, 0.1, "a1", 100, 10, start_s=3.0, start_s_by_kind={"gpu": 0.5})
     nodes = [node("a", inst("m", active=4)), node("b"), node("c", kind="gpu")]
-    d = place("m", nodes, {"m": StartUnderWay("b", since=NOW - 0.1, waiting=1)}, NOW, node_timeout_s=3.0,
-              max_active_per_instance=8, demand=demand(), profiles={"m": p})
+    d = place(
+        "m",
+        nodes,
+        {"m": StartUnderWay("b", since=NOW - 0.1, waiting=1)},
+        NOW,
+        node_timeout_s=3.0,
+        max_active_per_instance=8,
+        demand=demand(),
+        profiles={"m": p},
+    )
     assert d == StartOn("c")
 
 
 def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
     book = PerfBook()
-    record = ModelRecord(name="m", source="/x.gguf", ttft_slo_s=1.0, tpot_slo_s=0.1, keep_alive_s=60,
-                         created_at=0, artifact=Artifact(artifact_id="a1", path="/a", source_sha256="s",
-                                                         context_length=100, kv_bytes_per_token=2,
-                                                         weight_bytes=5))
+    record = ModelRecord(
+        name="m",
+        source="/x.gguf",
+        ttft_slo_s=1.0,
+        tpot_slo_s=0.1,
+        keep_alive_s=60,
+        created_at=0,
+        artifact=Artifact(
+            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
+        ),
+    )
     for kind, scale in (("cpu", 1.0), ("gpu", 0.1)):
-        book.report("n-" + kind, kind, PerfReport(artifact_id="a1", prefill=((64, 0.1 * scale), (512, 0.8 * scale)),
-                                                   decode=((1, 64, 0.02 * scale), (1, 512, 0.03 * scale))))
+        book.report(
+            "n-" + kind,
+            kind,
+            PerfReport(
+                artifact_id="a1",
+                prefill=((64, 0.1 * scale), (512, 0.8 * scale)),
+                decode=((1, 64, 0.02 * scale), (1, 512, 0.03 * scale)),
+            ),
+        )
     (p,) = book.profiles([record]).values()
     assert set(p.perf_by_kind) == {"cpu", "gpu"}
     assert p.perf_on("gpu").prefill_s(512) == pytest.approx(0.1 * p.perf_on("cpu").prefill_s(512), rel=1e-6)

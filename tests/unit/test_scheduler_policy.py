@@ -22,8 +22,14 @@ def node(node_id: str, *instances: InstanceView, seen: float = NOW, starting: fr
 
 
 def decide(model: str, nodes: list[NodeView], starts: dict[str, str] | None = None):
-    return place(model, nodes, {m: StartUnderWay(n) for m, n in (starts or {}).items()}, NOW, node_timeout_s=3.0,
-                 max_active_per_instance=4)
+    return place(
+        model,
+        nodes,
+        {m: StartUnderWay(n) for m, n in (starts or {}).items()},
+        NOW,
+        node_timeout_s=3.0,
+        max_active_per_instance=4,
+    )
 
 
 def test_request_goes_to_the_least_busy_running_instance() -> None:
@@ -77,8 +83,15 @@ def test_exclusive_placement_gives_each_model_a_node_of_its_own() -> None:
 
     assert excl("m", [node("a", inst("x")), node("b")]) == StartOn("b")
     assert excl("m", [node("a", inst("m", active=3)), node("b")]) == UseNode("a")  # queues, no scale-out
-    starting = place("m", [node("a", inst("x")), node("b")], {"y": StartUnderWay("b")}, NOW, node_timeout_s=3.0,
-                     max_active_per_instance=4, exclusive=True)
+    starting = place(
+        "m",
+        [node("a", inst("x")), node("b")],
+        {"y": StartUnderWay("b")},
+        NOW,
+        node_timeout_s=3.0,
+        max_active_per_instance=4,
+        exclusive=True,
+    )
     assert isinstance(starting, Rejected)  # "b" is taken by y's start, not yet in a heartbeat
     full = excl("m", [node("a", inst("x")), node("b", inst("y"))])
     assert isinstance(full, Rejected) and full.code == ErrorCode.NO_CAPACITY and full.retry_after_s

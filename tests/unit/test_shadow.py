@@ -15,8 +15,7 @@ PERF = profile(lambda n: 0.001 * n, lambda b, n: 0.05)
 
 
 def inst(key: str, batch: int = 1, least: float = 1.0, pending=(), ready_in_s: float = 0.0):
-    return ShadowInstance(key, PERF, batch, 512.0, least if batch else float("inf"),
-                          tuple(pending), ready_in_s)
+    return ShadowInstance(key, PERF, batch, 512.0, least if batch else float("inf"), tuple(pending), ready_in_s)
 
 
 def test_a_request_that_fits_is_accepted() -> None:
@@ -71,5 +70,3 @@ class C:
 def test_candidates_go_cpu_first_then_highest_batch_first() -> None:
     cs = [C("g8", "gpu", 8), C("c1", "cpu", 1), C("c4", "cpu", 4), C("g2", "gpu", 2)]
     assert [c.name for c in order_candidates(cs)] == ["c4", "c1", "g8", "g2"]
-
-

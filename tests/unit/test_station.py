@@ -53,8 +53,11 @@ def test_a_later_grow_does_not_starve_an_earlier_one() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["grow", "shrink", "complete", "complete"]),
-              st.sampled_from(["a", "b", "c", "a:kv", "b:kv"]), st.integers(1, 60)),
+    st.tuples(
+        st.sampled_from(["grow", "shrink", "complete", "complete"]),
+        st.sampled_from(["a", "b", "c", "a:kv", "b:kv"]),
+        st.integers(1, 60),
+    ),
     max_size=60,
 )
 
@@ -79,7 +82,7 @@ def test_never_two_conflicting_running_and_never_over_budget(script, pick) -> No
         s.dispatch()
         running = list(s.running.values())
         for i, x in enumerate(running):
-            for y in running[i + 1:]:
+            for y in running[i + 1 :]:
                 assert not x.conflicts(y)
         assert s.pessimistic_bytes <= s.budget_bytes
         assert s.optimistic_bytes <= s.budget_bytes

@@ -43,8 +43,9 @@ WEATHER = {
 
 
 def tool(name: str, parameters: dict[str, Any] | None = None, description: str | None = None) -> Tool:
-    return Tool.model_validate({"type": "function", "function": {
-        "name": name, "description": description, "parameters": parameters}})
+    return Tool.model_validate(
+        {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+    )
 
 
 TOOLS = [tool("get_weather", WEATHER, "The weather in a city"), tool("now")]
@@ -62,6 +63,7 @@ def named(name: str) -> dict[str, Any]:
 
 # -- tool_choice and tool definitions ---------------------------------------------------------
 
+
 def test_tool_choice_modes() -> None:
     assert check_tool_choice(TOOLS, None) == ("auto", None)
     assert check_tool_choice(None, None) == ("none", None)
@@ -71,17 +73,20 @@ def test_tool_choice_modes() -> None:
     assert check_tool_choice(TOOLS, named("now")) == ("named", "now")
 
 
-@pytest.mark.parametrize(("tools", "choice", "says"), [
-    (TOOLS, named("get_time"), "'get_time', which is not in `tools`"),
-    (None, named("now"), "not in `tools`"),
-    (None, "required", "needs at least one function"),
-    ([], "required", "needs at least one function"),
-    (TOOLS, "sometimes", "tool_choice must be"),
-    (TOOLS, {"type": "function"}, "tool_choice must be"),
-    (TOOLS, {"function": {"name": "now"}}, "tool_choice must be"),
-    (TOOLS, {"type": "function", "function": {"name": 3}}, "tool_choice must be"),
-    (TOOLS, 1, "tool_choice must be"),
-])
+@pytest.mark.parametrize(
+    ("tools", "choice", "says"),
+    [
+        (TOOLS, named("get_time"), "'get_time', which is not in `tools`"),
+        (None, named("now"), "not in `tools`"),
+        (None, "required", "needs at least one function"),
+        ([], "required", "needs at least one function"),
+        (TOOLS, "sometimes", "tool_choice must be"),
+        (TOOLS, {"type": "function"}, "tool_choice must be"),
+        (TOOLS, {"function": {"name": "now"}}, "tool_choice must be"),
+        (TOOLS, {"type": "function", "function": {"name": 3}}, "tool_choice must be"),
+        (TOOLS, 1, "tool_choice must be"),
+    ],
+)
 def test_tool_choice_errors(tools: list[Tool] | None, choice: Any, says: str) -> None:
     with pytest.raises(ValueError) as e:
         check_tool_choice(tools, choice)
@@ -102,8 +107,7 @@ REFUSED = [
     {"type": "object", "properties": {"a": {"type": ["string", "foo"]}}},
     {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}},
     {"type": "object", "$defs": {"a/b": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/a~1b"}}},
-    {"type": "object",
-     "properties": {"a": {"anyOf": [{"type": "integer"}]}, "b": {"$ref": "#/properties/a/anyOf/0"}}},
+    {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}]}, "b": {"$ref": "#/properties/a/anyOf/0"}}},
     {"type": "object", "properties": {"t": {"type": "array", "items": [{"type": "integer"}]}}},
     {"type": "object", "properties": {"t": {"enum": "x"}}},
     {"type": "object", "properties": {"t": {"enum": []}}},
@@ -124,8 +128,7 @@ ACCEPTED = [
     {"properties": {"a": {"type": "integer"}}},  # no type: an object all the same
     {"type": "object", "properties": {"type": {"type": "string"}, "$ref": {"type": "string"}}},
     {"type": "object", "$defs": {"P": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/P"}}},
-    {"type": "object", "definitions": {"P": {"type": "integer"}},
-     "properties": {"a": {"$ref": "#/definitions/P"}}},
+    {"type": "object", "definitions": {"P": {"type": "integer"}}, "properties": {"a": {"$ref": "#/definitions/P"}}},
     {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}},
     {"type": "object", "properties": {"a": True, "b": {"not": {"type": "string"}}}},
     {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?:ab)+[\\w.-]\\d{2,}$"}}},
@@ -165,14 +168,17 @@ def test_lone_surrogate_refused() -> None:
 
 # -- the prompt and the history ---------------------------------------------------------------
 
+
 def test_tools_prompt_prepended() -> None:
     p = plan([{"role": "user", "content": "Weather in Paris?"}], TOOLS, "auto")
     assert [m["role"] for m in p.messages] == ["system", "user"]
     system = p.messages[0]["content"]
     listed = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
     assert [json.loads(line) for line in listed] == [
-        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                          "parameters": WEATHER}},
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
+        },
         {"type": "function", "function": {"name": "now", "parameters": NO_ARGUMENTS}},
     ]
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in system
@@ -209,29 +215,46 @@ def test_prompt_tells_each_mode_its_answer() -> None:
 def test_history_with_calls_and_results() -> None:
     history = [
         {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_a", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}},
-            {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                },
+                {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
         {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
-        {"role": "assistant", "content": "Checking once more.", "tool_calls": [
-            {"id": "call_c", "type": "function", "function": {"name": "now", "arguments": "not json"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Checking once more.",
+            "tool_calls": [
+                {"id": "call_c", "type": "function", "function": {"name": "now", "arguments": "not json"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_c", "content": "12:01"},
         {"role": "user", "content": "Thanks"},
     ]
     rendered = plan(history, TOOLS, "auto").messages[1:]
     assert rendered == [
         {"role": "user", "content": "Weather in Paris and the time?"},
-        {"role": "assistant", "content":
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'},
-        {"role": "user",
-         "content": "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n12:00\n</tool_response>"},
-        {"role": "assistant", "content":
-            'Checking once more.\n<tool_call>\n{"name": "now", "arguments": "not json"}\n</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n12:00\n</tool_response>",
+        },
+        {
+            "role": "assistant",
+            "content": 'Checking once more.\n<tool_call>\n{"name": "now", "arguments": "not json"}\n</tool_call>',
+        },
         {"role": "user", "content": "<tool_response>\n12:01\n</tool_response>"},
         {"role": "user", "content": "Thanks"},
     ]
@@ -240,6 +263,7 @@ def test_history_with_calls_and_results() -> None:
 
 
 # -- the schemas the engine enforces ----------------------------------------------------------
+
 
 def test_named_schema_is_the_arguments() -> None:
     p = plan([], TOOLS, named("get_weather"))
@@ -251,16 +275,21 @@ def test_named_schema_is_the_arguments() -> None:
 
 
 def _branch(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
-            "required": ["name", "parameters"]}
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+        "required": ["name", "parameters"],
+    }
 
 
 def test_required_schema_is_vllms() -> None:
     p = plan([], TOOLS, "required")
     assert (p.mode, p.function) == ("required", None)
-    expected = {"type": "array", "minItems": 1,
-                "items": {"anyOf": [_branch("get_weather", WEATHER), _branch("now", NO_ARGUMENTS)]}}
+    expected = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": [_branch("get_weather", WEATHER), _branch("now", NO_ARGUMENTS)]},
+    }
     assert json.loads(p.json_schema or "") == expected
     one = json.loads(plan([], TOOLS, "required", parallel_tool_calls=False).json_schema or "")
     assert one == {**expected, "maxItems": 1}
@@ -277,8 +306,12 @@ def _resolve(root: Any, ref: str) -> Any:
 def test_required_schema_keeps_references_resolvable() -> None:
     """xgrammar resolves `$ref` from the root, through objects only: a function's own
     "#/$defs/P" is re-pointed at a copy of its schema under the root's `$defs`."""
-    tree = {"type": "object", "$defs": {"P": {"type": "integer", "enum": [7]}},
-            "properties": {"a": {"$ref": "#/$defs/P"}, "kid": {"$ref": "#"}}, "required": ["a"]}
+    tree = {
+        "type": "object",
+        "$defs": {"P": {"type": "integer", "enum": [7]}},
+        "properties": {"a": {"$ref": "#/$defs/P"}, "kid": {"$ref": "#"}},
+        "required": ["a"],
+    }
     schema = json.loads(plan([], [tool("now"), tool("tree", tree)], "required").json_schema or "")
     assert set(schema["$defs"]) == {"tool_1"}  # only the function with references
     params = schema["items"]["anyOf"][1]["properties"]["parameters"]
@@ -290,6 +323,7 @@ def test_required_schema_keeps_references_resolvable() -> None:
 
 
 # -- parsing the answer -----------------------------------------------------------------------
+
 
 def call(i: int, name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -320,13 +354,19 @@ def test_parse_none_and_named() -> None:
 
 
 def test_parse_required() -> None:
-    text = ('[\n{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}},\n'
-            '{"name": "now", "parameters": {}}]')
+    text = (
+        '[\n{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}},\n{"name": "now", "parameters": {}}]'
+    )
     expected = [call(0, "get_weather", PARIS), call(1, "now", "{}")]
     assert parse(text, REQUIRED, make_id()) == (None, expected)
     assert parse(text, REQUIRED_ONE, make_id()) == (None, expected[:1])
-    for partial in ('[{"name": "now", "parameters": {', "[]", '[{"name": "sleep", "parameters": {}}]',
-                    '[{"name": "now", "parameters": 3}]', '{"name": "now", "parameters": {}}'):
+    for partial in (
+        '[{"name": "now", "parameters": {',
+        "[]",
+        '[{"name": "sleep", "parameters": {}}]',
+        '[{"name": "now", "parameters": 3}]',
+        '{"name": "now", "parameters": {}}',
+    ):
         assert parse(partial, REQUIRED, make_id()) == (partial, [])
 
 
@@ -343,13 +383,16 @@ def test_parse_auto_calls_and_content() -> None:
     assert parse(quoted, AUTO, make_id()) == (None, [call(0, "now", "{}")])
 
 
-@pytest.mark.parametrize("block", [
-    "<tool_call>{not json}</tool_call>",
-    '<tool_call>{"name": "sleep", "arguments": {}}</tool_call>',  # not declared
-    '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
-    '<tool_call>{"arguments": {}}</tool_call>',
-    '<tool_call>["now"]</tool_call>',
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"name": "sleep", "arguments": {}}</tool_call>',  # not declared
+        '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>["now"]</tool_call>',
+    ],
+)
 def test_parse_auto_keeps_what_is_not_a_call(block: str) -> None:
     assert parse(f"A {block} B {NOW}", AUTO, make_id()) == (f"A {block} B", [call(0, "now", "{}")])
 
@@ -366,6 +409,7 @@ def test_parse_auto_block_cut_short() -> None:
 
 
 # -- streaming --------------------------------------------------------------------------------
+
 
 def assemble(deltas: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
     """What a client makes of the deltas: the content, and each call from its opening and fragments."""
@@ -397,15 +441,17 @@ TEXTS = [
     (AUTO, f"Let me check.\n{BLOCK}\n{NOW}\nDone <tool_c"),
     (AUTO, f"A <tool_call>{{not json}}</tool_call> B {NOW}  "),
     (AUTO, '  <tool_call>{"name": "sleep", "arguments": {}}</tool_call>\n\nWell <'),
-    (AUTO, f"{BLOCK}<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}"),
+    (AUTO, f'{BLOCK}<tool_call>\n{{"name": "now", "arguments": {{}}}}'),
     (AUTO, 'Hi <tool_call>\n{"name": "now", "argu'),
     (AUTO, "Plain prose, with < and <tool and </tool_call> in it.\n"),
     (AUTO, "<tool_call><tool_call></tool_call></tool_call>"),
     (AUTO, "Ünïcödé ☃ text"),
     (AUTO, ""),
     (AUTO_ONE, f"Sure. {NOW} and {BLOCK} then"),
-    (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}, '
-               '{"name": "now", "parameters": {}}]'),
+    (
+        REQUIRED,
+        '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}, {"name": "now", "parameters": {}}]',
+    ),
     (REQUIRED_ONE, '[{"name": "now", "parameters": {}}]'),
     (REQUIRED, '[{"name": "now", "parameters": {'),
     (NAMED, '{\n  "city": "A \\"quoted\\" city",\n  "unit": "c"\n}'),
@@ -428,8 +474,9 @@ def test_stream_gives_what_parse_gives(p: ToolPlan, text: str) -> None:
 
 
 def opening(index: int, call_id: str, name: str) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                            "function": {"name": name, "arguments": ""}}]}
+    return {
+        "tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]
+    }
 
 
 def fragment(index: int, arguments: str) -> dict[str, Any]:
@@ -483,6 +530,7 @@ def test_none_stream_passes_text_through() -> None:
 
 # -- the real library: the schemas compile and are enforced -----------------------------------
 
+
 def _conforms(value: Any, schema: Any, root: Any) -> bool:
     """The parts of JSON Schema the schemas here use."""
     if schema is True:
@@ -523,12 +571,21 @@ def test_real_library_enforces_the_schemas(smol: Path) -> None:
 
     from services.engine.core import build_pipeline
 
-    tree = {"type": "object", "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}},
-            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"], "additionalProperties": False}
+    tree = {
+        "type": "object",
+        "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}},
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
     tools = [*TOOLS, tool("units", tree)]
     ask = [{"role": "user", "content": "What is the weather in Paris? And what time is it?"}]
-    plans = [plan(ask, tools, named("get_weather")), plan(ask, tools, named("units")),
-             plan(ask, tools, "required"), plan(ask, tools, "required", parallel_tool_calls=False)]
+    plans = [
+        plan(ask, tools, named("get_weather")),
+        plan(ask, tools, named("units")),
+        plan(ask, tools, "required"),
+        plan(ask, tools, "required", parallel_tool_calls=False),
+    ]
     pipe = build_pipeline(str(smol), "CPU", threads=2)
     tok = ov_genai.Tokenizer(str(smol))
     handles = []

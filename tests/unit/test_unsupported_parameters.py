@@ -9,22 +9,37 @@ from services.gateway.protocol import ChatCompletionRequest
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.parametrize("name, value", [
-    ("functions", [{"name": "f"}]),
-    ("function_call", "auto"),
-    ("suffix", "the end"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("suffix", "the end"),
+    ],
+)
 def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -> None:
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest(**CHAT, **{name: value})
     assert f"`{name}` is not supported" in str(e.value)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logprobs", False),
-    ("logprobs", None), ("logit_bias", {}), ("best_of", 1), ("parallel_tool_calls", True),
-    ("some_future_field", 1), ("functions", []), ("function_call", "none"), ("suffix", None),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("response_format", {"type": "text"}),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("logprobs", False),
+        ("logprobs", None),
+        ("logit_bias", {}),
+        ("best_of", 1),
+        ("parallel_tool_calls", True),
+        ("some_future_field", 1),
+        ("functions", []),
+        ("function_call", "none"),
+        ("suffix", None),
+    ],
+)
 def test_off_values_and_unknown_names_are_accepted(name: str, value: object) -> None:
     ChatCompletionRequest(**CHAT, **{name: value})
 
@@ -36,14 +51,27 @@ def test_penalties_are_range_checked() -> None:
             ChatCompletionRequest(**CHAT, **bad)
 
 
-@pytest.mark.parametrize("bad, param", [
-    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"best_of": 2, "n": 3}, "best_of"),
-    ({"best_of": 3, "stream": True}, "stream"), ({"logit_bias": {"the": 5}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"top_logprobs": 3}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"tool_choice": "required"}, "tool"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "g"),
-])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"best_of": 2, "n": 3}, "best_of"),
+        ({"best_of": 3, "stream": True}, "stream"),
+        ({"logit_bias": {"the": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"top_logprobs": 3}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tool_choice": "required"}, "tool"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "g",
+        ),
+    ],
+)
 def test_choices_bias_logprobs_and_tools_are_checked(bad: dict[str, object], param: str) -> None:
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest(**CHAT, **bad)

@@ -21,9 +21,20 @@ class FailingBatcher:
 
     def __init__(self) -> None:
         self.names: set[str] = set()
-        self.loaded = type("Loaded", (), {"artifact": Artifact(artifact_id="a", path="/a", source_sha256="s",
-                                                               context_length=64, kv_bytes_per_token=1,
-                                                               weight_bytes=1)})()
+        self.loaded = type(
+            "Loaded",
+            (),
+            {
+                "artifact": Artifact(
+                    artifact_id="a",
+                    path="/a",
+                    source_sha256="s",
+                    context_length=64,
+                    kv_bytes_per_token=1,
+                    weight_bytes=1,
+                )
+            },
+        )()
 
     def generate(self, *args: object, **kwargs: object) -> list[object]:
         raise RuntimeError("the runtime failed")
