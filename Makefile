@@ -1,10 +1,10 @@
-# Tessera: `make up` runs the whole local cluster, `make test` runs the suite.
+# Tessera: `make up` runs the whole local cluster, `make test` runs the checks and the suite.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test unit bench clean
+.PHONY: install up check test unit bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/tessera up $(if $(PORT),--port $(PORT)) $(if $(NODES),--nodes $(NODES))
 
-test: install
+# Lint, format and type checks (configured in pyproject.toml); `make test` runs them first.
+check: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: install check
 	$(PY) -m pytest -q -ra
 
 unit: install

@@ -196,21 +196,26 @@ def prepare_store(store: Path, sources: dict[str, Path], keep_alive_s: float) ->
         cluster = LocalCluster(home=Path(home), store=store, nodes=1)
         try:
             cluster.start(timeout_s=180)
-            for m in MODELS:
-                httpx.post(
-                    f"{cluster.base_url}/admin/models",
-                    timeout=900,
-                    json={
-                        "name": m.name,
-                        "source": str(sources[m.name]),
-                        "keep_alive_s": keep_alive_s,
-                        "ttft_slo_s": m.ttft_slo_s,
-                        "tpot_slo_s": m.tpot_slo_s,
-                    },
-                ).raise_for_status()
+            register_models(cluster.base_url, sources, keep_alive_s)
         finally:
             cluster.stop()
     os.sync()
+
+
+def register_models(base_url: str, sources: dict[str, Path], keep_alive_s: float) -> None:
+    """Register every model of the bench on its GGUF, with its SLOs."""
+    for m in MODELS:
+        httpx.post(
+            f"{base_url}/admin/models",
+            timeout=900,
+            json={
+                "name": m.name,
+                "source": str(sources[m.name]),
+                "keep_alive_s": keep_alive_s,
+                "ttft_slo_s": m.ttft_slo_s,
+                "tpot_slo_s": m.tpot_slo_s,
+            },
+        ).raise_for_status()
 
 
 VARIANTS = {
@@ -252,19 +257,7 @@ def run_policy(
             t = time.perf_counter()
             cluster.start(timeout_s=180)
             log(f"{policy}: {nodes} nodes up in {time.perf_counter() - t:.1f}s")
-            for m in MODELS:
-                r = httpx.post(
-                    f"{cluster.base_url}/admin/models",
-                    timeout=900,
-                    json={
-                        "name": m.name,
-                        "source": str(sources[m.name]),
-                        "keep_alive_s": keep_alive_s,
-                        "ttft_slo_s": m.ttft_slo_s,
-                        "tpot_slo_s": m.tpot_slo_s,
-                    },
-                )
-                r.raise_for_status()
+            register_models(cluster.base_url, sources, keep_alive_s)
             # Warm-up: each model starts (its request measures nothing: it shared the start),
             # then serves one request the engine measures, so placement has a performance model.
             warm = [w for _ in range(2) for w in asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))]

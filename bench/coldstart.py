@@ -680,6 +680,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # --- main ----------------------------------------------------------------------------------------
 
 
+def source_results(source: str, run: dict[str, Any], evictions: Any) -> dict[str, Any]:
+    """The results of the cold starts from one source (`host`: the host cache, `disk`: the
+    store on disk), under their keys in the results file."""
+    return {
+        f"tessera_cold_{source}_ttft_s": run["ttft_s"],
+        f"tessera_cold_{source}_ttft_trials_s": run["ttft_trials_s"],
+        f"tessera_cold_{source}_sources": run["sources"],
+        f"tessera_cold_{source}_loaded_from_cache": run["loaded_from_cache"],
+        f"tessera_{source}_phases": run["phases"],
+        f"tessera_{source}_stage_s": run["stage_s"],
+        f"tessera_{source}_worker_load_s": run["worker_load_s"],
+        f"tessera_{source}_tiers": run["tiers"],
+        f"tessera_{source}_phase_trials_s": run["phase_trials"],
+        f"tessera_{source}_stack_overhead_s": median(run["overhead_trials_s"]),
+        f"tessera_{source}_stack_overhead_trials_s": run["overhead_trials_s"],
+        f"tessera_{source}_engine_cold_total_trials_s": run["engine_total_trials_s"],
+        f"tessera_{source}_evictions": evictions,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5, help="cold trials on Tessera (median; >= 5 advised)")
@@ -718,32 +738,8 @@ def main(argv: list[str] | None = None) -> int:
         "tessera_resident_stack_overhead_s": median(tessera["overhead_trials_s"]),
         "tessera_resident_stack_overhead_trials_s": tessera["overhead_trials_s"],
         "tessera_resident_engine_cold_total_trials_s": tessera["engine_total_trials_s"],
-        "tessera_cold_host_ttft_s": t_host,
-        "tessera_cold_host_ttft_trials_s": tessera["host"]["ttft_trials_s"],
-        "tessera_cold_host_sources": tessera["host"]["sources"],
-        "tessera_cold_host_loaded_from_cache": tessera["host"]["loaded_from_cache"],
-        "tessera_host_phases": tessera["host"]["phases"],
-        "tessera_host_stage_s": tessera["host"]["stage_s"],
-        "tessera_host_worker_load_s": tessera["host"]["worker_load_s"],
-        "tessera_host_tiers": tessera["host"]["tiers"],
-        "tessera_host_phase_trials_s": tessera["host"]["phase_trials"],
-        "tessera_host_stack_overhead_s": median(tessera["host"]["overhead_trials_s"]),
-        "tessera_host_stack_overhead_trials_s": tessera["host"]["overhead_trials_s"],
-        "tessera_host_engine_cold_total_trials_s": tessera["host"]["engine_total_trials_s"],
-        "tessera_host_evictions": tessera["host_evictions"],
-        "tessera_cold_disk_ttft_s": t_disk,
-        "tessera_cold_disk_ttft_trials_s": tessera["disk"]["ttft_trials_s"],
-        "tessera_cold_disk_sources": tessera["disk"]["sources"],
-        "tessera_cold_disk_loaded_from_cache": tessera["disk"]["loaded_from_cache"],
-        "tessera_disk_phases": tessera["disk"]["phases"],
-        "tessera_disk_stage_s": tessera["disk"]["stage_s"],
-        "tessera_disk_worker_load_s": tessera["disk"]["worker_load_s"],
-        "tessera_disk_tiers": tessera["disk"]["tiers"],
-        "tessera_disk_phase_trials_s": tessera["disk"]["phase_trials"],
-        "tessera_disk_stack_overhead_s": median(tessera["disk"]["overhead_trials_s"]),
-        "tessera_disk_stack_overhead_trials_s": tessera["disk"]["overhead_trials_s"],
-        "tessera_disk_engine_cold_total_trials_s": tessera["disk"]["engine_total_trials_s"],
-        "tessera_disk_evictions": tessera["disk_evictions"],
+        **source_results("host", tessera["host"], tessera["host_evictions"]),
+        **source_results("disk", tessera["disk"], tessera["disk_evictions"]),
         "tessera_first_start": tessera["first_start"],
         "burst": tessera["burst"],
         "tessera_warm_ttft_s": tessera["warm_ttft_s"],

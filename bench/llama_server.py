@@ -20,10 +20,8 @@ benchmark dies first.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -36,6 +34,7 @@ from types import TracebackType
 import httpx
 
 from ops.localcluster import free_port
+from shared.process import die_with_parent
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 ENV_VAR = "TESSERA_LLAMA_SERVER"
@@ -171,12 +170,6 @@ def ensure_llama_server() -> Path:
     return target
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it if the benchmark dies (PR_SET_PDEATHSIG), so a
-    crashed run never leaves a server holding the cores."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class LlamaServer:
     """One `llama-server` on a free loopback port: `start()`, `wait_ready()`, `stop()`.
 
@@ -213,7 +206,7 @@ class LlamaServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )
 
     def wait_ready(self, timeout_s: float = 120.0, http: httpx.Client | None = None) -> None:

@@ -153,7 +153,7 @@ def summarize(results: list[dict[str, Any]], started: int, cold_times: list[tupl
         "tpot_p99_s": percentile(tpot, 99) if tpot else None,
         "warm_ttft_p50_s": p50,
         "warm_ttft_p99_s": p99,
-        "warm_ttft_p99_over_p50": p99 / p50 if p50 else None,
+        "warm_ttft_p99_over_p50": p99 / p50 if p50 and p99 is not None else None,
         "per_model": {m: Counter(r["kind"] for r in results if r["model"] == m) for m, _ in MODELS},
     }
 

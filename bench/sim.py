@@ -79,20 +79,20 @@ from policy import kv_watermark as kvw
 from policy import scheduling as sched
 from policy.perf_model import PerfModel, profile
 from policy.placement import Demand, Profile
+from policy.slo import ttft_slo
 from policy.station import MemOp, OpKind, Station, load, resize_kv, unload
 from policy.tensor_pool import Tensor, TensorPool
-from shared.messages import Rejected, Tier
+from shared.messages import TTFT_SLO_PER_TOKEN_S, Rejected, Tier
 
 TPOT_SLO = 0.25
 """LLM-Mesh §3.1, §8.1."""
+TTFT_SLO_S = 2.0
+"""LLM-Mesh §3.1, §8.1: a request of L prompt tokens has max(2, L / 512) s to its first token,
+this floor and the registration's default allowance per token (`policy.slo.ttft_slo`, as the
+scheduler and the gateway judge it)."""
 SLO_TARGET = 0.95
 GB = 1_000_000_000
 EPS = 1e-9
-
-
-def ttft_slo(input_len: int) -> float:
-    """LLM-Mesh §3.1: max(2, L / 512) seconds."""
-    return max(2.0, input_len / 512.0)
 
 
 # --- hardware ---------------------------------------------------------------------------------
@@ -212,9 +212,10 @@ class Req:
         "ttft",
     )
 
-    def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int) -> None:
+    def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int, ttft: float) -> None:
         self.rid, self.model, self.arrival, self.inp, self.out = rid, model, arrival, inp, out
-        self.ttft = ttft_slo(inp)
+        self.ttft = ttft
+        """Its TTFT SLO (its model's, grown to its prompt)."""
         self.first = -1.0
         self.done = -1.0
         self.d0 = 0.0  # the node's decode clock at its first token
@@ -534,7 +535,7 @@ class Sim:
         starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in (CPU, GPU)}
         return Profile(
             by_kind["gpu"],
-            2.0,
+            TTFT_SLO_S,
             TPOT_SLO,
             f"w{m}",
             spec.weight_bytes,
@@ -544,6 +545,7 @@ class Sim:
             by_kind,
             starts,
             max(CPU.init_s, GPU.init_s),
+            ttft_slo_per_token_s=TTFT_SLO_PER_TOKEN_S,
         )
 
     # -- events
@@ -567,6 +569,7 @@ class Sim:
         arrival, model = tr.arrival.tolist(), tr.model.tolist()
         inp, out = tr.input_len.tolist(), tr.output_len.tolist()
         n = len(arrival)
+        slos = [self.profiles[name] for name in self.names]
         self.stats.requests = n
         self.push(0.0, SAMPLE, None)
         i = 0
@@ -588,7 +591,7 @@ class Sim:
                     self.dispatch(kind, obj, ver)
             else:
                 self.now = arrival[i]
-                r = Req(i, model[i], arrival[i], inp[i], out[i])
+                r = Req(i, model[i], arrival[i], inp[i], out[i], ttft_slo(slos[model[i]], inp[i]))
                 self.reqs.append(r)
                 i += 1
                 self.on_arrive(r)
@@ -799,7 +802,7 @@ class Sim:
         heap = self.heaps[kind]
         nodes = self.nodes
         out: list[tuple[int, int, int]] = []
-        took = []
+        took: list[tuple[int, int, int]] = []
         while heap and len(out) < k and len(took) < 8 * k:
             e = heapq.heappop(heap)
             n = nodes[e[1]]

@@ -29,6 +29,7 @@ from ops.localcluster import (
     core_shares,
     load_admin_key,
 )
+from shared.messages import TTFT_SLO_PER_TOKEN_S
 
 app = typer.Typer(help="Tessera: serverless LLM inference.", no_args_is_help=True)
 models = typer.Typer(help="Register, list and remove models.", no_args_is_help=True)
@@ -154,7 +155,9 @@ def up(
 def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
     with _admin(url, admin_key, home) as http:
         found = _ok(http.get("/admin/models"))
-    table = Table("name", "artifact", "context", "keep-alive s", "TTFT SLO s", "TPOT SLO s", "defaults")
+    table = Table(
+        "name", "artifact", "context", "keep-alive s", "TTFT SLO s (L prompt tokens)", "TPOT SLO s", "defaults"
+    )
     for m in found:
         d = m.get("defaults", {})
         defaults = (
@@ -166,11 +169,22 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
             m["artifact"]["artifact_id"],
             str(m["artifact"]["context_length"]),
             f"{m['keep_alive_s']:g}",
-            f"{m['ttft_slo_s']:g}",
+            _ttft_slo_text(m),
             f"{m['tpot_slo_s']:g}",
             defaults,
         )
     console.print(table)
+
+
+def _ttft_slo_text(m: dict[str, Any]) -> str:
+    """A registration's TTFT SLO as its rule (`policy.slo`): `max(2, L/512)`, or its fixed
+    seconds where it does not grow with the prompt (or the gateway is older)."""
+    base, per_token = m["ttft_slo_s"], m.get("ttft_slo_per_token_s", 0.0)
+    if not per_token:
+        return f"{base:g}"
+    tokens_per_s = 1 / per_token
+    grows = f"L/{tokens_per_s:g}" if tokens_per_s == round(tokens_per_s) else f"L×{per_token:g}"
+    return f"max({base:g}, {grows})"
 
 
 @models.command("add")
@@ -179,6 +193,12 @@ def models_add(
     source: Path,
     keep_alive_s: float = 300.0,
     ttft_slo_s: float = 2.0,
+    ttft_slo_per_token_s: float = typer.Option(
+        TTFT_SLO_PER_TOKEN_S,
+        min=0.0,
+        help="TTFT SLO per prompt token: a prompt of L tokens has max(ttft-slo-s, L × this) "
+        "(LLM-Mesh: max(2, L/512) s); 0 keeps it fixed.",
+    ),
     tpot_slo_s: float = 0.1,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -208,6 +228,7 @@ def models_add(
                 "source": str(source.resolve()),
                 "keep_alive_s": keep_alive_s,
                 "ttft_slo_s": ttft_slo_s,
+                "ttft_slo_per_token_s": ttft_slo_per_token_s,
                 "tpot_slo_s": tpot_slo_s,
                 **overrides,
             },

@@ -7,13 +7,11 @@ after a grace period); children also get SIGTERM if this process dies (PR_SET_PD
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from shared.process import die_with_parent
 
 SERVICES = ("scheduler", "memory_manager", "loader", "engine", "gateway")
 NODE_SERVICES = ("memory_manager", "loader", "engine")
@@ -37,14 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    # Linux: deliver SIGTERM to the child when the supervising process goes away.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def nats_server_binary() -> str:
@@ -164,7 +156,7 @@ class Process:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops us in order
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log.close()
 

@@ -6,10 +6,10 @@ a lower batch than the preempting instance may be taken (taking a bigger one wou
 instance that had grown large, the fragmentation this is meant to cure), the lowest batch
 first, and only if every preempted request still validates somewhere else.
 
-Reactive (§7.2): when a model has to scale out anyway, new requests go to its instance with the
-highest batch, so the small (fragmented) ones drain and are reclaimed; and a new instance goes
-on the node it fills best (best fit) among those that validate, so whole nodes stay free for
-big instances.
+Reactive (§7.2) is placement's order of candidates: new requests go to a model's busiest
+instance first, so the small (fragmented) ones drain and scale-in reclaims them
+(`placement.join_order`); a new instance goes on the node it fills best among those that
+validate, so whole nodes stay free for big instances (`placement.start_order`).
 
 Pure: views in, a decision out.
 """
@@ -72,31 +72,3 @@ def relocatable(models: Iterable[str], others: Sequence[T], validates: Callable[
     node (`others`: the live nodes but its own; `validates`: shadow validation of one of its
     requests there, on an instance it has or a new one)."""
     return tuple(m for m in models if any(validates(n, m) for n in others))
-
-
-@dataclass(frozen=True)
-class InstanceLoad:
-    key: str
-    batch: int
-
-
-def fragmented(instances: Sequence[InstanceLoad]) -> list[str]:
-    """Instances of one model that are fragments: all but the one with the highest batch."""
-    if len(instances) < 2:
-        return []
-    keep = max(instances, key=lambda i: (i.batch, i.key))
-    return sorted(i.key for i in instances if i.key != keep.key)
-
-
-@dataclass(frozen=True)
-class Bin:
-    """A node that could take a new instance: free bytes after placing it."""
-
-    node_id: str
-    free_after_bytes: int
-
-
-def best_fit(bins: Iterable[Bin]) -> Bin | None:
-    """§7.2 bin-packing: the node left with the least free memory (ties by id), or None."""
-    fits = [b for b in bins if b.free_after_bytes >= 0]
-    return min(fits, key=lambda b: (b.free_after_bytes, b.node_id), default=None)

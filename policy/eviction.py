@@ -3,11 +3,13 @@
 Used for two tiers: compiled models kept resident in an engine's workers after their
 instances scaled to zero (Tangram §3.1: parameters stay in memory after the instance is
 released; TIDAL's template kept warm), and artifacts in a loader's host block cache. When
-memory runs short, entries that nothing uses are evicted
-in ascending order of cost per byte freed. The cost of evicting one is what it would cost to
-need it again: its measured reload time, weighted by how likely it is to be needed (Tangram's
-p_m, estimated here from its access rate and how recently it was used) and by the model's
-latency sensitivity α (1 by default). Plain LRU would ignore both the reload time and the size.
+memory runs short, entries that nothing uses are evicted in ascending order of their eviction
+cost (eq. 2), the cheapest first, until enough is freed: the paper's greedy, by the whole
+entry's cost, not its cost per byte. The cost of evicting one is what it would cost to need it
+again: its reload time s / b_m (eq. 3's load time with nothing of it reusable; measured where
+the caller has it), weighted by how likely it is to be needed (Tangram's p_m, estimated here
+from its access rate and how recently it was used) and by the model's latency sensitivity α
+(1 by default). Plain LRU would ignore both the reload time and the likelihood.
 
 Pure: state and a clock in, a decision out.
 """
@@ -47,23 +49,44 @@ def eviction_cost(r: Resident, now: float) -> float:
 
 
 def choose_evictions(residents: Iterable[Resident], need_bytes: int, now: float) -> list[str]:
-    """Idle residents to evict, cheapest per byte first, until `need_bytes` are freed.
+    """Idle residents to evict so that `need_bytes` are freed: Tangram §3.2.2 stage 1.
 
-    Returns [] when even evicting every idle resident would not free enough: evicting then
-    would cost reloads and still not make room.
+    The paper's greedy: idle residents in ascending eviction cost (eq. 2, the whole
+    resident's cost, its size already in it as s / b_m), evicted until what they free meets
+    the need. Not cost per byte: eq. 2 is already the price of evicting all of it, and a
+    per-byte order would take a big resident that is unlikely to be needed (4 GB at p = 0.5:
+    cost 2 GB / b) before a small one that is (1 GB at p = 1: cost 1 GB / b) when the small
+    one alone makes room, paying twice the expected reload.
+
+    One step the paper does not spell out: a victim that the ones after it made unnecessary
+    (a cheap small one taken before a big one that alone frees enough) is kept after all,
+    the dearest such first. It only takes evictions away, so what is freed still meets the
+    need and the total cost (eq. 1's objective, Σ c_j y_j) only falls.
+
+    Ties in cost go to the bigger (more room for the same price), then the least recently
+    used. Returns [] when even evicting every idle resident would not free enough: evicting
+    then would cost reloads and still not make room.
     """
     if need_bytes <= 0:
         return []
     idle = [r for r in residents if r.users == 0]
-    idle.sort(key=lambda r: (eviction_cost(r, now) / max(r.nbytes, 1), r.last_used))
-    chosen: list[str] = []
+    if sum(r.nbytes for r in idle) < need_bytes:
+        return []
+    cost = {id(r): eviction_cost(r, now) for r in idle}
+    idle.sort(key=lambda r: (cost[id(r)], -r.nbytes, r.last_used, r.key))
+    chosen: list[Resident] = []
     freed = 0
     for r in idle:
         if freed >= need_bytes:
             break
-        chosen.append(r.key)
+        chosen.append(r)
         freed += r.nbytes
-    return chosen if freed >= need_bytes else []
+    kept: set[int] = set()
+    for r in sorted(chosen, key=lambda r: cost[id(r)], reverse=True):
+        if freed - r.nbytes >= need_bytes:
+            kept.add(id(r))
+            freed -= r.nbytes
+    return [r.key for r in chosen if id(r) not in kept]
 
 
 def over_budget(residents: Iterable[Resident], budget_bytes: int) -> int:

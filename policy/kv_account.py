@@ -31,6 +31,8 @@ class _Request:
     """Most tokens it may generate (its max_tokens, or what the context leaves)."""
     generated: int = 0
     received_at: float = 0.0
+    ttft_slo_s: float | None = None
+    """Its own TTFT SLO (it grows with the prompt: `policy/slo.py`); None: the model's."""
     """ST of eq. 1 (the engine's clock)."""
 
 
@@ -60,11 +62,19 @@ class KvAccount:
     def reserved_tokens(self) -> int:
         return self.reserved_bytes // self.per_token_bytes if self.per_token_bytes else 0
 
-    def admit(self, request_id: str, input_tokens: int, cap: int, available: int, received_at: float = 0.0) -> KvPlan:
+    def admit(
+        self,
+        request_id: str,
+        input_tokens: int,
+        cap: int,
+        available: int,
+        received_at: float = 0.0,
+        ttft_slo_s: float | None = None,
+    ) -> KvPlan:
         """Count a request in and plan the cache for it (`available`: bytes the node could
         still grant). The request stays counted whatever the plan: the caller removes it
         with `forget` if it cannot run."""
-        self.running[request_id] = _Request(input_tokens, max(cap, 0), received_at=received_at)
+        self.running[request_id] = _Request(input_tokens, max(cap, 0), received_at=received_at, ttft_slo_s=ttft_slo_s)
         return on_admit(self.reserved_bytes, self.required(), available, self.watermark)
 
     def progress(self, request_id: str, generated: int, available: int) -> KvPlan:
@@ -95,12 +105,13 @@ class KvAccount:
         last resort)."""
         if len(self.running) < 2:
             return None
-        return max(
-            self.running,
-            key=lambda rid: headroom(
-                self.running[rid].received_at, ttft_slo_s, tpot_slo_s, self.running[rid].generated, now
-            ),
-        )
+
+        def room(rid: str) -> float:
+            r = self.running[rid]
+            own = ttft_slo_s if r.ttft_slo_s is None else r.ttft_slo_s
+            return headroom(r.received_at, own, tpot_slo_s, r.generated, now)
+
+        return max(self.running, key=room)
 
     def forget(self, request_id: str) -> None:
         """A request that never ran (refused): no trace in Ō."""

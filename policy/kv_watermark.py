@@ -102,10 +102,3 @@ def resize_seconds(old_bytes: int, new_bytes: int, copy_bps: float, fixed_s: flo
     if new_bytes == old_bytes:
         return 0.0
     return fixed_s + (min(old_bytes, new_bytes) + max(new_bytes - old_bytes, 0)) / copy_bps
-
-
-def victim_on_underestimate(headrooms: Iterable[tuple[str, float]]) -> str | None:
-    """§6.4: when a cache underestimated its growth and the node has no memory to grow it,
-    the request with the longest headroom is evicted and rescheduled (it can best afford it)."""
-    best = max(headrooms, key=lambda kv: (kv[1], kv[0]), default=None)
-    return best[0] if best else None

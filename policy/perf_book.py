@@ -99,6 +99,7 @@ class PerfBook:
                     self.start_s(r.artifact.artifact_id),
                     self.spawn_s(),
                     by_kind,
+                    ttft_slo_per_token_s=r.ttft_slo_per_token_s,
                 )
         return out
 

@@ -15,7 +15,6 @@ Pure: measurements in, a model out; no clock, no I/O.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -161,10 +160,3 @@ def profile(
         (PrefillSample(n, prefill_time(n)) for n in lengths),
         (DecodeSample(b, n, decode_time(b, n)) for b in batches for n in lengths),
     )
-
-
-def samples_needed(max_length: int, max_batch: int) -> int:
-    """How many measurements `profile` takes: the §5.2 cost, O(log L_max · log B_max)."""
-    nl = int(math.log2(max(max_length, 1))) + 1
-    nb = int(math.log2(max(max_batch, 1))) + 1
-    return nl + nl * nb

@@ -17,6 +17,12 @@ instance:
    "a decode round exceeds the TPOT"; it is also what protects the requests already there,
    case 2).
 
+A continuous-batching node (vLLM's scheduler, LLM-Mesh's own engine, the simulator's nodes)
+prefills first: the request waits for every prompt queued on the node, and its prefill, run
+ahead of everyone's next token, must fit in the slack the requests there have left
+(`prefill_slack_s`: case 2, "an existing request misses"). This is the shadow validation the
+scheduler and the simulator run; LLM-Mesh Fig. 6's cases are its tests.
+
 Every predicted time is taken 10 % longer (§5.3's overestimate). Times come from a
 performance model per model fitted from the engine's measurements (§5.2, `perf_model.py`).
 Candidates are tried CPU nodes first, then the busiest instance first (§7.2: bin-packing
@@ -24,7 +30,7 @@ lets small instances drain, and scale-in can take them). When none validates, a 
 goes to the node that can start the model soonest: the one that still holds its weights
 (Tangram's reusable tensors), else the one with the most room. When the start itself would
 make the request late, the request takes the soonest first token it can get and the new
-instance starts anyway for the requests after it (`policy.py`).
+instance starts anyway for the requests after it (`scheduling.py`).
 
 Pure: the cluster view, the model profiles and a demand in; a decision out.
 """
@@ -34,12 +40,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from policy.affinity import start_s_if_fits
 from policy.perf_model import PerfModel
-from policy.shadow import OVERESTIMATE, Failure
+from shared.messages import TTFT_SLO_PER_TOKEN_S
 
+OVERESTIMATE = 1.1
+"""§5.3: each predicted iteration is taken 10% longer than the model says (runtime noise, and
+sentence lengths that grow during decode)."""
 TYPICAL_COMPLETION_TOKENS = 128
 """What a request ahead in the queue is assumed to generate when nothing better is known:
 `max_tokens` defaults to the whole context, which would make every queue look endless."""
@@ -48,6 +58,14 @@ LOAD_BANDWIDTH_BPS = 1e9
 KIND_ORDER = ("cpu", "gpu")
 RESIDENT_START_S = 0.1
 """A start whose weights are still loaded in an idle worker (measured ≈ 0.08 s)."""
+
+
+class Failure(StrEnum):
+    """Why a request may not join (LLM-Mesh Fig. 6's three cases)."""
+
+    NEW_LATE = "new_request_late"
+    EXISTING_LATE = "existing_request_late"
+    ROUND_TOO_LONG = "decode_round_exceeds_tpot"
 
 
 class InstanceState(Protocol):
@@ -109,6 +127,7 @@ class Demand:
     prompt_tokens: int
     max_tokens: int
     ttft_slo_s: float
+    """This request's TTFT SLO: its model's grown to its prompt (`policy.slo.ttft_slo`)."""
     tpot_slo_s: float
 
 
@@ -118,6 +137,7 @@ class Profile:
 
     perf: PerfModel
     ttft_slo_s: float
+    """The floor of its TTFT SLO (`policy.slo.ttft_slo`): a short prompt's."""
     tpot_slo_s: float
     artifact_id: str = ""
     weight_bytes: int = 0
@@ -132,6 +152,8 @@ class Profile:
     start_s_by_kind: Mapping[str, float] = field(default_factory=dict)
     """`start_s` per kind of node, where known (a GPU loads over PCIe, a CPU copies)."""
     resident_start_s: float = RESIDENT_START_S
+    ttft_slo_per_token_s: float = TTFT_SLO_PER_TOKEN_S
+    """Its TTFT SLO's allowance per prompt token (`policy.slo.ttft_slo`)."""
 
     def perf_on(self, kind: str) -> PerfModel:
         return self.perf_by_kind.get(kind, self.perf)
@@ -275,7 +297,7 @@ def first_token_wait_s(
     perf: PerfModel, prompt: int, tokens: int, running: int, held: int, queued: int, width: int, join_tokens: int
 ) -> float:
     """Seconds from a request reaching a worker to its first token, as the engine batches
-    (`services/engine/worker.py`): `running` rows holding `held` context tokens decode, and
+    (`services/engine/worker_process.py`): `running` rows holding `held` context tokens decode, and
     `queued` requests (each taken as this one's size) wait.
 
     Requests join the running batch by re-prefilling its rows with theirs, while the rows hold

@@ -7,12 +7,15 @@ falls back to the least busy instance, or the least loaded node for a start.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from policy import defrag, placement
 from policy.placement import Demand, NodeState, Profile
+from policy.slo import ttft_slo
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
 
 
@@ -109,11 +112,16 @@ class StopOrder:
     idle_since: float
 
 
-def live_nodes(nodes: Iterable[NodeState], now: float, node_timeout_s: float) -> list[NodeState]:
+N = TypeVar("N", bound=NodeState)
+"""A node as the caller holds it (the scheduler's `NodeView`, the simulator's nodes): the
+filters below hand back what they are given."""
+
+
+def live_nodes(nodes: Iterable[N], now: float, node_timeout_s: float) -> list[N]:
     return [n for n in nodes if now - n.seen_at <= node_timeout_s]
 
 
-def with_starts(nodes: Iterable[NodeState], starts: Iterable[tuple[str, str]]) -> list[NodeState]:
+def with_starts(nodes: Iterable[N], starts: Iterable[tuple[str, str]]) -> list[N]:
     """The views with the starts this scheduler has ordered, (model, node) pairs, where no
     heartbeat shows them yet: a burst of first requests for several models is placed within
     milliseconds, and would all land on the node that looked emptiest (measured: three
@@ -199,7 +207,7 @@ def _place_validated(
     for n in crowded:
         others = [o for o in live if o.node_id != n.node_id]
         victims = placement.preemption_for(
-            n, model, demand, profiles, lambda m, others=others: relocatable(m, others, profiles)
+            n, model, demand, profiles, functools.partial(relocatable, others=others, profiles=profiles)
         )
         if victims:
             return UseNode(n.node_id, preempt=victims, why=why)
@@ -251,7 +259,7 @@ def _place_validated(
         return Rejected(
             code=ErrorCode.OVERLOADED,
             message=f"model {model!r} would answer in about {ttft:.1f} s, past its "
-            f"{demand.ttft_slo_s:g} s TTFT SLO; retry shortly",
+            f"{demand.ttft_slo_s:.3g} s TTFT SLO for {demand.prompt_tokens} prompt tokens; retry shortly",
             retry_after_s=max(1.0, ttft - demand.ttft_slo_s),
         )
     if isinstance(decision, UseNode) and spare is not None:
@@ -318,7 +326,8 @@ def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, 
     p = profiles.get(model)
     if p is None:
         return False  # never measured: nothing to validate with
-    typical = Demand(defrag.TYPICAL_PROMPT_TOKENS, placement.TYPICAL_COMPLETION_TOKENS, p.ttft_slo_s, p.tpot_slo_s)
+    prompt = defrag.TYPICAL_PROMPT_TOKENS
+    typical = Demand(prompt, placement.TYPICAL_COMPLETION_TOKENS, ttft_slo(p, prompt), p.tpot_slo_s)
     return any(placement.validate(o, model, typical, profiles).ok for o in others)
 
 
@@ -331,21 +340,30 @@ def _scale_out_warming(model: str, live: list[NodeState]) -> bool:
     return len(running) > 1 and any(i.tier == Tier.START for i in running)
 
 
+def _least_busy(model: str, live: list[NodeState], max_active_per_instance: int) -> UseNode | Rejected | None:
+    """The model's least busy instance, or OVERLOADED where even that one is at its limit;
+    None where the model runs nowhere."""
+    running = [(n, n.instances[model]) for n in live if model in n.instances]
+    if not running:
+        return None
+    node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
+    if inst.active >= max_active_per_instance:
+        return Rejected(
+            code=ErrorCode.OVERLOADED,
+            message=f"model {model!r} is at its limit of {max_active_per_instance} "
+            "concurrent requests per instance; retry shortly",
+            retry_after_s=1.0,
+        )
+    return UseNode(node.node_id)
+
+
 def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, profile: Profile | None) -> Decision:
     """Placement without a measurement to go by (none yet, or every candidate would break a
     neighbour's TPOT): the least busy instance, else a start where the model can start
     soonest (its weights resident), else spread."""
-    running = [(n, n.instances[model]) for n in live if model in n.instances]
-    if running:
-        node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
-        if inst.active >= max_active_per_instance:
-            return Rejected(
-                code=ErrorCode.OVERLOADED,
-                message=f"model {model!r} is at its limit of {max_active_per_instance} "
-                "concurrent requests per instance; retry shortly",
-                retry_after_s=1.0,
-            )
-        return UseNode(node.node_id)
+    least = _least_busy(model, live, max_active_per_instance)
+    if least is not None:
+        return least
     order = placement.start_order(live, profile)
     target = order[0] if order else min(live, key=lambda n: (len(n.instances) + len(n.starting), n.node_id))
     return StartOn(target.node_id)
@@ -354,17 +372,9 @@ def _fallback(model: str, live: list[NodeState], max_active_per_instance: int, p
 def _place_exclusive(
     model: str, live: list[NodeState], max_active_per_instance: int, starting_on: set[str]
 ) -> Decision:
-    running = [(n, n.instances[model]) for n in live if model in n.instances]
-    if running:
-        node, inst = min(running, key=lambda pair: (pair[1].active, pair[0].node_id))
-        if inst.active >= max_active_per_instance:
-            return Rejected(
-                code=ErrorCode.OVERLOADED,
-                message=f"model {model!r} is at its limit of "
-                f"{max_active_per_instance} concurrent requests; retry shortly",
-                retry_after_s=1.0,
-            )
-        return UseNode(node.node_id)
+    least = _least_busy(model, live, max_active_per_instance)
+    if least is not None:
+        return least
     # A node a start is under way on is taken, though no heartbeat may say so yet.
     free = [n for n in live if not n.instances and not n.starting and n.node_id not in starting_on]
     if not free:

@@ -3,8 +3,8 @@
 Tensors are the unit of reuse (§3.1): each has a fingerprint, and a model is the list of its
 tensors, so fine-tunes sharing a base share those tensors. When an instance is released its
 tensors stay resident (idle) instead of being freed; a later start of any model using them
-loads only what is missing. When memory runs short, idle tensors are evicted at the least
-cost per byte, Tangram eq. 2, with `policy.eviction` (the same rule the engine and loader use
+loads only what is missing. When memory runs short, idle tensors are evicted the cheapest
+first by Tangram's eq. 2 cost, with `policy.eviction` (the same rule the engine and loader use
 for their tiers). KV cache is allocated on demand as requests need it (§3.3), from the same
 memory, and in a pinch reclaims idle tensors the same way.
 

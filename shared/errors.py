@@ -18,17 +18,6 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PREEMPTED: 503,
 }
 
-# OpenAI's `error.type` values: clients branch on these.
-OPENAI_TYPE: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
 
 class TesseraError(Exception):
     """Raised anywhere a request must end with an error the client can read."""
@@ -50,14 +39,3 @@ class TesseraError(Exception):
     @property
     def status(self) -> int:
         return HTTP_STATUS[self.code]
-
-    def body(self) -> dict[str, dict[str, str | None]]:
-        """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": OPENAI_TYPE.get(self.status, "api_error"),
-                "param": self.param,
-                "code": self.code.value,
-            }
-        }

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,7 +20,22 @@ from starlette.routing import BaseRoute, Route
 
 Check = Callable[[], Awaitable[bool]]
 
+CHECK_TIMEOUT_S = 1.0
+"""Longest one readiness check may take: a probe must answer well within its own timeout."""
+
 log = logging.getLogger(__name__)
+
+
+class NotReady(Exception):
+    """Raised by a check that can say what is missing right now (its message says it)."""
+
+
+@dataclass(frozen=True)
+class ReadinessReport:
+    ready: bool
+    checks: dict[str, bool]
+    missing: list[str]
+    """One line per failing check, "<name>: <what is missing>": an operator reads why at once."""
 
 
 class Readiness:
@@ -28,20 +44,33 @@ class Readiness:
     def __init__(self, service: str) -> None:
         self.service = service
         self.checks: dict[str, Check] = {}
+        self.missing: dict[str, str] = {}
 
-    def add(self, name: str, check: Check) -> None:
+    def add(self, name: str, check: Check, missing: str = "check failed") -> None:
+        """`missing`: what it means when `check` answers False (it may raise `NotReady` instead)."""
         self.checks[name] = check
+        self.missing[name] = missing
 
-    async def report(self) -> tuple[bool, dict[str, bool]]:
-        async def run(check: Check) -> bool:
+    async def report(self) -> ReadinessReport:
+        async def run(name: str, check: Check) -> str | None:
+            """None when the check passes, else why not."""
             try:
-                return await asyncio.wait_for(check(), timeout=1.0)
-            except Exception:
-                return False
+                ok = await asyncio.wait_for(check(), timeout=CHECK_TIMEOUT_S)
+            except NotReady as e:
+                return str(e)
+            except TimeoutError:
+                return f"no answer within {CHECK_TIMEOUT_S:g}s"
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            return None if ok else self.missing[name]
 
-        results = await asyncio.gather(*(run(c) for c in self.checks.values()))
-        checks = dict(zip(self.checks, results, strict=True))
-        return all(results), checks
+        reasons = await asyncio.gather(*(run(n, c) for n, c in self.checks.items()))
+        failed = {n: r for n, r in zip(self.checks, reasons, strict=True) if r is not None}
+        return ReadinessReport(
+            ready=not failed,
+            checks={n: n not in failed for n in self.checks},
+            missing=[f"{n}: {r}" for n, r in failed.items()],
+        )
 
 
 def health_routes(readiness: Readiness) -> list[BaseRoute]:
@@ -49,10 +78,15 @@ def health_routes(readiness: Readiness) -> list[BaseRoute]:
         return JSONResponse({"status": "ok", "service": readiness.service})
 
     async def readyz(_: Request) -> Response:
-        ok, checks = await readiness.report()
+        report = await readiness.report()
         return JSONResponse(
-            {"ready": ok, "service": readiness.service, "checks": checks},
-            status_code=200 if ok else 503,
+            {
+                "ready": report.ready,
+                "service": readiness.service,
+                "checks": report.checks,
+                "missing": report.missing,
+            },
+            status_code=200 if report.ready else 503,
         )
 
     async def metrics(_: Request) -> Response:
@@ -80,7 +114,12 @@ def http_server(app: object, host: str, port: int) -> uvicorn.Server:
         lifespan="off",
         timeout_graceful_shutdown=2,
     )
-    server = uvicorn.Server(config)
-    # The service owns SIGINT/SIGTERM (`shared.runtime`); uvicorn must not take them.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    return server
+    return _Server(config)
+
+
+class _Server(uvicorn.Server):
+    """The service owns SIGINT/SIGTERM (`shared.runtime`); uvicorn must not take them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield

@@ -89,6 +89,10 @@ class GenerationDefaults(Message, frozen=True):
     up to the context)."""
 
 
+TTFT_SLO_PER_TOKEN_S = 1.0 / 512
+"""LLM-Mesh §3.1, §8.1: a request of L prompt tokens has max(2, L / 512) s to its first token."""
+
+
 class ModelRecord(Message, frozen=True):
     """A registered model name; several names may share one artifact."""
 
@@ -97,16 +101,16 @@ class ModelRecord(Message, frozen=True):
     """Path of the GGUF it was imported from."""
     artifact: Artifact
     ttft_slo_s: float
+    """The TTFT SLO of a short prompt: the floor of `policy.slo.ttft_slo`."""
     tpot_slo_s: float
     keep_alive_s: float
     """Idle seconds after which its instance is unloaded (scale to zero)."""
     created_at: float
     defaults: GenerationDefaults = GenerationDefaults()
-
-
-class ModelChanged(Message, frozen=True):
-    name: str
-    removed: bool = False
+    ttft_slo_per_token_s: float = TTFT_SLO_PER_TOKEN_S
+    """Seconds of TTFT SLO per prompt token: a prompt of L tokens has max(ttft_slo_s, L × this)
+    (`policy.slo.ttft_slo`; 0: a fixed TTFT SLO). A record written before it existed reads as
+    the paper's."""
 
 
 class ImportModel(Message, frozen=True):
@@ -416,8 +420,6 @@ class Staged(Message, frozen=True):
     hit: bool
     """True when the blob was already in the host cache (only bad blocks, if any, were re-read)."""
     repaired_blocks: int
-    copied_bytes: int
-    seconds: float
     verified: bool = True
     """False on a deferred-verify hit: its blocks are being checked (ask `VerifyStaged`)."""
 

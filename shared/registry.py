@@ -15,6 +15,14 @@ COLD_STARTS_KEY = "tessera:coldstarts"
 COLD_STARTS_KEPT = 200
 
 
+def _raw(value: bytes | str) -> bytes:
+    """redis-py types every reply `bytes | str`; a client without `decode_responses` (as
+    `shared.runtime.connect_valkey` makes it) returns bytes, which msgpack needs."""
+    if isinstance(value, str):
+        raise TypeError("the Valkey client must not decode responses: msgpack values are bytes")
+    return value
+
+
 class Registry:
     def __init__(self, valkey: aioredis.Redis) -> None:
         self.valkey = valkey
@@ -24,11 +32,11 @@ class Registry:
 
     async def get(self, name: str) -> ModelRecord | None:
         data = await self.valkey.hget(MODELS_KEY, name)
-        return None if data is None else decode(data, ModelRecord)
+        return None if data is None else decode(_raw(data), ModelRecord)
 
     async def all(self) -> list[ModelRecord]:
         items = await self.valkey.hgetall(MODELS_KEY)
-        return sorted((decode(v, ModelRecord) for v in items.values()), key=lambda r: r.name)
+        return sorted((decode(_raw(v), ModelRecord) for v in items.values()), key=lambda r: r.name)
 
     async def remove(self, name: str) -> bool:
         return bool(await self.valkey.hdel(MODELS_KEY, name))
@@ -41,4 +49,4 @@ class Registry:
 
     async def cold_starts(self, limit: int = 50) -> list[ColdStartRecorded]:
         items = await self.valkey.lrange(COLD_STARTS_KEY, 0, limit - 1)
-        return [decode(v, ColdStartRecorded) for v in items]
+        return [decode(_raw(v), ColdStartRecorded) for v in items]

@@ -30,11 +30,6 @@ def cluster_status() -> str:
     return f"{_ROOT}.scheduler.status"
 
 
-def model_changed() -> str:
-    """Gateway → all: a registration was added or removed (fan-out)."""
-    return f"{_ROOT}.registry.changed"
-
-
 def import_model() -> str:
     """Gateway → any loader: import a GGUF into the model store (request/reply)."""
     return f"{_ROOT}.loader.import"

@@ -9,7 +9,7 @@ Server's use of this same pipeline): add what arrived, `step()`, hand out what e
 ready, and abort what a client gave up on.
 
 `step()` and `GenerationHandle.read()` hold the GIL and must not run beside another step, so
-the core lives on its worker process's main thread (`worker.py`) and nothing else calls it.
+the core lives on its worker process's main thread (`worker_process.py`) and nothing else calls it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.messages import FinishReason, SamplingParams
 
@@ -116,7 +116,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
     plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
     blob for such a model but never imports it back), which is why a start serves its first
-    tokens on the materialized stateful tier while this builds (`worker.py`)."""
+    tokens on the materialized stateful tier while this builds (`worker_process.py`)."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
@@ -130,7 +130,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device, **properties)
 
 
-class TextSink:
+class TextSink(Protocol):
     """Where one request's new tokens go (detokenized with the others': `streams.CoreStreams`)."""
 
     def write(self, tokens: Sequence[int], logprobs: Sequence[float] = ()) -> None: ...

@@ -4,7 +4,7 @@ The model is a stateful OpenVINO IR (the KV cache lives in the infer request's s
 compiled once, at registration, with `CACHE_DIR` pointing into the artifact (MEDUSA §2.5, §6:
 do offline what every start would otherwise derive); a start imports that blob, which
 OpenVINO reports as `LOADED_FROM_CACHE`. The detokenizer loads on a second thread meanwhile.
-Generation is a plain loop over the infer request, run in a worker process (`worker.py`),
+Generation is a plain loop over the infer request, run in a worker process (`worker_process.py`),
 reporting each piece of text through `emit`.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import openvino as ov
@@ -24,14 +24,7 @@ import openvino as ov
 from services.engine.batch import BatchItem, Join, RowEmit, RowResult, generate_batch
 from services.engine.stops import StopMatcher
 from shared.artifact import compile_config, model_xml
-from shared.messages import Artifact, FinishReason, Tier
-
-
-class Flag(Protocol):
-    """Anything that says whether the generation should stop (checked after every token)."""
-
-    def is_set(self) -> bool: ...
-
+from shared.messages import Artifact, Tier
 
 Emit = Callable[[str, int], None]
 """emit(text, tokens): text to send and the tokens decoded since the last call."""
@@ -107,13 +100,15 @@ class IncrementalDetokenizer:
 
     def add(self, *tokens: int) -> str:
         self.extend(tokens)
-        return self.settle(*map(self._decode, self.windows()))
+        before, after = self.windows()
+        return self.settle(self._decode(before), self._decode(after))
 
     def flush(self) -> str:
         """Whatever is still held at the end (an incomplete sequence, as decoded)."""
         if self._read == len(self._ids):
             return ""
-        return self.settle(*map(self._decode, self.windows()), final=True)
+        before, after = self.windows()
+        return self.settle(self._decode(before), self._decode(after), final=True)
 
     # The same in two halves, so that a caller can decode many requests' windows in one run
     # of the detokenizer (`streams.CoreStreams`): extend, windows, decode them, settle.
@@ -192,13 +187,6 @@ class _Coalesce:
             self._texts.clear()
             self._tokens = 0
             self._last = time.perf_counter() if now is None else now
-
-
-@dataclass
-class GenerationResult:
-    finish_reason: FinishReason
-    completion_tokens: int
-    first_token_at: float | None
 
 
 @dataclass

@@ -3,6 +3,7 @@ run."""
 
 from __future__ import annotations
 
+import builtins
 import time
 from typing import Any
 
@@ -26,7 +27,6 @@ from shared.messages import (
     EvictResidents,
     GenerationDefaults,
     ImportModel,
-    ModelChanged,
     ModelImported,
     ModelRecord,
     Rejected,
@@ -84,29 +84,29 @@ class Admin:
             source=req.source,
             artifact=imported.artifact,
             ttft_slo_s=req.ttft_slo_s,
+            ttft_slo_per_token_s=req.ttft_slo_per_token_s,
             tpot_slo_s=req.tpot_slo_s,
             keep_alive_s=req.keep_alive_s,
             created_at=time.time(),
             defaults=generation_defaults(imported.artifact, req),
         )
         await self.registry.put(record)
-        await self.bus.publish(subjects.model_changed(), ModelChanged(name=req.name))
         return {**as_json(record), "converted": imported.converted, "import_s": imported.seconds}
 
+    # Below this method, `list` in the class body names it, not the builtin: `builtins.list`.
     async def list(self) -> list[dict[str, Any]]:
         return [as_json(r) for r in await self.registry.all()]
 
     async def remove(self, name: str) -> dict[str, Any]:
         if not await self.registry.remove(name):
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
-        await self.bus.publish(subjects.model_changed(), ModelChanged(name=name, removed=True))
         return {"name": name, "removed": True}
 
     async def create_key(self, req: CreateApiKey) -> dict[str, Any]:
         secret, record = await self.keys.create(req.name, req.models, req.requests_per_minute, req.tokens_per_minute)
         return {**record.public(), "key": secret}
 
-    async def list_keys(self) -> list[dict[str, Any]]:
+    async def list_keys(self) -> builtins.list[dict[str, Any]]:
         return [r.public() for r in await self.keys.all()]
 
     async def delete_key(self, name: str) -> dict[str, Any]:
@@ -114,10 +114,10 @@ class Admin:
             raise ApiError(404, f"no API key is named `{name}`", "key_not_found", param="name")
         return {"name": name, "deleted": True}
 
-    async def cold_starts(self, limit: int) -> list[dict[str, Any]]:
+    async def cold_starts(self, limit: int) -> builtins.list[dict[str, Any]]:
         return [as_json(e) for e in await self.registry.cold_starts(limit)]
 
-    async def evict(self, tier: str, artifact_id: str = "") -> list[dict[str, Any]]:
+    async def evict(self, tier: str, artifact_id: str = "") -> builtins.list[dict[str, Any]]:
         """Drop cached models on every live node. `resident`: compiled models kept by idle
         workers (the next start reads the host cache); `host`: also the loaders' host caches;
         `all`: also the store's pages in the OS page cache (the next start reads the disk)."""
@@ -148,7 +148,7 @@ class Admin:
                 results.append({"tier": "host", **as_json(dropped)})
         return results
 
-    async def cache(self) -> list[dict[str, Any]]:
+    async def cache(self) -> builtins.list[dict[str, Any]]:
         """Each node's host block cache: budget, use and the artifacts in it."""
         status = await self.bus.request(
             subjects.cluster_status(),

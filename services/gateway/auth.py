@@ -206,7 +206,7 @@ class Quotas:
             ("tokens", "tpm", who.tokens_per_minute, prompt_tokens + max_tokens),
         ]
         limits = [lim for lim in limits if lim[2] is not None]
-        argv: list[object] = [int(WINDOW_S * 1000)]
+        argv: list[str | int] = [int(WINDOW_S * 1000)]
         for _, tag, _, cost in limits:
             argv += [f"{RATE_PREFIX}{who.name}:{tag}:", cost]
         valkey = self.keys.valkey

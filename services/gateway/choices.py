@@ -21,6 +21,7 @@ from services.gateway.openai_format import (
     Shape,
     chat_logprobs,
     completion_logprobs,
+    error_body,
     finish_reason,
     sse,
 )
@@ -214,7 +215,7 @@ async def stream(
                 if isinstance(event, TesseraError):
                     # Headers are gone already: the error travels as an SSE event the openai
                     # client raises.
-                    yield sse(event.body())
+                    yield sse(error_body(event.status, event.message, event.code.value, event.param))
                     break
                 raise event
             if isinstance(event, Finished):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import jsonschema_rs
 
@@ -271,7 +271,7 @@ def schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
                 yield from schema_nodes(sub)
 
 
-def is_local_ref(ref: Any) -> bool:
+def is_local_ref(ref: Any) -> TypeGuard[str]:
     return isinstance(ref, str) and ref.startswith("#")
 
 

@@ -9,6 +9,23 @@ from typing import Any
 
 from shared.messages import Finished, FinishReason, TokenLogprob
 
+OPENAI_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+"""OpenAI's `error.type` for an HTTP status: clients branch on these."""
+
+
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body, {"error": {"message", "type", "param", "code"}}: an HTTP error's,
+    or the SSE event that ends a stream whose headers are already sent."""
+    return {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"), "param": param, "code": code}}
+
 
 def finish_reason(event: Finished) -> str:
     return "length" if event.finish_reason == FinishReason.LENGTH else "stop"

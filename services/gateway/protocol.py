@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.tools import Tool, check_tool_choice
+from shared.messages import TTFT_SLO_PER_TOKEN_S
 
 
 def _unicode(v: str) -> str:
@@ -280,6 +281,9 @@ class RegisterModel(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     source: Text = Field(min_length=1, description="Absolute path of a .gguf file")
     ttft_slo_s: float = Field(default=2.0, gt=0)
+    # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
+    # max(2, L / 512) s, the defaults); 0 keeps it fixed (`policy.slo`).
+    ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0)
     tpot_slo_s: float = Field(default=0.1, gt=0)
     keep_alive_s: float = Field(default=300.0, gt=0)
     # Generation defaults for requests that leave these out (else the model's metadata's, else

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -244,11 +244,11 @@ _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "
 
 def _as_responses_error(e: ValidationError) -> ApiError:
     """A chat request's validation error, named by what the client sent to /v1/responses."""
-    first = e.errors()[0] if e.errors() else {}
+    first: Mapping[str, Any] = e.errors()[0] if e.errors() else {}
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, UnsupportedParameter):
-        param = _RENAMED.get(cause.param, cause.param)
-        return ApiError(400, str(cause).replace(f"`{cause.param}`", f"`{param}`"), "unsupported_parameter", param=param)
+        named = _RENAMED.get(cause.param, cause.param)
+        return ApiError(400, str(cause).replace(f"`{cause.param}`", f"`{named}`"), "unsupported_parameter", param=named)
     loc = [str(p) for p in first.get("loc", ())]
     param = ".".join([_RENAMED.get(loc[0], loc[0]), *loc[1:]]) if loc else None
     msg = first.get("msg", "invalid request")

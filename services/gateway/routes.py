@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway import choices
 from services.gateway.admin import Admin
 from services.gateway.auth import ApiError, Auth, Principal, Quotas, check_model
-from services.gateway.openai_format import Shape
+from services.gateway.openai_format import Shape, error_body
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,7 +41,7 @@ from services.gateway.ratelimit import retry_after_header
 from services.gateway.responses import responses_router
 from services.gateway.serving import REJECTED, Gateway
 from services.gateway.ui import ui_router
-from shared.errors import OPENAI_TYPE, TesseraError
+from shared.errors import TesseraError
 from shared.health import Readiness, health_routes
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ def error_response(
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    body = {"error": {"message": message, "type": OPENAI_TYPE.get(status, "api_error"), "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 class BodyLimit:
@@ -108,6 +107,8 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
+    # Ready: its own NATS and Valkey checks (`shared.runtime`), and an engine to serve on.
+    readiness.add("engine", gateway.engines_heard)
     app = FastAPI(title="Tessera", version="0.1.0", routes=health_routes(readiness))
     app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_body_bytes)
     auth = Auth(gateway.settings, admin.keys)

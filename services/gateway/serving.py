@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
 
+from policy.slo import ttft_slo
 from services.gateway import guides
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -40,6 +41,7 @@ from services.gateway.tools import render as render_tools
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
+from shared.health import NotReady
 from shared.messages import (
     Cancel,
     ErrorCode,
@@ -133,7 +135,9 @@ class Generation:
         self.resumes = 0
 
     async def open(self) -> None:
-        await self.gw.admit(self.prepared.record.ttft_slo_s * self.gw.settings.queue_slo_multiple)
+        # Its own TTFT SLO, grown to its prompt (LLM-Mesh §8.1), as the scheduler judges it.
+        slo = ttft_slo(self.prepared.record, self.prepared.prompt_tokens)
+        await self.gw.admit(slo * self.gw.settings.queue_slo_multiple)
         self._admitted = True
         await self._send()
 
@@ -210,7 +214,7 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         await self._send(avoid=preempted_on)
 
-    async def events(self) -> AsyncIterator[TokenChunk | Finished]:
+    async def events(self) -> AsyncGenerator[TokenChunk | Finished]:
         assert self._sub is not None
         last = time.monotonic()
         first_at: float | None = None
@@ -310,6 +314,14 @@ class Gateway:
     def node_alive(self, node_id: str) -> bool:
         seen = self.node_seen.get(node_id)
         return seen is not None and time.time() - seen <= self.settings.node_timeout_s
+
+    async def engines_heard(self) -> bool:
+        """Readiness: with no engine's heartbeat heard lately (none is up yet, or this gateway's
+        bus is cut off from them) every request would fail, so the gateway is not ready. Read
+        from the heartbeats it hears anyway: a probe costs no request to anyone."""
+        if not any(self.node_alive(n) for n in self.node_seen):
+            raise NotReady(f"no engine node has sent a heartbeat within {self.settings.node_timeout_s:g}s")
+        return True
 
     async def admit(self, wait_s: float) -> None:
         """Count a request in flight; past `max_inflight` it waits in line, first come first

@@ -11,8 +11,8 @@ class GatewaySettings(CommonSettings):
     max_waiting: int = 1024
     """Requests waiting in line for admission; past it, 429 with Retry-After at once."""
     queue_slo_multiple: float = 5.0
-    """How long a request may wait in line: this many TTFT SLOs of its model (then 429 with
-    Retry-After: it would be that late anyway)."""
+    """How long a request may wait in line: this many times its TTFT SLO (its model's, grown to
+    its prompt: `policy.slo.ttft_slo`; then 429 with Retry-After: it would be that late anyway)."""
     placement_timeout_s: float = 300.0
     """Longest a request waits for a placement, a cold start included."""
     stream_idle_timeout_s: float = 300.0

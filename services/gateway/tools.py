@@ -333,7 +333,9 @@ _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) +
 
 
 def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
-    pieces, calls, end = [], [], 0
+    pieces: list[str] = []
+    calls: list[dict[str, Any]] = []
+    end = 0
     for block in _BLOCK.finditer(text):
         pieces.append(text[end : block.start()])
         end = block.end()

@@ -56,7 +56,6 @@ class StageResult:
     cache_dir: Path
     hit: bool
     repaired_blocks: int
-    copied_bytes: int
 
 
 class HostCache:
@@ -107,7 +106,7 @@ class HostCache:
         bad = bad_blocks(dst, manifest)
         if bad:
             copy_blocks(compiled_cache_dir(artifact, device, tier) / manifest.name, dst, manifest, bad)
-        return StageResult(dst_dir, True, len(bad), len(bad) * manifest.block_bytes)
+        return StageResult(dst_dir, True, len(bad))
 
     def fill(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
         """A miss: copy the blob in from the store, checking every block as it is read."""
@@ -120,12 +119,12 @@ class HostCache:
         self._make_room(manifest.size, now)
         dst_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        copied = copy_blocks(src, dst, manifest)
+        copy_blocks(src, dst, manifest)
         self.entries[artifact.artifact_id] = Resident(
             artifact.artifact_id, manifest.size, time.perf_counter() - t0, now, now
         )
         self.tiers[artifact.artifact_id] = tier
-        return StageResult(dst_dir, False, 0, copied.copied_bytes)
+        return StageResult(dst_dir, False, 0)
 
     def _make_room(self, nbytes: int, now: float) -> None:
         need = over_budget(self.entries.values(), self.budget_bytes - nbytes)

@@ -95,6 +95,7 @@ class LoaderService:
         req = decode(msg.data, StageArtifact)
         aid = req.artifact.artifact_id
         t0 = time.perf_counter()
+        replied = False  # a deferred check answers early, before its blocks are checked
         try:
             # One stage at a time: the cache's bookkeeping is not shared between threads. The
             # lock is held until the blocks are checked, so no eviction or fill can touch the
@@ -110,10 +111,9 @@ class LoaderService:
                             cache_dir=str(compiled_cache_dir(req.artifact, req.device, req.tier)),
                             hit=False,
                             repaired_blocks=0,
-                            copied_bytes=0,
-                            seconds=time.perf_counter() - t0,
                         ),
                     )
+                    replied = True
                     self._schedule_fill(req.artifact, req.device, req.tier)
                     return
                 checked: asyncio.Future[StageResult] | None = None
@@ -127,11 +127,10 @@ class LoaderService:
                             cache_dir=str(self.cache.place(req.artifact, req.device, req.tier)),
                             hit=True,
                             repaired_blocks=0,
-                            copied_bytes=0,
-                            seconds=time.perf_counter() - t0,
                             verified=False,
                         ),
                     )
+                    replied = True
                 try:
                     result = await asyncio.to_thread(self.cache.check, req.artifact, req.device, req.tier)
                 except Exception as e:
@@ -142,7 +141,7 @@ class LoaderService:
                     checked.set_result(result)
         except Exception as e:
             log.exception("staging %s failed", aid)
-            if not req.defer_verify:
+            if not replied:  # a deferred check that failed before its early reply answers too
                 await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
             return
         seconds = time.perf_counter() - t0
@@ -152,18 +151,12 @@ class LoaderService:
             REPAIRED_BLOCKS.inc(result.repaired_blocks)
             log.warning("re-read %d corrupt block(s) of %s from the store", result.repaired_blocks, aid)
         self._update_gauges()
-        if not req.defer_verify:
-            await self.bus.reply(msg, self._staged(result, seconds))
+        if not replied:
+            await self.bus.reply(msg, self._staged(result))
 
     @staticmethod
-    def _staged(result: StageResult, seconds: float) -> Staged:
-        return Staged(
-            cache_dir=str(result.cache_dir),
-            hit=result.hit,
-            repaired_blocks=result.repaired_blocks,
-            copied_bytes=result.copied_bytes,
-            seconds=seconds,
-        )
+    def _staged(result: StageResult) -> Staged:
+        return Staged(cache_dir=str(result.cache_dir), hit=result.hit, repaired_blocks=result.repaired_blocks)
 
     async def on_verify(self, msg: Msg) -> None:
         req = decode(msg.data, VerifyStaged)
@@ -173,7 +166,6 @@ class LoaderService:
                 msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"no check of {req.artifact_id} under way")
             )
             return
-        t0 = time.perf_counter()
         try:
             result = await checked
         except Exception as e:
@@ -182,7 +174,7 @@ class LoaderService:
         finally:
             if self._checks.get(req.artifact_id) is checked:
                 del self._checks[req.artifact_id]
-        await self.bus.reply(msg, self._staged(result, time.perf_counter() - t0))
+        await self.bus.reply(msg, self._staged(result))
 
     def _schedule_fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
         aid = artifact.artifact_id

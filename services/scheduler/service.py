@@ -12,9 +12,11 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
 from policy import defrag, scheduling
+from policy.backoff import Backoff, Change
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
 from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
+from policy.slo import ttft_slo
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import Bus, decode
@@ -49,6 +51,8 @@ PREEMPTION_ORDERS = Counter(
     "tessera_scheduler_preemptions_total",
     "Instances preempted so that a bigger neighbour could take a request (LLM-Mesh §7.1)",
 )
+KEEPALIVE_BACKOFF_CAP_S = 5.0
+"""Longest wait between keep-alive passes while they fail (Valkey down)."""
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
@@ -183,7 +187,9 @@ class SchedulerService:
         view = self._view(time.time())
         if req.avoid and any(n.node_id != req.avoid for n in view):
             view = [n for n in view if n.node_id != req.avoid]  # it was preempted there
-        demand = Demand(req.prompt_tokens, req.max_tokens, record.ttft_slo_s, record.tpot_slo_s)
+        # Its TTFT SLO grows with its prompt (LLM-Mesh §8.1): a long prompt is not late for
+        # taking the prefill it needs, and does not scale the model out for that alone.
+        demand = Demand(req.prompt_tokens, req.max_tokens, ttft_slo(record, req.prompt_tokens), record.tpot_slo_s)
         profiles = self._profiles()
         decision = scheduling.place(
             req.model,
@@ -356,12 +362,27 @@ class SchedulerService:
     # --- keep-alive ---------------------------------------------------------------------------
 
     async def _keepalive_loop(self) -> None:
+        # While Valkey is down every pass fails: back off (up to KEEPALIVE_BACKOFF_CAP_S) and
+        # log when it goes down and when it comes back, not a traceback every pass.
+        backoff = Backoff(self.settings.keep_alive_check_s, cap_s=KEEPALIVE_BACKOFF_CAP_S)
         while True:
+            error: Exception | None = None
             try:
                 await self.scale_in_idle()
-            except Exception:
-                log.exception("keep-alive pass failed")
-            await asyncio.sleep(self.settings.keep_alive_check_s)
+            except Exception as e:
+                error = e
+            step = backoff.step(error is None, time.monotonic())
+            if step.change == Change.DOWN:
+                log.warning(
+                    "keep-alive passes fail (%s: %s); retrying with backoff up to %gs, logging again once they work",
+                    type(error).__name__,
+                    error,
+                    KEEPALIVE_BACKOFF_CAP_S,
+                    exc_info=error,
+                )
+            elif step.change == Change.UP:
+                log.info("keep-alive passes work again, after %d failures in %.1fs", step.failures, step.down_s)
+            await asyncio.sleep(step.delay_s)
 
     async def scale_in_idle(self) -> None:
         records = await self.registry.all()

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster, free_port
-from shared import cli
+from ops import cli
+from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster, default_model_path, free_port, load_admin_key
 from tests.helpers.cluster import wait_for
 
 
@@ -69,6 +69,45 @@ def test_keys_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert "cli-key" not in run(tessera, secure, "keys", "ls")
     models = httpx.get(f"{secure.base_url}/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
     assert models.status_code == 401
+
+
+def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
+    """A second name on the default GGUF (its artifact is already imported, so this is quick):
+    registered with its SLOs and a sampling default, listed with them, served, removed."""
+    out = run(
+        tessera,
+        secure,
+        "models",
+        "add",
+        "cli-model",
+        str(default_model_path()),
+        "--keep-alive-s",
+        "30",
+        "--ttft-slo-s",
+        "3",
+        "--ttft-slo-per-token-s",
+        "0",
+        "--tpot-slo-s",
+        "0.5",
+        "--max-tokens",
+        "7",
+    )
+    assert "registered cli-model" in out
+    row = next(line for line in run(tessera, secure, "models", "ls").splitlines() if "cli-model" in line)
+    assert " 30 " in row and " 3 " in row and "0.5" in row and "max_tokens 7" in row
+    admin = {"Authorization": f"Bearer {load_admin_key(secure.home)}"}
+    found = {m["name"]: m for m in httpx.get(f"{secure.base_url}/admin/models", headers=admin, timeout=10).json()}
+    assert found["cli-model"]["ttft_slo_s"] == 3 and found["cli-model"]["ttft_slo_per_token_s"] == 0
+    assert found["cli-model"]["defaults"]["max_tokens"] == 7
+
+    run(tessera, secure, "models", "rm", "cli-model")
+    assert "cli-model" not in run(tessera, secure, "models", "ls")
+    gone = tessera.invoke(
+        cli.app,
+        ["models", "rm", "cli-model", "--url", secure.base_url, "--home", str(secure.home)],
+        env={"TESSERA_ADMIN_KEY": ""},
+    )
+    assert gone.exit_code == 1 and "404" in gone.output
 
 
 def test_a_wrong_admin_key_is_refused_with_the_gateways_message(tessera: CliRunner, secure: LocalCluster) -> None:

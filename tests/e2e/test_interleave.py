@@ -30,7 +30,10 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> I
     shutil.copyfile(default_model_path(), copy)
     with copy.open("ab") as f:
         f.write(b"\x00tessera-test-lax")
-    c = start_cluster(home, model_store)
+    # One iteration at a time on any machine: the gate runs cpu_quota // inference_threads
+    # iterations at once, so a node of 2 cores at 2 threads each has one turn to share (on
+    # 4 or more cores the two would otherwise decode side by side and never wait).
+    c = start_cluster(home, model_store, TESSERA_INFERENCE_THREADS="2", TESSERA_CPU_QUOTA="2")
     try:
         for name, source, ttft, tpot in (("urgent", default_model_path(), 1.0, 0.05), ("lax", copy, 60.0, 1.0)):
             r = httpx.post(

@@ -74,6 +74,12 @@ def test_same_seed_gives_same_sample(client: openai.OpenAI, model: str) -> None:
         return r.choices[0].message.content or ""
 
     assert sample(7) == sample(7)
+    # ... and the seed and the temperature are not ignored: a greedy engine would give one
+    # answer for every seed, and that answer would be the greedy one.
+    samples = {seed: sample(seed) for seed in (1, 2, 3, 4)}
+    greedy = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    assert len(set(samples.values())) > 1, samples
+    assert any(s != greedy.choices[0].message.content for s in samples.values())
 
 
 def test_stop_string_ends_the_completion_before_it(client: openai.OpenAI, model: str) -> None:
@@ -178,7 +184,9 @@ def test_past_the_admission_limit_requests_wait_in_line_and_a_full_line_is_429(
             held.pop().__exit__(None, None, None)
             served = waiting.result(timeout=60)
             assert served.status_code == 200, served.text
-            assert served.json()["choices"][0]["message"]["content"] is not None
+            answer = served.json()
+            assert answer["choices"][0]["message"]["content"]
+            assert 1 <= answer["usage"]["completion_tokens"] <= 4
         finally:
             for ctx in held:
                 ctx.__exit__(None, None, None)

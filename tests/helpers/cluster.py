@@ -51,7 +51,8 @@ def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
 def register(
     cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None, **slo: float
 ) -> dict[str, object]:
-    """Register `name` (the default model unless `source`); `slo`: ttft_slo_s, tpot_slo_s."""
+    """Register `name` (the default model unless `source`); `slo`: ttft_slo_s,
+    ttft_slo_per_token_s, tpot_slo_s."""
     from ops.localcluster import default_model_path
 
     def post() -> httpx.Response | None:

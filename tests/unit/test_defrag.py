@@ -1,11 +1,4 @@
-from policy.defrag import (
-    Bin,
-    InstanceLoad,
-    Neighbour,
-    best_fit,
-    choose_preemption,
-    fragmented,
-)
+from policy.defrag import Neighbour, choose_preemption, relocatable
 
 
 def test_only_lower_batch_neighbours_are_preempted_lowest_first() -> None:
@@ -25,19 +18,7 @@ def test_a_neighbour_whose_requests_do_not_validate_elsewhere_is_not_taken() -> 
     assert choose_preemption(batch=3, need_bytes=30, neighbours=ns).victims == ("idle",)
 
 
-def test_fig10c_the_lower_batch_instance_is_the_fragment() -> None:
-    # §7.2: LLM_B with bs=2 on Node-1 and bs=3 on Node-2: Node-1's instance is fragmented.
-    assert fragmented([InstanceLoad("node1", 2), InstanceLoad("node2", 3)]) == ["node1"]
-
-
-def test_best_fit_packs_the_node_left_with_least_free_memory() -> None:
-    assert best_fit([Bin("a", 50), Bin("b", 10), Bin("c", -5)]).node_id == "b"
-    assert best_fit([Bin("c", -5)]) is None
-
-
 def test_only_instances_whose_requests_validate_on_another_node_are_relocatable() -> None:
-    from policy.defrag import relocatable
-
     room = {("n1", "a"), ("n2", "b")}  # where each model would validate
     assert relocatable(["a", "b", "c"], ["n1", "n2"], lambda n, m: (n, m) in room) == ("a", "b")
     assert relocatable(["a"], [], lambda n, m: True) == ()  # no other node: nothing relocates

@@ -89,3 +89,18 @@ def test_when_even_the_requirement_is_refused_the_request_with_most_headroom_is_
     # Alone, a request is not evicted: that frees nothing for anyone on this instance.
     kv.forget("late")
     assert kv.evictee(1.0, 0.1, now=10.0) is None
+
+
+def test_a_long_prompt_s_own_ttft_slo_gives_it_the_headroom_it_earned() -> None:
+    """Each request's headroom counts its own TTFT SLO (it grows with the prompt, LLM-Mesh
+    §8.1): a 4,096-token prompt received at 0 has max(1, 4096/512) = 8 s, so at t = 5 with
+    no token yet its headroom is 3 s, more than a short one received at 4.5 (0.5 s)."""
+    kv = account()
+    kv.admit("long", 4096, 10, available=0, received_at=0.0, ttft_slo_s=8.0)
+    kv.admit("short", 40, 10, available=0, received_at=4.5, ttft_slo_s=1.0)
+    assert kv.evictee(1.0, 0.1, now=5.0) == "long"
+    # With the model's fixed 1 s for both, the long one would look 4 s late and stay.
+    fixed = account()
+    fixed.admit("long", 4096, 10, available=0, received_at=0.0)
+    fixed.admit("short", 40, 10, available=0, received_at=4.5)
+    assert fixed.evictee(1.0, 0.1, now=5.0) == "short"

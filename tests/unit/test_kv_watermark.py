@@ -5,7 +5,6 @@ from policy.kv_watermark import (
     recommended_bytes,
     required_bytes,
     resize_seconds,
-    victim_on_underestimate,
 )
 
 GB = 10**9
@@ -44,10 +43,6 @@ def test_fig8_resize_times_at_34_gb_per_s() -> None:
     up = resize_seconds(32 * GB, 64 * GB, 34 * GB, 0.0)
     down = resize_seconds(32 * GB, 16 * GB, 34 * GB, 0.0)
     assert 1.7 < up < 2.1 and down < up  # Fig. 8: 1.9 s up, 0.3 s down
-
-
-def test_on_underestimate_the_request_with_longest_headroom_is_evicted() -> None:
-    assert victim_on_underestimate([("a", 0.2), ("b", 3.0), ("c", 1.0)]) == "b"
 
 
 def test_l_min_is_the_setting_within_the_context_and_zero_means_the_context() -> None:

@@ -1,6 +1,7 @@
 import msgspec
 import pytest
 
+from services.gateway.openai_format import error_body
 from shared import subjects
 from shared.bus import decode, encode
 from shared.errors import TesseraError
@@ -55,6 +56,6 @@ def test_every_subject_carries_the_schema_version() -> None:
 def test_errors_map_to_openai_bodies_and_statuses() -> None:
     e = TesseraError(ErrorCode.OVERLOADED, "busy", retry_after_s=1)
     assert e.status == 429
-    assert e.body()["error"]["type"] == "rate_limit_error"
+    assert error_body(e.status, e.message, e.code.value)["error"]["type"] == "rate_limit_error"
     assert TesseraError(ErrorCode.MODEL_NOT_FOUND, "x").status == 404
     assert TesseraError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "x").status == 400

@@ -6,7 +6,6 @@ from policy.perf_model import (
     PrefillSample,
     powers_of_two,
     profile,
-    samples_needed,
 )
 
 
@@ -42,7 +41,18 @@ def test_a_missing_grid_cell_is_refused() -> None:
 
 def test_profiling_samples_powers_of_two_so_the_cost_is_logarithmic() -> None:
     assert powers_of_two(4096)[-1] == 4096 and len(powers_of_two(4096)) == 13
-    assert samples_needed(4096, 256) == 13 + 13 * 9  # "only a few hundred samples" (§5.2)
+    measured: list[tuple[int, ...]] = []
+
+    def prefill(n: int) -> float:
+        measured.append((n,))
+        return 0.001 * n
+
+    def decode(b: int, n: int) -> float:
+        measured.append((b, n))
+        return 0.05
+
+    profile(prefill, decode, max_length=4096, max_batch=256)
+    assert len(measured) == 13 + 13 * 9  # "only a few hundred samples" (§5.2)
 
 
 def test_a_profiled_model_reproduces_the_measured_points() -> None:

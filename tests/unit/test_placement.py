@@ -7,7 +7,8 @@ import pytest
 
 from policy.perf_book import PerfBook
 from policy.perf_model import DecodeSample, PerfModel, PrefillSample
-from policy.placement import Demand, Failure, Profile, service_s, start_order, validate
+from policy.perf_model import profile as perf_profile
+from policy.placement import Demand, Failure, Profile, join_order, service_s, start_order, validate
 from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
 from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, PerfReport, Rejected
 
@@ -39,6 +40,20 @@ def inst(model: str, active: int) -> InstanceView:
 
 def demand(prompt: int = 100, max_tokens: int = 50, ttft: float = 2.0, tpot: float = 0.1) -> Demand:
     return Demand(prompt, max_tokens, ttft, tpot)
+
+
+RECORD = ModelRecord(
+    name="m",
+    source="/x.gguf",
+    ttft_slo_s=1.0,
+    tpot_slo_s=0.1,
+    keep_alive_s=60,
+    created_at=0,
+    artifact=Artifact(
+        artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
+    ),
+)
+"""Model `m`, registered on artifact a1 (for the perf book's profiles)."""
 
 
 def test_service_time_is_prefill_plus_decode_iterations() -> None:
@@ -231,18 +246,7 @@ def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:
     assert perf is not None
     assert perf.prefill_s(32) == pytest.approx(0.065)  # 30 and 34 both count as 32
     assert perf.decode_s(1, 64) == pytest.approx(0.016)
-    record = ModelRecord(
-        name="m",
-        source="/x.gguf",
-        ttft_slo_s=1.0,
-        tpot_slo_s=0.1,
-        keep_alive_s=60,
-        created_at=0,
-        artifact=Artifact(
-            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
-        ),
-    )
-    (p,) = book.profiles([record]).values()
+    (p,) = book.profiles([RECORD]).values()
     assert p.kv_bytes == 200 and p.weight_bytes == 5 and p.tpot_slo_s == 0.1
 
 
@@ -331,18 +335,7 @@ def test_a_start_where_no_worker_is_prewarmed_also_waits_for_one_to_spawn() -> N
     book.report("n0", "cpu", PerfReport("a1", prefill=((128, 0.2),), decode=((1, 128, 0.02),)))
     book.start("a1", 0.5, spawn_s=3.5)  # no worker was prewarmed: it spawned one
     book.start("a1", 0.7, spawn_s=0.001)  # one was: a spawn of ~0 says nothing of spawns
-    record = ModelRecord(
-        name="m",
-        source="/x.gguf",
-        ttft_slo_s=1.0,
-        tpot_slo_s=0.1,
-        keep_alive_s=60,
-        created_at=0,
-        artifact=Artifact(
-            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
-        ),
-    )
-    (p,) = book.profiles([record]).values()
+    (p,) = book.profiles([RECORD]).values()
     assert p.start_s == pytest.approx(0.6) and p.spawn_s == pytest.approx(3.5)
     prewarmed = NodeView("b", NOW, prewarmed=1)
     bare = NodeView("b", NOW)
@@ -500,17 +493,6 @@ def test_a_start_under_way_that_cannot_serve_a_request_in_time_does_not_block_an
 
 def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
     book = PerfBook()
-    record = ModelRecord(
-        name="m",
-        source="/x.gguf",
-        ttft_slo_s=1.0,
-        tpot_slo_s=0.1,
-        keep_alive_s=60,
-        created_at=0,
-        artifact=Artifact(
-            artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
-        ),
-    )
     for kind, scale in (("cpu", 1.0), ("gpu", 0.1)):
         book.report(
             "n-" + kind,
@@ -521,7 +503,75 @@ def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
                 decode=((1, 64, 0.02 * scale), (1, 512, 0.03 * scale)),
             ),
         )
-    (p,) = book.profiles([record]).values()
+    (p,) = book.profiles([RECORD]).values()
     assert set(p.perf_by_kind) == {"cpu", "gpu"}
     assert p.perf_on("gpu").prefill_s(512) == pytest.approx(0.1 * p.perf_on("cpu").prefill_s(512), rel=1e-6)
     assert p.perf is p.perf_on("cpu")  # the default kind's, where a node's kind is unknown
+
+
+# --- LLM-Mesh Fig. 6: the three ways a request may not join, on a prefill-first node ---------
+
+# One decode iteration 0.05 s per instance, a prefill 1 ms per token (§5.2's power-of-two grid).
+FIG6 = perf_profile(lambda n: 0.001 * n, lambda b, n: 0.05)
+
+
+def fig6(
+    *instances: InstanceView, tpot: float = 0.25, slack: float = float("inf")
+) -> tuple[NodeView, dict[str, Profile]]:
+    """A node of LLM-Mesh's engine running `instances`, and their profiles (TPOT SLO `tpot`)."""
+    profiles = {i.model: Profile(FIG6, 2.0, tpot, f"a-{i.model}") for i in instances}
+    return cont("n", *instances, slack=slack), profiles
+
+
+def test_fig6_a_request_that_fits_is_accepted() -> None:
+    n, profiles = fig6(decoding("a", 1, 512), decoding("b", 1, 512))
+    v = validate(n, "a", Demand(512, 128, 2.0, 0.25), profiles)
+    assert v.ok and v.ttft_s == pytest.approx(1.1 * 0.512) and v.round_s == pytest.approx(1.1 * 0.1)
+
+
+def test_fig6_case1_the_new_requests_prefill_ends_too_late() -> None:
+    n, profiles = fig6(decoding("a", 1, 512))
+    v = validate(n, "a", Demand(1500, 128, 1.0, 0.25), profiles)  # 1.1 × 1.5 s > 1 s
+    assert not v.ok and v.failure == Failure.NEW_LATE
+
+
+def test_fig6_case2_an_existing_request_is_pushed_past_its_headroom() -> None:
+    # "a" has a prompt of 500 tokens queued with 0.9 s of headroom: once it is prefilled
+    # (0.55 s with the overestimate) the node has 0.35 s of slack, less than this prefill.
+    n, profiles = fig6(decoding("a", 0, 0, queued=1, queued_tokens=500), decoding("b", 0, 0), slack=0.9 - 0.55)
+    v = validate(n, "b", Demand(500, 128, 0.7, 0.25), profiles)
+    assert not v.ok and v.failure == Failure.EXISTING_LATE
+
+
+def test_fig6_case3_the_decode_round_over_all_instances_exceeds_tpot() -> None:
+    n, profiles = fig6(*(decoding(k, 1, 512) for k in "abcde"))  # 5 × 0.05 × 1.1 = 0.275 > 0.25
+    v = validate(n, "a", Demand(16, 128, 5.0, 0.25), profiles)
+    assert not v.ok and v.failure == Failure.ROUND_TOO_LONG
+
+
+def test_fig6_iterations_are_overestimated_by_ten_percent() -> None:
+    n, profiles = fig6(*(decoding(k, 1, 512) for k in "abcd"), tpot=1.0)  # 4 × 0.05 = 0.2; 0.22 with 10 %
+    assert validate(n, "a", Demand(16, 128, 5.0, 0.21), profiles).failure == Failure.ROUND_TOO_LONG
+    assert validate(n, "a", Demand(16, 128, 5.0, 0.23), profiles).ok
+
+
+def test_fig6_a_start_still_loading_delays_the_first_token() -> None:
+    loading = InstanceView(model="new", active=0, last_used=NOW, loaded_at=NOW, ready_in_s=1.9)
+    n, profiles = fig6(loading)
+    assert validate(n, "new", Demand(200, 128, 2.0, 0.25), profiles).failure == Failure.NEW_LATE  # 1.1 × 2.1 s
+    assert validate(n, "new", Demand(200, 128, 2.5, 0.25), profiles).ok
+
+
+def test_fig6_prompts_queued_on_other_instances_count() -> None:
+    n, profiles = fig6(decoding("a", 1, 512), decoding("b", 0, 0, queued=1, queued_tokens=1200))
+    v = validate(n, "a", Demand(600, 128, 1.4, 0.25), profiles)  # 1.1 × (1.2 + 0.6) s > 1.4 s
+    assert not v.ok and v.failure == Failure.NEW_LATE
+
+
+def test_candidates_go_cpu_first_then_the_busiest_instance_first() -> None:
+    # §7.2 (Fig. 10c): the instance with the higher batch takes new requests; the other drains.
+    nodes = [
+        node(k, inst("m", active=b), kind=kind)
+        for k, kind, b in (("g8", "gpu", 8), ("c1", "cpu", 1), ("c4", "cpu", 4), ("g2", "gpu", 2))
+    ]
+    assert [n.node_id for n in join_order(nodes, "m")] == ["c4", "c1", "g8", "g2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.engine.workers import Worker, WorkerPool
+from services.engine.worker_pool import Worker, WorkerPool
 
 
 class FakeWorker:

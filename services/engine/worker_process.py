@@ -40,6 +40,7 @@ from services.engine.core import needs_core, needs_logits
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk, CoreStreams
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
+from shared.process import die_with_parent
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
     from services.engine.core import EngineCore
@@ -169,13 +170,6 @@ class DropSession:
 class Failure:
     request_id: str | None
     message: str
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _pin_all_threads(cores: set[int]) -> None:
@@ -713,7 +707,7 @@ def worker_main(
     gate: StepGate | None = None,
     slot: int = -1,
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.
     import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 
 from services.engine.step_gate import StepGate
-from services.engine.worker import (
+from services.engine.worker_process import (
     MALLOC_ENV,
     CancelRun,
     Chunk,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.worker import CancelRun, Done, Failure, Run, Started, _Loop
+from services.engine.worker_process import CancelRun, Done, Failure, Run, Started, _Loop
 from shared.messages import Artifact, FinishReason, SamplingParams
 
 

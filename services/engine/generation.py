@@ -1,0 +1,229 @@
+"""Generating: a request admitted to an instance's KV, run in its worker, its tokens streamed
+to the gateway as they come, its cancellation, and the measurements taken on the way (the
+performance samples sent with heartbeats, the cold start's record).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from policy.slo import ttft_slo
+from services.engine.memory import KvMemory
+from services.engine.metrics import (
+    BATCHED_REQUESTS,
+    COLD_START_SECONDS,
+    DECODED_TOKENS,
+    GATE_WAIT,
+    KV_ALLOCATED,
+    PHASE_SECONDS,
+    QUEUE_WAIT,
+    REQUESTS,
+    TTFT,
+)
+from services.engine.node import Samples, Served
+from services.engine.worker_pool import Cancelled, WorkerDied
+from services.engine.worker_process import Chunk, Done, Run
+from shared import subjects
+from shared.bus import decode
+from shared.errors import TesseraError
+from shared.messages import (
+    Cancel,
+    ColdStartPhases,
+    ColdStartRecorded,
+    ErrorCode,
+    Failed,
+    Finished,
+    FinishReason,
+    Generate,
+    GenerateAccepted,
+    TokenChunk,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Generation(KvMemory):
+    async def on_cancel(self, msg: Msg) -> None:
+        self._cancel(decode(msg.data, Cancel).request_id, by_client=True)
+
+    async def on_generate(self, msg: Msg) -> None:
+        req = decode(msg.data, Generate)
+        inst = self.instances.get(req.model)
+        if inst is None or inst.preempted:
+            await self.bus.reply(
+                msg,
+                Failed(
+                    request_id=req.request_id,
+                    code=ErrorCode.INSTANCE_NOT_LOADED,
+                    message=f"{req.model} is not loaded on {self.node}",
+                ),
+            )
+            return
+        cancelled = Cancelled()
+        self._cancels[req.request_id] = (cancelled, inst.bound)
+        inst.requests.add(req.request_id)
+        inst.prompts[req.request_id] = req.prompt_tokens
+        inst.active += 1
+        inst.last_used = time.time()
+        await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
+        try:
+            try:
+                await self._kv_admit(inst, req)
+            except TesseraError as e:
+                REQUESTS.labels("error").inc()
+                await self.bus.publish(
+                    req.stream_subject, Failed(request_id=req.request_id, code=e.code, message=e.message)
+                )
+                return
+            await self._generate(inst, req, cancelled)
+        finally:
+            inst.active -= 1
+            inst.requests.discard(req.request_id)
+            inst.prompts.pop(req.request_id, None)
+            inst.held.pop(req.request_id, None)
+            inst.evicted.discard(req.request_id)
+            inst.last_used = time.time()
+            del self._cancels[req.request_id]
+            if inst.active == 0:
+                self._went_idle.set()  # a start waiting for memory may take this one's
+
+    async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
+        received = time.monotonic()
+        run = Run(
+            req.request_id,
+            inst.model,
+            req.prompt_ids,
+            req.params,
+            self.settings.stream_interval_s,
+            inst.kv.reserved_tokens,
+            received,
+            ttft_slo(inst, req.prompt_tokens),
+            inst.tpot_slo_s,
+        )
+        generated = 0
+        final: Finished | Failed = Finished(
+            request_id=req.request_id,
+            finish_reason=FinishReason.CANCELLED,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=0,
+        )
+        try:
+
+            def started(batch: int) -> None:
+                QUEUE_WAIT.observe(time.monotonic() - received)
+                BATCHED_REQUESTS.labels(str(batch)).inc()
+                inst.held[req.request_id] = req.prompt_tokens
+
+            async for out in inst.bound.worker.generate(run, cancelled, started):
+                if isinstance(out, Chunk):
+                    DECODED_TOKENS.inc(out.tokens)
+                    generated += out.tokens
+                    if req.request_id in inst.held:
+                        inst.held[req.request_id] = req.prompt_tokens + generated
+                    await self._kv_progress(inst, req.request_id, generated)
+                    await self.bus.publish(
+                        req.stream_subject,
+                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens, logprobs=out.logprobs),
+                    )
+                elif isinstance(out, Done):
+                    if received >= inst.warm_since and not out.beside_build:
+                        # Requests that arrived before the start's first token shared the
+                        # fresh worker's first pass and the start itself: their times are no
+                        # measure of the model (on 2/3-core nodes they made the scheduler
+                        # predict a 2 s prefill and scale out for it).
+                        self._perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
+                    if self.gate is not None:
+                        GATE_WAIT.observe(out.gated_s)
+                    if out.kv_allocated_bytes:
+                        KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
+                    final = Finished(
+                        request_id=req.request_id,
+                        finish_reason=out.finish_reason,
+                        prompt_tokens=req.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                    )
+                    if out.first_token_at is not None:
+                        TTFT.observe(out.first_token_at - received)
+                        await self._maybe_record_cold_start(inst, out.first_token_at)
+            if (
+                (inst.preempted or req.request_id in inst.evicted)
+                and isinstance(final, Finished)
+                and final.finish_reason is FinishReason.CANCELLED
+                and not cancelled.by_client
+            ):
+                why = (
+                    f"the instance of {inst.model} on {self.node} was preempted"
+                    if inst.preempted
+                    else f"evicted from the KV cache of {inst.model} on {self.node}, which could not grow"
+                )
+                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
+                REQUESTS.labels("preempted").inc()
+            elif isinstance(final, Finished):
+                REQUESTS.labels(final.finish_reason.value).inc()
+        except WorkerDied as e:
+            log.error("worker of %s died during %s", inst.model, req.request_id)
+            REQUESTS.labels("error").inc()
+            final = Failed(
+                request_id=req.request_id,
+                code=ErrorCode.ENGINE_FAILED,
+                message=f"the worker serving {inst.model} died ({e}); retry the request",
+            )
+            await self._lose_worker(inst.bound)
+        except Exception as e:
+            log.exception("generation %s failed", req.request_id)
+            REQUESTS.labels("error").inc()
+            final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
+        await self.bus.publish(req.stream_subject, final)
+        finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
+        await self._kv_complete(inst, req.request_id, generated, finished)
+
+    async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
+        pending = self._cold.pop(inst.model, None)
+        if pending is None:
+            return
+        inst.warm_since = first_token_at
+        self.workers.start_done()
+        p = pending.phases
+        ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
+        phases = ColdStartPhases(
+            init_s=p.init_s,
+            load_s=p.load_s,
+            profile_s=p.profile_s,
+            prefill_s=max(0.0, first_token_at - ready_at),
+        )
+        total = first_token_at - pending.t0
+        for name in ("init", "load", "profile", "prefill"):
+            PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
+        COLD_START_SECONDS.observe(total)
+        event = ColdStartRecorded(
+            node_id=self.node,
+            model=inst.model,
+            started_at=time.time() - (time.monotonic() - pending.t0),
+            phases=phases,
+            total_s=total,
+            loaded_from_cache=inst.bound.loaded_from_cache,
+            source=pending.source,
+            stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
+            worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
+            tier=inst.bound.worker.tier or "",
+        )
+        log.info(
+            "cold start of %s: %.2fs",
+            inst.model,
+            total,
+            extra={
+                "model": inst.model,
+                "phases": {
+                    "init_s": phases.init_s,
+                    "load_s": phases.load_s,
+                    "profile_s": phases.profile_s,
+                    "prefill_s": phases.prefill_s,
+                },
+                "source": pending.source,
+                "tier": inst.bound.worker.tier,
+            },
+        )
+        await self.bus.publish(subjects.cold_start_recorded(), event)

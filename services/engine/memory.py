@@ -1,0 +1,250 @@
+"""The KV memory of the models serving on this node, kept within the memory manager's grants:
+a request is admitted when its KV fits (or waits, or is refused), a cache grows with its rows
+and shrinks when they end (the watermark of `policy/kv_watermark.py`), and when a grant
+cannot grow the engine preempts a neighbour (LLM-Mesh §7.1, `policy/defrag.py`), evicts the
+request with the most headroom (§6.4), or evicts idle residents at the lowest cost (Tangram).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from policy.defrag import Neighbour, choose_preemption
+from policy.eviction import Resident, choose_evictions
+from policy.kv_watermark import Action, KvPlan
+from policy.slo import ttft_slo
+from services.engine.metrics import (
+    INSTANCE_EVICTIONS,
+    KV_EVICTIONS,
+    KV_RESERVED,
+    KV_RESIZES,
+    KV_UNDERESTIMATES,
+    PREEMPTIONS,
+)
+from services.engine.node import EngineNode, Served
+from shared import subjects
+from shared.errors import TesseraError
+from shared.messages import (
+    ErrorCode,
+    Generate,
+    RelocateAnswer,
+    RelocateQuery,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KvMemory(EngineNode):
+    async def _evict_idle_instances(self, need: int) -> bool:
+        """Make room by ending instances that serve nothing now, before their keep-alive
+        (Tangram §3.2: minimal-cost eviction; here of whole instances, whose KV cache and,
+        for the last name on a worker, weights go). False if the idle ones cannot free enough."""
+        now = time.time()
+        idle = [i for i in self.instances.values() if i.active == 0]
+        kv = {i.model: i.kv.reserved_bytes for i in idle}
+        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        candidates = []
+        for i in idle:
+            sole = users.get(i.bound.artifact.artifact_id, 0) == 1
+            frees = kv[i.model] + (i.bound.resident.nbytes if sole else 0)
+            # Its restart costs a resident start at least, a full load if its weights go too.
+            reload_s = i.bound.resident.reload_s if sole else 0.1
+            candidates.append(Resident(i.model, frees, reload_s, i.loaded_at, i.last_used))
+        victims = choose_evictions(candidates, need, now)
+        if not victims:
+            return False
+        for model in victims:
+            inst = self.instances.get(model)
+            if inst is not None and inst.active == 0:
+                log.info("unloading idle %s to make room", model, extra={"model": model})
+                INSTANCE_EVICTIONS.inc()
+                await self._unload(inst)
+        return True
+
+    async def _reserve(self, owner: str, nbytes: int, preemptor: Served | None = None) -> None:
+        """Reserve; if the node is full, evict idle residents at the lowest cost, then idle
+        instances (whose memory then turns into residents, evicted in turn if need be). For
+        the KV growth of a busy instance (`preemptor`), then preempt smaller neighbours whose
+        requests validate elsewhere (LLM-Mesh §7.1). Else wait for an instance to go idle."""
+        deadline = time.monotonic() + self.settings.memory_wait_s
+        while True:
+            self._went_idle.clear()
+            result = await self._reserve_memory(owner, nbytes)
+            for make_room in (self._evict_idle_residents, self._evict_idle_instances, self._evict_idle_residents):
+                if result.granted:
+                    return
+                if await make_room(nbytes - (result.budget_bytes - result.used_bytes)):
+                    result = await self._reserve_memory(owner, nbytes)
+            if result.granted:
+                return
+            short = nbytes - (result.budget_bytes - result.used_bytes)
+            if preemptor is not None and await self._preempt_for(preemptor, short):
+                continue  # the preempted instances are idle now: the next pass evicts them
+            # Everything that could go is busy: wait (up to a deadline) for an instance to
+            # finish its requests, rather than refuse a start that will fit in a moment.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._went_idle.wait(), left)
+            except TimeoutError:
+                break
+        raise TesseraError(
+            ErrorCode.NO_CAPACITY,
+            f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
+            retry_after_s=2,
+        )
+
+    async def _kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
+        """Move `inst`'s reservation to `plan`: the recommended size, else (refused) the
+        requirement, else, with `wait`, make room or wait for it like a start does. False when
+        the node could not grant even the requirement."""
+        owner = f"{inst.model}:kv"
+        old = inst.kv.reserved_bytes
+        targets = [plan.target_bytes] if plan.action is not Action.REFUSE else []
+        if required not in targets and required > old:
+            targets.append(required)
+        granted = None
+        for target in targets:
+            if (await self._reserve_memory(owner, target)).granted:
+                granted = target
+                break
+        if granted is None and wait and required > old:
+            await self._reserve(owner, required, preemptor=inst)  # raises NO_CAPACITY once out of time
+            granted = required
+        if granted is None:
+            return False
+        await self._memory_done(owner)
+        inst.kv.reserved_bytes = granted
+        KV_RESERVED.labels(inst.model).set(granted)
+        KV_RESIZES.labels("grow" if granted > old else "shrink").inc()
+        return True
+
+    async def _kv_admit(self, inst: Served, req: Generate) -> None:
+        """Count the request into its instance's KV reservation, growing it first if it falls
+        short (early, to the watermark). Raises NO_CAPACITY when the node cannot grant it."""
+        ctx = inst.bound.artifact.context_length
+        cap = req.params.max_tokens if req.params.max_tokens > 0 else ctx - req.prompt_tokens
+        async with inst.kv_lock:
+            plan = inst.kv.admit(
+                req.request_id,
+                req.prompt_tokens,
+                cap,
+                self._available(),
+                time.monotonic(),
+                ttft_slo(inst, req.prompt_tokens),
+            )
+            if plan.action is Action.KEEP:
+                return
+            try:
+                await self._kv_resize(inst, plan, inst.kv.required(), wait=True)
+            except BaseException:
+                inst.kv.forget(req.request_id)
+                raise
+
+    async def _kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
+        """A request decoding past what eq. 2 assumed for it (the mean output): grow the
+        reservation if the node can; if it cannot, count the underestimate and evict the
+        request with the most headroom (§6.4): it ends PREEMPTED and the gateway resumes it
+        on another node from the text it has streamed."""
+        if inst.kv_lock.locked():
+            return  # a resize is under way; the next chunk looks again
+        async with inst.kv_lock:
+            plan = inst.kv.progress(request_id, generated, self._available())
+            if plan.action is Action.KEEP:
+                return
+            if await self._kv_resize(inst, plan, inst.kv.required(), wait=False):
+                return
+            KV_UNDERESTIMATES.inc()
+            victim = inst.kv.evictee(inst.ttft_slo_s, inst.tpot_slo_s, time.monotonic())
+            if victim is not None and victim not in inst.evicted:
+                inst.evicted.add(victim)
+                inst.kv.forget(victim)  # its rows leave the cache now; Ō learns nothing from it
+                KV_EVICTIONS.inc()
+                log.info(
+                    "evicting %s from %s's KV cache (most headroom; the node cannot grow it)",
+                    victim,
+                    inst.model,
+                    extra={"model": inst.model},
+                )
+                self._cancel(victim, by_client=False)
+
+    async def _kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
+        """A request left: Ō learns its length, and the reservation shrinks if it is now well
+        over what the rest need (lazily, below the watermark only)."""
+        async with inst.kv_lock:
+            plan = inst.kv.complete(request_id, generated, finished)
+            if plan.action is Action.SHRINK and self.instances.get(inst.model) is inst:
+                await self._kv_resize(inst, plan, plan.target_bytes, wait=False)
+
+    async def _preempt_for(self, preemptor: Served, need: int) -> bool:
+        """Preempt neighbours of `preemptor` with a smaller batch, smallest first, whose requests
+        validate on another node (the scheduler says which), until `need` bytes would be free.
+        False when no such set frees enough (nothing is preempted then)."""
+        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        neighbours = [
+            Neighbour(
+                i.model,
+                i.active,
+                i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1 else 0),
+                relocatable=False,
+            )
+            for i in self.instances.values()
+            if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
+        ]
+        if not neighbours:
+            return False
+        try:
+            answer = await self.bus.request(
+                subjects.relocatable(),
+                RelocateQuery(node_id=self.node, models=tuple(n.key for n in neighbours)),
+                RelocateAnswer,
+                timeout=self.settings.memory_request_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("no relocation check (%s): preempting nobody", e.message)
+            return False
+        ok = set(answer.relocatable)
+        plan = choose_preemption(
+            preemptor.active, need, [dataclasses.replace(n, relocatable=n.key in ok) for n in neighbours]
+        )
+        if plan is None or not plan.victims:
+            return False
+        for model in plan.victims:
+            inst = self.instances.get(model)
+            if inst is not None:
+                await self._preempt(inst, preemptor)
+        return True
+
+    async def _preempt(self, inst: Served, preemptor: Served | None) -> None:
+        """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
+        inst.preempted = True
+        PREEMPTIONS.inc()
+        log.info(
+            "preempting %s (batch %d) for %s (batch %d)",
+            inst.model,
+            inst.active,
+            preemptor.model if preemptor else "a neighbour",
+            preemptor.active if preemptor else 0,
+            extra={"model": inst.model},
+        )
+        for rid in list(inst.requests):
+            self._cancel(rid, by_client=False)
+        deadline = time.monotonic() + self.settings.memory_wait_s
+        while inst.active > 0 and time.monotonic() < deadline:
+            self._went_idle.clear()
+            try:
+                await asyncio.wait_for(self._went_idle.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        if inst.active == 0 and self.instances.get(inst.model) is inst:
+            await self._unload(inst)
+
+    async def _evict_idle_residents(self, need: int) -> bool:
+        keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
+        if keys:
+            await self._evict(keys)
+        return bool(keys)

@@ -1,0 +1,334 @@
+"""Starting and stopping instances: a start binds a pre-warmed worker to the artifact (or finds
+it resident), restores its materialized compiled model, sizes and reserves its KV, and tiers
+up from the start tier to the continuous-batching core; a stop, a preemption or an eviction
+undoes it.
+
+A cold start is timed in four phases (ARCHITECTURE, "A cold start"): Init (memory admission
+and binding a worker), Load (restoring the materialized compiled model), Profile (KV sizing
+and its reservation), Prefill (the first token of the request that caused the start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+
+from nats.aio.msg import Msg
+
+from policy.eviction import Resident
+from services.engine.memory import KvMemory
+from services.engine.metrics import (
+    COLD_WORKERS,
+    KV_RESERVED,
+    POOL_HITS,
+    REIMPORTS,
+    TIER_UP_SECONDS,
+    TIER_UPS,
+)
+from services.engine.node import Bound, PendingColdStart, Served
+from services.engine.worker_pool import Worker
+from services.engine.worker_process import Loaded, TieredUp
+from shared import subjects
+from shared.artifact import has_tier
+from shared.bus import decode
+from shared.errors import TesseraError
+from shared.messages import (
+    Artifact,
+    ColdStartPhases,
+    ErrorCode,
+    Evicted,
+    EvictResidents,
+    InstanceReady,
+    InstanceStopped,
+    PreemptInstance,
+    Rejected,
+    StageArtifact,
+    Staged,
+    StartInstance,
+    StopInstance,
+    Tier,
+    VerifyStaged,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Starts(KvMemory):
+    async def _tier_ups(self) -> None:
+        """Tier up one START worker at a time, once the whole node has been idle for
+        `tier_up_idle_s`: the tier-up takes ≈ 1 core-second, which on a node with other
+        instances decoding would be taken from them (measured on 1-core nodes: neighbours'
+        TPOT past their SLO). A busy node keeps serving from START meanwhile."""
+        period = min(0.1, self.settings.tier_up_idle_s)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                idle_since = self._node_idle_since()
+                if idle_since is None or time.time() - idle_since < self.settings.tier_up_idle_s:
+                    continue
+                workers = [b.worker for b in self.bound.values() if not b.worker.dead]
+                if any(w.tiering for w in workers):
+                    continue
+                todo = next((w for w in workers if w.tier == Tier.START and not w.tier_up_failed), None)
+                if todo is not None:
+                    todo.tier_up()
+            except Exception:
+                log.exception("tier-up check failed")
+
+    async def on_start(self, msg: Msg) -> None:
+        req = decode(msg.data, StartInstance)
+        try:
+            reply: InstanceReady | Rejected = await self.start_instance(req)
+        except TesseraError as e:
+            reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
+        except Exception as e:
+            log.exception("start of %s failed", req.model.name)
+            reply = Rejected(code=ErrorCode.ENGINE_FAILED, message=f"start failed: {e}", retry_after_s=1)
+        await self.bus.reply(msg, reply)
+
+    async def start_instance(self, req: StartInstance) -> InstanceReady:
+        name = req.model.name
+        if name in self.instances:
+            return InstanceReady(
+                node_id=self.node,
+                model=name,
+                phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
+                already_running=True,
+                loaded_from_cache=self.instances[name].bound.loaded_from_cache,
+            )
+        if name in self._starting:  # a second start of the same model waits for the first
+            return await asyncio.shield(self._starting[name])
+        fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
+        self._starting[name] = fut
+        try:
+            ready = await self._cold_start(req)
+            fut.set_result(ready)
+            return ready
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved here: waiters re-raise it themselves
+            raise
+        finally:
+            del self._starting[name]
+
+    async def _cold_start(self, req: StartInstance) -> InstanceReady:
+        record = req.model
+        t0 = time.monotonic()
+        bound, hit, t1 = await self._acquire(record.artifact)
+        t2 = time.monotonic()
+        try:
+            # Profile: KV sizing was measured once at registration (bytes per token); here it
+            # only becomes a reservation for a full context.
+            kv = self._kv_account(record.artifact)
+            kv.reserved_bytes = kv.required()  # eq. 2 with nothing running: the L_min floor
+            await self._reserve(f"{record.name}:kv", kv.reserved_bytes)
+            await self._memory_done(f"{record.name}:kv")  # allocated on demand by the runtime
+        except BaseException:
+            await self._release(bound)
+            raise
+        t3 = time.monotonic()
+        phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
+        now = time.time()
+        self.instances[record.name] = Served(
+            record.name,
+            bound,
+            now,
+            now,
+            kv,
+            record.ttft_slo_s,
+            record.tpot_slo_s,
+            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
+            warm_since=float("inf"),
+        )
+        KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
+        self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
+        self._update_gauges()
+        log.info(
+            "instance of %s ready",
+            record.name,
+            extra={
+                "model": record.name,
+                "init_s": phases.init_s,
+                "load_s": phases.load_s,
+                "profile_s": phases.profile_s,
+                "resident": hit,
+                "worker_pid": bound.worker.pid,
+            },
+        )
+        if not bound.loaded_from_cache:
+            log.warning("%s was compiled at start: its materialized blob is missing", record.name)
+        return InstanceReady(
+            node_id=self.node, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
+        )
+
+    def _start_cores(self) -> tuple[int, ...] | None:
+        """A bounded share of cores for a start while other instances are generating, so that
+        their decode keeps its pace; all cores when nothing else runs."""
+        if not any(i.active for i in self.instances.values()):
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, int(len(cores) * self.settings.start_cpu_share))
+        return tuple(cores[-share:]) if share < len(cores) else None
+
+    async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
+        """A worker bound to the artifact: the resident one, or a pre-warmed one loaded now.
+        Returns it, whether it was resident, and when Init ended (monotonic)."""
+        aid = artifact.artifact_id
+        async with self._artifact_locks.setdefault(aid, asyncio.Lock()):
+            now = time.time()
+            bound = self.bound.get(aid)
+            if bound is not None and not bound.worker.dead:
+                r = bound.resident
+                r.users += 1
+                r.uses += 1
+                r.last_used = now
+                POOL_HITS.inc()
+                return bound, True, time.monotonic()
+            await self._reserve(f"weights:{aid}", artifact.weight_bytes)
+            try:
+                worker, warm = await self.workers.take()
+                if not warm:
+                    COLD_WORKERS.inc()
+                t_load = time.monotonic()
+                tier = self._start_tier(artifact)
+                staged = await self._stage(artifact, tier)
+                stage_s = time.monotonic() - t_load
+                worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+                try:
+                    loaded, waited_s = await self._load(worker, artifact, tier, staged)
+                except BaseException:
+                    await asyncio.to_thread(worker.stop)
+                    raise
+                stage_s += waited_s
+                await self._memory_done(f"weights:{aid}")
+            except BaseException:
+                await self._release_memory(f"weights:{aid}")
+                raise
+            resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
+            source = "host" if staged and staged.hit else "store"
+            bound = self.bound[aid] = Bound(
+                worker, artifact, loaded.loaded_from_cache, resident, source, stage_s, loaded.load_s
+            )
+            return bound, False, t_load
+
+    async def _load(
+        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
+    ) -> tuple[Loaded, float]:
+        """Import the staged blob into the worker. On a deferred-verify hit the loader checks
+        the copy's blocks meanwhile; a copy found corrupt (or not confirmed) is imported
+        again once repaired, so nothing is served from bytes that failed their check.
+        Returns the load and how long it then waited for the check."""
+        cores = self._start_cores()
+        timeout = self.settings.load_timeout_s
+        if staged is None or staged.verified:
+            return await worker.load(artifact, cores, staged.cache_dir if staged else None, timeout, tier), 0.0
+        check = asyncio.ensure_future(self._verified(artifact))
+        try:
+            loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier)
+        except BaseException:
+            check.cancel()
+            raise
+        t0 = time.monotonic()
+        checked = await check
+        waited = time.monotonic() - t0
+        if checked is not None and checked.repaired_blocks == 0:
+            return loaded, waited
+        REIMPORTS.inc()
+        log.warning(
+            "the host-cache copy of %s failed its check (%s); importing it again",
+            artifact.artifact_id,
+            f"{checked.repaired_blocks} block(s) repaired" if checked else "unconfirmed",
+        )
+        again = await worker.load(artifact, cores, checked.cache_dir if checked else None, timeout, tier)
+        return again, waited
+
+    async def _verified(self, artifact: Artifact) -> Staged | None:
+        try:
+            reply = await self.bus.request(
+                subjects.loader_verify(self.node),
+                VerifyStaged(artifact_id=artifact.artifact_id),
+                Staged | Rejected,
+                timeout=self.settings.load_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("no block check of %s (%s)", artifact.artifact_id, e.message)
+            return None
+        return reply if isinstance(reply, Staged) else None
+
+    def _start_tier(self, artifact: Artifact) -> Tier:
+        """START when the artifact has one (materialized since tiers exist) and it is enabled."""
+        if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
+            return Tier.START
+        return Tier.STEADY
+
+    def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
+        self._update_gauges()
+        if msg.error:
+            TIER_UPS.labels("failed").inc()
+            log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
+            return
+        TIER_UPS.labels("done").inc()
+        TIER_UP_SECONDS.observe(msg.load_s)
+        log.info(
+            "%s tiered up to %s in %.2fs",
+            artifact.artifact_id,
+            msg.tier,
+            msg.load_s,
+            extra={"artifact": artifact.artifact_id},
+        )
+
+    async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
+        """The verified blob in host memory, from this node's loader; None (read the store's
+        copy) if the loader cannot be reached, so a start never depends on the cache."""
+        try:
+            staged = await self.bus.request(
+                subjects.loader_stage(self.node),
+                StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True),
+                Staged | Rejected,
+                timeout=self.settings.load_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("host cache unavailable (%s); loading %s from the store", e.message, artifact.artifact_id)
+            return None
+        if isinstance(staged, Rejected):
+            log.warning("host cache refused %s (%s); loading from the store", artifact.artifact_id, staged.message)
+            return None
+        return staged
+
+    async def on_evict(self, msg: Msg) -> None:
+        req = decode(msg.data, EvictResidents)
+        keys = [
+            k for k, b in self.bound.items() if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)
+        ]
+        freed = await self._evict(keys)
+        await self.bus.reply(msg, Evicted(node_id=self.node, artifact_ids=tuple(keys), freed_bytes=freed))
+
+    async def on_stop(self, msg: Msg) -> None:
+        req = decode(msg.data, StopInstance)
+        inst = self.instances.get(req.model)
+        if inst is None:
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="not loaded")
+        elif inst.active > 0 or inst.last_used > req.idle_since:
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="busy")
+        else:
+            await self._unload(inst)
+            log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True)
+        await self.bus.reply(msg, reply)
+
+    async def on_preempt(self, msg: Msg) -> None:
+        """The scheduler makes room for a bigger neighbour (LLM-Mesh §7.1): the instance's
+        requests end PREEMPTED now, and it unloads once they have."""
+        req = decode(msg.data, PreemptInstance)
+        inst = self.instances.get(req.model)
+        if inst is None or inst.preempted:
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="not loaded")
+        else:
+            task = asyncio.create_task(self._preempt(inst, self.instances.get(req.for_model)))
+            self._preemptions.add(task)
+            task.add_done_callback(self._preemptions.discard)
+            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True, reason="preempted")
+        await self.bus.reply(msg, reply)
