@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up check test unit bench clean
+.PHONY: install up check test unit bench compose-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ bench: install
 	$(PY) -m bench.llama_server
 	$(PY) -m bench.coldstart
 	$(PY) -m bench.serving
+
+# The compose cluster for real (Docker engine and compose v2 plugin; skips where no engine can
+# run): build, up, register the default model, chat, crash the engine, down.
+# Writes bench/results/compose-check.json; see deploy/README.md.
+compose-check:
+	$(PYTHON) deploy/compose-check
 
 clean:
 	rm -rf $(VENV) .tessera

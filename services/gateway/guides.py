@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any, TypeGuard
 
@@ -214,29 +215,73 @@ def _pattern_problems(pattern: Any, at: str) -> Iterator[str]:
 def regex_problem(pattern: str) -> str | None:
     """What keeps xgrammar from converting a regex (or Python's `re` from reading it), or None."""
     try:
-        re.compile(pattern)
+        with warnings.catch_warnings():  # `re`'s FutureWarnings on `[[` or `--` are not the client's error
+            warnings.simplefilter("ignore", FutureWarning)
+            re.compile(pattern)
     except re.error as e:
         return f"is not a valid regular expression: {e}"
-    if _unsupported_regex(pattern):
-        return (
-            "uses what structured output cannot enforce (lookaround, a named group, an inline "
-            "flag, a back-reference, \\b, \\A/\\Z anchors or \\p{...})"
-        )
-    return None
+    return _unsupported_regex(pattern)
 
 
-def _unsupported_regex(pattern: str) -> bool:
-    i = 0
+_REPEAT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def _unsupported_regex(pattern: str) -> str | None:
+    """Walked as xgrammar reads a regex: escapes, classes (where `{` is a character) and, outside
+    them, `(?` groups, `{`, alternatives and quantifiers. Measured, xgrammar refuses what
+    Python's `re` reads here, and a refused regex fails the pipeline's step for every request:
+    a `{` that starts no count, an empty alternative before a `|` (or last, outside a group),
+    and a possessive quantifier (`a?+`)."""
+    i, in_class = 0, False
+    empty = [True]  # per open group: whether its current alternative has no element yet
     while i < len(pattern):
-        if pattern[i] == "\\":
+        ch = pattern[i]
+        if ch == "\\":
             if pattern[i + 1 : i + 2] in _UNSUPPORTED_ESCAPES:
-                return True
+                return "uses what structured output cannot enforce (a back-reference, \\b, \\A/\\Z anchors or \\p{...})"
+            empty[-1] = False
             i += 2
             continue
-        if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
-            return True
-        i += 1
-    return False
+        if in_class:
+            in_class = ch != "]"
+            i += 1
+            continue
+        end = i + 1
+        if ch == "[":
+            if pattern.startswith(("[]", "[^]"), i):  # xgrammar ends the class there; `re` reads a `]`
+                return "has a character class that starts with `]`: write `\\]` for the character"
+            in_class, empty[-1] = True, False
+        elif pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
+            return "uses what structured output cannot enforce (lookaround, a named group or an inline flag)"
+        elif ch == "(":
+            empty.append(True)
+            end = i + 3 if pattern.startswith("(?:", i) else i + 1
+        elif ch == ")":
+            if len(empty) > 1:
+                empty.pop()
+            empty[-1] = False
+        elif ch == "|":
+            if empty[-1]:
+                return "has an empty alternative before a `|`: structured output cannot enforce it"
+        elif ch in "*+?{":
+            if ch == "{":
+                m = _REPEAT.match(pattern, i)
+                if m is None:
+                    return "has a `{` that starts no repetition count: write `\\{` for the character"
+                if m.group(3) and int(m.group(1)) > int(m.group(3)):
+                    return f"has a repetition {m.group()} whose bounds are the wrong way round"
+                end = m.end()
+            end += 1 if (pattern[end : end + 1] == "?" and ch != "?") or pattern[i : i + 2] == "??" else 0
+            if pattern[end : end + 1] == "+":
+                return "has a possessive quantifier (such as `a?+`): structured output cannot enforce it"
+        else:
+            empty[-1] = False
+        if ch == "|":
+            empty[-1] = True
+        i = end
+    if len(empty) == 1 and empty[0] and "|" in pattern:
+        return "ends with an empty alternative: structured output cannot enforce it"
+    return None
 
 
 def _resolves(root: dict[str, Any], ref: str) -> bool:

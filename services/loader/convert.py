@@ -14,10 +14,12 @@ system when it ends.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 import gguf
 import openvino as ov
@@ -39,7 +41,18 @@ SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "rep
 """GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""
 
 
-def gguf_facts(source: Path) -> dict[str, int | str]:
+class GgufFacts(TypedDict):
+    """What an artifact needs from a GGUF's metadata."""
+
+    sampling: dict[str, float]
+    architecture: str
+    context_length: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def gguf_facts(source: Path) -> GgufFacts:
     reader = gguf.GGUFReader(str(source))
     fields = reader.fields
 
@@ -56,7 +69,7 @@ def gguf_facts(source: Path) -> dict[str, int | str]:
         if f"general.sampling.{key}" in fields
     }
     return {
-        "sampling": sampling,  # type: ignore[dict-item]
+        "sampling": sampling,
         "architecture": arch,
         "context_length": int(value(f"{arch}.context_length")),
         "layers": int(value(f"{arch}.block_count")),
@@ -71,7 +84,16 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         link = tmp / "model.gguf"
-        link.symlink_to(source.resolve())
+        # OpenVINO GenAI opens the GGUF read-write (it never writes it), so it fails on a source
+        # this process may not write: a read-only mount, a file of another user (the image's
+        # bundled model for the non-root services), a read-only bind-mounted model directory.
+        # Such a source is copied next to the IR (a hard link would keep the inode's permissions
+        # and cannot cross mounts); a writable one is linked, saving a copy of a large model.
+        resolved = source.resolve()
+        if os.access(resolved, os.W_OK):
+            link.symlink_to(resolved)
+        else:
+            shutil.copyfile(resolved, link)
         # enable_save_ov_model writes the IR and the tokenizer models next to the GGUF.
         pipe = ov_genai.LLMPipeline(str(link), "CPU", enable_save_ov_model=True)
         del pipe
@@ -88,7 +110,7 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
             weight_bytes=(tmp / "openvino_model.bin").stat().st_size,
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),
-            sampling=dict(facts["sampling"]),  # type: ignore[call-overload]
+            sampling=dict(facts["sampling"]),
         )
         write_artifact(tmp, artifact)
         if dest.exists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,29 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("ir") / "smol"
     convert(gguf, dest, "0" * 64, "unit-test")
     return dest
+
+
+Refuses = Callable[[str, str], "str | None"]
+"""refuses(kind, spec): what the engine library says of a structured-output spec of `kind`
+("grammar", "regex" or "json_schema"): its error, or None when it compiles."""
+
+
+@pytest.fixture(scope="session")
+def library_refuses(smol: Path) -> Refuses:
+    """The engine library's own verdict on a spec. The stateful `LLMPipeline` raises for a spec
+    it cannot compile and serves on, where the continuous-batching one breaks for good; both
+    compile specs with the same xgrammar."""
+    import openvino_genai as ov_genai
+
+    pipe = ov_genai.LLMPipeline(str(smol), "CPU", INFERENCE_NUM_THREADS=1)
+
+    def refuses(kind: str, spec: str) -> str | None:
+        config = ov_genai.GenerationConfig(max_new_tokens=1)
+        config.structured_output_config = ov_genai.StructuredOutputConfig(**{kind: spec})
+        try:
+            pipe.generate("x", config)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    return refuses

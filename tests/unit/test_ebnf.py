@@ -3,14 +3,12 @@ compiler itself (OpenVINO GenAI's xgrammar), on grammars generated at random."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.ebnf import MAX_REPEAT, problem
+from tests.unit.conftest import Refuses
 
 
 @pytest.mark.parametrize(
@@ -127,34 +125,14 @@ def grammars(draw: st.DrawFn) -> str:
     return "\n".join(rules)
 
 
-@pytest.fixture(scope="module")
-def compiler_refuses(smol: Path) -> Callable[[str], str | None]:
-    """What the engine library says of a grammar: the stateful `LLMPipeline` raises for a
-    grammar it cannot read and serves on (the continuous-batching one breaks for good)."""
-    import openvino_genai as ov_genai
-
-    pipe = ov_genai.LLMPipeline(str(smol), "CPU", INFERENCE_NUM_THREADS=1)
-
-    def refuses(text: str) -> str | None:
-        config = ov_genai.GenerationConfig(max_new_tokens=1)
-        config.structured_output_config = ov_genai.StructuredOutputConfig(grammar=text)
-        try:
-            pipe.generate("x", config)
-        except RuntimeError as e:
-            return str(e)
-        return None
-
-    return refuses
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(grammars())
-def test_what_it_lets_through_the_compiler_reads(compiler_refuses: Callable[[str], str | None], text: str) -> None:
+def test_what_it_lets_through_the_compiler_reads(library_refuses: Refuses, text: str) -> None:
     if problem(text) is None:
-        assert compiler_refuses(text) is None, text
+        assert library_refuses("grammar", text) is None, text
 
 
-def test_it_lets_through_what_clients_write(compiler_refuses: Callable[[str], str | None]) -> None:
+def test_it_lets_through_what_clients_write(library_refuses: Refuses) -> None:
     """The check is not so strict that it refuses the grammars people send (vLLM's examples)."""
     for text in [
         'root ::= select_statement\nselect_statement ::= "SELECT " column " from " table " where " condition\n'
@@ -163,4 +141,4 @@ def test_it_lets_through_what_clients_write(compiler_refuses: Callable[[str], st
         'root ::= "{" ws "\\"name\\":" ws string ws "}"\nstring ::= "\\"" [^"\\\\\\x00-\\x1f]* "\\""\n'
         "ws ::= [ \\t\\n]*",
     ]:
-        assert problem(text) is None and compiler_refuses(text) is None
+        assert problem(text) is None and library_refuses("grammar", text) is None
