@@ -204,6 +204,9 @@ def models_add(
     top_p: float | None = None,
     repetition_penalty: float | None = None,
     max_tokens: int | None = None,
+    chat_template: Path | None = typer.Option(
+        None, exists=True, dir_okay=False, help="A Jinja chat template file replacing the GGUF's own."
+    ),
     url: str = URL,
     admin_key: str | None = ADMIN_KEY,
     home: Path = HOME,
@@ -230,6 +233,7 @@ def models_add(
                 "ttft_slo_s": ttft_slo_s,
                 "ttft_slo_per_token_s": ttft_slo_per_token_s,
                 "tpot_slo_s": tpot_slo_s,
+                **({"chat_template": chat_template.read_text()} if chat_template else {}),
                 **overrides,
             },
         )

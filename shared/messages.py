@@ -111,6 +111,9 @@ class ModelRecord(Message, frozen=True):
     """Seconds of TTFT SLO per prompt token: a prompt of L tokens has max(ttft_slo_s, L × this)
     (`policy.slo.ttft_slo`; 0: a fixed TTFT SLO). A record written before it existed reads as
     the paper's."""
+    chat_template: str = ""
+    """A Jinja chat template that replaces the model's own (vLLM's `--chat-template`); empty:
+    the one its GGUF carries."""
 
 
 class ImportModel(Message, frozen=True):

@@ -20,7 +20,7 @@ async def main() -> None:
         registry = Registry(rt.valkey)
         gateway = Gateway(settings, rt.bus, registry)
         await gateway.start()
-        await rt.serve(create_app(gateway, Admin(settings, rt.bus, registry), rt.readiness))
+        await rt.serve(create_app(gateway, Admin(settings, rt.bus, registry, gateway.tokenizers), rt.readiness))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import msgspec
 from services.gateway.auth import ApiError, KeyStore
 from services.gateway.protocol import CreateApiKey, RegisterModel
 from services.gateway.settings import GatewaySettings
+from services.gateway.tokenizers import Tokenizers
 from shared import subjects
 from shared.bus import Bus
 from shared.errors import TesseraError
@@ -64,10 +65,14 @@ def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDef
 
 
 class Admin:
-    def __init__(self, settings: GatewaySettings, bus: Bus, registry: Registry) -> None:
+    def __init__(
+        self, settings: GatewaySettings, bus: Bus, registry: Registry, tokenizers: Tokenizers | None = None
+    ) -> None:
         self.settings = settings
         self.bus = bus
         self.registry = registry
+        self.tokenizers = tokenizers
+        """Renders a registration's chat template once, so that a broken one is a 400 now."""
         self.keys = KeyStore(registry)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
@@ -79,6 +84,14 @@ class Admin:
         )
         if isinstance(imported, Rejected):
             raise TesseraError(imported.code, imported.message, param="source")
+        if req.chat_template and self.tokenizers is not None:
+            tok = await self.tokenizers.get(imported.artifact)
+            try:
+                await self.tokenizers.render_chat(tok, [{"role": "user", "content": "Hi"}], True, req.chat_template)
+            except Exception as e:  # the library's Jinja error, whatever its type
+                raise TesseraError(
+                    ErrorCode.INVALID_REQUEST, f"chat_template does not render: {e}", param="chat_template"
+                ) from None
         record = ModelRecord(
             name=req.name,
             source=req.source,
@@ -89,6 +102,7 @@ class Admin:
             keep_alive_s=req.keep_alive_s,
             created_at=time.time(),
             defaults=generation_defaults(imported.artifact, req),
+            chat_template=req.chat_template,
         )
         await self.registry.put(record)
         return {**as_json(record), "converted": imported.converted, "import_s": imported.seconds}

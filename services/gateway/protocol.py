@@ -292,6 +292,9 @@ class RegisterModel(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # A Jinja chat template replacing the GGUF's (vLLM's --chat-template): checked at
+    # registration by rendering a one-message chat with it.
+    chat_template: Text = Field(default="", max_length=65_536)
 
     @field_validator("source")
     @classmethod

@@ -35,7 +35,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizers import Tokenizers
-from services.gateway.tools import ToolPlan
+from services.gateway.tools import ToolPlan, native_history
 from services.gateway.tools import plan as tool_plan
 from services.gateway.tools import render as render_tools
 from shared import subjects
@@ -381,20 +381,29 @@ class Gateway:
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model")
         return record
 
-    async def _render(self, tok: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    async def _render(
+        self, record: ModelRecord, tok: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> str:
         """Messages through the model's chat template ("developer" is "system" to it; past tool
-        calls and results as `tools.render` writes them)."""
+        calls and results as the template renders them, or as `tools.render` writes them)."""
         try:
-            history = render_tools([_message(m) for m in messages])
+            if self.tokenizers.knows_tools(tok, record.chat_template):
+                history = native_history([_message(m) for m in messages])
+            else:
+                history = render_tools([_message(m) for m in messages])
         except ValueError as e:
             raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
-        return await self.tokenizers.render_chat(tok, history, add_generation_prompt)
+        return await self.tokenizers.render_chat(tok, history, add_generation_prompt, record.chat_template)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: the ids a completion or chat request with this input would send."""
         record = await self.model(req.model)
         tok = await self.tokenizers.get(record.artifact)
-        text = req.prompt if req.messages is None else await self._render(tok, req.messages, req.add_generation_prompt)
+        text = (
+            req.prompt
+            if req.messages is None
+            else await self._render(record, tok, req.messages, req.add_generation_prompt)
+        )
         ids = await self.tokenizers.encode(tok, text or "")
         return TokenizeResponse(count=len(ids), max_model_len=record.artifact.context_length, tokens=list(ids))
 
@@ -423,11 +432,19 @@ class Gateway:
         if isinstance(req, ChatCompletionRequest):
             try:
                 plan = tool_plan(
-                    [_message(m) for m in req.messages], req.tools, req.tool_choice, req.parallel_tool_calls
+                    [_message(m) for m in req.messages],
+                    req.tools,
+                    req.tool_choice,
+                    req.parallel_tool_calls,
+                    native=self.tokenizers.knows_tools(tok, record.chat_template),
                 )
             except ValueError as e:
                 raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None
-            prompts = [await self.tokenizers.render_chat(tok, plan.messages)]
+            prompts = [
+                await self.tokenizers.render_chat(
+                    tok, plan.messages, chat_template=record.chat_template, tools=plan.template_tools
+                )
+            ]
             param = "messages"
         else:
             prompts, param = req.prompts(), "prompt"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import openvino_genai as ov_genai
 
@@ -45,9 +45,22 @@ class Tokenizers:
         return tok
 
     async def render_chat(
-        self, tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        tok: ov_genai.Tokenizer,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str = "",
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        return await self._run(_render_chat, tok, messages, add_generation_prompt)
+        """Through `chat_template` (the registration's) or else the model's own; `tools` go to a
+        template that renders them (`knows_tools`)."""
+        return await self._run(_render_chat, tok, messages, add_generation_prompt, chat_template, tools)
+
+    @staticmethod
+    def knows_tools(tok: ov_genai.Tokenizer, chat_template: str = "") -> bool:
+        """Whether the template renders `tools` itself (Qwen's, Hermes', Llama 3.1's do;
+        SmolLM2's does not): then the tools are its to show, in the format the model learned."""
+        return "tools" in (chat_template or str(tok.chat_template))
 
     async def encode(self, tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
         return await self._run(_encode, tok, text)
@@ -74,8 +87,21 @@ class Tokenizers:
         return self._vocab[key]
 
 
-def _render_chat(tok: ov_genai.Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
-    return str(tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt))
+def _render_chat(
+    tok: ov_genai.Tokenizer,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str,
+    tools: Sequence[dict[str, Any]] | None,
+) -> str:
+    return str(
+        tok.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=list(tools) if tools else None,
+        )
+    )
 
 
 def _encode(tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:

@@ -170,8 +170,9 @@ def _named(choice: Any) -> str | None:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    messages: list[dict[str, str]]
-    """The history as role/content only, tools and calls rendered into the text."""
+    messages: list[dict[str, Any]]
+    """The history: role/content only, tools and calls rendered into the text; or, for a
+    template that renders tools (`native`), in OpenAI's shape for the template to render."""
     mode: Mode
     function: str | None = None
     """The named function ("named" only)."""
@@ -180,13 +181,34 @@ class ToolPlan:
     names: frozenset[str] = field(default_factory=frozenset)
     """The declared functions: a call of any other stays text."""
     parallel: bool = True
+    template_tools: list[dict[str, Any]] | None = None
+    """The tools for the chat template to show ("auto" on a template that renders tools)."""
 
 
 def plan(
-    messages: list[dict[str, Any]], tools: Sequence[Tool] | None, tool_choice: Any, parallel_tool_calls: bool = True
+    messages: list[dict[str, Any]],
+    tools: Sequence[Tool] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool = True,
+    native: bool = False,
 ) -> ToolPlan:
+    """`native`: the model's template renders tools and calls itself. Then, for "auto", the
+    template shows the tools in the format the model was trained on and the history goes to it
+    as OpenAI sends it; "required" and a named function still tell the model the one answer
+    shape the engine enforces (the template's own instructions would ask for another)."""
     mode, function = check_tool_choice(tools, tool_choice)
     tools = list(tools or ())
+    if native:
+        history = native_history(messages)
+        if mode == "auto":
+            shown = [{"type": "function", "function": t.function.shown()} for t in tools]
+            return ToolPlan(
+                messages=history,
+                mode=mode,
+                names=frozenset(t.function.name for t in tools),
+                parallel=parallel_tool_calls,
+                template_tools=shown,
+            )
     prompt = system_prompt(tools, mode, function, parallel_tool_calls) if mode != "none" else None
     schema: dict[str, Any] | None = None
     if mode == "named":
@@ -194,7 +216,7 @@ def plan(
     elif mode == "required":
         schema = required_schema(tools, parallel_tool_calls)
     return ToolPlan(
-        messages=render(messages, prompt),
+        messages=_with_prompt(history, prompt) if native else render(messages, prompt),
         mode=mode,
         function=function,
         json_schema=json.dumps(schema, ensure_ascii=False) if schema is not None else None,
@@ -296,6 +318,43 @@ def render(messages: Sequence[dict[str, Any]], prompt: str | None = None) -> lis
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def native_history(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as a template that renders tools takes it: OpenAI's messages, "developer"
+    as "system", and each past call's JSON-text arguments as the object they encode (HF
+    templates write `arguments | tojson`)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if v is not None}
+        m["role"] = "system" if m["role"] == "developer" else m["role"]
+        m["content"] = m.get("content") or ""
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_native_call(c) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _native_call(call: Any) -> dict[str, Any]:
+    if isinstance(call, BaseModel):
+        call = call.model_dump()
+    function = dict(call.get("function") or {})
+    try:
+        if isinstance(function.get("arguments"), str):
+            function["arguments"] = json.loads(function["arguments"])
+    except ValueError:
+        pass  # not JSON: the template shows the string it is
+    return {"id": call.get("id"), "type": "function", "function": function}
+
+
+def _with_prompt(history: list[dict[str, Any]], prompt: str | None) -> list[dict[str, Any]]:
+    """The tools prompt in front of the leading system message (or as one), as `render` does."""
+    if prompt is None:
+        return history
+    if history and history[0]["role"] == "system":
+        first = history[0]
+        return [{**first, "content": f"{prompt}\n\n{first['content']}" if first["content"] else prompt}, *history[1:]]
+    return [{"role": "system", "content": prompt}, *history]
 
 
 def _call_block(call: Any) -> str:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema_rs
 import openai
 import pytest
 from pydantic import BaseModel
+
+from ops.localcluster import LocalCluster, default_model_path
 
 PERSON = {
     "type": "object",
@@ -197,3 +200,115 @@ def test_required_gives_a_call_and_none_gives_none(client: openai.OpenAI, model:
         temperature=0,
     )
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+
+
+# A template that renders tools itself, as Qwen's and Hermes' do (SmolLM2's does not): the
+# default GGUF registered under a second name with it (vLLM's --chat-template).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call functions. Their signatures:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_renders_tools_shows_them_itself(cluster: LocalCluster, client: openai.OpenAI) -> None:
+    """The tools and a past call go to the model's own template (in OpenAI's shape, arguments
+    as objects), not into a prompt of Tessera's: the request's prompt is exactly the library's
+    rendering of that template. A template that does not render is a 400 at registration."""
+    import openvino_genai as ov_genai
+
+    admin = cluster.admin_headers
+    bad = httpx.post(
+        f"{cluster.base_url}/admin/models",
+        headers=admin,
+        timeout=600,
+        json={"name": "bad-template", "source": str(default_model_path()), "chat_template": "{% for %}"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template", bad.text
+    r = httpx.post(
+        f"{cluster.base_url}/admin/models",
+        headers=admin,
+        timeout=600,
+        json={"name": "tool-template", "source": str(default_model_path()), "chat_template": TOOL_TEMPLATE},
+    )
+    assert r.status_code == 201, r.text
+    try:
+        tok = ov_genai.Tokenizer(r.json()["artifact"]["path"])
+        shown = [WEATHER]
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+        }
+        turns = [
+            WEATHER_ASK,
+            [
+                *WEATHER_ASK,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+            ],
+        ]
+        for messages in turns:
+            answer = client.chat.completions.create(
+                model="tool-template",
+                messages=messages,
+                tools=shown,
+                max_tokens=8,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            native = [
+                {
+                    **m,
+                    "content": m.get("content") or "",
+                    **(
+                        {
+                            "tool_calls": [
+                                {
+                                    **c,
+                                    "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+                                }
+                                for c in m["tool_calls"]
+                            ]
+                        }
+                        if m.get("tool_calls")
+                        else {}
+                    ),
+                }
+                for m in messages
+            ]
+            text = tok.apply_chat_template(native, add_generation_prompt=True, chat_template=TOOL_TEMPLATE, tools=shown)
+            assert "<tools>" in text and "get_weather" in text
+            assert answer.usage is not None
+            assert answer.usage.prompt_tokens == len(tok.encode(text).input_ids.data[0])
+        # `required` is still enforced: a call that validates, whatever the template says.
+        forced = client.chat.completions.create(
+            model="tool-template",
+            messages=WEATHER_ASK,
+            tools=shown,
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert forced.choices[0].finish_reason == "tool_calls"
+        name, args = _call_of(forced)
+        assert name == "get_weather"
+        jsonschema_rs.validate(WEATHER["function"]["parameters"], args)
+    finally:
+        httpx.delete(f"{cluster.base_url}/admin/models/tool-template", headers=admin, timeout=30)

@@ -634,3 +634,29 @@ def _complete_items(text: str) -> list[Any]:
         except ValueError:
             return items
         items.append(item)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_history_in_openais_shape() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+    ]
+    auto = plan(history, TOOLS, "auto", native=True)
+    assert auto.template_tools == [{"type": "function", "function": t.function.shown()} for t in TOOLS]
+    assert [m["role"] for m in auto.messages] == ["system", "user", "assistant", "tool"]
+    assert auto.messages[0]["content"] == "Be brief."  # no prompt of Tessera's: the template shows the tools
+    assert auto.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert auto.messages[3]["tool_call_id"] == "c1"
+    # "required" still tells the model the one shape the engine enforces, on the same history.
+    required = plan(history, TOOLS, "required", native=True)
+    assert required.template_tools is None and required.json_schema is not None
+    assert required.messages[0]["content"].startswith("# Tools") and required.messages[0]["content"].endswith(
+        "Be brief."
+    )
+    assert required.messages[3]["role"] == "tool"
+    # Without a template that renders tools, the history is text in Hermes' format, as before.
+    plain = plan(history, TOOLS, "auto")
+    assert plain.template_tools is None and "<tool_call>" in plain.messages[2]["content"]
