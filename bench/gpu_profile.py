@@ -3,7 +3,7 @@
     python3 -m bench.gpu_profile --raw /tmp/gpu-raw.json                 # on a CUDA machine
     .venv/bin/python -m bench.gpu_profile --compare /tmp/gpu-raw.json    # here: beside the model
 
-The simulator's GPU node (`bench/sim.py`: `gpu_prefill`, `gpu_decode`) is a roofline-like
+The simulator's GPU node (`bench/sim/`: `gpu_prefill`, `gpu_decode`) is a roofline-like
 model fitted to LLM-Mesh's A100 figures. This runs the three shapes it simulates (Llama-3.2-3B,
 Llama-2-7B, Llama-2-13B; bf16, random weights: timing does not depend on them) as a
 Llama-shaped decoder in plain PyTorch on the GPU at hand, on the §5.2 grid (prefill by input

@@ -70,7 +70,7 @@ class Failure(StrEnum):
 
 class InstanceState(Protocol):
     """What placement reads of an instance (`shared.messages.InstanceView`; the simulator's
-    instances, `bench/sim.py`)."""
+    instances, `bench/sim/`)."""
 
     @property
     def active(self) -> int: ...

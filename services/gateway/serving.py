@@ -437,6 +437,7 @@ class Gateway:
                     req.tool_choice,
                     req.parallel_tool_calls,
                     native=self.tokenizers.knows_tools(tok, record.chat_template),
+                    bare_json=self.tokenizers.bare_json_calls(tok, record.chat_template),
                 )
             except ValueError as e:
                 raise TesseraError(ErrorCode.INVALID_REQUEST, str(e), param="messages") from None

@@ -62,6 +62,12 @@ class Tokenizers:
         SmolLM2's does not): then the tools are its to show, in the format the model learned."""
         return "tools" in (chat_template or str(tok.chat_template))
 
+    @classmethod
+    def bare_json_calls(cls, tok: ov_genai.Tokenizer, chat_template: str = "") -> bool:
+        """Whether such a template has the model answer a call as a bare JSON object (Llama
+        3.1's) rather than in `<tool_call>` blocks (Qwen's, Hermes')."""
+        return cls.knows_tools(tok, chat_template) and "<tool_call>" not in (chat_template or str(tok.chat_template))
+
     async def encode(self, tok: ov_genai.Tokenizer, text: str) -> tuple[int, ...]:
         return await self._run(_encode, tok, text)
 

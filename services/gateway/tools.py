@@ -183,6 +183,9 @@ class ToolPlan:
     parallel: bool = True
     template_tools: list[dict[str, Any]] | None = None
     """The tools for the chat template to show ("auto" on a template that renders tools)."""
+    bare_json: bool = False
+    """The template asks for calls as a bare JSON object (Llama 3.1's), not `<tool_call>`
+    blocks: an answer that is one is read by the library's `Llama3JsonToolParser`."""
 
 
 def plan(
@@ -191,6 +194,7 @@ def plan(
     tool_choice: Any,
     parallel_tool_calls: bool = True,
     native: bool = False,
+    bare_json: bool = False,
 ) -> ToolPlan:
     """`native`: the model's template renders tools and calls itself. Then, for "auto", the
     template shows the tools in the format the model was trained on and the history goes to it
@@ -208,6 +212,7 @@ def plan(
                 names=frozenset(t.function.name for t in tools),
                 parallel=parallel_tool_calls,
                 template_tools=shown,
+                bare_json=bare_json,
             )
     prompt = system_prompt(tools, mode, function, parallel_tool_calls) if mode != "none" else None
     schema: dict[str, Any] | None = None
@@ -392,6 +397,10 @@ _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) +
 
 
 def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
+    if plan.bare_json and CALL_OPEN not in text:
+        call = _bare_json_call(text, plan)
+        if call is not None:
+            return None, [_call(make_id, *call)]
     pieces: list[str] = []
     calls: list[dict[str, Any]] = []
     end = 0
@@ -406,6 +415,24 @@ def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
     pieces.append(text[end:])
     content = "".join(pieces).strip()
     return (content or (None if calls else "")), calls
+
+
+def _bare_json_call(text: str, plan: ToolPlan) -> tuple[str, str] | None:
+    """A whole answer that is one call as Llama 3.1 writes it (`{"name", "parameters"}`), read
+    by OpenVINO GenAI's own parser; None if it is not a call of a declared function."""
+    if not text.strip().startswith("{"):
+        return None
+    import openvino_genai as ov_genai
+
+    message: dict[str, Any] = {"content": text.strip()}
+    try:
+        ov_genai.Llama3JsonToolParser().parse(message)
+    except Exception:  # the library's parse error, whatever its type: then it is content
+        return None
+    calls = message.get("tool_calls") or []
+    if len(calls) != 1:
+        return None
+    return _item_call(calls[0], plan, "parameters", "arguments")
 
 
 def _block_call(body: str, plan: ToolPlan) -> tuple[str, str] | None:
@@ -534,6 +561,8 @@ class ToolStream:
             arguments = self._compact(text)
             return out + ([_fragment(0, arguments)] if arguments else [])
         self._buffer += text
+        if mode == "auto" and self._plan.bare_json and not self._started and self._buffer.lstrip()[:1] in ("{", ""):
+            return []  # maybe a bare-JSON call: decided at the end (`finish`)
         return self._auto() if mode == "auto" else []
 
     def finish(self) -> list[dict[str, Any]]:
@@ -544,6 +573,14 @@ class ToolStream:
             content, calls = parse(text, self._plan, self._make_id)
             said = [{"content": content}] if content else []
             return said + [delta for c in calls for delta in self._emit(c)]
+        if mode == "auto" and self._plan.bare_json and not self._started and not self._in_block:
+            content, calls = parse(text, self._plan, self._make_id)
+            if calls:
+                return [delta for c in calls for delta in self._emit(c)]
+            self._buffer = text
+            out = self._auto()
+            text, self._buffer = self._buffer, ""
+            return out + (self._decided(text, closed=False) if self._in_block else self._say(text))
         if mode == "auto" and (text or self._in_block):
             return self._decided(text, closed=False) if self._in_block else self._say(text)
         return []

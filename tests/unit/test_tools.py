@@ -660,3 +660,27 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_in_openais_shap
     # Without a template that renders tools, the history is text in Hermes' format, as before.
     plain = plan(history, TOOLS, "auto")
     assert plain.template_tools is None and "<tool_call>" in plain.messages[2]["content"]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 1000])
+def test_a_bare_json_call_is_read_by_the_librarys_llama3_parser_streamed_or_not(cut: int) -> None:
+    """Llama 3.1's templates ask for a call as a bare `{"name", "parameters"}` object: such an
+    answer is a call (OpenVINO GenAI's `Llama3JsonToolParser` reads it), and streamed it gives
+    the same call, held until the answer ends; any other answer stays content."""
+    p = plan([{"role": "user", "content": "Weather?"}], TOOLS, "auto", native=True, bare_json=True)
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    content, calls = parse(text, p, lambda: "call_1")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    stream = ToolStream(p, lambda: "call_1")
+    deltas = [d for i in range(0, len(text), cut) for d in stream.feed(text[i : i + cut])] + stream.finish()
+    assert not any("content" in d for d in deltas)
+    assert (
+        "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas)
+        == calls[0]["function"]["arguments"]
+    )
+    for other in ('{"name": "unknown", "parameters": {}}', "It is cold in Oslo.", '{"a": 1}'):
+        assert parse(other, p, lambda: "x") == (other, [])
+        stream = ToolStream(p, lambda: "x")
+        said = [d for i in range(0, len(other), cut) for d in stream.feed(other[i : i + cut])] + stream.finish()
+        assert "".join(d["content"] for d in said) == other
