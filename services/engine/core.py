@@ -209,6 +209,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._live)
 
+    def generated(self, request_id: str) -> int:
+        """Tokens a live request has generated so far (0 once it is gone)."""
+        live = self._live.get(request_id)
+        return live.out.completion_tokens if live is not None else 0
+
     def kv_allocated_bytes(self) -> int:
         """Bytes the pipeline's KV cache holds now (its dynamic allocation)."""
         return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)

@@ -73,6 +73,14 @@ class KvMemory(EngineNode):
         while True:
             self._went_idle.clear()
             result = await self._reserve_memory(owner, nbytes)
+            if not result.granted and nbytes > result.budget_bytes:
+                # More than the node's whole budget: no eviction, preemption or wait makes room.
+                raise TesseraError(
+                    ErrorCode.NO_CAPACITY,
+                    f"{nbytes} bytes needed on node {self.node}, more than its whole memory budget "
+                    f"of {result.budget_bytes} bytes",
+                    retry_after_s=2,
+                )
             for make_room in (self._evict_idle_residents, self._evict_idle_instances, self._evict_idle_residents):
                 if result.granted:
                     return

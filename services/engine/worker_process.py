@@ -581,7 +581,12 @@ class _Loop:
         return min(
             [
                 *(run.deadline(self.emitted.get(rid, 0)) for rid, (run, *_) in self.running.items()),
-                *(run.deadline(0) for run, _ in self.in_core.values()),
+                # A core request's deadline moves on with each token it generated, as a row's does:
+                # held at its first token's, one instance decoding kept every turn of the gate.
+                *(
+                    run.deadline(self.engine.generated(rid) if self.engine is not None else 0)
+                    for rid, (run, _) in self.in_core.items()
+                ),
             ],
             default=time.monotonic() + NO_SLO_S,
         )

@@ -293,7 +293,8 @@ async def _relay(*events: object) -> list[object]:
 async def test_tokens_lost_on_the_bus_end_the_request_with_an_error_not_a_completion_with_a_hole() -> None:
     """In-process, deterministic: the engine's chunks carry token counts and its `Finished` the
     total, so a chunk published while the bus was reconnecting (and dropped by NATS, which keeps
-    nothing for a subscriber not yet back) shows as a shortfall at the end."""
+    nothing for a subscriber not yet back) shows as a shortfall at the end. On a real cluster,
+    the gateway's NATS connection cut mid-stream: tests/e2e/test_real_faults.py."""
     rid = "r"
     first = TokenChunk(request_id=rid, text="Once upon", tokens=2)
     lost = TokenChunk(request_id=rid, text=" a", tokens=1)

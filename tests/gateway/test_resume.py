@@ -2,7 +2,9 @@
 more often than MAX_RESUMES ends with a 503 `preempted` error. The bus here is a fake (named
 so): the scheduler and an engine that preempts every request it gets are scripted, since no
 real cluster preempts one request three times on demand. The real path is in
-tests/e2e/test_preemption.py and tests/e2e/test_kv_eviction.py."""
+tests/e2e/test_preemption.py and tests/e2e/test_kv_eviction.py; the cap and the text carried
+across two resumes on a real cluster (preempted by real `PreemptInstance` orders) in
+tests/e2e/test_real_faults.py."""
 
 from __future__ import annotations
 

@@ -88,3 +88,18 @@ def test_a_failing_batch_fails_every_row_and_the_worker_goes_on(loop) -> None:
     assert all(isinstance(f, Failure) and "the runtime failed" in f.message for f in failures)
     assert {f.request_id for f in failures} == {"a", "b"}
     assert not worker.running and not worker.queue
+
+
+def test_a_core_request_s_gate_deadline_moves_on_with_the_tokens_it_generated() -> None:
+    """The worker waits at the node's headroom gate with its most urgent request's deadline
+    (eq. 1). A request on the continuous-batching core counts its generated tokens as a row
+    does: held at its first token's deadline, one instance decoding kept every turn."""
+    from types import SimpleNamespace
+
+    from services.engine.worker_process import Run, _Loop
+    from shared.messages import SamplingParams
+
+    run = Run("a", "s", (1, 2), SamplingParams(max_tokens=8), 0.1, received_at=100.0, ttft_slo_s=1.0, tpot_slo_s=0.05)
+    core = SimpleNamespace(generated=lambda rid: {"a": 40}.get(rid, 0))
+    loop = SimpleNamespace(running={}, emitted={}, in_core={"a": (run, 0.0)}, engine=core)
+    assert _Loop._deadline(loop) == 100.0 + 1.0 + 0.05 * 40  # type: ignore[arg-type]

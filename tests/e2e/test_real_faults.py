@@ -1,0 +1,746 @@
+"""Faults that tests/gateway/test_resume.py and test_faults.py drive through fakes, here on real
+clusters, the real model and the official client (issue 19, §3):
+
+- no capacity: a node whose memory budget cannot hold the model at all answers a 503
+  `no_capacity` with Retry-After at once (it does not wait `TESSERA_MEMORY_WAIT_S` for room
+  that can never come);
+- resume and its cap: a request whose instance is preempted goes on on the other node from the
+  text it had streamed, twice, and its client gets the whole completion, every token once; a
+  third preemption reaches the client as a 503 `preempted` (README: "A request moves at most
+  twice"; `MAX_RESUMES` is a constant, not a setting). No node preempts one request three
+  times on its own, so these preemptions are real `PreemptInstance` orders sent on the real
+  bus to the real engines, each once the leg to preempt streams (the same order the scheduler
+  sends);
+- lost tokens: the gateway's connection to NATS is cut mid-stream (a TCP relay between it
+  and NATS drops what the server sends until a chunk of the stream is among it, then closes;
+  nats-py reconnects through it), so the engine's chunks published meanwhile never reach the
+  gateway; the chunks' token counts fall short of the engine's `Finished`, and the client
+  gets an error that says how many tokens were lost, not a completion with a hole;
+- scheduler-initiated preemption (LLM-Mesh §7.1, `placement.preemption_for`): nobody sends
+  `PreemptInstance` by hand; a request for a bigger instance whose node's decode rounds its
+  smaller neighbour lengthens past its TPOT SLO makes the scheduler preempt the neighbour,
+  whose request finishes on the other node.
+
+A watcher on the real bus (`Watch`) sees what the engines were sent and what they streamed:
+each leg of a resumed request, its node, its prompt, its chunks and its end. Tests wait on
+conditions with deadlines, never on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import shutil
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from ops.localcluster import LocalCluster, default_model_path
+from policy.perf_book import PerfBook
+from policy.placement import Demand, validate
+from policy.scheduling import NodeView
+from policy.slo import ttft_slo
+from shared import subjects
+from shared.bus import Bus, decode
+from shared.messages import (
+    ErrorCode,
+    Failed,
+    Finished,
+    Generate,
+    InstanceStopped,
+    ModelRecord,
+    NodeStatus,
+    PreemptInstance,
+    StreamEvent,
+    TokenChunk,
+)
+from tests.conftest import TEST_ENV, start_cluster
+from tests.helpers.cluster import metric, on_the_core, register, wait_for
+
+TTFT_SLO_S, TPOT_SLO_S = 60.0, 5.0
+"""SLOs no placement here breaks (but the one the scheduler test tightens on purpose)."""
+TOKENS = 160
+"""Long enough that no leg ends before the order that ends it lands (that takes one decode
+step), on any machine; the last leg generates what is left."""
+STREAM_PREFIX = subjects.token_stream("")
+
+
+# --- what the engines were sent and what they streamed, seen on the real bus ------------------
+
+
+@dataclass
+class Leg:
+    """One placement of a request on an engine: a resumed request has several."""
+
+    node: str
+    request: Generate
+    events: list[tuple[float, TokenChunk | Finished | Failed]]
+
+    @property
+    def chunks(self) -> list[TokenChunk]:
+        return [e for _, e in self.events if isinstance(e, TokenChunk)]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks)
+
+    @property
+    def end(self) -> Finished | Failed | None:
+        return next((e for _, e in self.events if not isinstance(e, TokenChunk)), None)
+
+    @property
+    def ended_at(self) -> float:
+        return next((t for t, e in self.events if not isinstance(e, TokenChunk)), math.inf)
+
+
+class Watch:
+    """A plain subscriber on the cluster's NATS (its own thread and event loop): every
+    `Generate` sent to an engine, every token stream, every `PreemptInstance`, and the
+    heartbeats with the performance reports the scheduler fits its models from."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.generates: list[tuple[str, Generate]] = []
+        self.events: dict[str, list[tuple[float, TokenChunk | Finished | Failed]]] = defaultdict(list)
+        self.preempts: list[tuple[str, PreemptInstance]] = []
+        self.status: dict[str, NodeStatus] = {}
+        self.perf = PerfBook()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.bus = Bus("test-watch")
+        self.call(self._start(nats_url))
+
+    def call(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self, nats_url: str) -> None:
+        await self.bus.connect(nats_url)
+        nc = self.bus.client
+
+        async def on_generate(msg: Any) -> None:
+            self.generates.append((msg.subject.split(".")[-2], decode(msg.data, Generate)))
+
+        async def on_stream(msg: Any) -> None:
+            event = decode(msg.data, StreamEvent)
+            self.events[event.request_id].append((time.monotonic(), event))
+
+        async def on_preempt(msg: Any) -> None:
+            self.preempts.append((msg.subject.split(".")[-2], decode(msg.data, PreemptInstance)))
+
+        async def on_heartbeat(msg: Any) -> None:
+            status = decode(msg.data, NodeStatus)
+            for report in status.perf:
+                self.perf.report(status.node_id, status.kind, report)
+            self.status[status.node_id] = status
+
+        await nc.subscribe(subjects.engine_generate("*"), cb=on_generate)
+        await nc.subscribe(subjects.token_stream("*"), cb=on_stream)
+        await nc.subscribe(subjects.engine_preempt("*"), cb=on_preempt)
+        await nc.subscribe(subjects.node_heartbeat(), cb=on_heartbeat)
+        await nc.flush()
+
+    def legs(self, prompt: str) -> list[Leg]:
+        """The legs of the request whose prompt starts with `prompt`, in the order sent (a
+        request sent again to another node, its instance gone, is one leg: the last node)."""
+        nodes: dict[str, tuple[str, Generate]] = {}
+        for node, g in list(self.generates):
+            if g.prompt.startswith(prompt):
+                nodes[g.request_id] = (node, g)  # dicts keep the first insertion's order
+        return [Leg(node, g, list(self.events.get(rid, ()))) for rid, (node, g) in nodes.items()]
+
+    def preempt(self, node: str, model: str) -> InstanceStopped:
+        """The scheduler's order, sent by hand: end the instance's requests as PREEMPTED."""
+        reply: InstanceStopped = self.call(
+            self.bus.request(
+                subjects.engine_preempt(node),
+                PreemptInstance(model=model, for_model="a test"),
+                InstanceStopped,
+                timeout=10,
+            )
+        )
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.call(self.bus.close(), timeout_s=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+# --- the gateway's NATS connection, through a relay the test can cut ---------------------------
+
+
+def split_frames(buf: bytes) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
+    """NATS protocol frames (frame, subject, payload) whole in `buf`, and the rest."""
+    frames = []
+    while (end := buf.find(b"\r\n")) >= 0:
+        line = buf[:end]
+        op = line.split(b" ", 1)[0].upper()
+        if op in (b"MSG", b"HMSG", b"PUB", b"HPUB"):
+            fields = line.split()
+            total = int(fields[-1])
+            stop = end + 2 + total + 2
+            if len(buf) < stop:
+                break
+            payload = buf[end + 2 : end + 2 + total]
+            if op in (b"HMSG", b"HPUB"):
+                payload = payload[int(fields[-2]) :]  # headers first
+            frames.append((buf[:stop], fields[1], payload))
+        else:
+            stop = end + 2
+            frames.append((buf[:stop], line.split(b" ")[1] if op in (b"SUB", b"UNSUB") else b"", b""))
+        buf = buf[stop:]
+    return frames, buf
+
+
+@dataclass
+class Cut:
+    prefix: bytes
+    dropped: list[TokenChunk] = field(default_factory=list)
+    """Token-stream chunks the server sent the gateway that the relay dropped."""
+    closed: threading.Event = field(default_factory=threading.Event)
+    resubscribed: threading.Event = field(default_factory=threading.Event)
+    """A connection made after the cut subscribed to a token stream again."""
+    resubscribed_at: float = math.inf
+
+
+class _Relay:
+    def __init__(self, client: socket.socket, upstream: socket.socket, after: Cut | None) -> None:
+        self.client, self.upstream = client, upstream
+        self.cut: Cut | None = None
+        self.after = after
+        """The cut that came before this connection (it watches for resubscriptions)."""
+
+    def close(self) -> None:
+        for s in (self.client, self.upstream):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+class NatsProxy:
+    """A TCP relay between the gateway and NATS. `cut()`: from then on it forwards nothing the
+    server sends (whole frames are dropped), and once a chunk of a token stream is among them
+    it closes the connection. nats-py reconnects through it, forwarded as before."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.relays: list[_Relay] = []
+        self.last_cut: Cut | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            relay = _Relay(client, upstream, self.last_cut)
+            with self._lock:
+                self.relays.append(relay)
+            threading.Thread(target=self._down, args=(relay,), daemon=True).start()
+            threading.Thread(target=self._up, args=(relay,), daemon=True).start()
+
+    def cut(self, prefix: str) -> Cut:
+        cut = Cut(prefix.encode())
+        with self._lock:
+            self.last_cut = cut
+            for relay in self.relays:
+                relay.cut = cut
+        return cut
+
+    def _down(self, relay: _Relay) -> None:  # server → gateway
+        buf = b""
+        try:
+            while data := relay.upstream.recv(65536):
+                frames, buf = split_frames(buf + data)
+                cut = relay.cut
+                if cut is None:
+                    relay.client.sendall(b"".join(f for f, _, _ in frames))
+                    continue
+                for _, subject, payload in frames:
+                    if subject.startswith(cut.prefix):
+                        event = decode(payload, StreamEvent)
+                        if isinstance(event, TokenChunk):
+                            cut.dropped.append(event)
+                if cut.dropped:
+                    relay.close()
+                    cut.closed.set()
+                    return
+        except OSError:
+            pass
+        relay.close()
+
+    def _up(self, relay: _Relay) -> None:  # gateway → server
+        buf = b""
+        try:
+            while data := relay.client.recv(65536):
+                relay.upstream.sendall(data)
+                after = relay.after
+                if after is None or after.resubscribed.is_set():
+                    continue
+                frames, buf = split_frames(buf + data)
+                if any(f.startswith(b"SUB ") and s.startswith(after.prefix) for f, s, _ in frames):
+                    after.resubscribed_at = time.monotonic()
+                    after.resubscribed.set()
+        except OSError:
+            pass
+        relay.close()
+
+    def close(self) -> None:
+        self.server.close()
+        with self._lock:
+            for relay in self.relays:
+                relay.close()
+
+
+class GatewayBehindProxy(LocalCluster):
+    """A local cluster whose gateway reaches NATS through `proxy` (every other service
+    directly)."""
+
+    proxy: NatsProxy
+
+    def gateway_env(self, port: int) -> dict[str, str]:
+        env = super().gateway_env(port)
+        env["TESSERA_NATS_URL"] = self.proxy.url
+        return env
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """How one request ended, as the official client saw it."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    status: int | None = None
+    """Of an HTTP error (a stream's error event has none: its 200 is long sent)."""
+    retry_after: str | None = None
+    error: dict[str, Any] | None = None
+    failure: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set: a stream's client leaves at its next chunk."""
+
+    def ended(self, timeout_s: float) -> Outcome:
+        assert self.done.wait(timeout_s), f"the request did not end within {timeout_s}s"
+        assert not self.failure, self.failure
+        return self
+
+
+def complete_in_background(client: openai.OpenAI, stream: bool, **body: Any) -> Outcome:
+    out = Outcome()
+
+    def run() -> None:
+        try:
+            if stream:
+                stream_ = client.completions.create(stream=True, stream_options={"include_usage": True}, **body)
+                for chunk in stream_:
+                    if out.stop.is_set():  # the client leaves: the gateway cancels the request
+                        stream_.close()
+                        break
+                    if chunk.choices:
+                        out.text += chunk.choices[0].text
+                        out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
+                    if chunk.usage:
+                        out.completion_tokens = chunk.usage.completion_tokens
+            else:
+                r = client.completions.create(**body)
+                out.text, out.finish_reason = r.choices[0].text, r.choices[0].finish_reason
+                out.completion_tokens = r.usage.completion_tokens if r.usage else None
+        except openai.APIStatusError as e:
+            out.status, out.retry_after = e.status_code, e.response.headers.get("retry-after")
+            out.error = e.body if isinstance(e.body, dict) else {"unreadable": e.body}
+        except openai.APIError as e:  # a stream's error event
+            out.error = e.body if isinstance(e.body, dict) else {"unreadable": e.body}
+        except Exception as e:
+            out.failure = f"{type(e).__name__}: {e}"
+        finally:
+            out.done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+def body(model: str, prompt: str, max_tokens: int = TOKENS) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
+def node_models(c: LocalCluster) -> dict[str, set[str]]:
+    status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
+    return {n["node_id"]: {i["model"] for i in n["instances"]} for n in status["nodes"]}
+
+
+def streaming_leg(watch: Watch, prompt: str, index: int) -> Callable[[], Leg | None]:
+    """Condition: leg `index` of the request has streamed a token."""
+
+    def check() -> Leg | None:
+        legs = watch.legs(prompt)
+        return legs[index] if len(legs) > index and legs[index].tokens else None
+
+    return check
+
+
+def preempt_each_leg(watch: Watch, model: str, prompt: str, times: int) -> None:
+    """Preempt the request's instance `times` times, each once its newest leg streams, on the
+    node that leg runs on."""
+    for i in range(times):
+        leg = wait_for(streaming_leg(watch, prompt, i), 120, f"leg {i + 1} of {prompt!r} to stream")
+        reply = watch.preempt(leg.node, model)
+        assert reply.stopped and reply.reason == "preempted", reply
+
+
+def engines_preempted(c: LocalCluster) -> float:
+    return sum(metric(c, f"engine@node-{i}", "tessera_engine_preemptions_total") for i in range(c.nodes))
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    c: GatewayBehindProxy
+    watch: Watch
+    client: openai.OpenAI
+    big_source: Path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[Pair]:
+    """Two nodes, the gateway's NATS through a relay. "sm" (the default GGUF) and "big" (a
+    copy: another artifact, so another worker; the same bytes as tests/e2e/test_preemption.py's,
+    converted once per session) on node-0, "sm2" (the default GGUF again) on node-1. A node
+    lost to the gateway for a moment (the cut) is not taken for dead: TESSERA_NODE_TIMEOUT_S."""
+    home = tmp_path_factory.mktemp("realfaults")
+    big = home / "big.gguf"
+    shutil.copyfile(default_model_path(), big)
+    with big.open("ab") as f:
+        f.write(b"\x00tessera-test-big")
+    c = GatewayBehindProxy(
+        home=home,
+        store=model_store,
+        nodes=2,
+        env={**TEST_ENV, "TESSERA_NODE_TIMEOUT_S": "10", "TESSERA_MAX_INFLIGHT": "16"},
+    )
+    c.proxy = NatsProxy(c.nats_port)
+    watch: Watch | None = None
+    try:
+        c.start(timeout_s=90)
+        watch = Watch(c.nats_url)
+        for name, source in (("sm", default_model_path()), ("sm2", default_model_path()), ("big", big)):
+            register(c, name, keep_alive_s=600.0, source=str(source), ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S)
+        client = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        # First starts go to the node with the fewest instances (node-0 on a tie).
+        for name in ("sm", "sm2", "big"):
+            client.completions.create(model=name, prompt="Hello", max_tokens=2)
+        # On their continuous-batching cores: no tier-up (seconds of CPU) beside what follows.
+        for name in ("sm", "sm2", "big"):
+            on_the_core(c, name)
+        yield Pair(c, watch, client, big)
+    finally:
+        if watch is not None:
+            watch.close()
+        c.stop()
+        c.proxy.close()
+
+
+@pytest.fixture
+def no_room(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    """One node whose memory budget (1 MiB) cannot hold the model's weights; a start may wait
+    600 s for room (`TESSERA_MEMORY_WAIT_S`): a refusal that waited would not come within the
+    client's timeout."""
+    c = start_cluster(
+        tmp_path_factory.mktemp("noroom"),
+        model_store,
+        TESSERA_MEMORY_BUDGET_BYTES=str(1 << 20),
+        TESSERA_MEMORY_WAIT_S="600",
+    )
+    try:
+        register(c, "sm", keep_alive_s=600.0, ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S)
+        yield c
+    finally:
+        c.stop()
+
+
+# --- 1. no capacity ---------------------------------------------------------------------------
+
+
+def test_a_node_that_cannot_hold_the_model_answers_503_no_capacity_at_once(no_room: LocalCluster) -> None:
+    c = no_room
+    with httpx.Client(base_url=c.base_url, timeout=60) as http:
+        for stream in (False, True):
+            r = http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "sm",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4,
+                    "stream": stream,
+                },
+            )
+            # A stream too: placement (and so the start) comes before its first byte.
+            assert r.status_code == 503, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and err["code"] == "no_capacity", err
+            assert "memory budget" in err["message"] and str(1 << 20) in err["message"], err
+    # Refused, nothing held, nothing left starting: the node is as it was.
+    assert metric(c, "memory_manager@node-0", "tessera_memory_denied_total") >= 2
+    assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") == 0
+    status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
+    assert status["starting"] == [] and all(not n["instances"] and not n["starting"] for n in status["nodes"])
+
+
+# --- 2. resume, and its cap -------------------------------------------------------------------
+
+
+def test_a_request_preempted_twice_goes_on_from_its_text_and_its_client_gets_every_token_once(
+    pair: Pair,
+) -> None:
+    c, watch = pair.c, pair.watch
+    prompt = "[resume-twice] Tell me about the sea, the ships on it and the people on the ships."
+    resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
+    preempted = engines_preempted(c)
+    out = complete_in_background(pair.client, True, **body("sm2", prompt))
+    preempt_each_leg(watch, "sm2", prompt, times=2)
+    out.ended(180)
+    assert out.error is None, out.error
+    assert out.finish_reason == "length" and out.completion_tokens == TOKENS, out
+
+    legs = watch.legs(prompt)
+    assert len(legs) == 3, [(leg.node, leg.end) for leg in legs]
+    # Each leg on the other node than the one before it, each preempted leg ended there as
+    # such, the last one finished.
+    assert legs[0].node != legs[1].node != legs[2].node, [leg.node for leg in legs]
+    assert [type(leg.end).__name__ for leg in legs] == ["Failed", "Failed", "Finished"]
+    assert all(leg.end.code == ErrorCode.PREEMPTED for leg in legs[:2])  # type: ignore[union-attr]
+    # Each leg went on from the text streamed before it, for the tokens left.
+    for i, leg in enumerate(legs):
+        assert leg.request.prompt == prompt + "".join(before.text for before in legs[:i])
+        assert leg.request.params.max_tokens == TOKENS - sum(before.tokens for before in legs[:i])
+    # The client got exactly what the engines generated, in order: nothing twice, nothing lost.
+    assert out.text == "".join(leg.text for leg in legs)
+    assert sum(leg.tokens for leg in legs) == TOKENS
+    assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 2
+    assert engines_preempted(c) == preempted + 2
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_a_third_preemption_of_one_request_reaches_its_client_as_a_503_preempted(pair: Pair, stream: bool) -> None:
+    c, watch = pair.c, pair.watch
+    prompt = f"[resume-cap-{stream}] Tell me about the sea, the ships on it and the people on the ships."
+    resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
+    out = complete_in_background(pair.client, stream, **body("sm2", prompt))
+    preempt_each_leg(watch, "sm2", prompt, times=3)
+    out.ended(180)
+
+    assert out.error is not None, out
+    assert out.error["type"] == "service_unavailable" and out.error["code"] == "preempted", out.error
+    if stream:
+        # The error event ends a stream whose text had come: the text of every leg, once.
+        assert out.status is None and out.finish_reason is None and out.completion_tokens is None
+        assert out.text == "".join(leg.text for leg in watch.legs(prompt))
+    else:
+        assert out.status == 503 and out.retry_after is not None and int(out.retry_after) >= 1, out
+    legs = watch.legs(prompt)
+    assert len(legs) == 3 and all(isinstance(leg.end, Failed) for leg in legs), [leg.end for leg in legs]
+    assert all(leg.end.code == ErrorCode.PREEMPTED for leg in legs)  # type: ignore[union-attr]
+    # Moved twice (the cap), not a third time.
+    assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 2
+
+
+# --- 3. tokens lost between the engine and the gateway ------------------------------------------
+
+
+def test_tokens_lost_on_the_way_to_the_gateway_end_the_stream_with_an_error_saying_how_many(pair: Pair) -> None:
+    c, watch, client = pair.c, pair.watch, pair.client
+    # Sized so that decoding outlasts the gateway's reconnection (0.5 s between tries) many
+    # times on this machine, whatever its speed: ~6 s of decoding at the rate measured here.
+    t0 = time.monotonic()
+    client.completions.create(**body("sm2", "Count to fifty.", max_tokens=32))
+    tokens = min(max(int(32 / (time.monotonic() - t0) * 6), TOKENS), 3000)
+
+    prompt = "[lost] Tell me about the sea, the ships on it and the people on the ships."
+    out = complete_in_background(client, True, **body("sm2", prompt, max_tokens=tokens))
+    wait_for(lambda: out.text or out.done.is_set(), 120, "the stream's first text")
+    cut = c.proxy.cut(STREAM_PREFIX)
+    assert cut.closed.wait(60), "no chunk of the stream reached the cut connection"
+    assert cut.resubscribed.wait(60), "the gateway did not subscribe to its stream again"
+    out.ended(180)
+
+    (leg,) = watch.legs(prompt)
+    assert isinstance(leg.end, Finished) and leg.end.completion_tokens == tokens, leg.end
+    assert leg.ended_at > cut.resubscribed_at, "the engine finished before the gateway was back: make it longer"
+    # The engine generated every token; the gateway saw fewer, and says so.
+    assert out.error is not None, f"a completion with a hole passed as whole: {out}"
+    assert out.error["type"] == "service_unavailable" and out.error["code"] == "unavailable", out.error
+    found = re.search(r"(\d+) of the (\d+) tokens generated were lost", out.error["message"])
+    assert found, out.error["message"]
+    lost, total = int(found[1]), int(found[2])
+    assert total == tokens and lost >= sum(ch.tokens for ch in cut.dropped) >= 1
+    assert out.finish_reason is None and out.completion_tokens is None  # no finish, no usage
+    # What the client got is the stream with exactly that hole: chunks up to the cut, then
+    # from the reconnection on.
+    chunks = leg.chunks
+    holes = [
+        (a, b)
+        for a in range(len(chunks) + 1)
+        for b in range(a + 1, len(chunks) + 1)
+        if "".join(ch.text for ch in chunks[:a] + chunks[b:]) == out.text
+        and sum(ch.tokens for ch in chunks[a:b]) == lost
+    ]
+    assert holes, "the client's text is not the stream less the lost chunks"
+    # The gateway is back on the bus: the next request is served whole.
+    r = client.completions.create(**body("sm2", "Hello", max_tokens=4))
+    assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 4
+
+
+# --- 4. preemption the scheduler decides -------------------------------------------------------
+
+
+def records(c: LocalCluster) -> list[ModelRecord]:
+    return [msgspec.convert(r, ModelRecord) for r in httpx.get(f"{c.base_url}/admin/models", timeout=10).json()]
+
+
+def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_its_request_finishes_elsewhere(
+    pair: Pair,
+) -> None:
+    """LLM-Mesh §7.1 as `scheduling._place_validated` runs it: "big" has a request on node-0
+    and "sm" one beside it; a second request for big validates there only without sm's decode
+    iterations in each round (big's TPOT SLO, an operator's registration, is set between the
+    two, read off the performance models the scheduler fits from the engines' reports); sm's
+    requests validate on node-1. The scheduler preempts sm, the request joins big, and sm's
+    request goes on on node-1. The test sends no PreemptInstance."""
+    c, watch, client = pair.c, pair.watch, pair.client
+    layout = wait_for(
+        lambda: m if {"sm", "big"} <= (m := node_models(c)).get("node-0", set()) else None, 30, "sm and big on node-0"
+    )
+    assert "big" not in layout.get("node-1", set()), layout
+    # Both measured on their cores (what the scheduler's performance models are fitted from).
+    for name in ("sm", "big"):
+        client.completions.create(**body(name, "Hello there", max_tokens=4))
+    wait_for(
+        lambda: metric(c, "scheduler", "tessera_scheduler_profiled_models") >= 3, 30, "the scheduler's measurements"
+    )
+    orders = len(watch.preempts)
+    ordered = metric(c, "scheduler", "tessera_scheduler_preemptions_total")
+    resumed = metric(c, "gateway", "tessera_gateway_resumed_total")
+
+    # sm's request, then big's first, side by side on node-0 (with the loose SLOs both join
+    # there). On the continuous-batching cores the request decoding first keeps the node's
+    # turns while it runs (its gate deadline does not grow with its tokens), so big's waits,
+    # prefilled: sm's is long enough to be running still when big's second request comes.
+    long = 3 * TOKENS
+    small_prompt = "[neighbour] Tell me about the sea, the ships on it and the people on the ships."
+    first_prompt = "[big-1] Tell me about the sea, the ships on it and the people on the ships."
+    small = complete_in_background(client, True, **body("sm", small_prompt, max_tokens=long))
+    first = Outcome()
+    first.done.set()  # until it is sent
+    try:
+        wait_for(streaming_leg(watch, small_prompt, 0), 120, "sm's request to stream")
+        first = complete_in_background(client, True, **body("big", first_prompt, max_tokens=long))
+        wait_for(lambda: watch.legs(first_prompt), 120, "big's first request to reach its engine")
+        assert watch.legs(small_prompt)[0].node == "node-0" and watch.legs(first_prompt)[0].node == "node-0"
+
+        # big's TPOT SLO (an operator's registration) between the rounds a second request for
+        # big would see on node-0 with sm's iterations in them and without: it validates there
+        # only alone. Read as the scheduler reads them, from node-0's latest heartbeat (both
+        # with a request running) and the performance models fitted from the engines'
+        # reports; these change with every report, so the SLO is set again until it still
+        # lies between the two once set.
+        second_prompt = "[big-2] Tell me about the sea, the ships on it and the people on the ships."
+        by_name = {r.name: r for r in records(c)}
+        r = httpx.post(f"{c.base_url}/tokenize", json={"model": "big", "prompt": second_prompt}, timeout=10)
+        prompt_tokens = int(r.json()["count"])
+        demand = Demand(prompt_tokens, 16, ttft_slo(by_name["big"], prompt_tokens), math.inf)
+
+        def rounds() -> tuple[float, float] | None:
+            s = watch.status.get("node-0")
+            running = {i.model: i.running for i in s.instances} if s else {}
+            if s is None or running.get("sm", 0) < 1 or running.get("big", 0) < 1:
+                return None
+            profiles, node = watch.perf.profiles(by_name.values()), NodeView.from_status(s)
+            crowded = validate(node, "big", demand, profiles).round_s
+            alone = validate(node, "big", demand, profiles, without=frozenset({"sm"})).round_s
+            return (crowded, alone) if crowded > 1.5 * alone > 0 else None
+
+        def tpot_set_between() -> float | None:
+            crowded, alone = wait_for(rounds, 30, "node-0 busy with sm and big, and rounds measured for both")
+            tpot = math.sqrt(crowded * alone)
+            register(c, "big", keep_alive_s=600.0, source=str(pair.big_source), ttft_slo_s=TTFT_SLO_S, tpot_slo_s=tpot)
+            now = rounds()
+            return tpot if now is not None and now[1] < tpot < now[0] else None
+
+        try:
+            wait_for(tpot_set_between, 60, "big's TPOT SLO set between the two rounds")
+            assert not small.done.is_set() and not first.done.is_set(), "a request ended early: make them longer"
+            second = complete_in_background(client, True, **body("big", second_prompt, max_tokens=16)).ended(120)
+        finally:
+            register(
+                c, "big", keep_alive_s=600.0, source=str(pair.big_source), ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S
+            )
+        small.ended(180)
+    finally:
+        first.stop.set()  # big's first request has served its purpose: its client leaves
+        small.stop.set()  # (ended already, unless the test failed before)
+        first.done.wait(60)
+
+    # The scheduler ordered it, once: sm on node-0, for big.
+    assert [(n, p.model, p.for_model) for n, p in watch.preempts[orders:]] == [("node-0", "sm", "big")]
+    assert metric(c, "scheduler", "tessera_scheduler_preemptions_total") == ordered + 1
+    assert metric(c, "gateway", "tessera_gateway_resumed_total") == resumed + 1
+    # big's requests both ran on node-0; the second one (the one placed by preempting) whole.
+    assert second.error is None and second.completion_tokens == 16, second
+    assert first.ended(0).error is None, first
+    for p in (first_prompt, second_prompt):
+        assert [leg.node for leg in watch.legs(p)] == ["node-0"]
+    # sm's request: preempted on node-0, finished on node-1 from its text so far, every token once.
+    assert small.error is None and small.finish_reason == "length" and small.completion_tokens == long, small
+    legs = watch.legs(small_prompt)
+    assert [leg.node for leg in legs] == ["node-0", "node-1"], [(leg.node, leg.end) for leg in legs]
+    assert isinstance(legs[0].end, Failed) and legs[0].end.code == ErrorCode.PREEMPTED
+    assert isinstance(legs[1].end, Finished)
+    assert legs[1].request.prompt == small_prompt + legs[0].text
+    assert small.text == legs[0].text + legs[1].text and legs[0].tokens + legs[1].tokens == long
+    wait_for(lambda: "sm" not in node_models(c).get("node-0", set()), 30, "sm unloaded from node-0")
+    assert "sm" in node_models(c).get("node-1", set())
