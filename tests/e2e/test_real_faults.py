@@ -163,6 +163,15 @@ class Watch:
                 nodes[g.request_id] = (node, g)  # dicts keep the first insertion's order
         return [Leg(node, g, list(self.events.get(rid, ()))) for rid, (node, g) in nodes.items()]
 
+    def ended_legs(self, prompt: str, count: int) -> list[Leg]:
+        """The request's `count` legs once this watcher has seen each one end. Its client can
+        have its answer first: the watcher reads the same stream on a connection of its own."""
+        return wait_for(
+            lambda: legs if len(legs := self.legs(prompt)) == count and all(leg.end for leg in legs) else None,
+            30,
+            f"the watcher to see {count} legs of {prompt!r} end",
+        )
+
     def preempt(self, node: str, model: str) -> InstanceStopped:
         """The scheduler's order, sent by hand: end the instance's requests as PREEMPTED."""
         reply: InstanceStopped = self.call(
@@ -547,8 +556,7 @@ def test_a_request_preempted_twice_goes_on_from_its_text_and_its_client_gets_eve
     assert out.error is None, out.error
     assert out.finish_reason == "length" and out.completion_tokens == TOKENS, out
 
-    legs = watch.legs(prompt)
-    assert len(legs) == 3, [(leg.node, leg.end) for leg in legs]
+    legs = watch.ended_legs(prompt, 3)
     # Each leg on the other node than the one before it, each preempted leg ended there as
     # such, the last one finished.
     assert legs[0].node != legs[1].node != legs[2].node, [leg.node for leg in legs]
@@ -579,10 +587,10 @@ def test_a_third_preemption_of_one_request_reaches_its_client_as_a_503_preempted
     if stream:
         # The error event ends a stream whose text had come: the text of every leg, once.
         assert out.status is None and out.finish_reason is None and out.completion_tokens is None
-        assert out.text == "".join(leg.text for leg in watch.legs(prompt))
+        assert out.text == "".join(leg.text for leg in watch.ended_legs(prompt, 3))
     else:
         assert out.status == 503 and out.retry_after is not None and int(out.retry_after) >= 1, out
-    legs = watch.legs(prompt)
+    legs = watch.ended_legs(prompt, 3)
     assert len(legs) == 3 and all(isinstance(leg.end, Failed) for leg in legs), [leg.end for leg in legs]
     assert all(leg.end.code == ErrorCode.PREEMPTED for leg in legs)  # type: ignore[union-attr]
     # Moved twice (the cap), not a third time.
@@ -608,7 +616,7 @@ def test_tokens_lost_on_the_way_to_the_gateway_end_the_stream_with_an_error_sayi
     assert cut.resubscribed.wait(60), "the gateway did not subscribe to its stream again"
     out.ended(180)
 
-    (leg,) = watch.legs(prompt)
+    (leg,) = watch.ended_legs(prompt, 1)
     assert isinstance(leg.end, Finished) and leg.end.completion_tokens == tokens, leg.end
     assert leg.ended_at > cut.resubscribed_at, "the engine finished before the gateway was back: make it longer"
     # The engine generated every token; the gateway saw fewer, and says so.
@@ -736,7 +744,7 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
         assert [leg.node for leg in watch.legs(p)] == ["node-0"]
     # sm's request: preempted on node-0, finished on node-1 from its text so far, every token once.
     assert small.error is None and small.finish_reason == "length" and small.completion_tokens == long, small
-    legs = watch.legs(small_prompt)
+    legs = watch.ended_legs(small_prompt, 2)
     assert [leg.node for leg in legs] == ["node-0", "node-1"], [(leg.node, leg.end) for leg in legs]
     assert isinstance(legs[0].end, Failed) and legs[0].end.code == ErrorCode.PREEMPTED
     assert isinstance(legs[1].end, Finished)
