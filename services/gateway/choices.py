@@ -27,7 +27,8 @@ from services.gateway.openai_format import (
 )
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Gateway, Generation, Prepared
-from services.gateway.tools import ToolStream, parse
+from services.gateway.tool_stream import ToolStream
+from services.gateway.tools import parse
 from shared.errors import TesseraError
 from shared.messages import ErrorCode, Finished, TokenChunk, TokenLogprob
 

@@ -317,12 +317,7 @@ def render(messages: Sequence[dict[str, Any]], prompt: str | None = None) -> lis
             blocks = [_call_block(c) for c in message["tool_calls"]]
             content = "\n".join([content, *blocks] if content else blocks)
         out.append({"role": role, "content": content})
-    if prompt is not None:
-        if out and out[0]["role"] == "system":
-            out[0]["content"] = f"{prompt}\n\n{out[0]['content']}" if out[0]["content"] else prompt
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
+    return _with_prompt(out, prompt)
 
 
 def native_history(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -353,7 +348,7 @@ def _native_call(call: Any) -> dict[str, Any]:
 
 
 def _with_prompt(history: list[dict[str, Any]], prompt: str | None) -> list[dict[str, Any]]:
-    """The tools prompt in front of the leading system message (or as one), as `render` does."""
+    """The tools prompt in front of the leading system message (or as one)."""
     if prompt is None:
         return history
     if history and history[0]["role"] == "system":
@@ -384,12 +379,12 @@ def parse(text: str, plan: ToolPlan, make_id: MakeId = new_call_id) -> Parsed:
     if plan.mode == "none":
         return text, []
     if plan.mode == "named":
-        return None, [_call(make_id, plan.function or "", compact_json(text))]
+        return None, [make_call(make_id, plan.function or "", compact_json(text))]
     if plan.mode == "required":
         calls = _required_calls(text, plan)
         if calls is None:
             return text, []
-        return None, [_call(make_id, name, args) for name, args in calls]
+        return None, [make_call(make_id, name, args) for name, args in calls]
     return _parse_auto(text, plan, make_id)
 
 
@@ -400,18 +395,18 @@ def _parse_auto(text: str, plan: ToolPlan, make_id: MakeId) -> Parsed:
     if plan.bare_json and CALL_OPEN not in text:
         call = _bare_json_call(text, plan)
         if call is not None:
-            return None, [_call(make_id, *call)]
+            return None, [make_call(make_id, *call)]
     pieces: list[str] = []
     calls: list[dict[str, Any]] = []
     end = 0
     for block in _BLOCK.finditer(text):
         pieces.append(text[end : block.start()])
         end = block.end()
-        call = _block_call(block.group(1), plan)
+        call = block_call(block.group(1), plan)
         if call is None:
             pieces.append(block.group(0))
         elif plan.parallel or not calls:
-            calls.append(_call(make_id, *call))
+            calls.append(make_call(make_id, *call))
     pieces.append(text[end:])
     content = "".join(pieces).strip()
     return (content or (None if calls else "")), calls
@@ -435,7 +430,7 @@ def _bare_json_call(text: str, plan: ToolPlan) -> tuple[str, str] | None:
     return _item_call(calls[0], plan, "parameters", "arguments")
 
 
-def _block_call(body: str, plan: ToolPlan) -> tuple[str, str] | None:
+def block_call(body: str, plan: ToolPlan) -> tuple[str, str] | None:
     """(name, arguments JSON) of one `<tool_call>` block's text, or None if it is not a call of
     a declared function with an object of arguments."""
     try:
@@ -475,11 +470,11 @@ def _required_calls(text: str, plan: ToolPlan) -> list[tuple[str, str]] | None:
     return [c for c in calls if c is not None][: None if plan.parallel else 1]
 
 
-def _call(make_id: MakeId, name: str, arguments: str) -> dict[str, Any]:
+def make_call(make_id: MakeId, name: str, arguments: str) -> dict[str, Any]:
     return {"id": make_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-class _Compactor:
+class Compactor:
     """JSON text without the whitespace between its tokens, a piece at a time (the grammar lets
     the model indent; the client gets what `json.dumps(separators=(",", ":"))` would write)."""
 
@@ -505,135 +500,4 @@ class _Compactor:
 
 
 def compact_json(text: str) -> str:
-    return _Compactor()(text)
-
-
-# -- streaming --------------------------------------------------------------------------------
-
-
-def _opening(index: int, call_id: str, name: str) -> dict[str, Any]:
-    return {
-        "tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]
-    }
-
-
-def _fragment(index: int, arguments: str) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that `tag` starts with (it may be the tag, cut)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class ToolStream:
-    """The deltas of a streamed answer, as chat-completion-chunk `delta` dicts in order. Their
-    concatenation is what `parse` gives for the whole text, however it is split: content as
-    soon as it cannot be the start of a `<tool_call>` (its whitespace at either end held, as
-    `parse` strips it), a call when its block closes, a named call's arguments as they come."""
-
-    def __init__(self, plan: ToolPlan, make_id: MakeId = new_call_id) -> None:
-        self._plan = plan
-        self._make_id = make_id
-        self._buffer = ""
-        """Text not yet decided: a cut `<tool_call>` (auto), a block's text, or all ("required")."""
-        self._in_block = False
-        self._calls = 0
-        self._started = False
-        """Whether content went out (leading whitespace is dropped until it does)."""
-        self._space = ""
-        """Whitespace after the last content sent: sent only if more content follows."""
-        self._compact = _Compactor()
-
-    @property
-    def called(self) -> bool:
-        return self._calls > 0
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        mode = self._plan.mode
-        if mode == "none":
-            return [{"content": text}] if text else []
-        if mode == "named":
-            out = self._open_named()
-            arguments = self._compact(text)
-            return out + ([_fragment(0, arguments)] if arguments else [])
-        self._buffer += text
-        if mode == "auto" and self._plan.bare_json and not self._started and self._buffer.lstrip()[:1] in ("{", ""):
-            return []  # maybe a bare-JSON call: decided at the end (`finish`)
-        return self._auto() if mode == "auto" else []
-
-    def finish(self) -> list[dict[str, Any]]:
-        mode, text, self._buffer = self._plan.mode, self._buffer, ""
-        if mode == "named":
-            return self._open_named()
-        if mode == "required":
-            content, calls = parse(text, self._plan, self._make_id)
-            said = [{"content": content}] if content else []
-            return said + [delta for c in calls for delta in self._emit(c)]
-        if mode == "auto" and self._plan.bare_json and not self._started and not self._in_block:
-            content, calls = parse(text, self._plan, self._make_id)
-            if calls:
-                return [delta for c in calls for delta in self._emit(c)]
-            self._buffer = text
-            out = self._auto()
-            text, self._buffer = self._buffer, ""
-            return out + (self._decided(text, closed=False) if self._in_block else self._say(text))
-        if mode == "auto" and (text or self._in_block):
-            return self._decided(text, closed=False) if self._in_block else self._say(text)
-        return []
-
-    def _open_named(self) -> list[dict[str, Any]]:
-        if self._calls:
-            return []
-        self._calls = 1
-        return [_opening(0, self._make_id(), self._plan.function or "")]
-
-    def _auto(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        while True:
-            if self._in_block:
-                end = self._buffer.find(CALL_CLOSE)
-                if end < 0:
-                    return out
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE) :]
-                out += self._decided(body, closed=True)
-            else:
-                start = self._buffer.find(CALL_OPEN)
-                if start < 0:
-                    cut = len(self._buffer) - _held_prefix(self._buffer, CALL_OPEN)
-                    sure, self._buffer = self._buffer[:cut], self._buffer[cut:]
-                    return out + self._say(sure)
-                out += self._say(self._buffer[:start])
-                self._buffer = self._buffer[start + len(CALL_OPEN) :]
-                self._in_block = True
-
-    def _decided(self, body: str, closed: bool) -> list[dict[str, Any]]:
-        """A block's deltas once its end is known: a call, nothing (a second call where only one
-        is allowed), or its text as content."""
-        self._in_block = False
-        call = _block_call(body, self._plan)
-        if call is None:
-            return self._say(CALL_OPEN + body + (CALL_CLOSE if closed else ""))
-        if not self._plan.parallel and self._calls:
-            return []
-        return self._emit(_call(self._make_id, *call))
-
-    def _emit(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        index, self._calls = self._calls, self._calls + 1
-        function = call["function"]
-        return [_opening(index, call["id"], function["name"]), _fragment(index, function["arguments"])]
-
-    def _say(self, text: str) -> list[dict[str, Any]]:
-        """Content, its whitespace at the ends held back as `parse`'s strip() would drop it."""
-        if not self._started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self._space += text
-            return []
-        self._started = True
-        out, self._space = self._space + body, text[len(body) :]
-        return [{"content": out}]
+    return Compactor()(text)

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from services.gateway.tool_stream import ToolStream
 from services.gateway.tools import (
     NO_ARGUMENTS,
     FunctionDef,
     Tool,
     ToolPlan,
-    ToolStream,
     check_tool_choice,
     parse,
     plan,
