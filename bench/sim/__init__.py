@@ -40,6 +40,7 @@ The package, by what each part handles:
 - `__main__.py`: the command line and its plot.
 """
 
+from bench.capacity import SLO_TARGET
 from bench.sim.core import KEEPALIVE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK, SimCore
 from bench.sim.hardware import (
     CPU,
@@ -51,7 +52,6 @@ from bench.sim.hardware import (
     GPU_ONLY,
     L_MIN_TOKENS,
     RESIZE_FIXED_S,
-    SLO_TARGET,
     TESSERA,
     TPOT_SLO,
     TTFT_SLO_S,

@@ -18,7 +18,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim.hardware import GPU_ONLY, SLO_TARGET, TESSERA, TPOT_SLO, Policy
+from bench.capacity import SLO_TARGET
+from bench.sim.hardware import GPU_ONLY, TESSERA, TPOT_SLO, Policy
 from bench.sim.scale import EXCLUSIVE_GRID, ScaleJob, Setup, capacity, run_at, scale_run
 
 

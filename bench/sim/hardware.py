@@ -25,7 +25,6 @@ TTFT_SLO_S = 2.0
 """LLM-Mesh §3.1, §8.1: a request of L prompt tokens has max(2, L / 512) s to its first token,
 this floor and the registration's default allowance per token (`policy.slo.ttft_slo`, as the
 scheduler and the gateway judge it)."""
-SLO_TARGET = 0.95
 GB = 1_000_000_000
 EPS = 1e-9
 

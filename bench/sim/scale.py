@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from bench.sim.hardware import EXCLUSIVE, SLO_TARGET, TESSERA, Policy
+from bench.capacity import capacity_search
+from bench.sim.hardware import EXCLUSIVE, TESSERA, Policy
 from bench.sim.simulator import Sim, simulate
 from bench.sim.state import Stats
 from bench.trace import Trace, generate
@@ -125,33 +126,15 @@ def capacity(
     steps: int = 6,
     log: Callable[[str], None] = lambda _: None,
 ) -> tuple[float, list[tuple[float, float]]]:
-    """The highest mean request rate (req/s) with SLO attainment ≥ 95%, by doubling then
-    bisection; and every (rate, attainment) tried. 0.0 when even `start`/8 misses."""
-    points: list[tuple[float, float]] = []
+    """The highest mean request rate (req/s) with SLO attainment ≥ 95% (`capacity_search`), and
+    every (rate, attainment) tried."""
 
-    def ok(rate: float) -> bool:
+    def attainment(rate: float) -> float:
         att = run_at(setup, policy, rate).attainment
-        points.append((rate, att))
         log(f"{policy.name}: {rate:.3f} req/s → {att:.4f}")
-        return att >= SLO_TARGET
+        return att
 
-    lo, hi = 0.0, start
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > 512:
-            break
-    if lo == 0.0:
-        lo_try = start / 8
-        if not ok(lo_try):
-            return 0.0, sorted(points)
-        lo, hi = lo_try, start
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, sorted(points)
+    return capacity_search(attainment, start, steps=steps)
 
 
 EXCLUSIVE_GRID = tuple(

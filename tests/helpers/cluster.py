@@ -14,15 +14,23 @@ from ops.localcluster import LocalCluster
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.1) -> T:
-    """Poll `condition` until it returns something truthy; fail with `what` at the deadline."""
+def wait_for(
+    condition: Callable[[], T | None],
+    timeout_s: float,
+    what: str,
+    every_s: float = 0.1,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """Poll `condition` until it returns something truthy; fail with `what` (and what `detail`
+    says it last saw) at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            seen = f"; last seen: {detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{seen}")
         time.sleep(every_s)  # sync-ok: polling a condition with a deadline
 
 
