@@ -24,7 +24,10 @@ stays >= 0.95, doubling or halving from `--start-rate` (the load above at x = 1:
 and then `--steps` bisections, each rate a `--duration`-second load on the same cluster (its
 instances as the previous rate left them, as a running service's would be). Two rounds of
 warm-up requests, one per model each, precede the first rate (not counted): the models start,
-then serve a request the engines measure, so placement has a performance model. The arrival
+then serve a request the engines measure, so placement has a performance model; then, once
+every instance serves from its continuous-batching core (each tiers up when its node is idle:
+capacity is a steady state, `bench/coldstart.py` measures starts), one crowd of `--burst`
+requests per model. The arrival
 times come from `--seed`, the same for both policies at a given rate.
 
 Exclusive (what a Knative or ServerlessLLM deployment does): a model's instance has a node to
@@ -285,6 +288,7 @@ def run_policy(
     steps: int,
     keep_alive_s: float,
     keep_logs: Path | None = None,
+    rates: list[float] | None = None,
 ) -> dict[str, Any]:
     """One policy's capacity search on a cluster of its own: every rate tried, in the order
     tried, with its summary and requests."""
@@ -315,6 +319,14 @@ def run_policy(
             # then serves one request the engines measure, so placement has a performance model.
             warm = [w for _ in range(2) for w in asyncio.run(drive(cluster.base_url, [(0.0, m.name) for m in MODELS]))]
             log(f"{variant}: warm-up {[(w['model'], w['ok']) for w in warm]}")
+            # Capacity is a steady state: every instance on its continuous-batching core (the
+            # tier-up each start does once its node is idle; bench/coldstart.py measures starts).
+            tiers = wait_steady(cluster.base_url)
+            # And one crowd per model on those cores, as the load brings them (a new core's
+            # first crowd prefills everything: the next ones find their prefix cached).
+            crowd = [(0.0, m.name) for m in MODELS for _ in range(load.burst)]
+            warm += asyncio.run(drive(cluster.base_url, crowd))
+            log(f"{variant}: instances {tiers}; warm-up crowd {sum(w['ok'] for w in warm)}/{len(warm)} ok")
 
             def attainment(rate: float) -> float:
                 plan = load.plan(rate)
@@ -346,14 +358,35 @@ def run_policy(
                 )
                 return att
 
-            cap, _ = capacity_search(attainment, start_rate, steps=steps)
+            if rates:  # a look at these rates, no search
+                cap = max((r for r in rates if attainment(r) >= SLO_TARGET), default=0.0)
+            else:
+                cap, _ = capacity_search(attainment, start_rate, steps=steps)
             starts = len(httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json())
         finally:
             cluster.stop()
             if keep_logs is not None:
                 shutil.copytree(Path(home) / "logs", keep_logs / variant, dirs_exist_ok=True)
     log(f"{variant}: capacity {cap:.3f} req/s")
-    return {"policy": variant, "capacity_req_per_s": cap, "cold_starts": starts, "points": points}
+    return {
+        "policy": variant,
+        "capacity_req_per_s": cap,
+        "cold_starts": starts,
+        "tiers_before": tiers,
+        "points": points,
+    }
+
+
+def wait_steady(base_url: str, timeout_s: float = 180.0) -> dict[str, str]:
+    """Wait until every instance serves from its STEADY tier; their tiers then (or at the
+    deadline: the run goes on and the JSON says so)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = httpx.get(f"{base_url}/admin/instances", timeout=10).json()["nodes"]
+        tiers = {f"{i['model']}@{n['node_id']}": i.get("tier", "") for n in nodes for i in n["instances"]}
+        if all(t == "steady" for t in tiers.values()) or time.monotonic() > deadline:
+            return tiers
+        time.sleep(0.5)
 
 
 def at_rate(run: dict[str, Any], rate: float) -> dict[str, Any] | None:
@@ -421,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--start-rate", type=float, default=None, help="first rate tried (req/s; default: the load at x=1)")
     ap.add_argument("--steps", type=int, default=3, help="bisections after the bracketing")
+    ap.add_argument(
+        "--rates", type=float, nargs="+", default=None, help="measure at these rates only (no search): implies --only"
+    )
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's service logs here")
     ap.add_argument(
         "--ablate-interleave",
@@ -462,11 +498,20 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             runs.append(
                 run_policy(
-                    variant, args.nodes, store, sources, load, start_rate, args.steps, args.keep_alive, args.keep_logs
+                    variant,
+                    args.nodes,
+                    store,
+                    sources,
+                    load,
+                    start_rate,
+                    args.steps,
+                    args.keep_alive,
+                    args.keep_logs,
+                    args.rates,
                 )
             )
     caps = {r["policy"]: r["capacity_req_per_s"] for r in runs}
-    if args.only:  # no comparison: the runs and their requests, for a look
+    if args.only or args.rates:  # no comparison: the runs and their requests, for a look
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cluster-only.json").write_text(json.dumps(runs, indent=2) + "\n")
         print(json.dumps(caps, indent=2))

@@ -24,8 +24,9 @@ from services.engine.metrics import (
     TTFT,
 )
 from services.engine.node import Samples, Served
+from services.engine.streams import Chunk
 from services.engine.worker_pool import Cancelled, WorkerDied
-from services.engine.worker_process import Chunk, Done, Run
+from services.engine.worker_wire import Done, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError
@@ -139,6 +140,7 @@ class Generation(KvMemory):
                         GATE_WAIT.observe(out.gated_s)
                     if out.kv_allocated_bytes:
                         KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
+                        inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
                     final = Finished(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,

@@ -14,6 +14,7 @@ import time
 
 from policy.defrag import Neighbour, choose_preemption
 from policy.eviction import Resident, choose_evictions
+from policy.footprint import true_up
 from policy.kv_watermark import Action, KvPlan
 from policy.slo import ttft_slo
 from services.engine.metrics import (
@@ -23,6 +24,7 @@ from services.engine.metrics import (
     KV_RESIZES,
     KV_UNDERESTIMATES,
     PREEMPTIONS,
+    UNACCOUNTED_BYTES,
 )
 from services.engine.node import EngineNode, Served
 from shared import subjects
@@ -250,6 +252,48 @@ class KvMemory(EngineNode):
                 break
         if inst.active == 0 and self.instances.get(inst.model) is inst:
             await self._unload(inst)
+
+    async def _true_ups(self) -> None:
+        """Now and then, every bound worker's weights reservation trued up to what it holds."""
+        while True:
+            await asyncio.sleep(4 * self.settings.heartbeat_interval_s)
+            try:
+                await self._true_up_weights()
+            except Exception:
+                log.exception("memory true-up failed")
+
+    async def _true_up_weights(self) -> None:
+        """Each bound worker's weights reservation moved to its measured footprint
+        (`policy.footprint.true_up`), so that the node's memory budget bounds what its workers
+        really hold. Where the node has no room for it, the shortfall is counted
+        (`tessera_engine_unaccounted_bytes`) and nothing is evicted for it: the worker is
+        already there, and the next start of its artifact reserves its footprint up front."""
+        unaccounted = 0
+        for aid, bound in list(self.bound.items()):
+            if bound.worker.dead:
+                continue
+            target = true_up(
+                bound.weights_reserved, bound.artifact.weight_bytes, bound.worker.rss_bytes(), bound.kv_allocated_bytes
+            )
+            lock = self._artifact_locks.setdefault(aid, asyncio.Lock())
+            if target is None or lock.locked():  # in step, or a start of it under way
+                continue
+            if target - bound.weights_reserved > self._available():
+                # No room as the memory manager last answered: not worth a refusal.
+                unaccounted += target - bound.weights_reserved
+                continue
+            async with lock:
+                owner = f"weights:{aid}"
+                result = await self._reserve_memory(owner, target)
+                if not result.granted:
+                    unaccounted += max(0, target - bound.weights_reserved)
+                    continue
+                await self._memory_done(owner)
+                if self.bound.get(aid) is not bound:  # evicted or lost meanwhile
+                    await self._release_memory(owner)
+                    continue
+                bound.weights_reserved = self._footprints[aid] = target
+        UNACCOUNTED_BYTES.set(unaccounted)
 
     async def _evict_idle_residents(self, need: int) -> bool:
         keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())

@@ -24,6 +24,10 @@ POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their m
 POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
 PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
+UNACCOUNTED_BYTES = Gauge(
+    "tessera_engine_unaccounted_bytes",
+    "Memory bound workers hold beyond what the node's memory manager granted them (a true-up it refused)",
+)
 WORKER_RSS_BYTES = Gauge("tessera_engine_bound_workers_rss_bytes", "Resident memory of workers bound to models")
 COLD_WORKERS = Counter("tessera_engine_unwarmed_starts_total", "Starts that found no pre-warmed worker")
 INSTANCE_EVICTIONS = Counter(

@@ -38,7 +38,7 @@ from services.engine.metrics import (
 from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker_pool import Cancelled, Worker, WorkerPool
-from services.engine.worker_process import Done
+from services.engine.worker_wire import Done
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import (
@@ -73,6 +73,12 @@ class Bound:
     """Where its load read the blob: "host" (the loader's cache) or "store"."""
     stage_s: float = 0.0
     worker_load_s: float = 0.0
+    weights_reserved: int = 0
+    """What the node's memory manager holds for the worker beside KV caches: the artifact's
+    weights at first, trued up to the worker's measured footprint (`policy/footprint.py`)."""
+    kv_allocated_bytes: int = 0
+    """The worker's KV cache as its core last reported it (inside its RSS; the instances' KV
+    reservations count it)."""
 
 
 @dataclass
@@ -158,6 +164,9 @@ class EngineNode:
         self._cold: dict[str, PendingColdStart] = {}
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self._perf: dict[str, Samples] = {}
+        self._footprints: dict[str, int] = {}
+        """Per artifact, the weights reservation its last worker was trued up to: what the
+        next start reserves."""
         """Recent measurements per artifact, sent with every heartbeat."""
         self._memory_seen = (0, 0)
         """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
@@ -165,6 +174,7 @@ class EngineNode:
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._tier_up_task: asyncio.Task[None] | None = None
+        self._true_up_task: asyncio.Task[None] | None = None
         self._preemptions: set[asyncio.Task[None]] = set()
         """Preemptions the scheduler ordered, under way (kept from the collector)."""
 

@@ -26,11 +26,12 @@ class EngineService(Starts, Generation):
         await self._release_memory("*")
         self.workers.refill()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self._true_up_task = asyncio.create_task(self._true_ups())
         if self.settings.start_tier:
             self._tier_up_task = asyncio.create_task(self._tier_ups())
 
     async def close(self) -> None:
-        for task in (self._heartbeat_task, self._tier_up_task):
+        for task in (self._heartbeat_task, self._tier_up_task, self._true_up_task):
             if task:
                 task.cancel()
         for cancelled, _ in self._cancels.values():

@@ -19,6 +19,7 @@ import time
 from nats.aio.msg import Msg
 
 from policy.eviction import Resident
+from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from services.engine.memory import KvMemory
 from services.engine.metrics import (
     COLD_WORKERS,
@@ -30,7 +31,7 @@ from services.engine.metrics import (
 )
 from services.engine.node import Bound, PendingColdStart, Served
 from services.engine.worker_pool import Worker
-from services.engine.worker_process import Loaded, TieredUp
+from services.engine.worker_wire import Loaded, TieredUp
 from shared import subjects
 from shared.artifact import has_tier
 from shared.bus import decode
@@ -66,15 +67,18 @@ class Starts(KvMemory):
         while True:
             await asyncio.sleep(period)
             try:
-                idle_since = self._node_idle_since()
-                if idle_since is None or time.time() - idle_since < self.settings.tier_up_idle_s:
-                    continue
-                workers = [b.worker for b in self.bound.values() if not b.worker.dead]
-                if any(w.tiering for w in workers):
-                    continue
-                todo = next((w for w in workers if w.tier == Tier.START and not w.tier_up_failed), None)
-                if todo is not None:
-                    todo.tier_up()
+                live = {aid: b.worker for aid, b in self.bound.items() if not b.worker.dead}
+                key = next_tier_up(
+                    [
+                        StartTierWorker(aid, w.tier == Tier.START, w.tiering, w.tier_up_failed)
+                        for aid, w in live.items()
+                    ],
+                    self._node_idle_since(),
+                    time.time(),
+                    self.settings.tier_up_idle_s,
+                )
+                if key is not None:
+                    live[key].tier_up()
             except Exception:
                 log.exception("tier-up check failed")
 
@@ -167,11 +171,8 @@ class Starts(KvMemory):
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances are generating, so that
         their decode keeps its pace; all cores when nothing else runs."""
-        if not any(i.active for i in self.instances.values()):
-            return None
-        cores = sorted(os.sched_getaffinity(0))
-        share = max(1, int(len(cores) * self.settings.start_cpu_share))
-        return tuple(cores[-share:]) if share < len(cores) else None
+        busy = any(i.active for i in self.instances.values())
+        return start_cores(sorted(os.sched_getaffinity(0)), self.settings.start_cpu_share, busy)
 
     async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
         """A worker bound to the artifact: the resident one, or a pre-warmed one loaded now.
@@ -187,7 +188,8 @@ class Starts(KvMemory):
                 r.last_used = now
                 POOL_HITS.inc()
                 return bound, True, time.monotonic()
-            await self._reserve(f"weights:{aid}", artifact.weight_bytes)
+            weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
+            await self._reserve(f"weights:{aid}", weights)
             try:
                 worker, warm = await self.workers.take()
                 if not warm:
@@ -210,7 +212,7 @@ class Starts(KvMemory):
             resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
             source = "host" if staged and staged.hit else "store"
             bound = self.bound[aid] = Bound(
-                worker, artifact, loaded.loaded_from_cache, resident, source, stage_s, loaded.load_s
+                worker, artifact, loaded.loaded_from_cache, resident, source, stage_s, loaded.load_s, weights
             )
             return bound, False, t_load
 

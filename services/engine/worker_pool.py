@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 
 from services.engine.step_gate import StepGate
-from services.engine.worker_process import (
-    MALLOC_ENV,
+from services.engine.streams import Chunk
+from services.engine.worker_os import MALLOC_ENV
+from services.engine.worker_process import worker_main
+from services.engine.worker_wire import (
     CancelRun,
-    Chunk,
     Chunks,
     Done,
     DropSession,
@@ -33,7 +34,6 @@ from services.engine.worker_process import (
     Started,
     TieredUp,
     TierUpNow,
-    worker_main,
 )
 from shared.messages import Artifact, Tier
 

@@ -16,20 +16,17 @@ Requests queue in the worker; whenever it is free, it runs what is queued as one
 current token, and new requests join the running batch when that is cheap, else wait for
 the next one.
 
-The engine talks to it over a `multiprocessing` pipe with the small dataclasses below (they
-never leave the node, so they are not bus messages).
+The engine talks to it over a `multiprocessing` pipe (`worker_wire.py`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -39,7 +36,23 @@ from services.engine.batch import BatchItem, joinable, take_batch
 from services.engine.core import needs_core, needs_logits
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk, CoreStreams
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
+from services.engine.worker_os import pin_all_threads, prefault_heap, touch_kernels, trim_heap
+from services.engine.worker_wire import (
+    NO_SLO_S,
+    CancelRun,
+    Chunks,
+    Done,
+    DropSession,
+    Failure,
+    Load,
+    Loaded,
+    Ready,
+    Run,
+    Started,
+    TieredUp,
+    TierUpNow,
+)
+from shared.messages import Artifact, FinishReason, Tier, TokenLogprob
 from shared.process import die_with_parent
 
 if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engine's
@@ -47,212 +60,12 @@ if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engin
     from services.engine.instance import Batcher, Detokenizer, LoadedModel
 
 
-NO_SLO_S = 3600.0
-"""A request of a model without SLOs is due this long after it arrived (last in line)."""
-
-
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-
-
-@dataclass(frozen=True)
-class Load:
-    artifact: Artifact
-    cores: tuple[int, ...] | None
-    """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
-    cache_dir: str | None = None
-    """Where the verified compiled blob is (the loader's host cache); the store's when None."""
-    tier: Tier = Tier.STEADY
-
-
-@dataclass(frozen=True)
-class Loaded:
-    loaded_from_cache: bool
-    load_s: float
-
-
-@dataclass(frozen=True)
-class TieredUp:
-    """The worker now serves the STEADY tier (or, with `error`, stays on START)."""
-
-    tier: Tier
-    load_s: float
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Run:
-    """A request for the worker's queue: it runs in the next batch formed (`batch.py`)."""
-
-    request_id: str
-    session: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    stream_interval_s: float
-    kv_tokens: int = 0
-    """Tokens its name's KV reservation covered when it was sent (LLM-Mesh eq. 2, grown for
-    it): a batch may hold that many, or one context, whichever is more."""
-    received_at: float = 0.0
-    """time.monotonic() the engine received it: ST of its headroom (eq. 1)."""
-    ttft_slo_s: float = 0.0
-    tpot_slo_s: float = 0.0
-    """Its model's SLOs (0: none), for the node's headroom gate (`step_gate.py`)."""
-
-    def deadline(self, generated: int) -> float:
-        """When its next token is due: headroom (eq. 1) + now."""
-        if self.ttft_slo_s <= 0:
-            return self.received_at + NO_SLO_S
-        return self.received_at + self.ttft_slo_s + self.tpot_slo_s * generated
-
-
-@dataclass(frozen=True)
-class Chunks:
-    """Every core request's new text after a step, in one message (one pickle and one wake-up
-    of the engine's reader for a crowd, not one per request)."""
-
-    items: tuple[Chunk, ...]
-
-
-@dataclass(frozen=True)
-class Done:
-    request_id: str
-    finish_reason: FinishReason
-    completion_tokens: int
-    first_token_at: float | None
-    """time.monotonic() of the first text (CLOCK_MONOTONIC: comparable across processes)."""
-    prompt_tokens: int = 0
-    prefill_s: float = 0.0
-    """Start of the run to its first token: the prefill, measured where it ran."""
-    decode_s: float = 0.0
-    """First token to the end of the run: (completion_tokens - 1) decode iterations."""
-    batch: int = 1
-    """Sequences in the batch it ran in (its decode iterations were for that many)."""
-    prefill_tokens: int = 0
-    """Positions the prefill it ran in computed (rows × the longest context padded to)."""
-    gated_s: float = 0.0
-    """Time its iterations waited for the node's headroom gate (not in prefill_s, decode_s:
-    those are the iterations' own, what the performance model needs)."""
-    beside_build: bool = False
-    """It ran while the worker built its core (≈ 2.4 s of CPU on the same cores): its times
-    are no measure of the model."""
-    kv_allocated_bytes: int = 0
-    """The core's KV cache when it ended (the library's allocation; 0 on the stateful tier)."""
-
-
-@dataclass(frozen=True)
-class Started:
-    """The request left the worker's queue: its batch begins."""
-
-    request_id: str
-    batch: int
-
-
-@dataclass(frozen=True)
-class TierUpNow:
-    """Load the STEADY tier in the background and swap to it between batches (the engine
-    sends it when the whole node is idle, so that the tier-up slows nobody)."""
-
-
-@dataclass(frozen=True)
-class CancelRun:
-    """Stop this request: queued, it ends at once; running, after its current token."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class DropSession:
-    session: str
-
-
-@dataclass(frozen=True)
-class Failure:
-    request_id: str | None
-    message: str
-
-
-def _pin_all_threads(cores: set[int]) -> None:
-    """Set the CPU affinity of every thread of this process (sched_setaffinity on pid 0 moves
-    only the calling thread; the runtime's pool threads would keep every core)."""
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cores)
-        except OSError:
-            pass  # a thread that just ended
-
-
-# glibc malloc settings for worker processes (read at process start, so set in the
-# environment they are spawned with). One arena and no trimming keep the pages that
-# `_prefault_heap` touched in the heap for the start's allocations to reuse; blocks from 32 MiB
-# up still get their own mappings (a large block would otherwise pin the heap's top).
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-}
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    return libc
-
-
-def _prefault_heap(nbytes: int) -> None:
-    """TIDAL §5: move what a start would pay for into the pre-warm. A start allocates
-    ≈ 200 MB (the imported model, then the CPU plugin's repacked weights on the first forward
-    pass), and a fresh process takes a page fault for every 4 KiB it first writes: measured
-    ≈ 54 000 faults, 0.06 s of a 0.28 s load + first pass. Touched here and freed into the
-    heap (kept by MALLOC_ENV), those pages are reused without faulting."""
-    libc = _libc()
-    if libc is None or nbytes <= 0:
-        return
-    chunk = 1 << 20
-    ptrs = []
-    for _ in range(nbytes // chunk):
-        ptr = libc.malloc(chunk)
-        if not ptr:
-            break
-        ctypes.memset(ptr, 0, chunk)
-        ptrs.append(ptr)
-    for ptr in reversed(ptrs):
-        libc.free(ptr)
-
-
-def _trim_heap() -> None:
-    """Give the heap's free pages back to the system (after a tier swap or a dropped session:
-    MALLOC_ENV stops glibc from doing it on its own)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _touch_kernels(core: ov.Core, device: str, threads: int) -> None:
-    """TIDAL §5.1, proactive code loading with reduced input dimensions: compile and run a tiny
-    matmul so that the device plugin, its thread pool and its JIT are initialised before any
-    start needs them (measured: the first real compile in the process then takes ≈ 0.05–0.09 s
-    less)."""
-    import numpy as np
-    from openvino import opset13 as ops
-
-    x = ops.parameter([1, -1, 64], np.float32)
-    w = ops.constant(np.ones((64, 64), dtype=np.float32))
-    tiny = ov.Model([ops.matmul(x, w, False, True)], [x])
-    config: dict[str, object] = {"INFERENCE_NUM_THREADS": threads} if device == "CPU" else {}
-    compiled = core.compile_model(tiny, device, config)
-    compiled.create_infer_request().infer({0: np.ones((1, 4, 64), dtype=np.float32)})
-
-
 class _CoreBuild:
     """The continuous-batching core (`core.py`), built on a thread of its own while the worker
     serves its first requests on the materialized stateful tier. The build takes ≈ 2.4 s of
-    CPU and cannot be materialized (`core.build_pipeline`); the pipeline's constructor
-    releases the GIL, so the worker keeps serving meanwhile."""
+    CPU and cannot be materialized (`core.build_pipeline`), and its warm-up crowd ≈ 2.5 s
+    more (`core.warm_up`); the library releases the GIL for both, so the worker keeps serving
+    meanwhile."""
 
     def __init__(self, artifact: Artifact, device: str, threads: int) -> None:
         self.pipeline: object | None = None
@@ -262,11 +75,13 @@ class _CoreBuild:
         threading.Thread(target=self._run, args=(artifact, device, threads), daemon=True, name="core-build").start()
 
     def _run(self, artifact: Artifact, device: str, threads: int) -> None:
-        from services.engine.core import build_pipeline
+        from services.engine.core import build_pipeline, warm_up
 
         t0 = time.monotonic()
         try:
-            self.pipeline = build_pipeline(artifact.path, device, threads)
+            pipeline = build_pipeline(artifact.path, device, threads)
+            warm_up(pipeline)
+            self.pipeline = pipeline
         except Exception as e:  # the worker stays on its stateful tier, which serves correctly
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.monotonic() - t0
@@ -377,15 +192,15 @@ class _Loop:
             elif self.batcher is not None and self.engine is not None:
                 # The core serves everything now: the stateful tier's memory goes back.
                 self.batcher = None
-                _trim_heap()
+                trim_heap()
 
     def _wait(self) -> bool:
         """Block until a command arrives (True); while the core builds, look at it every 50 ms."""
         return self.conn.poll(0.05 if self.build is not None else None)
 
     def _start_build(self) -> None:
-        """Build the core now (the start's first batch is done, more requests wait than it
-        took, a seeded request came, or the node is idle)."""
+        """Build the core now (the node is idle, more requests wait than the start tier's batch
+        took, or a request came that only the core serves)."""
         if self.build is not None or self.engine is not None or self.artifact is None or self.build_failed:
             return
         self.build = _CoreBuild(self.artifact, self.device, self.threads)
@@ -531,7 +346,7 @@ class _Loop:
 
                 t0 = time.monotonic()
                 if cmd.cores:
-                    _pin_all_threads(set(cmd.cores))
+                    pin_all_threads(set(cmd.cores))
                 # The first forward pass (the CPU plugin repacks weights then) also runs under
                 # the bounded share; all cores come back once the first batch is done.
                 loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir, cmd.tier)
@@ -542,7 +357,7 @@ class _Loop:
                 self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
             elif isinstance(cmd, DropSession):
                 if self.batcher is not None and self.batcher.drop(cmd.session):
-                    _trim_heap()
+                    trim_heap()
         except Exception as e:  # the engine turns this into an error for the request
             self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
 
@@ -675,11 +490,12 @@ class _Loop:
             self.emitted.clear()
             self.waits.clear()
         t_end = time.monotonic()
-        # The start's first batch is done: build the core now. Not sooner: its ≈ 2.4 s of CPU
-        # beside the first token's prefill and relay cost the cold start ≈ 0.1 s (measured).
-        self._start_build()
+        # The core is not built here, after the start's first batch: its few core-seconds
+        # would be taken from whatever else runs on the node. The engine asks for it once the
+        # node is idle (`TierUpNow`, policy/node_cpu.py), or demand does (`_between_steps`,
+        # `needs_core`).
         if os.sched_getaffinity(0) != self.all_cores:
-            _pin_all_threads(self.all_cores)
+            pin_all_threads(self.all_cores)
         for res in results:
             run, t_run, width, positions = started[res.request_id]
             t_first = res.first_token_at
@@ -718,7 +534,7 @@ def worker_main(
     import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)
 
     core = ov.Core()
-    _touch_kernels(core, device, threads)
-    _prefault_heap(prefault_bytes)
+    touch_kernels(core, device, threads)
+    prefault_heap(prefault_bytes)
     conn.send(Ready(pid=os.getpid()))
     _Loop(conn, core, device, threads, max_batch, join_recompute_tokens, gate, slot).serve()

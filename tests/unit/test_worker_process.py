@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.worker_process import CancelRun, Done, Failure, Run, Started, _Loop
+from services.engine.worker_process import _Loop
+from services.engine.worker_wire import CancelRun, Done, Failure, Run, Started
 from shared.messages import Artifact, FinishReason, SamplingParams
 
 
@@ -96,7 +97,8 @@ def test_a_core_request_s_gate_deadline_moves_on_with_the_tokens_it_generated() 
     does: held at its first token's deadline, one instance decoding kept every turn."""
     from types import SimpleNamespace
 
-    from services.engine.worker_process import Run, _Loop
+    from services.engine.worker_process import _Loop
+    from services.engine.worker_wire import Run
     from shared.messages import SamplingParams
 
     run = Run("a", "s", (1, 2), SamplingParams(max_tokens=8), 0.1, received_at=100.0, ttft_slo_s=1.0, tpot_slo_s=0.05)

@@ -1,0 +1,134 @@
+"""What the engine and its worker processes say to each other over a `multiprocessing` pipe:
+small dataclasses that never leave the node (so they are not bus messages). The engine's side
+is `worker_pool.py`, the worker's `worker_process.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.streams import Chunk
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+
+NO_SLO_S = 3600.0
+"""A request of a model without SLOs is due this long after it arrived (last in line)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class Load:
+    artifact: Artifact
+    cores: tuple[int, ...] | None
+    """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
+    cache_dir: str | None = None
+    """Where the verified compiled blob is (the loader's host cache); the store's when None."""
+    tier: Tier = Tier.STEADY
+
+
+@dataclass(frozen=True)
+class Loaded:
+    loaded_from_cache: bool
+    load_s: float
+
+
+@dataclass(frozen=True)
+class TieredUp:
+    """The worker now serves the STEADY tier (or, with `error`, stays on START)."""
+
+    tier: Tier
+    load_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Run:
+    """A request for the worker's queue: it runs in the next batch formed (`batch.py`)."""
+
+    request_id: str
+    session: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream_interval_s: float
+    kv_tokens: int = 0
+    """Tokens its name's KV reservation covered when it was sent (LLM-Mesh eq. 2, grown for
+    it): a batch may hold that many, or one context, whichever is more."""
+    received_at: float = 0.0
+    """time.monotonic() the engine received it: ST of its headroom (eq. 1)."""
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    """Its model's SLOs (0: none), for the node's headroom gate (`step_gate.py`)."""
+
+    def deadline(self, generated: int) -> float:
+        """When its next token is due: headroom (eq. 1) + now."""
+        if self.ttft_slo_s <= 0:
+            return self.received_at + NO_SLO_S
+        return self.received_at + self.ttft_slo_s + self.tpot_slo_s * generated
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Every core request's new text after a step, in one message (one pickle and one wake-up
+    of the engine's reader for a crowd, not one per request)."""
+
+    items: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: str
+    finish_reason: FinishReason
+    completion_tokens: int
+    first_token_at: float | None
+    """time.monotonic() of the first text (CLOCK_MONOTONIC: comparable across processes)."""
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    """Start of the run to its first token: the prefill, measured where it ran."""
+    decode_s: float = 0.0
+    """First token to the end of the run: (completion_tokens - 1) decode iterations."""
+    batch: int = 1
+    """Sequences in the batch it ran in (its decode iterations were for that many)."""
+    prefill_tokens: int = 0
+    """Positions the prefill it ran in computed (rows × the longest context padded to)."""
+    gated_s: float = 0.0
+    """Time its iterations waited for the node's headroom gate (not in prefill_s, decode_s:
+    those are the iterations' own, what the performance model needs)."""
+    beside_build: bool = False
+    """It ran while the worker built its core (≈ 2.4 s of CPU on the same cores): its times
+    are no measure of the model."""
+    kv_allocated_bytes: int = 0
+    """The core's KV cache when it ended (the library's allocation; 0 on the stateful tier)."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request left the worker's queue: its batch begins."""
+
+    request_id: str
+    batch: int
+
+
+@dataclass(frozen=True)
+class TierUpNow:
+    """Load the STEADY tier in the background and swap to it between batches (the engine
+    sends it when the whole node is idle, so that the tier-up slows nobody)."""
+
+
+@dataclass(frozen=True)
+class CancelRun:
+    """Stop this request: queued, it ends at once; running, after its current token."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class DropSession:
+    session: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str | None
+    message: str
