@@ -63,24 +63,27 @@ if TYPE_CHECKING:  # the worker imports it at start: its pre-warm, not the engin
 class _CoreBuild:
     """The continuous-batching core (`core.py`), built on a thread of its own while the worker
     serves its first requests on the materialized stateful tier. The build takes ≈ 2.4 s of
-    CPU and cannot be materialized (`core.build_pipeline`), and its warm-up crowd ≈ 2.5 s
-    more (`core.warm_up`); the library releases the GIL for both, so the worker keeps serving
-    meanwhile."""
+    CPU and cannot be materialized (`core.build_pipeline`), and on an idle node its warm-up
+    crowd ≈ 2.5 s more (`core.warm_up`); the library releases the GIL for both, so the worker
+    keeps serving meanwhile."""
 
-    def __init__(self, artifact: Artifact, device: str, threads: int) -> None:
+    def __init__(self, artifact: Artifact, device: str, threads: int, warm: bool) -> None:
         self.pipeline: object | None = None
         self.error = ""
         self.seconds = 0.0
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(artifact, device, threads), daemon=True, name="core-build").start()
+        threading.Thread(
+            target=self._run, args=(artifact, device, threads, warm), daemon=True, name="core-build"
+        ).start()
 
-    def _run(self, artifact: Artifact, device: str, threads: int) -> None:
+    def _run(self, artifact: Artifact, device: str, threads: int, warm: bool) -> None:
         from services.engine.core import build_pipeline, warm_up
 
         t0 = time.monotonic()
         try:
             pipeline = build_pipeline(artifact.path, device, threads)
-            warm_up(pipeline)
+            if warm:
+                warm_up(pipeline)
             self.pipeline = pipeline
         except Exception as e:  # the worker stays on its stateful tier, which serves correctly
             self.error = f"{type(e).__name__}: {e}"
@@ -198,12 +201,14 @@ class _Loop:
         """Block until a command arrives (True); while the core builds, look at it every 50 ms."""
         return self.conn.poll(0.05 if self.build is not None else None)
 
-    def _start_build(self) -> None:
-        """Build the core now (the node is idle, more requests wait than the start tier's batch
-        took, or a request came that only the core serves)."""
+    def _start_build(self, idle: bool = False) -> None:
+        """Build the core now (the node is `idle`, more requests wait than the start tier's
+        batch took, or a request came that only the core serves). Only on an idle node does the
+        build run its warm-up crowd too: beside requests, its CPU would be theirs, and the
+        requests that asked for the core warm it up themselves."""
         if self.build is not None or self.engine is not None or self.artifact is None or self.build_failed:
             return
-        self.build = _CoreBuild(self.artifact, self.device, self.threads)
+        self.build = _CoreBuild(self.artifact, self.device, self.threads, warm=idle)
         self.build_window = (time.monotonic(), float("inf"))
 
     def _adopt_core(self) -> None:
@@ -338,7 +343,7 @@ class _Loop:
                 self._cancel(cmd.request_id)
             elif isinstance(cmd, TierUpNow):
                 if self.engine is None and self.build is None and self.artifact is not None and not self.build_failed:
-                    self._start_build()
+                    self._start_build(idle=True)
                 elif self.build is None:  # nothing to do: say so, the engine waits for an answer
                     self.conn.send(TieredUp(self.tier, 0.0, "" if self.engine else "no model loaded"))
             elif isinstance(cmd, Load):
