@@ -326,6 +326,8 @@ def run_policy(
             # first crowd prefills everything: the next ones find their prefix cached).
             crowd = [(0.0, m.name) for m in MODELS for _ in range(load.burst)]
             warm += asyncio.run(drive(cluster.base_url, crowd))
+            # What the crowd scaled out serves from its core too before the first rate.
+            tiers = wait_steady(cluster.base_url)
             log(f"{variant}: instances {tiers}; warm-up crowd {sum(w['ok'] for w in warm)}/{len(warm)} ok")
 
             def attainment(rate: float) -> float:
