@@ -164,10 +164,10 @@ class EngineNode:
         self._cold: dict[str, PendingColdStart] = {}
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self._perf: dict[str, Samples] = {}
+        """Recent measurements per artifact, sent with every heartbeat."""
         self._footprints: dict[str, int] = {}
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
-        """Recent measurements per artifact, sent with every heartbeat."""
         self._memory_seen = (0, 0)
         """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
         self._went_idle = asyncio.Event()

@@ -112,8 +112,9 @@ class Started:
 
 @dataclass(frozen=True)
 class TierUpNow:
-    """Load the STEADY tier in the background and swap to it between batches (the engine
-    sends it when the whole node is idle, so that the tier-up slows nobody)."""
+    """Build the continuous-batching core in the background and move to it between steps, if
+    the worker has none yet (the engine sends it when the whole node is idle, so that the
+    build slows nobody)."""
 
 
 @dataclass(frozen=True)
