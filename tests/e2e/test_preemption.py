@@ -156,6 +156,13 @@ async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishe
         lambda: m if "victim" in (m := node_models(c)).get("node-1", set()) else None, 10, "victim running on node-1"
     )
     assert "victim" not in after.get("node-0", set())
+    # node-0's budget was sized in weights: it has no room for what big's worker really holds
+    # (policy/footprint.py). The true-up is refused and the shortfall shown, nothing evicted
+    # for it, and the reservations stay within the budget.
+    wait_for(
+        lambda: metric(c, "engine@node-0", "tessera_engine_unaccounted_bytes") > 0, 10, "node-0's shortfall counted"
+    )
+    assert "big" in node_models(c).get("node-0", set())
     assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") <= metric(
         c, "memory_manager@node-0", "tessera_memory_budget_bytes"
     )
