@@ -256,7 +256,7 @@ class KvMemory(EngineNode):
     async def _true_ups(self) -> None:
         """Now and then, every bound worker's weights reservation trued up to what it holds."""
         while True:
-            await asyncio.sleep(4 * self.settings.heartbeat_interval_s)
+            await asyncio.sleep(self.settings.true_up_interval_s)
             try:
                 await self._true_up_weights()
             except Exception:

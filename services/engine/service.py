@@ -26,7 +26,8 @@ class EngineService(Starts, Generation):
         await self._release_memory("*")
         self.workers.refill()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
-        self._true_up_task = asyncio.create_task(self._true_ups())
+        if self.settings.true_up_interval_s > 0:
+            self._true_up_task = asyncio.create_task(self._true_ups())
         if self.settings.start_tier:
             self._tier_up_task = asyncio.create_task(self._tier_ups())
 

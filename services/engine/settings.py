@@ -45,6 +45,10 @@ class EngineSettings(CommonSettings):
     (then it is refused, 503 with Retry-After)."""
     pool_budget_bytes: int = 2 * 1024**3
     """Bytes of compiled models kept resident after their instances scaled to zero."""
+    true_up_interval_s: float = 2.0
+    """How often each bound worker's weights reservation is trued up to its measured footprint
+    (`policy.footprint`); 0 turns the true-up off, and the budget then counts weights and KV
+    as reserved at start."""
     start_tier: bool = True
     """Starts load the artifact's START tier (cheapest first forward pass) and tier up to the
     STEADY one (fastest decode) once idle; False: starts load STEADY directly."""

@@ -23,7 +23,12 @@ NAMES = [f"mem-{i}" for i in range(4)]
 
 def budget_for_three() -> int:
     """Weights once (names on one GGUF share them; the GGUF's size bounds the IR's) and the
-    full-context KV reservations of three names and a half: a fourth name does not fit."""
+    full-context KV reservations of three names and a half: a fourth name does not fit.
+
+    The budget counts what starts reserve, so the cluster runs with the footprint true-up off:
+    it would grow the shared worker's reservation to its real size (≈ 10 times its weights)
+    whenever it ran, and how many names fit would depend on when. The true-up is tested
+    where a budget is sized for it (test_preemption, test_pool_budget)."""
     gguf = default_model_path()
     facts = gguf_facts(gguf)
     kv = kv_bytes_per_token(int(facts["layers"]), int(facts["kv_heads"]), int(facts["head_dim"]))
@@ -37,6 +42,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterat
         model_store,
         TESSERA_MEMORY_BUDGET_BYTES=str(budget_for_three()),
         TESSERA_MAX_INFLIGHT="32",
+        TESSERA_TRUE_UP_INTERVAL_S="0",
     )
     try:
         for name in NAMES:
