@@ -21,23 +21,20 @@ clusters, the real model and the official client (issue 19, §3):
   smaller neighbour lengthens past its TPOT SLO makes the scheduler preempt the neighbour,
   whose request finishes on the other node.
 
-A watcher on the real bus (`Watch`) sees what the engines were sent and what they streamed:
+A watcher on the real bus (`tests/helpers/bus_watch.py`) sees what the engines were sent and what they streamed:
 each leg of a resumed request, its node, its prompt, its chunks and its end. Tests wait on
-conditions with deadlines, never on time.
+conditions with deadlines, never on time. The relay that cuts the gateway's NATS connection is
+`tests/helpers/nats_relay.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 import shutil
-import socket
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +44,21 @@ import openai
 import pytest
 
 from ops.localcluster import LocalCluster, default_model_path
-from policy.perf_book import PerfBook
 from policy.placement import Demand, validate
 from policy.scheduling import NodeView
 from policy.slo import ttft_slo
 from shared import subjects
-from shared.bus import Bus, decode
 from shared.messages import (
     ErrorCode,
     Failed,
     Finished,
-    Generate,
-    InstanceStopped,
     ModelRecord,
-    NodeStatus,
-    PreemptInstance,
-    StreamEvent,
-    TokenChunk,
 )
 from tests.conftest import TEST_ENV, start_cluster
+from tests.helpers.background_client import Outcome, complete_in_background
+from tests.helpers.bus_watch import Leg, Watch
 from tests.helpers.cluster import metric, on_the_core, register, wait_for
+from tests.helpers.nats_relay import GatewayBehindProxy, NatsProxy
 
 TTFT_SLO_S, TPOT_SLO_S = 60.0, 5.0
 """SLOs no placement here breaks (but the one the scheduler test tightens on purpose)."""
@@ -74,335 +66,6 @@ TOKENS = 160
 """Long enough that no leg ends before the order that ends it lands (that takes one decode
 step), on any machine; the last leg generates what is left."""
 STREAM_PREFIX = subjects.token_stream("")
-
-
-# --- what the engines were sent and what they streamed, seen on the real bus ------------------
-
-
-@dataclass
-class Leg:
-    """One placement of a request on an engine: a resumed request has several."""
-
-    node: str
-    request: Generate
-    events: list[tuple[float, TokenChunk | Finished | Failed]]
-
-    @property
-    def chunks(self) -> list[TokenChunk]:
-        return [e for _, e in self.events if isinstance(e, TokenChunk)]
-
-    @property
-    def text(self) -> str:
-        return "".join(c.text for c in self.chunks)
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
-
-    @property
-    def end(self) -> Finished | Failed | None:
-        return next((e for _, e in self.events if not isinstance(e, TokenChunk)), None)
-
-    @property
-    def ended_at(self) -> float:
-        return next((t for t, e in self.events if not isinstance(e, TokenChunk)), math.inf)
-
-
-class Watch:
-    """A plain subscriber on the cluster's NATS (its own thread and event loop): every
-    `Generate` sent to an engine, every token stream, every `PreemptInstance`, and the
-    heartbeats with the performance reports the scheduler fits its models from."""
-
-    def __init__(self, nats_url: str) -> None:
-        self.generates: list[tuple[str, Generate]] = []
-        self.events: dict[str, list[tuple[float, TokenChunk | Finished | Failed]]] = defaultdict(list)
-        self.preempts: list[tuple[str, PreemptInstance]] = []
-        self.status: dict[str, NodeStatus] = {}
-        self.perf = PerfBook()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.bus = Bus("test-watch")
-        self.call(self._start(nats_url))
-
-    def call(self, coro: Any, timeout_s: float = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    async def _start(self, nats_url: str) -> None:
-        await self.bus.connect(nats_url)
-        nc = self.bus.client
-
-        async def on_generate(msg: Any) -> None:
-            self.generates.append((msg.subject.split(".")[-2], decode(msg.data, Generate)))
-
-        async def on_stream(msg: Any) -> None:
-            event = decode(msg.data, StreamEvent)
-            self.events[event.request_id].append((time.monotonic(), event))
-
-        async def on_preempt(msg: Any) -> None:
-            self.preempts.append((msg.subject.split(".")[-2], decode(msg.data, PreemptInstance)))
-
-        async def on_heartbeat(msg: Any) -> None:
-            status = decode(msg.data, NodeStatus)
-            for report in status.perf:
-                self.perf.report(status.node_id, status.kind, report)
-            self.status[status.node_id] = status
-
-        await nc.subscribe(subjects.engine_generate("*"), cb=on_generate)
-        await nc.subscribe(subjects.token_stream("*"), cb=on_stream)
-        await nc.subscribe(subjects.engine_preempt("*"), cb=on_preempt)
-        await nc.subscribe(subjects.node_heartbeat(), cb=on_heartbeat)
-        await nc.flush()
-
-    def legs(self, prompt: str) -> list[Leg]:
-        """The legs of the request whose prompt starts with `prompt`, in the order sent (a
-        request sent again to another node, its instance gone, is one leg: the last node)."""
-        nodes: dict[str, tuple[str, Generate]] = {}
-        for node, g in list(self.generates):
-            if g.prompt.startswith(prompt):
-                nodes[g.request_id] = (node, g)  # dicts keep the first insertion's order
-        return [Leg(node, g, list(self.events.get(rid, ()))) for rid, (node, g) in nodes.items()]
-
-    def ended_legs(self, prompt: str, count: int) -> list[Leg]:
-        """The request's `count` legs once this watcher has seen each one end. Its client can
-        have its answer first: the watcher reads the same stream on a connection of its own."""
-        return wait_for(
-            lambda: legs if len(legs := self.legs(prompt)) == count and all(leg.end for leg in legs) else None,
-            30,
-            f"the watcher to see {count} legs of {prompt!r} end",
-        )
-
-    def preempt(self, node: str, model: str) -> InstanceStopped:
-        """The scheduler's order, sent by hand: end the instance's requests as PREEMPTED."""
-        reply: InstanceStopped = self.call(
-            self.bus.request(
-                subjects.engine_preempt(node),
-                PreemptInstance(model=model, for_model="a test"),
-                InstanceStopped,
-                timeout=10,
-            )
-        )
-        return reply
-
-    def close(self) -> None:
-        try:
-            self.call(self.bus.close(), timeout_s=10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
-# --- the gateway's NATS connection, through a relay the test can cut ---------------------------
-
-
-def split_frames(buf: bytes) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
-    """NATS protocol frames (frame, subject, payload) whole in `buf`, and the rest."""
-    frames = []
-    while (end := buf.find(b"\r\n")) >= 0:
-        line = buf[:end]
-        op = line.split(b" ", 1)[0].upper()
-        if op in (b"MSG", b"HMSG", b"PUB", b"HPUB"):
-            fields = line.split()
-            total = int(fields[-1])
-            stop = end + 2 + total + 2
-            if len(buf) < stop:
-                break
-            payload = buf[end + 2 : end + 2 + total]
-            if op in (b"HMSG", b"HPUB"):
-                payload = payload[int(fields[-2]) :]  # headers first
-            frames.append((buf[:stop], fields[1], payload))
-        else:
-            stop = end + 2
-            frames.append((buf[:stop], line.split(b" ")[1] if op in (b"SUB", b"UNSUB") else b"", b""))
-        buf = buf[stop:]
-    return frames, buf
-
-
-@dataclass
-class Cut:
-    prefix: bytes
-    dropped: list[TokenChunk] = field(default_factory=list)
-    """Token-stream chunks the server sent the gateway that the relay dropped."""
-    closed: threading.Event = field(default_factory=threading.Event)
-    resubscribed: threading.Event = field(default_factory=threading.Event)
-    """A connection made after the cut subscribed to a token stream again."""
-    resubscribed_at: float = math.inf
-
-
-class _Relay:
-    def __init__(self, client: socket.socket, upstream: socket.socket, after: Cut | None) -> None:
-        self.client, self.upstream = client, upstream
-        self.cut: Cut | None = None
-        self.after = after
-        """The cut that came before this connection (it watches for resubscriptions)."""
-
-    def close(self) -> None:
-        for s in (self.client, self.upstream):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-
-class NatsProxy:
-    """A TCP relay between the gateway and NATS. `cut()`: from then on it forwards nothing the
-    server sends (whole frames are dropped), and once a chunk of a token stream is among them
-    it closes the connection. nats-py reconnects through it, forwarded as before."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.relays: list[_Relay] = []
-        self.last_cut: Cut | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            relay = _Relay(client, upstream, self.last_cut)
-            with self._lock:
-                self.relays.append(relay)
-            threading.Thread(target=self._down, args=(relay,), daemon=True).start()
-            threading.Thread(target=self._up, args=(relay,), daemon=True).start()
-
-    def cut(self, prefix: str) -> Cut:
-        cut = Cut(prefix.encode())
-        with self._lock:
-            self.last_cut = cut
-            for relay in self.relays:
-                relay.cut = cut
-        return cut
-
-    def _down(self, relay: _Relay) -> None:  # server → gateway
-        buf = b""
-        try:
-            while data := relay.upstream.recv(65536):
-                frames, buf = split_frames(buf + data)
-                cut = relay.cut
-                if cut is None:
-                    relay.client.sendall(b"".join(f for f, _, _ in frames))
-                    continue
-                for _, subject, payload in frames:
-                    if subject.startswith(cut.prefix):
-                        event = decode(payload, StreamEvent)
-                        if isinstance(event, TokenChunk):
-                            cut.dropped.append(event)
-                if cut.dropped:
-                    relay.close()
-                    cut.closed.set()
-                    return
-        except OSError:
-            pass
-        relay.close()
-
-    def _up(self, relay: _Relay) -> None:  # gateway → server
-        buf = b""
-        try:
-            while data := relay.client.recv(65536):
-                relay.upstream.sendall(data)
-                after = relay.after
-                if after is None or after.resubscribed.is_set():
-                    continue
-                frames, buf = split_frames(buf + data)
-                if any(f.startswith(b"SUB ") and s.startswith(after.prefix) for f, s, _ in frames):
-                    after.resubscribed_at = time.monotonic()
-                    after.resubscribed.set()
-        except OSError:
-            pass
-        relay.close()
-
-    def close(self) -> None:
-        self.server.close()
-        with self._lock:
-            for relay in self.relays:
-                relay.close()
-
-
-class GatewayBehindProxy(LocalCluster):
-    """A local cluster whose gateway reaches NATS through `proxy` (every other service
-    directly)."""
-
-    proxy: NatsProxy
-
-    def gateway_env(self, port: int) -> dict[str, str]:
-        env = super().gateway_env(port)
-        env["TESSERA_NATS_URL"] = self.proxy.url
-        return env
-
-
-# --- clients ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    """How one request ended, as the official client saw it."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    status: int | None = None
-    """Of an HTTP error (a stream's error event has none: its 200 is long sent)."""
-    retry_after: str | None = None
-    error: dict[str, Any] | None = None
-    failure: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)
-    """Set: a stream's client leaves at its next chunk."""
-
-    def ended(self, timeout_s: float) -> Outcome:
-        assert self.done.wait(timeout_s), f"the request did not end within {timeout_s}s"
-        assert not self.failure, self.failure
-        return self
-
-
-def complete_in_background(client: openai.OpenAI, stream: bool, **body: Any) -> Outcome:
-    out = Outcome()
-
-    def run() -> None:
-        try:
-            if stream:
-                stream_ = client.completions.create(stream=True, stream_options={"include_usage": True}, **body)
-                for chunk in stream_:
-                    if out.stop.is_set():  # the client leaves: the gateway cancels the request
-                        stream_.close()
-                        break
-                    if chunk.choices:
-                        out.text += chunk.choices[0].text
-                        out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
-                    if chunk.usage:
-                        out.completion_tokens = chunk.usage.completion_tokens
-            else:
-                r = client.completions.create(**body)
-                out.text, out.finish_reason = r.choices[0].text, r.choices[0].finish_reason
-                out.completion_tokens = r.usage.completion_tokens if r.usage else None
-        except openai.APIStatusError as e:
-            out.status, out.retry_after = e.status_code, e.response.headers.get("retry-after")
-            out.error = e.body if isinstance(e.body, dict) else {"unreadable": e.body}
-        except openai.APIError as e:  # a stream's error event
-            out.error = e.body if isinstance(e.body, dict) else {"unreadable": e.body}
-        except Exception as e:
-            out.failure = f"{type(e).__name__}: {e}"
-        finally:
-            out.done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return out
 
 
 def body(model: str, prompt: str, max_tokens: int = TOKENS) -> dict[str, Any]:
