@@ -126,8 +126,12 @@ def test_status_shows_nodes_instances_memory_host_cache_and_cold_starts(
         json={"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     )
     assert r.status_code == 200, r.text
-    instances = httpx.get(f"{secure.base_url}/admin/instances", headers=secure.admin_headers, timeout=10).json()
-    pid = instances["nodes"][0]["instances"][0]["worker_pid"]
+
+    def worker_pid() -> int:
+        status = httpx.get(f"{secure.base_url}/admin/instances", headers=secure.admin_headers, timeout=10).json()
+        return int(status["nodes"][0]["instances"][0]["worker_pid"])  # 0 until a heartbeat names it
+
+    pid = wait_for(worker_pid, 10, "the heartbeat to name the instance's worker")
 
     loader = f"http://127.0.0.1:{secure.procs['loader@node-0'].http_port}"
     out = run(tessera, secure, "status", "--metrics", f"node-0={loader}")

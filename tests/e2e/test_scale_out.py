@@ -92,12 +92,18 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     results = await asyncio.gather(*(ask(8) for _ in range(6)))
     assert results == ["length"] * 6
     assert metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total") >= before + 1
-    assert nodes_running(cluster, NAME) == {"node-0", "node-1"}
+    # A scale-out for the requests after these may still be starting when they are answered.
+    wait_for(lambda: nodes_running(cluster, NAME) == {"node-0", "node-1"}, 60, "the instance on node-1")
     # Each node has its own memory budget and cores; node-1's worker runs on its one core.
     assert metric(cluster, "memory_manager@node-1", "tessera_memory_budget_bytes") == NODE1_BUDGET
     assert metric(cluster, "memory_manager@node-0", "tessera_memory_budget_bytes") != NODE1_BUDGET
-    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
-    (pid,) = [i["worker_pid"] for n in status["nodes"] if n["node_id"] == "node-1" for i in n["instances"]]
+
+    def node1_pid() -> int:
+        status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+        (pid,) = [i["worker_pid"] for n in status["nodes"] if n["node_id"] == "node-1" for i in n["instances"]]
+        return int(pid)  # 0 until a heartbeat after its start names the worker
+
+    pid = wait_for(node1_pid, 10, "node-1's heartbeat to name its worker")
     allowed = next(
         line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Cpus_allowed_list")
     )

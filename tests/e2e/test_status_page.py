@@ -88,8 +88,19 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
         30,
         "the cold-start record",
     )
-    nodes = admin_get(cluster, "/admin/instances")["nodes"]
-    instance = next(i for n in nodes for i in n["instances"] if i["model"] == DEFAULT_MODEL_NAME)
+    instance = wait_for(  # its worker_pid is 0 until a heartbeat after its start names it
+        lambda: next(
+            (
+                i
+                for n in admin_get(cluster, "/admin/instances")["nodes"]
+                for i in n["instances"]
+                if i["model"] == DEFAULT_MODEL_NAME and i["worker_pid"]
+            ),
+            None,
+        ),
+        10,
+        "the heartbeat to name the instance's worker",
+    )
 
     page = httpx.get(f"{cluster.base_url}/ui", timeout=10)
     assert page.status_code == 200, "no /ui: create_app must include services.gateway.ui.ui_router"
