@@ -58,6 +58,12 @@ LOAD_BANDWIDTH_BPS = 1e9
 KIND_ORDER = ("cpu", "gpu")
 RESIDENT_START_S = 0.1
 """A start whose weights are still loaded in an idle worker (measured ≈ 0.08 s)."""
+CORE_BUILD_SLOWDOWN = 2.0
+"""How much longer the neighbours' decode rounds take while a new instance builds its engine
+core on their node (`NodeState.core_build_s`: ≈ 2.4 core-seconds compiling, seconds of wall
+time on a node's share of cores): the build's threads and theirs split the cores. On the
+three-node bench (0.667 core a node) scale-outs beside busy neighbours lengthened their
+rounds past chat's 0.25 s TPOT SLO for the build's seconds (bench/results/cluster.json)."""
 
 
 class Failure(StrEnum):
@@ -120,6 +126,8 @@ class NodeState(Protocol):
     def continuous_batching(self) -> bool: ...
     @property
     def prefill_slack_s(self) -> float: ...
+    @property
+    def core_build_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,14 @@ def validate(
     tokens = _tokens(demand.max_tokens)
     instances = node.instances
     inst = instances.get(model)
+    # A new instance (not one whose worker still holds its weights, and core) builds its
+    # engine core beside the neighbours once it has served its first batch.
+    builds_core = (
+        inst is None
+        and node.core_build_s > 0
+        and own.artifact_id not in node.resident
+        and own.artifact_id not in {profiles[m].artifact_id for m in instances if m in profiles}
+    )
     if inst is None:
         ahead, running, held, queued_tokens = start_waiting, 0, 0, start_waiting * demand.prompt_tokens
         # A new instance must start first: quickly where its weights are resident, else a load.
@@ -247,6 +263,7 @@ def validate(
     tightest = demand.tpot_slo_s
     # One decode iteration (of its batch) per busy worker per round.
     counted = {inst.worker_pid} if inst is not None and inst.worker_pid else set()
+    busy_neighbours = False
     for other, view in instances.items():
         busy = view.active
         if busy == 0 or other == model or other in without:
@@ -254,6 +271,7 @@ def validate(
         p = profiles.get(other)
         if p is None:
             continue  # unknown to us (just registered, never measured): nothing to weigh
+        busy_neighbours = True
         theirs_perf = p.perf_by_kind.get(kind, p.perf)
         if continuous and busy > view.running:
             ahead_s += _prefill_s(theirs_perf, busy - view.running, view.queued_tokens)
@@ -279,6 +297,10 @@ def validate(
             )
         )
     round_s *= overestimate
+    if builds_core and busy_neighbours:
+        # Busy neighbours decode beside the new instance's core build: their rounds stretch
+        # for its seconds, longer than any of their requests' few seconds of decode.
+        round_s *= CORE_BUILD_SLOWDOWN
     # A round too long hurts everyone on the node: it rules the node out, a late first token
     # only this request (the fallback may still queue it there).
     if round_s > tightest:

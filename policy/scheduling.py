@@ -40,6 +40,8 @@ class NodeView:
     """Its engine adds a request to the running batch after that request's own prefill,
     prefills first (vLLM's scheduler, LLM-Mesh's engine), rather than batch as `max_batch` and
     `join_recompute_tokens` say (this project's OpenVINO engine)."""
+    core_build_s: float = 0.0
+    """Seconds a new instance here builds its engine core beside the neighbours (0: none)."""
     prefill_slack_s: float = math.inf
     """How long one more prefill may hold up the requests there (a continuous-batching engine
     runs it ahead of their next tokens): the least eq. 1 headroom among them once the prefills
@@ -60,6 +62,7 @@ class NodeView:
             join_recompute_tokens=status.join_recompute_tokens,
             prewarmed=status.prewarmed,
             continuous_batching=status.continuous_batching,
+            core_build_s=status.core_build_s,
         )
 
 

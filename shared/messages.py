@@ -292,6 +292,9 @@ class NodeStatus(Message, frozen=True):
     continuous_batching: bool = False
     """Its engine adds a request to the running batch after that request's own prefill (vLLM):
     no re-prefill of the rows, no wait for the batch to end."""
+    core_build_s: float = 0.0
+    """Seconds a new instance here spends building its engine core after its first batch, on
+    the cores its neighbours decode on (the last build measured; 0: starts here build none)."""
 
 
 class ClusterStatusQuery(Message, frozen=True):

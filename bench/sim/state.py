@@ -191,6 +191,8 @@ class Node:
     prewarmed = 1
     """A start costs `Hardware.init_s` (a pre-warmed worker) plus its load."""
     continuous_batching = True
+    core_build_s = 0.0
+    """The simulated engines start on their serving engine: no core build beside neighbours."""
 
     def __init__(self, sim: SimCore, nid: int, hw: Hardware) -> None:
         self.sim = sim

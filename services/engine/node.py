@@ -168,6 +168,9 @@ class EngineNode:
         self._footprints: dict[str, int] = {}
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
+        self._core_build_s = 0.0
+        """How long the last core build on this node took (`TieredUp.load_s`): what a new
+        instance's build costs its neighbours' decode rounds, as placement prices it."""
         self._memory_seen = (0, 0)
         """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
         self._went_idle = asyncio.Event()
@@ -294,6 +297,7 @@ class EngineNode:
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
             continuous_batching=True,
+            core_build_s=self._core_build_s if self.settings.start_tier else 0.0,
         )
 
     def _update_gauges(self) -> None:

@@ -274,6 +274,7 @@ class Starts(KvMemory):
             return
         TIER_UPS.labels("done").inc()
         TIER_UP_SECONDS.observe(msg.load_s)
+        self._core_build_s = msg.load_s
         log.info(
             "%s tiered up to %s in %.2fs",
             artifact.artifact_id,

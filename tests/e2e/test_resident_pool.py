@@ -216,6 +216,15 @@ def test_a_start_serves_the_start_tier_then_tiers_up_with_the_same_output(own_cl
     # Idle: the worker loads the STEADY tier in the background and swaps to it.
     wait_for(lambda: tier_of_instance() == "steady", 60, "the worker to tier up")
     assert metric(cluster, ENGINE, "tessera_engine_tier_ups_total", result="done") == ups_before + 1
+    # The node's heartbeat says how long the build took: placement prices a new instance's
+    # build against its busy neighbours' TPOT (`policy.placement.CORE_BUILD_SLOWDOWN`).
+    wait_for(
+        lambda: all(
+            n["core_build_s"] > 0 for n in httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+        ),
+        10,
+        "the heartbeat to carry the core build's seconds",
+    )
     # Same weights, same numbers: greedy decoding gives the same text on both tiers.
     assert greedy() == on_start_tier
     assert len(cold_starts(cluster, name)) == 1  # the swap is not a start

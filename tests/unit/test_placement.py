@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -176,6 +178,25 @@ def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
     v = validate(node("n", *busy), "m", demand(tpot=1.0), profiles)
     assert not v.ok and v.failure == Failure.ROUND_TOO_LONG
     assert v.round_s == pytest.approx(1.1 * 6 * 0.02)
+
+
+def test_a_new_instance_prices_its_core_build_into_the_busy_neighbours_rounds() -> None:
+    # Two neighbours decoding: a round of 3 iterations, 1.1 × 0.06 = 0.066 s, within 0.1 s.
+    # A new instance there builds its engine core beside them: 0.132 s meanwhile, over it.
+    busy = [inst("o0", active=1), inst("o1", active=1)]
+    profiles = {"m": profile(tpot=1.0), "o0": profile(tpot=0.1, aid="a2"), "o1": profile(tpot=0.1, aid="a3")}
+    builds = dataclasses.replace(node("n", *busy), core_build_s=3.0)
+    v = validate(builds, "m", demand(tpot=1.0), profiles)
+    assert not v.ok and v.failure == Failure.ROUND_TOO_LONG
+    assert v.round_s == pytest.approx(2 * 1.1 * 3 * 0.02)
+    # No build to price: starts there build none, the node keeps the model's worker (and
+    # core), a neighbour shares its artifact's worker, or nobody there is decoding.
+    assert validate(node("n", *busy), "m", demand(tpot=1.0), profiles).ok
+    assert validate(dataclasses.replace(builds, resident=frozenset({"a1"})), "m", demand(tpot=1.0), profiles).ok
+    mate = {**profiles, "o1": profile(tpot=0.1, aid="a1")}
+    assert validate(builds, "m", demand(tpot=1.0), mate).ok
+    idle = dataclasses.replace(builds, instances={"o0": inst("o0", active=0), "o1": inst("o1", active=0)})
+    assert validate(idle, "m", demand(tpot=1.0), profiles).ok
 
 
 def test_place_scales_out_to_where_the_weights_are_resident_when_no_instance_validates() -> None:
