@@ -64,7 +64,7 @@ if __package__ in (None, ""):  # `python bench/cluster.py`
 
 import httpx
 
-from bench.capacity import SLO_TARGET, capacity_search
+from bench.capacity import SLO_TARGET, attainment_interval, capacity_search
 from bench.common import machine_info, make_log, percentile
 from ops.localcluster import LocalCluster, core_shares, default_model_path
 
@@ -356,6 +356,7 @@ def run_policy(
                         "rate_req_per_s": rate,
                         "requests": len(results),
                         "slo_attainment": att,
+                        "slo_attainment_ci95": attainment_interval(summary["all"]["slo_met"], len(results)),
                         "summary": summary,
                         "wall_s": wall,
                         **{k.removeprefix("tessera_scheduler_"): after[k] - before[k] for k in SCHEDULER_COUNTERS},
@@ -414,8 +415,19 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for run in runs:
-        pts = sorted((p["rate_req_per_s"], p["slo_attainment"]) for p in run["points"])
-        line = axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["policy"])[0]
+        pts = sorted((p["rate_req_per_s"], p["slo_attainment"], *p["slo_attainment_ci95"]) for p in run["points"])
+        line = (
+            axes[0]
+            .errorbar(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                marker="o",
+                capsize=3,
+                label=f"{run['policy']} (95 % intervals)",
+            )
+            .lines[0]
+        )
         axes[0].axvline(run["capacity_req_per_s"], color=line.get_color(), linestyle=":", linewidth=1)
     axes[0].axhline(SLO_TARGET, color="red", linestyle="--", linewidth=1, label="95 %")
     axes[0].set_xlabel("mean arrival rate (req/s)")
@@ -546,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             "note": "one load per rate, on the cluster as the previous rate left it",
         },
         "curves": {r["policy"]: sorted((p["rate_req_per_s"], p["slo_attainment"]) for p in r["points"]) for r in runs},
+        "curves_ci95": {
+            r["policy"]: sorted((p["rate_req_per_s"], *p["slo_attainment_ci95"]) for p in r["points"]) for r in runs
+        },
         "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in MODELS],
         "nodes": args.nodes,
         "core_share": core_shares(args.nodes)[1],

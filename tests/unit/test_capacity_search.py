@@ -1,10 +1,11 @@
-"""The capacity search `bench.sim` and `bench.cluster` both run (bench/capacity.py)."""
+"""The capacity search `bench.sim` and `bench.cluster` both run, and the interval `bench.cluster`
+puts around each measured attainment (bench/capacity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.capacity import capacity_search
+from bench.capacity import attainment_interval, capacity_search
 
 
 def knee(at: float, below: float = 0.99, above: float = 0.80):  # type: ignore[no-untyped-def]
@@ -52,3 +53,15 @@ def test_the_target_is_inclusive_and_each_rate_is_measured_once() -> None:
     found, _ = capacity_search(at, 1.5, steps=2)
     assert found == 3.0  # 0.95 meets a 0.95 target
     assert calls == [1.5, 3.0, 6.0, 4.5, 3.75]
+
+
+def test_an_attainments_interval_is_wilsons_and_shows_one_window_is_noise() -> None:
+    # Wilson's interval: none of 10 met spans up to z²/(n + z²) = 0.2775; all of 10, down to 0.7225.
+    assert attainment_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert attainment_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    lo, hi = attainment_interval(57, 60)
+    assert lo < 0.95 < hi and lo == pytest.approx(0.8630, abs=1e-4) and hi == pytest.approx(0.9829, abs=1e-4)
+    # More requests, a narrower interval around the same attainment.
+    wide, narrow = attainment_interval(19, 20), attainment_interval(190, 200)
+    assert narrow[1] - narrow[0] < wide[1] - wide[0]
+    assert attainment_interval(0, 0) == (0.0, 1.0)
