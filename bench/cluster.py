@@ -421,7 +421,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             .errorbar(
                 [p[0] for p in pts],
                 [p[1] for p in pts],
-                yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                yerr=[[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]],
                 marker="o",
                 capsize=3,
                 label=f"{run['policy']} (95 % intervals)",
