@@ -380,9 +380,19 @@ def kind_rank(kind: str) -> int:
 
 def join_order(nodes: Iterable[NodeState], model: str) -> list[NodeState]:
     """Nodes running `model`, in the order shadow validation tries them: CPU first, then the
-    busiest instance first."""
+    busiest instance first (§7.2), and among equally busy ones the node whose neighbours are
+    the least busy, then the one with the fewest neighbours. Without that tie-break, idle
+    instances went by node name: a model scaled out beside a bursty neighbour kept its
+    traffic there while its instance on a node of its own drained and scaled in, and the
+    neighbours' bursts then met its load (bench/results/cluster.json, `assist` beside `chat`).
+    Filling the quieter node first lets the crowded node's instance drain instead."""
     running = [n for n in nodes if model in n.instances]
-    return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, n.node_id))
+
+    def neighbours(n: NodeState) -> tuple[int, int]:
+        others = [v for m, v in n.instances.items() if m != model]
+        return sum(v.active for v in others), len(others)
+
+    return sorted(running, key=lambda n: (kind_rank(n.kind), -n.instances[model].active, *neighbours(n), n.node_id))
 
 
 def start_order(

@@ -596,3 +596,15 @@ def test_candidates_go_cpu_first_then_the_busiest_instance_first() -> None:
         for k, kind, b in (("g8", "gpu", 8), ("c1", "cpu", 1), ("c4", "cpu", 4), ("g2", "gpu", 2))
     ]
     assert [n.node_id for n in join_order(nodes, "m")] == ["c4", "c1", "g8", "g2"]
+
+
+def test_among_equally_busy_instances_the_quieter_node_is_tried_first() -> None:
+    # Both instances of m idle: the one beside a busy neighbour comes last, the one beside an
+    # idle neighbour before it, the one alone first; the busiest instance still comes first.
+    nodes = [
+        node("a", inst("m", active=0), inst("chat", active=3)),
+        node("b", inst("m", active=0), inst("x", active=0)),
+        node("c", inst("m", active=0)),
+        node("d", inst("m", active=1), inst("chat", active=6)),
+    ]
+    assert [n.node_id for n in join_order(nodes, "m")] == ["d", "c", "b", "a"]
