@@ -332,3 +332,34 @@ async def test_engine_evict_and_generate_answer_an_unexpected_error(
         assert_bus_answered(outcome, elapsed, names="AttributeError")
     finally:
         await engine.close()
+
+
+@pytest.fixture
+def lone_nats() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A nats-server the test stops itself."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_port(port, proc, 10, "nats-server")
+        yield f"nats://127.0.0.1:{port}", proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_a_bus_whose_server_is_gone_closes_without_raising(
+    lone_nats: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    # A cluster stopped NATS first: nats-py is reconnecting, and its drain() would raise.
+    url, proc = lone_nats
+    bus = Bus("closing")
+    await bus.connect(url)
+    proc.terminate()
+    deadline = time.monotonic() + 10
+    while not bus.client.is_reconnecting:
+        assert time.monotonic() < deadline, "the client never noticed its server had gone"
+        await asyncio.sleep(0.05)  # sync-ok: polling a condition with a deadline
+    await bus.close()
+    assert bus.client.is_closed
