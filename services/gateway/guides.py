@@ -230,8 +230,8 @@ def _unsupported_regex(pattern: str) -> str | None:
     """Walked as xgrammar reads a regex: escapes, classes (where `{` is a character) and, outside
     them, `(?` groups, `{`, alternatives and quantifiers. Measured, xgrammar refuses what
     Python's `re` reads here, and a refused regex fails the pipeline's step for every request:
-    a `{` that starts no count, an empty alternative before a `|` (or last, outside a group),
-    and a possessive quantifier (`a?+`)."""
+    a `{` that starts no count, an empty alternative before a `|` (or last, outside a group;
+    anchors are no element: `^|a` is refused), and a possessive quantifier (`a?+`)."""
     i, in_class = 0, False
     empty = [True]  # per open group: whether its current alternative has no element yet
     while i < len(pattern):
@@ -274,6 +274,8 @@ def _unsupported_regex(pattern: str) -> str | None:
             end += 1 if (pattern[end : end + 1] == "?" and ch != "?") or pattern[i : i + 2] == "??" else 0
             if pattern[end : end + 1] == "+":
                 return "has a possessive quantifier (such as `a?+`): structured output cannot enforce it"
+        elif ch in "^$":
+            pass  # xgrammar strips a leading `^` and a trailing `$`, and ignores both elsewhere: no element
         else:
             empty[-1] = False
         if ch == "|":
