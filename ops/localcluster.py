@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -33,8 +34,32 @@ DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 platform's 0.8 the 135M model rambles to the length cap on the README's "Say hello"."""
 
 
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outbound connections (Linux's default where
+    it cannot be read)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a service to bind in a moment: one outside the ephemeral range.
+    A port from bind(0) is in that range, and until the service binds it any outbound
+    connection (a NATS or Valkey client) may be given it as its local port: CI saw an engine
+    refused its port so, and its cluster never became ready."""
+    eph = ephemeral_ports()
+    below = range(10000, eph.start) if eph.start > 11000 else range(eph.stop, 65536)
+    for _ in range(200):
+        port = random.choice(below)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free out there: what the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
