@@ -60,10 +60,10 @@ RESIDENT_START_S = 0.1
 """A start whose weights are still loaded in an idle worker (measured ≈ 0.08 s)."""
 CORE_BUILD_SLOWDOWN = 2.0
 """How much longer the neighbours' decode rounds take while a new instance builds its engine
-core on their node (`NodeState.core_build_s`: ≈ 2.4 core-seconds compiling, seconds of wall
-time on a node's share of cores): the build's threads and theirs split the cores. On the
-three-node bench (0.667 core a node) scale-outs beside busy neighbours lengthened their
-rounds past chat's 0.25 s TPOT SLO for the build's seconds (bench/results/cluster.json)."""
+core on their node (`NodeState.core_build_s`: ≈ 2.4 core-seconds compiling): the build's
+threads and theirs split the node's cores. On bench/cluster.py's 0.667-core nodes a build
+took 8–12 s of wall time (its engines' logs), longer than a request's few seconds of decode,
+so its neighbours' requests run beside it from first token to last."""
 
 
 class Failure(StrEnum):
