@@ -8,14 +8,17 @@ same way). Without CUDA the buffer is ordinary memory.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from cuda_ext.allocator import align_up
 from cuda_ext.copies import byte_view
 from cuda_ext.digest import content_digests
+
+REGISTER_ABOVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,26 @@ class HostImage:
         self.nbytes = at
         self.alignment = alignment
         self.pinned = pin
-        self.buffer = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
+        self.buffer = self._pinned(at) if pin else torch.empty(at, dtype=torch.uint8)
         self._by_name = {s.name: s for s in self.specs}
 
     def bytes_of(self, name: str) -> torch.Tensor:
         spec = self._by_name[name]
         at = self.offsets[name]
         return self.buffer[at : at + spec.nbytes]
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        """Page-locked memory of exactly `nbytes`. torch's pinned allocator rounds a block up to
+        a power of two (an 8B model's 16 GB would pin 32 GB), so a large image registers plain
+        memory with the driver instead, and unregisters it when the image goes."""
+        if nbytes < REGISTER_ABOVE:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        weakref.finalize(self, cudart.cudaHostUnregister, buffer.data_ptr())
+        return buffer
 
     def slot(self, name: str) -> torch.Tensor:
         """The tensor's bytes and the padding after it up to the next tensor: copying whole slots
@@ -65,6 +81,12 @@ class HostImage:
     def tensor(self, name: str) -> torch.Tensor:
         spec = self._by_name[name]
         return self.bytes_of(name).view(spec.dtype).view(spec.shape)
+
+    def digest_contents(self, threads: int = 8) -> None:
+        """Set every spec's digest from the bytes now in the buffer (for an image filled in place)."""
+        digests = content_digests({s.name: self.bytes_of(s.name) for s in self.specs}, threads)
+        self.specs = [replace(s, digest=digests[s.name]) for s in self.specs]
+        self._by_name = {s.name: s for s in self.specs}
 
     @classmethod
     def of(

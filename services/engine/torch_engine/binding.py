@@ -1,0 +1,141 @@
+"""A model bound to arena memory: skeleton on the meta device, parameters as arena views.
+
+Building a transformers model the usual way allocates and initializes every weight and then
+loads the checkpoint over them; a bound model allocates nothing: its skeleton is made on the
+meta device (≈ 13 ms for SmolLM2-135M or an 8B Llama, measured here) and each parameter is
+replaced by a view of the tensor the arena already holds or is copying. Compute waits on the
+device for each unit's copy (a decoder layer, the embedding, the final norm), so the first
+layers run while the last ones are still on the link (TIDAL §5).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.hooks import RemovableHandle
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from cuda_ext import Loaded
+
+_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """The model's modules with every parameter and buffer on the meta device: no memory."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model
+
+
+def unit_of(name: str) -> str:
+    """The module whose forward reads parameter `name` first: its decoder layer, else its own."""
+    layer = _LAYER.match(name)
+    return layer.group(1) if layer else name.rpartition(".")[0]
+
+
+def units_in_order(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Parameter names (in access order) grouped by unit, units in order of first access."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(unit_of(name), []).append(name)
+    return list(units.items())
+
+
+def access_order(model: torch.nn.Module, *inputs: torch.Tensor) -> list[str]:
+    """The parameter names in the order one forward pass first reads them (traced once, at
+    registration: TIDAL reorders its templates' weights the same way)."""
+    order: dict[str, None] = {}
+    handles: list[RemovableHandle] = []
+    params_of: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        params_of.setdefault(id(p), n)  # a tied weight goes by its first name, as checkpoints save it
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)]
+        if own:
+
+            def hook(_m: torch.nn.Module, _args: object, own: list[torch.nn.Parameter] = own) -> None:
+                for p in own:
+                    order.setdefault(params_of[id(p)], None)
+
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # Parameters no forward read (none in a causal LM) still need a place: last.
+    rest = [n for n in params_of.values() if n not in order]
+    return [*order, *rest]
+
+
+@dataclass
+class BoundModel:
+    model: PreTrainedModel
+    loaded: Loaded
+    waits: list[RemovableHandle]
+
+    def stop_waiting(self) -> None:
+        """Once every unit is copied (after the first forward), drop the per-unit waits."""
+        for handle in self.waits:
+            handle.remove()
+        self.waits.clear()
+
+
+def bind(
+    model: PreTrainedModel,
+    loaded: Loaded,
+    device: torch.device,
+    units: Sequence[str] | None = None,
+) -> BoundModel:
+    """Point `model`'s parameters at `loaded`'s views. With `units` (the load's groups, in
+    order), each unit's forward first waits on the device for its group's copy."""
+    for name, tensor in loaded.tensors.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[attr] = tensor
+    if model.config.get_text_config().tie_word_embeddings:
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None:
+            out.weight = inp.weight
+    _materialize_buffers(model, device)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"no tensor for {left[:5]} ({len(left)} in all)")
+    waits: list[RemovableHandle] = []
+    if units is not None and device.type == "cuda":
+        for g, unit in enumerate(units):
+
+            def wait(_m: torch.nn.Module, _args: object, g: int = g) -> None:
+                loaded.wait(g)
+
+            waits.append(model.get_submodule(unit).register_forward_pre_hook(wait))
+    return BoundModel(model, loaded, waits)
+
+
+def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Buffers computed from the config (rotary frequencies) are not in a checkpoint: build
+    those modules again on the device."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                raise ValueError(f"{name} ({type(module).__name__}) has buffers no checkpoint holds")
+            config = getattr(module, "config", None) or model.config  # type: ignore[union-attr]
+            with torch.device(device):
+                fresh = type(module)(config=config)
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, fresh)
+
+
+def first_token(model: PreTrainedModel, input_ids: torch.Tensor) -> int:
+    """One forward pass over the prompt, the greedy next token (its `.item()` waits for it)."""
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids).logits
+    return int(logits[0, -1].argmax().item())
