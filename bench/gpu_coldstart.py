@@ -397,8 +397,10 @@ class Worker:
         h2 = time.perf_counter()
         del model
         self.arena.release(again)
-        for d in loaded.digests:
-            self.arena.evict(d)
+        mine = set(loaded.digests)
+        for resident in self.arena.idle():
+            if resident.digest in mine:
+                self.arena.evict(resident.digest)
         copied = loaded.copied_bytes
         del image
         _sync(torch, self.device)
@@ -805,7 +807,11 @@ class Bench:
         self.results["targets"] = targets(self.results)
         self.write()
         shutil.rmtree(work, ignore_errors=True)
-        plot(self.results, self.out.with_suffix(".png"))
+        try:
+            plot(self.results, self.out.with_suffix(".png"))
+        except Exception as e:  # the figures are in the JSON already
+            self.results["errors"]["plot"] = repr(e)
+            self.write()
         return self.results
 
 

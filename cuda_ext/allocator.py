@@ -71,6 +71,8 @@ class RangeAllocator:
     def allocate_many(self, sizes: Sequence[int]) -> list[Block]:
         """Ranges for every size, back to back in one free range where one is large enough (so
         that their copy coalesces), else one by one; all or none."""
+        if not sizes:
+            return []
         aligned = [align_up(max(n, 1), self.alignment) for n in sizes]
         total = sum(aligned)
         for offset in self._free_offsets:
