@@ -1,0 +1,116 @@
+"""The torch engine's core for one model: start on the arena, generate token by token.
+
+A start reads the checkpoint's manifest, asks the arena for the tensors by digest and reads from
+the safetensors file only those it lacks (a model scaled to zero, or a fine-tune of a resident
+base, reads little or nothing: Tangram §3.1), binds them into a meta-device skeleton
+(`binding`), and is ready. Generation is transformers' model code with its KV cache, one
+sequence at a time, sampled by the engine's own `Sampler` (the start tier's: the same seed
+gives the same sample on either engine).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
+
+from cuda_ext import Loaded, TensorArena, TensorSpec
+from services.engine.sampling import Sampler
+from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
+from services.engine.torch_engine.materialize import MANIFEST, WEIGHTS
+from shared.messages import SamplingParams
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """"stop" (an end-of-sequence token, not included) or "length"."""
+
+
+def read_manifest(checkpoint: Path) -> list[TensorSpec]:
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    return [
+        TensorSpec(t["name"], t["digest"], getattr(torch, t["dtype"]), tuple(t["shape"])) for t in manifest["tensors"]
+    ]
+
+
+class TorchEngine:
+    def __init__(self, bound: BoundModel, tokenizer: Any, arena: TensorArena, read_bytes: int) -> None:
+        self.bound = bound
+        self.model = bound.model
+        self.tokenizer = tokenizer
+        self.arena = arena
+        self.read_bytes = read_bytes
+        """Bytes this start read from the checkpoint file (0 when the arena held everything)."""
+        self.device = arena.device
+        ids = {tokenizer.eos_token_id, *(_as_list(self.model.config.eos_token_id))}
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # ChatML's end of turn, where the vocabulary has it
+        if isinstance(end, int) and end != tokenizer.unk_token_id:
+            ids.add(end)
+        self.eos_ids = frozenset(i for i in ids if i is not None)
+
+    @property
+    def loaded(self) -> Loaded:
+        return self.bound.loaded
+
+    @classmethod
+    def start(cls, checkpoint: Path, arena: TensorArena) -> TorchEngine:
+        specs = read_manifest(checkpoint)
+        resident = {s.name for s in specs if arena.resident(s.digest) is not None}
+        with safe_open(str(checkpoint / WEIGHTS), framework="pt") as f:
+            source = {s.name: f.get_tensor(s.name) for s in specs if s.name not in resident}
+        units = units_in_order([s.name for s in specs])
+        by_name = {s.name: s for s in specs}
+        loaded = arena.load([[by_name[n] for n in names] for _, names in units], source)
+        config = AutoConfig.from_pretrained(checkpoint)
+        bound = bind(skeleton(config, specs[0].dtype), loaded, arena.device, [u for u, _ in units])
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        return cls(bound, tokenizer, arena, sum(t.numel() * t.element_size() for t in source.values()))
+
+    def close(self) -> None:
+        """Scale to zero: the weights stay resident in the arena until it evicts them."""
+        self.bound.stop_waiting()
+        self.arena.release(self.bound.loaded)
+
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        sampler = Sampler.of(params)
+        context = list(prompt_ids)
+        out: list[int] = []
+        finish = "length"
+        with torch.inference_mode():
+            step = self.model(input_ids=torch.tensor([context], device=self.device), use_cache=True)
+            self.bound.stop_waiting()  # every layer has been waited for once
+            while len(out) < params.max_tokens:
+                logits = step.logits[0, -1].float().cpu().numpy()
+                token = sampler.pick(logits, context)
+                if token in self.eos_ids and not params.ignore_eos:
+                    finish = "stop"
+                    break
+                out.append(token)
+                context.append(token)
+                if len(out) == params.max_tokens:
+                    break
+                step = self.model(
+                    input_ids=torch.tensor([[token]], device=self.device),
+                    past_key_values=step.past_key_values,
+                    use_cache=True,
+                )
+        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), finish)
+
+
+def _as_list(x: int | list[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)
