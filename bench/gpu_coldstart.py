@@ -644,7 +644,8 @@ class Bench:
         work = Path(tempfile.mkdtemp(prefix="gpu_coldstart."))
         ckpt = work / "ckpt"
         arch = TINY if args.smoke else SMOL
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        # Offline: every path is local, and the GPU machine reaches no hub (a lookup would wait on it).
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         common = ["--device", str(device), "--dtype", dtype]
 
         def build() -> None:
