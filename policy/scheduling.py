@@ -105,7 +105,18 @@ class StartOn:
     """For a scale-out: why no running instance took the request (the operator's log)."""
 
 
-Decision = UseNode | AwaitStart | StartOn | Rejected
+@dataclass(frozen=True)
+class NoRoom:
+    """Every node the request could go to would break the SLOs of requests already there (or
+    hold none of its KV), and no start would serve it: it waits for room (the scheduler's
+    line, woken as requests end) for as long as it may, and then `otherwise`."""
+
+    otherwise: UseNode | Rejected
+    """With admission on (`reject_over_slo`), a refusal; else the least busy instance, where it
+    queues whatever the others' decode rounds become."""
+
+
+Decision = UseNode | AwaitStart | StartOn | Rejected | NoRoom
 
 
 @dataclass(frozen=True)
@@ -245,16 +256,20 @@ def _place_validated(
     # a queue or a new instance, as long as it keeps the node's decode rounds within every
     # TPOT SLO.
     if not options:
+        # Every node it could go to would break the SLOs of requests already there (or hold
+        # none of its KV): it waits for room rather than make them late, and then, with
+        # admission on, is refused.
         if reject_over_slo is not None:
-            # Admission: every node it could go to would break the SLOs of requests already
-            # there (or hold none of its KV): refuse it now rather than make them late.
-            return Rejected(
-                code=ErrorCode.OVERLOADED,
-                message=f"no node can take a request for {model!r} without breaking the SLOs of "
-                "requests already there; retry shortly",
-                retry_after_s=1.0,
+            return NoRoom(
+                Rejected(
+                    code=ErrorCode.OVERLOADED,
+                    message=f"no node can take a request for {model!r} without breaking the SLOs of "
+                    "requests already there; retry shortly",
+                    retry_after_s=1.0,
+                )
             )
-        return _fallback(model, live, max_active_per_instance, profiles[model])
+        queued = _fallback(model, live, max_active_per_instance, profiles[model])
+        return NoRoom(queued) if isinstance(queued, UseNode | Rejected) else queued
     ttft, _, decision = min(options, key=lambda o: (o[0], o[1]))
     if reject_over_slo is not None and ttft > reject_over_slo * demand.ttft_slo_s:
         # Admission: so far past its SLO that queueing it only delays the requests that can

@@ -142,6 +142,9 @@ class PlaceRequest(Message, frozen=True):
     is stale (a scale-in or a lost worker raced this request)."""
     avoid: str = ""
     """A node that preempted this request's instance: place it on another, where there is one."""
+    wait_s: float = 0.0
+    """How long it may wait in the scheduler's line for room, where no node can take it yet
+    without breaking the SLOs of the requests there (0: not at all)."""
 
 
 class RelocateQuery(Message, frozen=True):
@@ -233,6 +236,10 @@ class ColdStartRecorded(Message, frozen=True):
     """Of Load: the worker importing the compiled blob and loading the tokenizer."""
     tier: str = ""
     """The compiled tier the first token came from (`Tier`)."""
+    load_threads: int = 0
+    """The threads the runtime ran the worker's load and start tier on, as the compiled model
+    reports them: a share of the node's cores beside busy instances
+    (`TESSERA_START_CPU_SHARE`), all of them on an idle node; 0 where nothing was loaded."""
 
 
 class InstanceView(Message, frozen=True):

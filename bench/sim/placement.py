@@ -111,6 +111,10 @@ class SimPlacement(SimMemory):
                 reject_over_slo=self.policy.reject_over_slo,
                 joins=joins,
             )
+        if isinstance(decision, sched.NoRoom):
+            # The simulator holds no line: a request with no room goes where the services'
+            # line would send it once its wait is over.
+            decision = decision.otherwise
         if isinstance(decision, Rejected):
             self.reject(r, decision.code.value)
             return

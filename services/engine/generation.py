@@ -88,6 +88,7 @@ class Generation(KvMemory):
             inst.evicted.discard(req.request_id)
             inst.last_used = time.time()
             del self._cancels[req.request_id]
+            self.beat_due.set()  # its room is free: tell the scheduler's line soon
             if inst.active == 0:
                 self._went_idle.set()  # a start waiting for memory may take this one's
 
@@ -210,6 +211,7 @@ class Generation(KvMemory):
             source=pending.source,
             stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
             worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
+            load_threads=0 if pending.source == "resident" else inst.bound.load_threads,
             tier=inst.bound.worker.tier or "",
         )
         log.info(

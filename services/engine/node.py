@@ -73,6 +73,9 @@ class Bound:
     """Where its load read the blob: "host" (the loader's cache) or "store"."""
     stage_s: float = 0.0
     worker_load_s: float = 0.0
+    load_threads: int = 0
+    """The threads the worker's load ran on (`start_cores`: a share of the node's beside busy
+    instances)."""
     weights_reserved: int = 0
     """What the node's memory manager holds for the worker beside KV caches: the artifact's
     weights at first, trued up to the worker's measured footprint (`policy/footprint.py`)."""
@@ -176,6 +179,9 @@ class EngineNode:
         self._went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self.beat_due = asyncio.Event()
+        """Set when a request ends: the heartbeat goes out early, since the scheduler may hold
+        requests in line for the room it freed."""
         self._tier_up_task: asyncio.Task[None] | None = None
         self._true_up_task: asyncio.Task[None] | None = None
         self._preemptions: set[asyncio.Task[None]] = set()

@@ -34,11 +34,13 @@ class EngineSettings(CommonSettings):
     engine and its workers, where one can be made); 0: none. Also how many iterations the
     headroom gate runs at once (this over the inference threads)."""
     start_cpu_share: float = 1.0
-    """Share of the node's cores a start may use while other instances are generating.
-    1.0 (no bound) by default: on 2 cores, bench/nostall.py measured a 0.5 share hurting the
-    busy instance more than it protected it (OpenVINO pins its inference threads, moving the
-    start's threads onto the busy one's core), and turning OpenVINO's pinning off to make the
-    bound hold cost decode speed. A bound pays on nodes with more cores than one instance uses."""
+    """Share of the node's cores a start may use while other instances are generating: its
+    load, first forward pass and start tier get that many runtime threads (OpenVINO sets its
+    own threads' affinity, so pinning alone does not bound them: `tests/e2e/test_start_share.py`
+    reads the count back). 1.0 (no bound) by default: on 2 cores, bench/nostall.py measured a
+    0.5 share hurting the busy instance more than it protected it (then enforced by pinning,
+    which OpenVINO's threads escape onto the busy one's core). A bound pays on nodes with more
+    cores than one instance uses."""
     memory_request_timeout_s: float = 5.0
     memory_wait_s: float = 30.0
     """How long a start may wait for busy instances to go idle when the node is out of memory

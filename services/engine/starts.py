@@ -212,7 +212,15 @@ class Starts(KvMemory):
             resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
             source = "host" if staged and staged.hit else "store"
             bound = self.bound[aid] = Bound(
-                worker, artifact, loaded.loaded_from_cache, resident, source, stage_s, loaded.load_s, weights
+                worker,
+                artifact,
+                loaded.loaded_from_cache,
+                resident,
+                source,
+                stage_s,
+                loaded.load_s,
+                loaded.threads,
+                weights,
             )
             return bound, False, t_load
 

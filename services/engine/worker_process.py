@@ -351,16 +351,31 @@ class _Loop:
                 from services.engine.instance import Batcher, LoadedModel
 
                 t0 = time.monotonic()
+                threads = self.threads
                 if cmd.cores:
+                    # The share is the runtime's thread count: the CPU plugin sets its own
+                    # threads' affinity as it compiles and infers (measured: threads pinned
+                    # here were back on every core after one forward pass), so pinning alone
+                    # confines only the threads that are not its own.
                     pin_all_threads(set(cmd.cores))
-                # The first forward pass (the CPU plugin repacks weights then) also runs under
-                # the bounded share; all cores come back once the first batch is done.
-                loaded = LoadedModel.load(self.core, cmd.artifact, self.device, self.threads, cmd.cache_dir, cmd.tier)
+                    threads = min(threads, len(cmd.cores))
+                # The first forward pass (the CPU plugin repacks weights then) and the start
+                # tier run on the bounded share; the core, built once the first batch is done,
+                # gets every thread (and the pinning ends then).
+                loaded = LoadedModel.load(self.core, cmd.artifact, self.device, threads, cmd.cache_dir, cmd.tier)
                 self.batcher = Batcher(loaded)
                 self.load = cmd
                 self.artifact = cmd.artifact
                 self.detokenizer = loaded.tokenizer
-                self.conn.send(Loaded(loaded_from_cache=loaded.loaded_from_cache, load_s=time.monotonic() - t0))
+                self.conn.send(
+                    Loaded(
+                        loaded_from_cache=loaded.loaded_from_cache,
+                        load_s=time.monotonic() - t0,
+                        threads=int(loaded.compiled.get_property("INFERENCE_NUM_THREADS"))
+                        if self.device == "CPU"
+                        else 0,
+                    )
+                )
             elif isinstance(cmd, DropSession):
                 if self.batcher is not None and self.batcher.drop(cmd.session):
                     trim_heap()

@@ -32,6 +32,9 @@ class Load:
 class Loaded:
     loaded_from_cache: bool
     load_s: float
+    threads: int = 0
+    """The threads the runtime was given for the load and the start tier (a share of the
+    node's cores beside busy instances: `Load.cores`), as the compiled model reports them."""
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,12 @@ class Generation:
         self._admitted = True
         await self._send()
 
+    def _line_budget_s(self) -> float:
+        """How much longer it may wait for room: what is left of the line's deadline (its
+        TTFT SLO × `queue_slo_multiple`) since it was admitted."""
+        slo = ttft_slo(self.prepared.record, self.prepared.prompt_tokens)
+        return max(0.0, slo * self.gw.settings.queue_slo_multiple - (time.perf_counter() - self.admitted_at))
+
     async def _send(self, avoid: str = "") -> None:
         """Place the request and send it to its engine (placed again if the instance went away
         in between: under memory pressure instances come and go, and a start that waited for
@@ -158,6 +164,7 @@ class Generation:
                     max_tokens=self.prepared.params.max_tokens,
                     not_on=not_on,
                     avoid=avoid,
+                    wait_s=self._line_budget_s(),
                 ),
                 Placement | Rejected,
                 timeout=self.gw.settings.placement_timeout_s,

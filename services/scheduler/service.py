@@ -15,8 +15,9 @@ from policy import defrag, scheduling
 from policy.backoff import Backoff, Change
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
-from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode
+from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode
 from policy.slo import ttft_slo
+from services.scheduler.line import Line
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import Bus, decode
@@ -53,6 +54,9 @@ PREEMPTION_ORDERS = Counter(
 )
 KEEPALIVE_BACKOFF_CAP_S = 5.0
 """Longest wait between keep-alive passes while they fail (Valkey down)."""
+LINE_WAITING = Gauge(
+    "tessera_scheduler_line_waiting", "Requests waiting for room: no node takes them yet within the SLOs"
+)
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
@@ -74,6 +78,7 @@ class SchedulerService:
         """(model, node) → the start under way there: a burst may start a model on several nodes at once."""
         self._keepalive: asyncio.Task[None] | None = None
         self.perf = PerfBook()
+        self.line = Line()
         self._records: dict[str, ModelRecord] = {}
         """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
 
@@ -101,6 +106,9 @@ class SchedulerService:
             return
         self.nodes[status.node_id] = NodeView.from_status(status)
         LIVE_NODES.set(len(scheduling.live_nodes(self.nodes.values(), time.time(), self.settings.node_timeout_s)))
+        if len(self.line):
+            self.line.serve(self._decide_safely)  # requests ended there: their room may take the line's
+            LINE_WAITING.set(len(self.line))
 
     def _set_instance(self, node_id: str, model: str, inst: InstanceView | None) -> None:
         now = time.time()
@@ -185,6 +193,40 @@ class SchedulerService:
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
         self._records[record.name] = record
+        decision = self._decide(req)
+        if isinstance(decision, NoRoom):
+            # No node takes it yet without breaking the SLOs of requests already there: wait
+            # for their room (woken by heartbeats), as long as the gateway and admission allow.
+            wait_s = req.wait_s
+            if self.settings.reject_over_slo is not None:
+                wait_s = min(wait_s, self.settings.reject_over_slo * ttft_slo(record, req.prompt_tokens))
+            placed = await self.line.wait(req, wait_s) if wait_s > 0 else None
+            LINE_WAITING.set(len(self.line))
+            if placed is None:  # its wait is over: as things stand now, else what no room means
+                placed = self._decide(req) if wait_s > 0 else decision
+                if isinstance(placed, NoRoom):
+                    placed = placed.otherwise
+                    if isinstance(placed, UseNode):
+                        self._note_placed(placed.node_id, req)
+            decision = placed
+        assert not isinstance(decision, NoRoom)  # the line hands out only the others
+        return await self._carry_out(req, record, decision)
+
+    def _decide_safely(self, req: PlaceRequest) -> scheduling.Decision:
+        """`_decide` for a request in line: whatever goes wrong is that request's answer, not
+        the heartbeat handler's (the line behind it keeps moving)."""
+        try:
+            return self._decide(req)
+        except Exception as e:
+            log.exception("placement of %s failed", req.request_id)
+            return Rejected(code=ErrorCode.UNAVAILABLE, message=f"placement failed: {e}", retry_after_s=1.0)
+
+    def _decide(self, req: PlaceRequest) -> scheduling.Decision:
+        """Placement on the current view; a request sent to a running instance is counted
+        there at once (`_placed`), so the next decision sees it."""
+        record = self._records.get(req.model)
+        if record is None:  # deregistered while it waited
+            return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
         view = self._view(time.time())
         if req.avoid and any(n.node_id != req.avoid for n in view):
             view = [n for n in view if n.node_id != req.avoid]  # it was preempted there
@@ -204,6 +246,28 @@ class SchedulerService:
             exclusive=self.settings.placement == "exclusive",
             reject_over_slo=self.settings.reject_over_slo,
         )
+        if log.isEnabledFor(logging.DEBUG):
+            at = next((n for n in view if isinstance(decision, UseNode) and n.node_id == decision.node_id), None)
+            log.debug(
+                "placed %s (%d prompt tokens): %r, predicted %s (%s)",
+                req.request_id,
+                req.prompt_tokens,
+                decision,
+                validate(at, req.model, demand, profiles) if at and req.model in profiles else None,
+                at.instances.get(req.model) if at else None,
+                extra={"model": req.model},
+            )
+        if isinstance(decision, UseNode):
+            self._note_placed(decision.node_id, req)
+        return decision
+
+    def _note_placed(self, node_id: str, req: PlaceRequest) -> None:
+        self._last_placed[(node_id, req.model)] = time.time()
+        self._placed.setdefault((node_id, req.model), []).append((time.time(), req.prompt_tokens))
+
+    async def _carry_out(
+        self, req: PlaceRequest, record: ModelRecord, decision: scheduling.Decision
+    ) -> Placement | Rejected:
         if isinstance(decision, StartOn) and any(req.model in n.instances for n in self.nodes.values()):
             SCALE_OUTS.inc()
             log.info(
@@ -211,17 +275,6 @@ class SchedulerService:
                 req.model,
                 decision.node_id,
                 decision.why or "none measured",
-                extra={"model": req.model},
-            )
-        if log.isEnabledFor(logging.DEBUG) and isinstance(decision, UseNode) and req.model in profiles:
-            at = next(n for n in view if n.node_id == decision.node_id)
-            log.debug(
-                "placed %s (%d prompt tokens) on %s: predicted %s (%s)",
-                req.request_id,
-                req.prompt_tokens,
-                decision.node_id,
-                validate(at, req.model, demand, profiles),
-                at.instances.get(req.model),
                 extra={"model": req.model},
             )
         if (
@@ -244,17 +297,15 @@ class SchedulerService:
             await self._preempt(decision.node_id, decision.preempt, req.model, decision.why)
         match decision:
             case UseNode(node_id):
-                self._last_placed[(node_id, req.model)] = time.time()
-                self._placed.setdefault((node_id, req.model), []).append((time.time(), req.prompt_tokens))
                 return Placement(request_id=req.request_id, node_id=node_id, cold_start=False)
             case AwaitStart(node_id) | StartOn(node_id):
                 ready = await self._ensure_started(record, node_id)
                 if isinstance(ready, Rejected):
                     return ready
-                self._last_placed[(ready.node_id, req.model)] = time.time()
-                self._placed.setdefault((ready.node_id, req.model), []).append((time.time(), req.prompt_tokens))
+                self._note_placed(ready.node_id, req)
                 return Placement(request_id=req.request_id, node_id=ready.node_id, cold_start=True)
             case Rejected():
+                log.debug("refused %s: %s", req.request_id, decision.message, extra={"model": req.model})
                 return decision
         raise AssertionError(decision)
 

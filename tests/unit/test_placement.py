@@ -11,7 +11,7 @@ from policy.perf_book import PerfBook
 from policy.perf_model import DecodeSample, PerfModel, PrefillSample
 from policy.perf_model import profile as perf_profile
 from policy.placement import Demand, Failure, Profile, join_order, service_s, start_order, validate
-from policy.scheduling import AwaitStart, NodeView, StartOn, StartUnderWay, UseNode, place
+from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode, place
 from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, PerfReport, Rejected
 
 NOW = 1000.0
@@ -240,37 +240,6 @@ def test_a_scale_out_goes_beside_the_neighbours_with_the_most_slack() -> None:
     assert [n.node_id for n in start_order(nodes, profile(), neighbours)] == ["lax", "tight"]
 
 
-def test_perf_book_scales_batched_iterations_from_the_batch_of_one() -> None:
-    book = PerfBook()
-    # Alone: 10 ms at length 64. Batches of 4 (bucketed from 3 and 4) took 1.5× that; of 16, 1.2×
-    # (noise): a wider batch is kept at least as slow as a narrower one.
-    book.report(
-        "n0",
-        "cpu",
-        PerfReport(
-            "a1", prefill=((64, 0.1),), decode=((1, 64, 0.010), (3, 64, 0.015), (4, 64, 0.015), (16, 64, 0.012))
-        ),
-    )
-    perf = book.model("a1")
-    assert perf is not None
-    assert perf.decode_s(1, 64) == pytest.approx(0.010)
-    assert perf.decode_s(4, 64) == pytest.approx(0.015)
-    assert perf.decode_s(16, 64) == pytest.approx(0.015)
-
-
-def test_perf_book_fits_from_reports_grouping_lengths_by_power_of_two() -> None:
-    book = PerfBook()
-    assert book.model("a1") is None
-    book.report("n0", "cpu", PerfReport("a1", prefill=((30, 0.06), (34, 0.07)), decode=((1, 60, 0.015),)))
-    book.report("n1", "cpu", PerfReport("a1", prefill=((500, 1.0),), decode=((1, 70, 0.017),)))
-    perf = book.model("a1")
-    assert perf is not None
-    assert perf.prefill_s(32) == pytest.approx(0.065)  # 30 and 34 both count as 32
-    assert perf.decode_s(1, 64) == pytest.approx(0.016)
-    (p,) = book.profiles([RECORD]).values()
-    assert p.kv_bytes == 200 and p.weight_bytes == 5 and p.tpot_slo_s == 0.1
-
-
 def test_a_nodes_cores_are_read_from_a_cpu_list() -> None:
     from services.engine.settings import parse_cores
 
@@ -489,9 +458,12 @@ def test_with_admission_on_a_request_no_node_can_take_is_refused_not_dumped() ->
     nodes = [cont("a", decoding("m", 1, 100), slack=0.0), cont("b", decoding("y", 1, 100), slack=0.0)]
     profiles = {"m": profile(), "y": profile(aid="a2")}
     kw = {"node_timeout_s": 3.0, "max_active_per_instance": 8, "demand": demand(), "profiles": profiles}
-    refused = place("m", nodes, {}, NOW, reject_over_slo=1.0, **kw)
+    # Either way it first waits for room (the scheduler's line).
+    waits = place("m", nodes, {}, NOW, reject_over_slo=1.0, **kw)
+    assert isinstance(waits, NoRoom)
+    refused = waits.otherwise
     assert isinstance(refused, Rejected) and refused.code == ErrorCode.OVERLOADED and refused.retry_after_s >= 1
-    assert place("m", nodes, {}, NOW, **kw) == UseNode("a")
+    assert place("m", nodes, {}, NOW, **kw) == NoRoom(UseNode("a"))
 
 
 def test_a_start_under_way_that_cannot_serve_a_request_in_time_does_not_block_another() -> None:
@@ -510,24 +482,6 @@ def test_a_start_under_way_that_cannot_serve_a_request_in_time_does_not_block_an
         profiles={"m": p},
     )
     assert d == StartOn("c")
-
-
-def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
-    book = PerfBook()
-    for kind, scale in (("cpu", 1.0), ("gpu", 0.1)):
-        book.report(
-            "n-" + kind,
-            kind,
-            PerfReport(
-                artifact_id="a1",
-                prefill=((64, 0.1 * scale), (512, 0.8 * scale)),
-                decode=((1, 64, 0.02 * scale), (1, 512, 0.03 * scale)),
-            ),
-        )
-    (p,) = book.profiles([RECORD]).values()
-    assert set(p.perf_by_kind) == {"cpu", "gpu"}
-    assert p.perf_on("gpu").prefill_s(512) == pytest.approx(0.1 * p.perf_on("cpu").prefill_s(512), rel=1e-6)
-    assert p.perf is p.perf_on("cpu")  # the default kind's, where a node's kind is unknown
 
 
 # --- LLM-Mesh Fig. 6: the three ways a request may not join, on a prefill-first node ---------
