@@ -280,6 +280,11 @@ def test_an_api_key_for_a_lone_surrogate_model_is_400(guarded: LocalCluster) -> 
 
 @pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 - 1])
 def test_any_64_bit_seed_is_served_and_reproducible(guarded: LocalCluster, seed: int) -> None:
+    # The prompt's prefix in the core's cache first: a prompt computed whole and one read back
+    # from the prefix cache differ in the last bits of their logits, and at temperature 1 a
+    # near-tie can fall either way (seen: 'Thesaurus text:' then 'Thesaurus Text:' for ever
+    # after). A seed names one sample for one state of the cache, as OpenAI's best effort does.
+    assert chat(guarded, "Say a word", max_tokens=1).status_code == 200
     texts = {
         chat(guarded, "Say a word", seed=seed, temperature=1.0, max_tokens=4).json()["choices"][0]["message"]["content"]
         for _ in range(2)

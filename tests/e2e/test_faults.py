@@ -190,11 +190,8 @@ def test_nats_restart_mid_traffic_ends_every_request_and_service_resumes(own_clu
 
     record = register(own_cluster, "f-nats")
     tokenizer = ov_genai.Tokenizer(record["artifact"]["path"])
-    on_the_core(own_cluster, "f-nats")  # the reference and the four requests on one engine
+    on_the_core(own_cluster, "f-nats")  # the four requests on one engine
     n = 96
-    ref = httpx.post(f"{own_cluster.base_url}/v1/chat/completions", json=body("f-nats", n, False), timeout=120).json()[
-        "choices"
-    ][0]["message"]["content"]
     # Two streams; once one decodes, two plain requests join them (the instance serves one at a
     # time, the others wait their turn on the engine): NATS restarts with all four in flight.
     outcomes, threads = launch(own_cluster.base_url, [body("f-nats", n, True)] * 2, timeout_s=90)
@@ -222,11 +219,11 @@ def test_nats_restart_mid_traffic_ends_every_request_and_service_resumes(own_clu
         assert o.ended, o
         if o.error is None:
             # A completion must be the whole completion: no tokens lost while the bus was away.
-            # (Greedy text is not the reference's word for word: on the continuous-batching
-            # core, as in vLLM, the batch it ran in changes the arithmetic, and so late tokens.
-            # Its start is the reference's, and its text holds every token the engine made.)
+            # Its text holds every token the engine made. (Not a reference's word for word: on
+            # the continuous-batching core, as in vLLM, the batch it ran in and a prompt read
+            # from the prefix cache change the arithmetic, and a near-tie, even the first
+            # token's, may fall the other way: seen on an AVX512_BF16 machine.)
             assert o.finish_reason == "length" and o.completion_tokens == n, o
-            assert o.text[:24] == ref[:24], f"another completion:\n{o.text!r}\nvs\n{ref!r}"
             assert len(tokenizer.encode(o.text).input_ids.data[0]) == n, f"text lost in transit:\n{o.text!r}"
         else:
             assert o.status != 200 or o.done, o  # an error event in a stream is followed by [DONE]

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from ops.localcluster import LocalCluster, default_model_path
+from tests.helpers.json_prefix import is_object_prefix
 
 PERSON = {
     "type": "object",
@@ -61,8 +62,12 @@ def test_json_object_output_is_an_object(client: openai.OpenAI, model: str) -> N
     r = client.chat.completions.create(
         model=model, messages=ASK, max_tokens=200, temperature=0, response_format={"type": "json_object"}
     )
-    assert r.choices[0].finish_reason == "stop"  # the grammar lets it end only once the object is closed
-    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    text = r.choices[0].message.content or ""
+    if r.choices[0].finish_reason == "stop":  # the grammar lets it end only once the object is closed
+        assert isinstance(json.loads(text), dict), text
+    else:  # cut off by max_tokens (how long an object the model writes is its own): still JSON
+        assert r.choices[0].finish_reason == "length"
+        assert is_object_prefix(text), text
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
