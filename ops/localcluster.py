@@ -44,6 +44,14 @@ def ephemeral_ports() -> range:
     return range(lo, hi + 1)
 
 
+_PORTS = random.SystemRandom()
+"""Not the `random` module's generator: a test framework may seed that one (Hypothesis does, to
+replay examples), and then every cluster drew the same ports (CI saw an engine find its HTTP
+port taken by another cluster's service)."""
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: a service given one binds it only once it has started."""
+
+
 def free_port() -> int:
     """A port free now, for a service to bind in a moment: one outside the ephemeral range.
     A port from bind(0) is in that range, and until the service binds it any outbound
@@ -52,13 +60,16 @@ def free_port() -> int:
     eph = ephemeral_ports()
     below = range(10000, eph.start) if eph.start > 11000 else range(eph.stop, 65536)
     for _ in range(200):
-        port = random.choice(below)
+        port = _PORTS.choice(below)
+        if port in _HANDED_OUT:  # free still, perhaps, but promised to a service not yet bound
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:  # nothing free out there: what the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

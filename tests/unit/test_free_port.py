@@ -27,5 +27,17 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> Non
         taken = held.getsockname()[1]
         # The draw lands on the port in use first: the one handed out is the next draw.
         draws = iter([taken, taken, taken + 1 if taken + 1 not in ephemeral_ports() else taken - 1])
-        monkeypatch.setattr(localcluster.random, "choice", lambda _: next(draws))
+        monkeypatch.setattr(localcluster._PORTS, "choice", lambda _: next(draws))
         assert free_port() != taken
+
+
+def test_no_port_is_handed_out_twice_even_when_the_random_module_is_reseeded() -> None:
+    # A test framework reseeds `random` (Hypothesis does): two clusters must still not be
+    # promised the same ports before either binds them.
+    import random
+
+    ports = []
+    for _ in range(5):
+        random.seed(0)
+        ports.append(free_port())
+    assert len(set(ports)) == len(ports)
