@@ -9,8 +9,9 @@ for their tiers). KV cache is allocated on demand as requests need it (§3.3), f
 memory, and in a pinch reclaims idle tensors the same way.
 
 Contiguity (§3.2.2 stage 2, partitioned-gain packing) is not modelled: this pool counts
-bytes, which is what placement and the simulator need; the GPU arena in `cuda_ext/` owns
-addresses.
+bytes, which is what placement and the simulator need. The tensor arena (`cuda_ext.arena`)
+keeps one as its policy: it decides what a load reuses and what it evicts, and the arena
+owns the addresses.
 
 Pure: a clock passed in; no I/O.
 """
@@ -150,6 +151,31 @@ class TensorPool:
             self.kv[owner] = have - nbytes
         else:
             self.kv.pop(owner, None)
+
+    def abandon(self, model: str, fingerprints: Iterable[str]) -> None:
+        """Undo `acquire` for a model whose load failed after it (its memory could not be laid
+        out, say): it is not active, and `fingerprints`, never loaded, are not resident. What
+        the acquire evicted stays evicted: the caller has freed it."""
+        never = set(fingerprints)
+        for t in self.active.pop(model, ()):
+            r = self.residents.get(t.fingerprint)
+            if r is None:
+                continue
+            r.users -= 1
+            if t.fingerprint in never:
+                del self.residents[t.fingerprint]
+                self._used -= r.nbytes
+            elif r.users == 0:
+                self._idle += r.nbytes
+
+    def drop(self, fingerprint: str) -> None:
+        """Evict one idle tensor the caller chose (an operator's eviction, say)."""
+        r = self.residents[fingerprint]
+        if r.users:
+            raise ValueError(f"{fingerprint} is in use by {r.users} models")
+        del self.residents[fingerprint]
+        self._used -= r.nbytes
+        self._idle -= r.nbytes
 
     def make_room(self, nbytes: int, now: float) -> tuple[str, ...] | None:
         """Evict idle tensors until `nbytes` are free (for memory this pool does not account,

@@ -183,6 +183,52 @@ def test_a_load_that_does_not_fit_changes_nothing() -> None:
     assert arena.used_bytes == 0 and arena.resident_bytes() == 0
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_load_short_of_room_evicts_by_tangram_cost_the_papers_worked_example() -> None:
+    # Tangram eq. 2 with the numbers, scaled to bytes: a 4 KiB idle model last used a
+    # minute ago (p = 0.5) and a 1 KiB one just released (p = 1), the same reload bandwidth;
+    # 1 KiB is needed. Their costs are 0.5 × 4 KiB / b and 1 × 1 KiB / b: the paper evicts the
+    # small one (a per-byte order would take the big one).
+    clock = Clock()
+    arena = TensorArena(5 * 1024, device="cpu", reload_bps=1024.0, clock=clock)
+    big = HostImage.of({"w": torch.ones(1024)})
+    small = HostImage.of({"w": torch.full((256,), 2.0)})
+    arena.release(arena.load([big.specs], big))
+    loaded_small = arena.load([small.specs], small)
+    clock.now = 60.0
+    arena.release(loaded_small)
+    newcomer = HostImage.of({"w": torch.full((256,), 3.0)})
+    loaded = arena.load([newcomer.specs], newcomer)
+    assert arena.resident(small.specs[0].digest) is None
+    assert arena.resident(big.specs[0].digest) is not None
+    assert torch.equal(loaded.tensors["w"], torch.full((256,), 3.0))
+
+
+def test_a_kv_range_allocated_on_demand_evicts_idle_tensors_and_not_held_ones() -> None:
+    arena = TensorArena(2 * 1024, device="cpu")
+    held = HostImage.of({"w": torch.ones(64)})  # 256 bytes each
+    idle = HostImage.of({"w": torch.zeros(64)})
+    keep = arena.load([held.specs], held)
+    block = arena.allocate(1024, owner="kv:m")  # room without evicting
+    arena.release(arena.load([idle.specs], idle))  # laid out after the KV, before what is free
+    assert arena.resident(idle.specs[0].digest) is not None
+    with pytest.raises(ArenaFull):  # the held tensor and the KV leave too little to evict into
+        arena.allocate(2048, owner="kv:m")
+    more = arena.allocate(768, owner="kv:m")  # 512 bytes free: the idle tensor goes for it
+    assert arena.resident(idle.specs[0].digest) is None and arena.resident(held.specs[0].digest) is not None
+    arena.free(block, owner="kv:m")
+    arena.free(more, owner="kv:m")
+    assert arena.pool.kv == {} and arena.used_bytes == 256
+    arena.release(keep)
+
+
 def test_a_load_reads_a_plain_mapping_of_host_tensors_too() -> None:
     tensors = model(1)
     specs = [TensorSpec(n, content_digest(t), t.dtype, tuple(t.shape)) for n, t in tensors.items()]

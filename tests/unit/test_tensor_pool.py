@@ -1,3 +1,5 @@
+import pytest
+
 from policy.tensor_pool import Tensor, TensorPool
 
 
@@ -52,3 +54,23 @@ def test_kv_is_allocated_on_demand_and_reclaims_idle_tensors() -> None:
     assert p.grow_kv("b", 50, 2.0) == ("a",)
     p.shrink_kv("b", 50)
     assert p.used_bytes == 30 and p.grow_kv("b", 80, 3.0) is None
+
+
+def test_an_abandoned_acquire_leaves_what_it_reused_and_forgets_what_it_never_loaded() -> None:
+    p = pool(100)
+    p.acquire("base", (Tensor("base", 40),), 0.0)
+    p.release("base", 1.0)
+    p.acquire("ft", (Tensor("base", 40), Tensor("ft.own", 10)), 2.0)
+    p.abandon("ft", ["ft.own"])  # its memory could not be laid out
+    assert "ft" not in p.active and "ft.own" not in p.residents
+    assert p.used_bytes == 40 and p.idle_bytes == 40  # the base is resident and idle again
+
+
+def test_an_idle_tensor_can_be_dropped_and_one_in_use_cannot() -> None:
+    p = pool(100)
+    p.acquire("a", (Tensor("a", 30),), 0.0)
+    with pytest.raises(ValueError):
+        p.drop("a")
+    p.release("a", 1.0)
+    p.drop("a")
+    assert p.used_bytes == 0 and p.idle_bytes == 0 and not p.residents
