@@ -192,7 +192,6 @@ class InstanceReady(Message, frozen=True):
     node_id: str
     model: str
     phases: ColdStartPhases
-    already_running: bool = False
     loaded_from_cache: bool = False
     """True when the start imported the blob materialized at registration (no compile)."""
 

@@ -100,7 +100,6 @@ class Starts(KvMemory):
                 node_id=self.node,
                 model=name,
                 phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
-                already_running=True,
                 loaded_from_cache=self.instances[name].bound.loaded_from_cache,
             )
         if name in self._starting:  # a second start of the same model waits for the first
