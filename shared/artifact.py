@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 MODEL_XML = "openvino_model.xml"
 START_DIR = "start"
 """Sub-directory of an artifact holding the start tier's IR (`services/loader/start_ir.py`)."""
+TORCH_DIR = "torch"
+"""Sub-directory of an artifact holding its torch checkpoint (the torch engine's, written at
+registration where the node's engine is torch: `services/loader/torch_checkpoint.py`)."""
+TORCH_WEIGHTS = "model.safetensors"
+TORCH_MANIFEST = "manifest.json"
+"""Every tensor of the torch checkpoint with its content digest, dtype and shape, in the order
+a forward pass reads them."""
 
 
 def compiled_cache_dir(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
@@ -33,6 +40,15 @@ def compiled_cache_dir(artifact: Artifact, device: str, tier: Tier = Tier.STEADY
 def model_xml(artifact: Artifact, tier: Tier = Tier.STEADY) -> Path:
     base = Path(artifact.path)
     return base / MODEL_XML if tier == Tier.STEADY else base / START_DIR / MODEL_XML
+
+
+def torch_checkpoint(artifact: Artifact) -> Path:
+    return Path(artifact.path) / TORCH_DIR
+
+
+def has_torch_checkpoint(artifact: Artifact) -> bool:
+    """Written whole or not at all (the manifest is written last, and the directory renamed into place)."""
+    return (torch_checkpoint(artifact) / TORCH_MANIFEST).is_file()
 
 
 def has_tier(artifact: Artifact, device: str, tier: Tier) -> bool:

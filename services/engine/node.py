@@ -161,6 +161,8 @@ class EngineNode:
             max_batch=settings.max_batch,
             join_recompute_tokens=settings.join_recompute_tokens,
             gate=self.gate,
+            backend=settings.engine_backend,
+            arena_bytes=settings.torch_arena_bytes,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}

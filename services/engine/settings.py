@@ -58,6 +58,11 @@ class EngineSettings(CommonSettings):
     """How long the whole node must have been idle before a worker on the START tier tiers up
     (the tier-up takes ≈ 1 core-second; doing it while nothing runs keeps it off every
     request's path, the neighbours' included)."""
+    torch_arena_bytes: int = 4 * 1024**3
+    """With `engine_backend` torch: the tensor arena each torch worker makes at its pre-warm
+    (`cuda_ext.TensorArena`, on CUDA where present, else host memory whose pages are touched
+    only as tensors land), holding the weights of the models it serves and, idle, of those it
+    served (Tangram §3.1). SmolLM2-135M in float32 takes 0.54 GB of it."""
     stream_interval_s: float = 0.1
     """Text produced within this interval travels as one message (the first piece at once).
     Every message wakes the engine, NATS, the gateway and the client on the cores that decode:

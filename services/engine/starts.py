@@ -268,7 +268,11 @@ class Starts(KvMemory):
         return reply if isinstance(reply, Staged) else None
 
     def _start_tier(self, artifact: Artifact) -> Tier:
-        """START when the artifact has one (materialized since tiers exist) and it is enabled."""
+        """START when the artifact has one (materialized since tiers exist) and it is enabled;
+        the torch engine has one tier only, which the engine counts as STEADY (so it never
+        asks it to tier up)."""
+        if self.settings.engine_backend == "torch":
+            return Tier.STEADY
         if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
             return Tier.START
         return Tier.STEADY
@@ -292,7 +296,10 @@ class Starts(KvMemory):
 
     async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
         """The verified blob in host memory, from this node's loader; None (read the store's
-        copy) if the loader cannot be reached, so a start never depends on the cache."""
+        copy) if the loader cannot be reached, so a start never depends on the cache. None on
+        a torch node too: its worker reads the artifact's torch checkpoint, not a compiled blob."""
+        if self.settings.engine_backend == "torch":
+            return None
         try:
             staged = await self.bus.request(
                 subjects.loader_stage(self.node),

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
+from services.engine.torch_engine.process import worker_main as torch_worker_main
 from services.engine.worker_os import MALLOC_ENV
 from services.engine.worker_process import worker_main
 from services.engine.worker_wire import (
@@ -70,20 +71,34 @@ class Worker:
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         gate: StepGate | None = None,
+        backend: str = "openvino",
+        arena_bytes: int = 0,
     ) -> None:
+        """`backend`: the process it runs, OpenVINO's (`worker_process.py`) or the torch
+        engine's (`torch_engine/worker.py`, its weights in an arena of `arena_bytes`); both
+        speak `worker_wire`."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
         self._slot = gate.claim() if gate is not None else -1
         """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
-        self.process = ctx.Process(
-            target=worker_main,
-            args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, self._slot),
-            daemon=True,
-            name="tessera-worker",
-        )
-        with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
+        if backend == "torch":
+            self.process = ctx.Process(
+                target=torch_worker_main,
+                args=(child, threads, arena_bytes, gate, self._slot),
+                daemon=True,
+                name="tessera-torch-worker",
+            )
             self.process.start()
+        else:
+            self.process = ctx.Process(
+                target=worker_main,
+                args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, self._slot),
+                daemon=True,
+                name="tessera-worker",
+            )
+            with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
+                self.process.start()
         child.close()
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[Ready] = self._loop.create_future()
@@ -281,11 +296,18 @@ class WorkerPool:
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         gate: StepGate | None = None,
+        backend: str = "openvino",
+        arena_bytes: int = 0,
     ) -> None:
         """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
-        the node's headroom gate, shared by every worker it spawns."""
+        the node's headroom gate, shared by every worker it spawns. `backend`, `arena_bytes`:
+        see `Worker`."""
         self.size = size
-        self._spawn = spawn or (lambda: Worker(device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate))
+        self._spawn = spawn or (
+            lambda: Worker(
+                device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, backend, arena_bytes
+            )
+        )
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device

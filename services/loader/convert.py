@@ -7,7 +7,9 @@ Two steps, each skipped when already done:
 2. materialization (MEDUSA §2.5, §6): write the start tier's IR (`start_ir.py`), compile both
    tiers for the device into the artifact's `compiled/<device>[-start]` caches, exactly as the
    engine will, run one forward pass through each to check it, and write each blob's block
-   manifest. A cold start then imports a blob instead of compiling.
+   manifest. A cold start then imports a blob instead of compiling;
+3. where the node's engine is torch (`python -m services.loader.convert ... torch`), a torch
+   checkpoint from the same GGUF (`torch_checkpoint.py`) into the artifact's `torch/`.
 Runs in a process of its own so that its memory (the whole model, twice) goes back to the
 system when it ends.
 """
@@ -33,7 +35,9 @@ from shared.artifact import (
     compiled_cache_dir,
     first_pass,
     has_tier,
+    has_torch_checkpoint,
     model_xml,
+    torch_checkpoint,
 )
 from shared.messages import Artifact, Tier
 
@@ -122,8 +126,11 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def is_materialized(artifact: Artifact, device: str) -> bool:
-    return all(has_tier(artifact, device, tier) for tier in Tier)
+def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") -> bool:
+    """Every tier compiled for `device`, and the torch checkpoint where `backend` is torch (the
+    OpenVINO artifact stays whole there too: its metadata and tokenizers serve the gateway)."""
+    tiers = all(has_tier(artifact, device, tier) for tier in Tier)
+    return tiers and (backend != "torch" or has_torch_checkpoint(artifact))
 
 
 def _write_start_ir(artifact: Artifact) -> None:
@@ -163,11 +170,16 @@ def materialize(artifact: Artifact, device: str, threads: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    src, dst, sha, aid, device, threads = argv
+    src, dst, sha, aid, device, threads, *rest = argv
+    backend = rest[0] if rest else "openvino"
     dest = Path(dst)
     artifact = read_artifact(dest) or convert(Path(src), dest, sha, aid)
     if not is_materialized(artifact, device):
         materialize(artifact, device, int(threads))
+    if backend == "torch" and not has_torch_checkpoint(artifact):
+        from services.loader.torch_checkpoint import host_dtype, materialize_into
+
+        materialize_into(Path(src), torch_checkpoint(artifact), host_dtype())
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ class LoaderService:
         dest = artifact_dir(self.store, aid)
         async with self._locks.setdefault(aid, asyncio.Lock()):
             existing = read_artifact(dest)
-            if existing is not None and is_materialized(existing, self.settings.device):
+            if existing is not None and is_materialized(existing, self.settings.device, self.settings.engine_backend):
                 IMPORT_SECONDS.labels("false").observe(time.perf_counter() - t0)
                 return ModelImported(artifact=existing, converted=False, seconds=time.perf_counter() - t0)
             log.info("importing %s into %s", path, dest)
@@ -278,6 +278,7 @@ class LoaderService:
                 aid,
                 self.settings.device,
                 str(self.settings.inference_threads),
+                self.settings.engine_backend,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -288,7 +289,11 @@ class LoaderService:
                 await proc.wait()
                 raise ImportRefused(f"conversion of {source!r} timed out") from None
             artifact = read_artifact(dest)
-            if proc.returncode != 0 or artifact is None or not is_materialized(artifact, self.settings.device):
+            if (
+                proc.returncode != 0
+                or artifact is None
+                or not is_materialized(artifact, self.settings.device, self.settings.engine_backend)
+            ):
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
                 raise ImportRefused(f"conversion of {source!r} failed: {tail[0]}")
         seconds = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
-from services.engine.torch_engine.materialize import materialize
+from services.loader.torch_checkpoint import materialize
 from shared.messages import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

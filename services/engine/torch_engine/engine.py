@@ -11,7 +11,7 @@ gives the same sample on either engine).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from cuda_ext import Loaded, TensorArena, TensorSpec
-from services.engine.sampling import Sampler
+from services.engine.sampling import Sampler, token_logprob
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
-from services.engine.torch_engine.materialize import MANIFEST, WEIGHTS
-from shared.messages import SamplingParams
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+from shared.messages import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Generation:
 
 
 def read_manifest(checkpoint: Path) -> list[TensorSpec]:
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest = json.loads((checkpoint / TORCH_MANIFEST).read_text())
     return [
         TensorSpec(t["name"], t["digest"], getattr(torch, t["dtype"]), tuple(t["shape"])) for t in manifest["tensors"]
     ]
@@ -65,7 +65,7 @@ class TorchEngine:
     def start(cls, checkpoint: Path, arena: TensorArena) -> TorchEngine:
         specs = read_manifest(checkpoint)
         resident = {s.name for s in specs if arena.resident(s.digest) is not None}
-        with safe_open(str(checkpoint / WEIGHTS), framework="pt") as f:
+        with safe_open(str(checkpoint / TORCH_WEIGHTS), framework="pt") as f:
             source = {s.name: f.get_tensor(s.name) for s in specs if s.name not in resident}
         units = units_in_order([s.name for s in specs])
         by_name = {s.name: s for s in specs}
@@ -85,29 +85,39 @@ class TorchEngine:
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        out = [token for token, _ in self.steps(prompt_ids, params)]
+        finish = "length" if len(out) == params.max_tokens else "stop"
+        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), finish)
+
+    def steps(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generator[tuple[int, TokenLogprob | None]]:
+        """The completion one token at a time, each with its logprob where the request asked
+        for them (`params.logprobs` >= 0). It ends after `max_tokens` tokens ("length") or
+        before an end-of-sequence token, which it does not yield ("stop"); a caller that stops
+        reading (a cancel) stops the computation with it. Each `next()` is one forward pass."""
         sampler = Sampler.of(params)
         context = list(prompt_ids)
-        out: list[int] = []
-        finish = "length"
+        generated = 0
         with torch.inference_mode():
             step = self.model(input_ids=torch.tensor([context], device=self.device), use_cache=True)
             self.bound.stop_waiting()  # every layer has been waited for once
-            while len(out) < params.max_tokens:
+            while generated < params.max_tokens:
                 logits = step.logits[0, -1].float().cpu().numpy()
                 token = sampler.pick(logits, context)
                 if token in self.eos_ids and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                out.append(token)
+                    return
+                generated += 1
                 context.append(token)
-                if len(out) == params.max_tokens:
-                    break
+                logprob = None
+                if params.logprobs >= 0 and sampler.adjusted is not None:
+                    logprob = token_logprob(sampler.adjusted, token, params.logprobs)
+                yield token, logprob
+                if generated == params.max_tokens:
+                    return
                 step = self.model(
                     input_ids=torch.tensor([[token]], device=self.device),
                     past_key_values=step.past_key_values,
                     use_cache=True,
                 )
-        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), finish)
 
 
 def _as_list(x: int | list[int] | None) -> list[int]:

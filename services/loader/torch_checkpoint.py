@@ -1,42 +1,51 @@
 """A torch-loadable checkpoint from a GGUF, made once at registration (MEDUSA §4: materialize
-what a start would otherwise redo).
+what a start would otherwise redo) where the node's engine is torch (`engine_backend`).
 
 transformers reads a GGUF's config, tokenizer and (dequantized) tensors; this writes them as a
 checkpoint any torch engine loads (`config.json`, `model.safetensors`, the tokenizer's files)
 plus `manifest.json`: every tensor's content digest, dtype and shape in access order, so that a
 start knows which tensors the arena already holds before it reads a byte of the file.
+
+torch and transformers are imported by the converter process only when it writes one, so an
+OpenVINO node needs neither.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from cuda_ext import content_digests
-from services.engine.torch_engine.binding import skeleton
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
 
-MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
+
+def host_dtype() -> torch.dtype:
+    """bf16 where the node has CUDA (the GPU's matmuls), float32 on the host (bf16 has no fast
+    path on this CPU: the torch engine's e2e tests measured it several times slower)."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
 def materialize(gguf: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `gguf`'s model to `dest` in `dtype` (bf16 for a GPU, float32 for the host's
-    matmuls); returns `dest`. ≈ 20 s for SmolLM2-135M's Q4_1 GGUF on this 2-core machine."""
+    """Write `gguf`'s model to `dest` in `dtype`; returns `dest`. ≈ 20 s for SmolLM2-135M's
+    Q4_1 GGUF on this 2-core machine."""
     dest.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Without accelerate, `from_pretrained(gguf_file=...)` refuses; the reader underneath it
-    # needs only the model's skeleton to name and shape the tensors.
-    model = skeleton(config, dtype)
+    # needs only the model's skeleton, on the meta device (no memory), to name and shape the tensors.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     raw = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     # The skeleton declares a decoder's parameters in the order its forward reads them.
     names = [n for n, _ in model.named_parameters() if n in raw]
     tensors = {n: raw[n].to(dtype).contiguous() for n in names}
-    save_file(tensors, str(dest / WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, str(dest / TORCH_WEIGHTS), metadata={"format": "pt"})
     config.torch_dtype = dtype
     config.save_pretrained(dest)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
@@ -49,5 +58,17 @@ def materialize(gguf: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> 
             for n, t in tensors.items()
         ],
     }
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (dest / TORCH_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return dest
+
+
+def materialize_into(gguf: Path, final: Path, dtype: torch.dtype) -> None:
+    """`materialize` into a temporary sibling renamed into place: a crash never leaves a
+    checkpoint that looks whole to `shared.artifact.has_torch_checkpoint`."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        materialize(gguf, tmp, dtype)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,30 @@
+"""The torch worker process's entry point, apart from the worker itself so that the engine's
+main process can name it as a spawn target without importing torch (≈ 1.5 s and a few hundred
+MB that only the worker needs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from multiprocessing.connection import Connection
+
+from services.engine.step_gate import StepGate
+from services.engine.worker_wire import Ready
+from shared.process import die_with_parent
+
+
+def worker_main(conn: Connection, threads: int, arena_bytes: int, gate: StepGate | None = None, slot: int = -1) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
+    # The pre-warm (TIDAL §5): torch, transformers' model code and the arena, before any model
+    # is bound, so that a start only reads and binds tensors.
+    import torch
+
+    from cuda_ext import TensorArena
+    from services.engine.torch_engine.worker import TorchWorker, prewarm
+
+    torch.set_num_threads(max(1, threads))
+    prewarm()
+    arena = TensorArena(arena_bytes)  # CUDA where present, else host memory
+    conn.send(Ready(pid=os.getpid()))
+    TorchWorker(conn, arena, gate, slot).serve()

@@ -1,0 +1,129 @@
+"""A node whose engine is torch (`TESSERA_ENGINE_BACKEND=torch`) serves a registered model
+through the whole stack: registration materializes the torch checkpoint, the gateway renders
+and tokenizes, the scheduler places, the engine starts a torch worker (its weights in the
+tensor arena), and the tokens come back; greedy decoding is transformers' own for the prompt
+ids the gateway computed, streamed or not, and a start after scale to zero finds the model
+resident."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+
+pytest.importorskip("torch", reason="the torch engine needs torch (the `test` extra installs it)")
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ops.localcluster import LocalCluster
+from services.gateway.tokenizers import Tokenizers
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint
+from shared.messages import Artifact
+from tests.conftest import start_cluster
+from tests.helpers.cluster import cold_starts, loaded_models, register, wait_for
+
+NAME = "smollm-torch"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"repetition_penalty": 1.0}}
+"""Plain greedy decoding (the platform's default repetition penalty of 1.1 off)."""
+
+
+@pytest.fixture(scope="module")
+def torch_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("torch-node"), model_store, TESSERA_ENGINE_BACKEND="torch")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def artifact(torch_cluster: LocalCluster) -> Artifact:
+    record = register(torch_cluster, NAME, keep_alive_s=1.0)
+    return msgspec.convert(record["artifact"], Artifact)
+
+
+@pytest.fixture(scope="module")
+def client(torch_cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{torch_cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def gateway_prompt_ids(artifact: Artifact) -> list[int]:
+    """The prompt's ids exactly as the gateway renders and tokenizes it."""
+
+    async def ids() -> tuple[int, ...]:
+        tokenizers = Tokenizers()
+        tok = await tokenizers.get(artifact)
+        return await tokenizers.encode(tok, await tokenizers.render_chat(tok, QUESTION))
+
+    return list(asyncio.run(ids()))
+
+
+def transformers_greedy(checkpoint: Path, prompt: list[int]) -> tuple[str, int, str]:
+    """transformers' own greedy completion of `prompt` from the checkpoint: its text, its
+    tokens and its finish reason (an end-of-turn token is not part of the completion)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    ids = out[0, len(prompt) :].tolist()
+    ends = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    finish = "length"
+    for i, token in enumerate(ids):
+        if token in ends:
+            ids, finish = ids[:i], "stop"
+            break
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish
+
+
+def torch_workers(cluster: LocalCluster) -> list[int]:
+    """The engine's child processes that run torch (libtorch mapped: an OpenVINO worker never
+    loads it)."""
+    engine = cluster.procs["engine@node-0"].pid
+    children = [
+        int(pid) for task in Path(f"/proc/{engine}/task").iterdir() for pid in (task / "children").read_text().split()
+    ]
+    found = []
+    for pid in children:
+        try:
+            if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
+                found.append(pid)
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restarts_resident(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
+) -> None:
+    checkpoint = torch_checkpoint(artifact)
+    assert (checkpoint / TORCH_MANIFEST).is_file(), "registration on a torch node materializes the checkpoint"
+    prompt = gateway_prompt_ids(artifact)
+    expected, tokens, finish = transformers_greedy(checkpoint, prompt)
+    assert expected.strip(), "the reference completion is empty: the prompt proves nothing"
+
+    reply = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == finish
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), tokens)
+    assert torch_workers(torch_cluster), "no engine worker runs torch"
+
+    stream = client.chat.completions.create(model=NAME, messages=QUESTION, stream=True, **GREEDY)  # type: ignore[arg-type, call-overload]
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([d for d in deltas if d]) >= 2, f"one piece is no stream: {deltas}"
+    assert "".join(deltas) == expected
+
+    # Scaled to zero, the model's worker stays bound with its weights in the arena: the next
+    # request starts it again without loading anything, and it answers the same.
+    wait_for(lambda: NAME not in loaded_models(torch_cluster), 30, f"{NAME} to scale to zero")
+    again = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert again.choices[0].message.content == expected
+    starts = wait_for(lambda: (s := cold_starts(torch_cluster, NAME)) and len(s) >= 2 and s, 30, "two cold starts")
+    assert {str(s["source"]) for s in starts} >= {"store", "resident"}, starts
