@@ -101,6 +101,14 @@ class PerfBook:
                     decode += [DecodeSample(1, _bucket(n), s) for _, n, s in samples]
                 else:
                     batched += [(_bucket(b), int(n), s) for b, n, s in samples]
+        if not decode and batched:
+            # Under a steady crowd no request runs alone, and a continuous-batching engine
+            # reports every row with the batch it ran in: the narrowest batch measured stands
+            # for a row alone. A row alone is no slower, so the estimate errs long, the safe way
+            # (without it the model stayed unfitted, and placement then validated nothing: on
+            # the three-node bench no model ever scaled out, however hot).
+            narrowest = min(b for b, _, _ in batched)
+            decode = [DecodeSample(1, _bucket(n), s) for b, n, s in batched if b == narrowest]
         if not prefill or not decode:
             return None
         alone = PerfModel.fit(prefill, decode)

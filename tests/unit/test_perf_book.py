@@ -87,3 +87,16 @@ def test_the_perf_book_profiles_every_kind_it_has_measured() -> None:
     assert set(p.perf_by_kind) == {"cpu", "gpu"}
     assert p.perf_on("gpu").prefill_s(512) == pytest.approx(0.1 * p.perf_on("cpu").prefill_s(512), rel=1e-6)
     assert p.perf is p.perf_on("cpu")  # the default kind's, where a node's kind is unknown
+
+
+def test_a_crowd_that_never_ran_a_request_alone_still_gives_a_model() -> None:
+    # A continuous-batching engine under steady load reports rows of batches of 4 and 8 only:
+    # the batch of 4 stands for one row alone (no faster than alone: the safe side), and the
+    # batch of 8 is scaled from it.
+    book = PerfBook()
+    book.report("n0", "cpu", PerfReport("a1", prefill=((64, 0.1),), decode=((4, 64, 0.020), (8, 64, 0.030))))
+    perf = book.model("a1")
+    assert perf is not None
+    assert perf.decode_s(1, 64) == pytest.approx(0.020)
+    assert perf.decode_s(8, 64) == pytest.approx(0.030)
+    assert set(book.profiles([RECORD])) == {RECORD.name}
