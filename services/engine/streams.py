@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.engine.instance import IncrementalDetokenizer
+from services.engine.detokenize import IncrementalDetokenizer
 from shared.messages import TokenLogprob
 
 DecodeMany = Callable[[Sequence[Sequence[int]]], list[str]]

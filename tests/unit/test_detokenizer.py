@@ -1,4 +1,4 @@
-from services.engine.instance import IncrementalDetokenizer
+from services.engine.detokenize import IncrementalDetokenizer
 
 # A toy byte-level vocabulary: token i decodes to these bytes; "é" is split over two tokens.
 VOCAB = {1: b"Hel", 2: b"lo", 3: b" w", 4: b"orld", 5: "é".encode()[:1], 6: "é".encode()[1:], 7: b"!"}

@@ -81,3 +81,17 @@ def test_policy_is_pure() -> None:
     }
     bad = {f"{f.relative_to(ROOT)} imports {m}" for f in files("policy") for m in imports_of(f) if top(m, 1) in impure}
     assert not bad, sorted(bad)
+
+
+def test_the_torch_worker_runs_without_openvino() -> None:
+    # A GPU node's image may hold torch and no OpenVINO: the torch worker's process (what the
+    # engine spawns for it) must not import it, not even through the engine's shared modules.
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import services.engine.torch_engine.process, services.engine.torch_engine.worker; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('openvino')}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

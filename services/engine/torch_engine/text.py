@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.instance import IncrementalDetokenizer
+from services.engine.detokenize import IncrementalDetokenizer
 from services.engine.stops import StopMatcher
 from shared.messages import TokenLogprob
 
