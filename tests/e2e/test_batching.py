@@ -186,8 +186,15 @@ def test_an_idle_worker_waits_without_using_the_cpu(own_cluster: LocalCluster) -
     client.chat.completions.create(model="idle-worker", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     # Idle also means its tier-up is done (it runs once the node is idle).
     wait_for(lambda: metric(cluster, ENGINE, "tessera_engine_bound_workers", tier="start") == 0, 60, "the tier-up")
-    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
-    pid = next(int(i["worker_pid"]) for n in status["nodes"] for i in n["instances"] if i["model"] == "idle-worker")
+
+    def worker_pid() -> int:
+        """The worker's pid once a heartbeat has named it (0 until then)."""
+        status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+        return next(
+            (int(i["worker_pid"]) for n in status["nodes"] for i in n["instances"] if i["model"] == "idle-worker"), 0
+        )
+
+    pid = wait_for(worker_pid, 30, "a heartbeat naming the worker")
     before, t0 = cpu_s(pid), time.monotonic()
     time.sleep(1.0)  # sync-ok: a CPU measurement window, not a wait for anything
     used = cpu_s(pid) - before
