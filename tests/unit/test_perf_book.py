@@ -6,19 +6,8 @@ from __future__ import annotations
 import pytest
 
 from policy.perf_book import PerfBook
-from shared.messages import Artifact, ModelRecord, PerfReport
-
-RECORD = ModelRecord(
-    name="m",
-    source="/x.gguf",
-    ttft_slo_s=1.0,
-    tpot_slo_s=0.1,
-    keep_alive_s=60,
-    created_at=0,
-    artifact=Artifact(
-        artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
-    ),
-)
+from shared.messages import PerfReport
+from tests.helpers.records import RECORD
 
 
 def test_perf_book_scales_batched_iterations_from_the_batch_of_one() -> None:

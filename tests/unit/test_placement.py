@@ -12,7 +12,8 @@ from policy.perf_model import DecodeSample, PerfModel, PrefillSample
 from policy.perf_model import profile as perf_profile
 from policy.placement import Demand, Failure, Profile, join_order, service_s, start_order, validate
 from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode, place
-from shared.messages import Artifact, ErrorCode, InstanceView, ModelRecord, PerfReport, Rejected
+from shared.messages import ErrorCode, InstanceView, PerfReport, Rejected
+from tests.helpers.records import RECORD
 
 NOW = 1000.0
 # 2 ms per prompt token, 20 ms per decode iteration (flat in length): easy to add up by hand.
@@ -42,20 +43,6 @@ def inst(model: str, active: int) -> InstanceView:
 
 def demand(prompt: int = 100, max_tokens: int = 50, ttft: float = 2.0, tpot: float = 0.1) -> Demand:
     return Demand(prompt, max_tokens, ttft, tpot)
-
-
-RECORD = ModelRecord(
-    name="m",
-    source="/x.gguf",
-    ttft_slo_s=1.0,
-    tpot_slo_s=0.1,
-    keep_alive_s=60,
-    created_at=0,
-    artifact=Artifact(
-        artifact_id="a1", path="/a", source_sha256="s", context_length=100, kv_bytes_per_token=2, weight_bytes=5
-    ),
-)
-"""Model `m`, registered on artifact a1 (for the perf book's profiles)."""
 
 
 def test_service_time_is_prefill_plus_decode_iterations() -> None:

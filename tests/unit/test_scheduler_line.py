@@ -79,28 +79,28 @@ def request(rid: str, wait_s: float = 30.0) -> PlaceRequest:
     return PlaceRequest(request_id=rid, model="m", prompt_tokens=64, max_tokens=16, wait_s=wait_s)
 
 
-async def lined_up(scheduler: SchedulerService, n: int) -> None:
-    """Until `n` requests wait in the line (each gets there without blocking on anything)."""
+async def lined_up(line: Line, n: int) -> None:
+    """Until `n` requests wait in `line` (each gets there without blocking on anything)."""
     for _ in range(1000):
-        if len(scheduler.line) >= n:
+        if len(line) >= n:
             return
-        await asyncio.sleep(0)
-    raise AssertionError(f"{len(scheduler.line)} in line, expected {n}")
+        await asyncio.sleep(0)  # sync-ok: lets the waiting tasks run; the condition is polled
+    raise AssertionError(f"{len(line)} in line, expected {n}")
 
 
 async def test_requests_wait_for_room_and_are_placed_in_order_as_requests_end() -> None:
     scheduler = SchedulerService(SchedulerSettings(), None, OneModel())  # type: ignore[arg-type]
     await scheduler.on_heartbeat(heartbeat(running=4))  # type: ignore[arg-type]
     first = asyncio.create_task(scheduler.place(request("r1")))
-    await lined_up(scheduler, 1)
+    await lined_up(scheduler.line, 1)
     second = asyncio.create_task(scheduler.place(request("r2")))
-    await lined_up(scheduler, 2)
+    await lined_up(scheduler.line, 2)
     assert not first.done() and not second.done()
 
     await scheduler.on_heartbeat(heartbeat(running=3))  # type: ignore[arg-type]  # one ended: room for one
     placed = await asyncio.wait_for(first, 5)
     assert isinstance(placed, Placement) and placed.node_id == "a" and placed.request_id == "r1"
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # sync-ok: a chance for r2 to be placed wrongly (nothing should happen)
     assert not second.done() and len(scheduler.line) == 1  # r1 took the room
 
     await scheduler.on_heartbeat(heartbeat(running=2))  # type: ignore[arg-type]
@@ -143,11 +143,11 @@ async def test_the_line_skips_a_request_that_gave_up_and_keeps_order_across_mode
         return UseNode("a")
 
     a1 = asyncio.create_task(line.wait(PlaceRequest("x1", "x", 1, 1), 30))
-    await asyncio.sleep(0)
+    await lined_up(line, 1)
     b1 = asyncio.create_task(line.wait(PlaceRequest("y1", "y", 1, 1), 30))
-    await asyncio.sleep(0)
+    await lined_up(line, 2)
     a2 = asyncio.create_task(line.wait(PlaceRequest("x2", "x", 1, 1), 30))
-    await asyncio.sleep(0)
+    await lined_up(line, 3)
     gone = a1 if gives_up == "first" else b1
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
@@ -167,9 +167,9 @@ async def test_a_model_without_room_does_not_hold_up_another() -> None:
         return NoRoom(UseNode("a")) if req.model == "x" else UseNode("b")
 
     x = asyncio.create_task(line.wait(PlaceRequest("x1", "x", 1, 1), 30))
-    await asyncio.sleep(0)
+    await lined_up(line, 1)
     y = asyncio.create_task(line.wait(PlaceRequest("y1", "y", 1, 1), 30))
-    await asyncio.sleep(0)
+    await lined_up(line, 2)
     assert line.serve(decide) == 1
     assert await y == UseNode("b")
     assert not x.done() and line.waiting("x") == 1
