@@ -57,8 +57,8 @@ class ChatMessage(_Lenient):
 class UnsupportedParameter(ValueError):
     """A parameter Tessera does not serve yet (the 400 names it in `param`)."""
 
-    def __init__(self, param: str) -> None:
-        super().__init__(f"`{param}` is not supported by Tessera yet (see the README's table of parameters)")
+    def __init__(self, param: str, message: str = "") -> None:
+        super().__init__(message or f"`{param}` is not supported by Tessera yet (see the README's table of parameters)")
         self.param = param
 
 
@@ -73,6 +73,8 @@ _UNSUPPORTED: dict[str, Any] = {
     "function_call": lambda v: _off(v) or v == "none",
     "suffix": _off,
 }
+_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+"""OpenAI parameters that change no answer (bookkeeping, billing, caching hints): accepted."""
 
 MAX_CHOICES = 16
 """Most choices one request may ask for (n, best_of, times its prompts): each is a request of
@@ -118,11 +120,15 @@ class _Sampling(_Lenient):
     def _nothing_silently_ignored(self) -> _Sampling:
         """OpenAI (and vLLM) parameters Tessera does not serve yet are refused by name, not
         ignored: a client asking for JSON, a tool call or logprobs must not get prose back as
-        if it had been honoured. Unknown names stay accepted (OpenAI's own server ignores
-        fields it does not use)."""
+        if it had been honoured. So is a name it does not know (a misspelt `max_token`, a newer
+        OpenAI parameter), as OpenAI's server answers an unrecognized argument, unless its
+        value asks for nothing (null) or the parameter changes no answer (`_NO_EFFECT`)."""
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and not _UNSUPPORTED[name](value):
-                raise UnsupportedParameter(name)
+            if name in _UNSUPPORTED:
+                if not _UNSUPPORTED[name](value):
+                    raise UnsupportedParameter(name)
+            elif name not in _NO_EFFECT and value is not None:
+                raise UnsupportedParameter(name, f"unrecognized request argument supplied: `{name}`")
         return self
 
     @field_validator("stop")

@@ -20,30 +20,18 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
 from services.gateway.openai_format import sse
-from services.gateway.protocol import ChatCompletionRequest, Text, UnsupportedParameter, _Lenient
+from services.gateway.protocol import ChatCompletionRequest, Text, UnsupportedParameter, _Lenient, _off
 from services.gateway.serving import Gateway, Generation, Prepared
 from shared.errors import TesseraError
 from shared.messages import Finished, FinishReason
 
 
-class Refused(UnsupportedParameter):
-    """An unsupported parameter, with why in the message (the 400 names it in `param`)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(param)
-        self.args = (message,)
-
-
-def _unserved(param: str, why: str) -> Refused:
-    return Refused(param, f"`{param}` is not supported by Tessera: {why}")
+def _unserved(param: str, why: str) -> UnsupportedParameter:
+    return UnsupportedParameter(param, f"`{param}` is not supported by Tessera: {why}")
 
 
 _NO_STORE = "it stores no responses or conversations: send the whole conversation in `input`"
 _NO_TOOLS = "it does not call tools yet"
-
-
-def _off(value: Any) -> bool:
-    return value is None or value is False or value == [] or value == {}
 
 
 # Responses parameters Tessera cannot serve: name -> (the values that ask for nothing, why).
@@ -91,7 +79,7 @@ def _check_input(value: Any) -> None:
             raise ValueError(f"{where} must be a message: an object with a `role` and `content`")
         kind = item.get("type", "message")
         if kind != "message":
-            raise Refused(
+            raise UnsupportedParameter(
                 where,
                 f"{where}: input items of type {kind!r} are not supported by Tessera "
                 "(it takes messages with text content)",
@@ -110,7 +98,7 @@ def _check_input(value: Any) -> None:
             if not isinstance(kind, str):
                 raise ValueError(f"{at} must be a content part: an object with a `type`")
             if kind not in _TEXT_PARTS:
-                raise Refused(
+                raise UnsupportedParameter(
                     at,
                     f"{at}: content of type {kind!r} is not supported by Tessera "
                     f"(it takes text: {', '.join(_TEXT_PARTS)})",
@@ -174,7 +162,7 @@ class TextConfig(_Lenient):
 class ResponsesRequest(_Lenient):
     """The parameters used; the unserved are refused by name (`_UNSERVED`), other unknown names
     go on to the chat request (vLLM's sampling extensions: `ignore_eos`, `seed`, `top_k`...),
-    which refuses what it does not serve and ignores what it does not know."""
+    which refuses what it does not serve or know."""
 
     model: str = Field(min_length=1)
     input: Text | list[InputMessage]

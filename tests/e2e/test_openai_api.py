@@ -220,6 +220,16 @@ def test_an_unsupported_parameter_is_a_400_that_names_it(client: openai.OpenAI, 
     assert e.value.param == "suffix" and e.value.code == "unsupported_parameter"
 
 
+def test_an_unknown_parameter_is_a_400_that_names_it_and_a_null_one_is_not(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, extra_body={"max_token": 16})
+    assert e.value.param == "max_token" and e.value.code == "unsupported_parameter"
+    r = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=2, metadata={"run": "7"}, extra_body={"max_token": None}
+    )
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_a_frequency_penalty_changes_a_repetitive_greedy_output(client: openai.OpenAI, model: str) -> None:
     # Greedy, no repetition penalty, after a prompt of one word forty times: the model goes on
     # repeating it (what it says to a question is its own, and differs between CPUs); strong

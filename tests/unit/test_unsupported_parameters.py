@@ -1,5 +1,5 @@
-"""Parameters Tessera does not serve yet are refused by name; their "off" values, and names it
-does not know, are accepted."""
+"""Parameters Tessera does not serve yet, and names it does not know, are refused by name; their
+"off" values (null for an unknown name) and parameters that change no answer are accepted."""
 
 import pytest
 from pydantic import ValidationError
@@ -34,7 +34,10 @@ def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -
         ("logit_bias", {}),
         ("best_of", 1),
         ("parallel_tool_calls", True),
-        ("some_future_field", 1),
+        ("some_future_field", None),
+        ("metadata", {"run": "7"}),
+        ("store", True),
+        ("service_tier", "auto"),
         ("functions", []),
         ("function_call", "none"),
         ("suffix", None),
@@ -42,6 +45,15 @@ def test_an_unsupported_parameter_is_refused_by_name(name: str, value: object) -
 )
 def test_off_values_and_unknown_names_are_accepted(name: str, value: object) -> None:
     ChatCompletionRequest(**CHAT, **{name: value})
+
+
+@pytest.mark.parametrize("name, value", [("some_future_field", 1), ("max_token", 16), ("modalities", ["audio"])])
+def test_an_unknown_name_is_refused_by_name_not_ignored(name: str, value: object) -> None:
+    # OpenAI's server answers "Unrecognized request argument supplied"; ignoring a misspelt
+    # `max_token` would answer as if it had been honoured.
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(**CHAT, **{name: value})
+    assert f"unrecognized request argument supplied: `{name}`" in str(e.value)
 
 
 def test_penalties_are_range_checked() -> None:
