@@ -247,6 +247,9 @@ class LocalCluster:
     node_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Extra settings per node id (`node-0`, …) for its node services: each node its own
     memory budget (`TESSERA_MEMORY_BUDGET_BYTES`) and cores (`TESSERA_CPU_CORES`)."""
+    services: tuple[str, ...] = SERVICES
+    """Which services run (NATS and Valkey always do): `("loader",)` is a cluster of loaders
+    alone, for what only moves model blocks (bench/multicast.py)."""
     procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -341,7 +344,7 @@ class LocalCluster:
             dict(os.environ),
             logs / "valkey.log",
         )
-        for name in SERVICES:
+        for name in (s for s in SERVICES if s in self.services):
             node_ids = [f"node-{i}" for i in range(self.nodes)] if name in NODE_SERVICES else ["node-0"]
             for node_id in node_ids:
                 key = f"{name}@{node_id}" if name in NODE_SERVICES else name

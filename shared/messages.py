@@ -453,6 +453,37 @@ class CacheStatus(Message, frozen=True):
     budget_bytes: int
     used_bytes: int
     entries: tuple[CachedArtifact, ...] = ()
+    peer_addr: str = ""
+    """host:port of the loader's block server: where other nodes read the blocks it holds."""
+
+
+class Multicast(Message, frozen=True):
+    """→ a target node's loader: bring the artifact's compiled blob into its host cache, block
+    by block, from the plan's sources (FaaScale PipeCast, `policy.multicast`), serving each
+    block on to other targets as soon as it has it."""
+
+    artifact: Artifact
+    device: str
+    tier: Tier = Tier.STEADY
+    feeds: tuple[tuple[int, str], ...] = ()
+    """(block, source) in the order to receive them; a source is a peer's `peer_addr`, or
+    `policy.multicast.STORE` for the model store."""
+    fallbacks: tuple[str, ...] = ("store",)
+    """Where a block comes from when its planned source fails, in order."""
+    timeout_s: float = 30.0
+    """Longest one block may take from one source before that source counts as failed."""
+
+
+class MulticastDone(Message, frozen=True):
+    node_id: str
+    blocks: int
+    nbytes: int
+    seconds: float
+    refetched: int = 0
+    """Blocks that came from a fallback (their planned source died or sent a bad block)."""
+    corrupt: int = 0
+    """Blocks that failed their checksum on arrival (each refetched)."""
+    dead_sources: tuple[str, ...] = ()
 
 
 class EvictHostCache(Message, frozen=True):

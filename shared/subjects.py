@@ -89,6 +89,11 @@ def loader_evict(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.evict"
 
 
+def loader_multicast(node_id: str) -> str:
+    """→ a loader: receive an artifact's blocks by a multicast plan (`Multicast`, request/reply)."""
+    return f"{_ROOT}.loader.{node_id}.multicast"
+
+
 def memory_reserve(node_id: str) -> str:
     return f"{_ROOT}.memory.{node_id}.reserve"
 

@@ -25,6 +25,7 @@ from services.loader.blocks import (
     drop_from_page_cache,
     manifest_of,
 )
+from services.loader.blockset import BlockSet, block_set_of
 from shared.artifact import compiled_cache_dir
 from shared.messages import Artifact, Tier
 
@@ -49,6 +50,23 @@ def read_manifest(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> 
     if not path.exists():  # materialized before manifests existed: the store copy is the truth
         return write_manifest(artifact, device, tier)
     return msgspec.msgpack.decode(path.read_bytes(), type=Manifest)
+
+
+def block_set(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> BlockSet:
+    """The compiled blob as a multicast's block set (SHA-256 per block), written beside it in
+    the store the first time it is asked for: every node that moves it reads this one."""
+    cache = compiled_cache_dir(artifact, device, tier)
+    path = cache.parent / f"{cache.name}.blocks"
+    if path.exists():
+        return msgspec.msgpack.decode(path.read_bytes(), type=BlockSet)
+    blobs = sorted(cache.glob("*.blob"))
+    if len(blobs) != 1:
+        raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
+    bs = block_set_of(cache, [blobs[0].name], f"{artifact.artifact_id}/{device}/{tier}")
+    tmp = path.with_suffix(f".tmp{id(bs)}")
+    tmp.write_bytes(msgspec.msgpack.encode(bs))
+    tmp.replace(path)  # atomic: two nodes asking at once write the same bytes
+    return bs
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,21 @@ class HostCache:
         )
         self.tiers[artifact.artifact_id] = tier
         return StageResult(dst_dir, False, 0)
+
+    def reserve(self, artifact: Artifact, device: str, tier: Tier, nbytes: int) -> Path:
+        """Room for a copy that arrives by other means (a multicast): evictions by cost as a
+        fill makes them; the directory it goes in."""
+        self.evict(artifact.artifact_id)
+        self._make_room(nbytes, time.time())
+        place = self._dir(artifact, device, tier)
+        place.mkdir(parents=True, exist_ok=True)
+        return place
+
+    def adopt(self, artifact: Artifact, tier: Tier, nbytes: int, load_s: float) -> None:
+        """Count a copy that arrived in a reserved place as cached."""
+        now = time.time()
+        self.entries[artifact.artifact_id] = Resident(artifact.artifact_id, nbytes, load_s, now, now)
+        self.tiers[artifact.artifact_id] = tier
 
     def _make_room(self, nbytes: int, now: float) -> None:
         need = over_budget(self.entries.values(), self.budget_bytes - nbytes)

@@ -12,8 +12,10 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
+from policy.multicast import STORE
 from services.loader.convert import is_materialized
-from services.loader.hostcache import HostCache, StageResult, forget_store_pages
+from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
+from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
@@ -28,6 +30,8 @@ from shared.messages import (
     EvictHostCache,
     ImportModel,
     ModelImported,
+    Multicast,
+    MulticastDone,
     Rejected,
     StageArtifact,
     Staged,
@@ -49,6 +53,15 @@ HOST_CACHE_BYTES = Gauge("tessera_loader_host_cache_bytes", "Bytes of blobs in t
 HOST_CACHE_BUDGET = Gauge("tessera_loader_host_cache_budget_bytes", "Budget of the host block cache")
 HOST_CACHE_ENTRIES = Gauge("tessera_loader_host_cache_entries", "Artifacts in the host block cache")
 STAGES = Counter("tessera_loader_stages_total", "Artifacts staged for a start", ["result"])
+MULTICAST_BLOCKS = Counter(
+    "tessera_loader_multicast_blocks_total",
+    "Blocks received by multicast, by where they came from",
+    ["source"],
+)
+RECEIVED_BLOCKS = Gauge(
+    "tessera_loader_multicast_received_blocks", "Blocks the multicast under way (or the last one) has received"
+)
+SERVED_BLOCKS = Gauge("tessera_loader_served_blocks", "Blocks this node's block server has sent to other nodes")
 REPAIRED_BLOCKS = Counter(
     "tessera_loader_corrupt_blocks_total", "Cached blocks that failed their checksum and were re-read"
 )
@@ -77,6 +90,9 @@ class LoaderService:
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
         self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
         HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
+        self.peers = BlockServer(Link(settings.link_bps))
+        """Serves the blocks of what the host cache holds to other nodes (FaaScale §4)."""
+        self.peer_addr = ""
 
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
@@ -86,6 +102,8 @@ class LoaderService:
         await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
         await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
         await self.bus.subscribe(subjects.loader_cache(node), self.on_cache)
+        self.peer_addr = await self.peers.start(self.settings.peer_host, self.settings.peer_port)
+        await self.bus.subscribe(subjects.loader_multicast(node), self.on_multicast)
 
     def _update_gauges(self) -> None:
         HOST_CACHE_BYTES.set(self.cache.used_bytes)
@@ -200,7 +218,86 @@ class LoaderService:
             log.exception("filling the host cache with %s failed", artifact.artifact_id)
             return
         STAGE_SECONDS.labels("fill").observe(time.perf_counter() - t0)
+        await self._offer(artifact, device, tier)
         self._update_gauges()
+
+    async def _offer(self, artifact: Artifact, device: str, tier: Tier) -> None:
+        """Serve a whole cached copy to other nodes' multicasts."""
+        try:
+            bs = await asyncio.to_thread(block_set, artifact, device, tier)
+        except Exception:
+            log.exception("no block set for %s: not offered to other nodes", artifact.artifact_id)
+            return
+        self.peers.offer(Holding.complete(self.cache.place(artifact, device, tier), bs))
+
+    def _store_source(self, artifact: Artifact, device: str, tier: Tier) -> BlockSource:
+        if self.settings.store_addr:
+            return PeerSource(self.settings.store_addr)
+        return DirectoryStore(compiled_cache_dir(artifact, device, tier))
+
+    async def on_multicast(self, msg: Msg) -> None:
+        """Receive an artifact's blob by a multicast plan into the host cache, forwarding each
+        block to the targets after this one as it lands (the bus answers an error for us)."""
+        req = decode(msg.data, Multicast)
+        aid = req.artifact.artifact_id
+        bs = await asyncio.to_thread(block_set, req.artifact, req.device, req.tier)
+        async with self._stage_lock:
+            if self.cache.tiers.get(aid) == req.tier:  # already here: nothing to move
+                await self.bus.reply(msg, MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0))
+                return
+            place = await asyncio.to_thread(self.cache.reserve, req.artifact, req.device, req.tier, bs.size)
+        holding = Holding(place, bs)
+        self.peers.offer(holding)  # forward while receiving
+        named = {src for _, src in req.feeds} | set(req.fallbacks)
+        sources: dict[str, BlockSource] = {
+            name: self._store_source(req.artifact, req.device, req.tier) if name == STORE else PeerSource(name)
+            for name in named
+        }
+        feeds = req.feeds or tuple((i, STORE) for i in range(bs.blocks))
+        try:
+            RECEIVED_BLOCKS.set(0)
+
+            async def landed(_: int) -> None:
+                RECEIVED_BLOCKS.inc()
+                SERVED_BLOCKS.set(self.peers.served_blocks)
+
+            got = await receive(holding, feeds, sources, req.fallbacks, req.timeout_s, on_block=landed)
+        except BaseException:
+            self.peers.withdraw(bs.set_id)
+            async with self._stage_lock:
+                self.cache.evict(aid)
+            raise
+        finally:
+            for source in sources.values():
+                await source.close()
+        async with self._stage_lock:
+            self.cache.adopt(req.artifact, req.tier, bs.size, got.seconds)
+        MULTICAST_BLOCKS.labels("planned").inc(got.blocks - got.refetched)
+        MULTICAST_BLOCKS.labels("fallback").inc(got.refetched)
+        SERVED_BLOCKS.set(self.peers.served_blocks)
+        self._update_gauges()
+        log.info(
+            "multicast of %s: %d blocks (%d MB) in %.2f s, %d from fallbacks, %d corrupt, dead sources %s",
+            aid,
+            got.blocks,
+            got.nbytes // 1_000_000,
+            got.seconds,
+            got.refetched,
+            got.corrupt,
+            got.dead_sources,
+        )
+        await self.bus.reply(
+            msg,
+            MulticastDone(
+                node_id=self.settings.node_id,
+                blocks=got.blocks,
+                nbytes=got.nbytes,
+                seconds=got.seconds,
+                refetched=got.refetched,
+                corrupt=got.corrupt,
+                dead_sources=tuple(got.dead_sources),
+            ),
+        )
 
     async def on_cache(self, msg: Msg) -> None:
         entries = tuple(
@@ -220,6 +317,7 @@ class LoaderService:
                 budget_bytes=self.cache.budget_bytes,
                 used_bytes=self.cache.used_bytes,
                 entries=entries,
+                peer_addr=self.peer_addr,
             ),
         )
 
@@ -233,6 +331,10 @@ class LoaderService:
                 keys, freed = [req.artifact_id], self.cache.evict(req.artifact_id)
             else:
                 keys, freed = self.cache.evict_all()
+            for key in keys:
+                self.peers.withdraw_artifact(key)
+            if keys:
+                RECEIVED_BLOCKS.set(0)
             if req.forget_store_pages:
                 for dirpath in self.store.iterdir():
                     artifact = read_artifact(dirpath)

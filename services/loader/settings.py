@@ -17,5 +17,15 @@ class LoaderSettings(CommonSettings):
     fill_delay_s: float = 2.0
     """After a miss, wait this long before copying the blob into the host cache, so that the
     copy does not compete with the start that is reading it for the node's cores and disk."""
+    peer_host: str = "127.0.0.1"
+    """Where the block server listens: the address other nodes read this node's blocks at."""
+    peer_port: int = 0
+    """0: a free port (CacheStatus says which)."""
+    link_bps: float = 0.0
+    """Shape the block server's uplink to this many bytes/s (0: unshaped): a cluster on one
+    machine then moves blocks as a network-bound one does."""
+    store_addr: str = ""
+    """A block server in front of the model store (host:port), for a store other nodes share
+    over the network; empty: read the store directory."""
     allowed_model_dirs: list[Path] = Field(default_factory=list)
     """If set, imports may only read GGUFs under these directories."""

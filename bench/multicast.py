@@ -1,0 +1,311 @@
+"""PipeCast against the store-for-everyone baseline, on real loaders over shaped links.
+
+    python -m bench.multicast [--link-mbps 200] [--out bench/results]
+
+A cluster of loaders alone (`LocalCluster(services=("loader",))`, real NATS, nine loader
+processes): node-0 holds the default model's compiled blob in its host cache (FaaScale's one
+replica in host memory, k = 1), nodes 1..8 are targets. Every loader's block server sends
+through an uplink shaped to `--link-mbps` (`TESSERA_LINK_BPS`), so that moving the model is
+network-bound, as between hosts, and not the loopback's memory copy. For N = 1, 2, 4, 8
+targets, their host caches emptied first, each scheme once:
+
+- baseline: every target reads every block from node-0 (the one copy, as from a store);
+- PipeCast: `policy.multicast.pipecast(["node-0"], targets, blocks)`: each target receives its
+  feeds from node-0 or from the targets ahead of it, and forwards as it receives.
+
+The time is from the `Multicast` requests to the last target's answer; every target checked
+every block's SHA-256. A fault run then sends PipeCast to 8 and kills one target's loader
+while blocks flow: the other seven must complete (their blocks from the dead one come from the
+fallback). The same plan code, priced by `policy.multicast.transfer_s` on the same block
+count and link, gives N = 1…1,024 (`sim_*`).
+
+Not measured yet (null in the JSON): `first_token_s` (time until every node has served its
+first token) and `first_served_before_replica_s`: the engines do not start on partial
+replicas yet (FaaScale §4.3's pipelined execution).
+
+Writes `<out>/multicast.json` and `<out>/multicast.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/multicast.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_info, make_log
+from ops.localcluster import LocalCluster, default_model_path
+from policy.multicast import STORE, naive, pipecast, transfer_s
+from services.loader.hostcache import block_set
+from shared import subjects
+from shared.bus import Bus
+from shared.errors import TesseraError
+from shared.messages import (
+    Artifact,
+    CacheQuery,
+    CacheStatus,
+    Evicted,
+    EvictHostCache,
+    ImportModel,
+    ModelImported,
+    Multicast,
+    MulticastDone,
+    StageArtifact,
+    Staged,
+    Tier,
+)
+
+log = make_log("multicast")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "CPU"
+SOURCE = "node-0"
+NS = (1, 2, 4, 8)
+SIM_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Loaders:
+    def __init__(self, cluster: LocalCluster, bus: Bus) -> None:
+        self.cluster = cluster
+        self.bus = bus
+        self.addr: dict[str, str] = {}
+
+    async def status(self, node: str) -> CacheStatus:
+        return await self.bus.request(subjects.loader_cache(node), CacheQuery(), CacheStatus, timeout=10)
+
+    async def import_default(self) -> Artifact:
+        reply = await self.bus.request(
+            subjects.import_model(), ImportModel(source=str(default_model_path())), ModelImported, timeout=600
+        )
+        return reply.artifact
+
+    async def fill_source(self, artifact: Artifact) -> None:
+        await self.bus.request(
+            subjects.loader_stage(SOURCE), StageArtifact(artifact=artifact, device=DEVICE), Staged, timeout=60
+        )
+        deadline = time.monotonic() + 120
+        while not any(e.artifact_id == artifact.artifact_id for e in (await self.status(SOURCE)).entries):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the source never cached the model")
+            await asyncio.sleep(0.2)
+
+    async def evict(self, nodes: list[str], artifact: Artifact) -> None:
+        for n in nodes:
+            await self.bus.request(
+                subjects.loader_evict(n), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, timeout=30
+            )
+
+    async def multicast(
+        self, artifact: Artifact, feeds: dict[str, list[tuple[int, str]]], fallbacks: tuple[str, ...]
+    ) -> tuple[float, dict[str, MulticastDone | str]]:
+        async def one(node: str) -> MulticastDone | str:
+            try:
+                return await self.bus.request(
+                    subjects.loader_multicast(node),
+                    Multicast(
+                        artifact=artifact,
+                        device=DEVICE,
+                        tier=Tier.STEADY,
+                        feeds=tuple(feeds[node]),
+                        fallbacks=fallbacks,
+                        timeout_s=20,
+                    ),
+                    MulticastDone,
+                    timeout=900,
+                )
+            except TesseraError as e:
+                return str(e)
+
+        t0 = time.perf_counter()
+        nodes = list(feeds)
+        done = await asyncio.gather(*(one(n) for n in nodes))
+        return time.perf_counter() - t0, dict(zip(nodes, done, strict=True))
+
+
+def feeds_of(plan_sends: Any, addr: dict[str, str], targets: list[str]) -> dict[str, list[tuple[int, str]]]:
+    return {t: [(s.block, addr.get(s.src, s.src)) for s in plan_sends.feeds(t)] for t in targets}
+
+
+async def run(link_bps: float, home: Path) -> dict[str, Any]:
+    nodes = 1 + max(NS)
+    cluster = LocalCluster(
+        home=home,
+        nodes=nodes,
+        services=("loader",),
+        env={"TESSERA_LINK_BPS": str(link_bps), "TESSERA_FILL_DELAY_S": "0"},
+    )
+    t = time.perf_counter()
+    cluster.start(timeout_s=180)
+    log(f"{nodes} loaders up in {time.perf_counter() - t:.1f}s")
+    bus = Bus("bench-multicast")
+    await bus.connect(cluster.nats_url)
+    try:
+        loaders = Loaders(cluster, bus)
+        artifact = await loaders.import_default()
+        bs = block_set(artifact, DEVICE, Tier.STEADY)
+        await loaders.fill_source(artifact)
+        addr = {f"node-{i}": (await loaders.status(f"node-{i}")).peer_addr for i in range(nodes)}
+        log(f"model blob: {bs.size / 1e6:.0f} MB in {bs.blocks} blocks of {bs.block_bytes >> 20} MiB")
+        results: dict[str, dict[int, dict[str, Any]]] = {"pipecast": {}, "baseline": {}}
+        for n in NS:
+            targets = [f"node-{i}" for i in range(1, n + 1)]
+            for scheme in ("baseline", "pipecast"):
+                await loaders.evict(targets, artifact)
+                plan = (
+                    pipecast([SOURCE], targets, bs.blocks)
+                    if scheme == "pipecast"
+                    else naive(targets, bs.blocks, SOURCE)
+                )
+                # Fallback: the source node, then the store (only a failed source sends there).
+                wall, done = await loaders.multicast(artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE))
+                failed = {k: v for k, v in done.items() if isinstance(v, str)}
+                ok = [v for v in done.values() if isinstance(v, MulticastDone)]
+                assert not failed, failed
+                results[scheme][n] = {
+                    "seconds": wall,
+                    "per_node_s": {v.node_id: round(v.seconds, 3) for v in ok},
+                    "blocks_verified": sum(v.blocks for v in ok),
+                    "refetched": sum(v.refetched for v in ok),
+                    "plan_steps": plan.steps,
+                }
+                log(f"{scheme:8s} N={n}: every node has the model in {wall:.2f}s")
+        # The fault run: PipeCast to 8, one target's loader killed while blocks flow.
+        targets = [f"node-{i}" for i in range(1, max(NS) + 1)]
+        await loaders.evict(targets, artifact)
+        plan = pipecast([SOURCE], targets, bs.blocks)
+        victim = "node-1"  # the first to receive: every other target was to get blocks from it
+        expected_s = results["pipecast"][max(NS)]["seconds"]
+
+        async def kill_later() -> None:
+            await asyncio.sleep(expected_s * 0.3)  # sync-ok: a fault injected mid-transfer
+            cluster.procs[f"loader@{victim}"].kill()
+
+        killer = asyncio.create_task(kill_later())
+        wall, done = await loaders.multicast(artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE))
+        await killer
+        survivors = {k: v for k, v in done.items() if k != victim}
+        fault = {
+            "n": max(NS),
+            "killed": victim,
+            "killed_after_s": round(expected_s * 0.3, 3),
+            "seconds": wall,
+            "failed_scale_outs": sum(isinstance(v, str) for v in survivors.values()),
+            "refetched_blocks": sum(v.refetched for v in survivors.values() if isinstance(v, MulticastDone)),
+            "blocks_verified": sum(v.blocks for v in survivors.values() if isinstance(v, MulticastDone)),
+        }
+        log(f"fault run: {fault}")
+        return {
+            "block_bytes": bs.block_bytes,
+            "blocks": bs.blocks,
+            "model_bytes": bs.size,
+            "runs": results,
+            "fault": fault,
+        }
+    finally:
+        await bus.close()
+        cluster.stop()
+
+
+def simulate(blocks: int, block_bytes: int, link_bps: float) -> dict[str, dict[int, float]]:
+    """The same plans, priced on the model: one source with a link like every node's."""
+    out: dict[str, dict[int, float]] = {"pipecast": {}, "baseline": {}}
+    for n in SIM_NS:
+        targets = [f"t{i}" for i in range(n)]
+        out["pipecast"][n] = max(transfer_s(pipecast([STORE], targets, blocks), block_bytes, link_bps).values())
+        out["baseline"][n] = max(transfer_s(naive(targets, blocks), block_bytes, link_bps).values())
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for scheme, marker in (("pipecast", "o"), ("baseline", "s")):
+        xs = [int(n) for n in result[f"{scheme}_s"]]
+        axes[0].plot(xs, list(result[f"{scheme}_s"].values()), marker=marker, label=f"{scheme} (measured)")
+        sim = result["sim_s"][scheme]
+        axes[0].plot([int(n) for n in sim][:4], list(sim.values())[:4], linestyle=":", label=f"{scheme} (model)")
+        axes[1].plot([int(n) for n in sim], list(sim.values()), marker=marker, label=scheme)
+    axes[0].set_xlabel("target nodes N")
+    axes[0].set_ylabel("seconds until every node has the model")
+    axes[0].set_title(f"9 loaders, links shaped to {result['link_mbps']:g} Mb/s")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("target nodes N (simulated, same plan code)")
+    axes[1].set_ylabel("seconds")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Scale-out of one model to N nodes: PipeCast vs every node from one source")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--link-mbps", type=float, default=200.0, help="every node's uplink, megabits per second")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    link_bps = args.link_mbps * 1e6 / 8
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tessera-multicast-") as home:
+        real = asyncio.run(run(link_bps, Path(home)))
+    sim = simulate(real["blocks"], real["block_bytes"], link_bps)
+    pipe = {n: r["seconds"] for n, r in real["runs"]["pipecast"].items()}
+    base = {n: r["seconds"] for n, r in real["runs"]["baseline"].items()}
+    top = max(NS)
+    result = {
+        "pipecast_s": pipe,
+        "baseline_s": base,
+        "first_token_s": None,
+        "first_served_before_replica_s": None,
+        "not_measured": "first tokens: engines do not start on partial replicas yet (FaaScale §4.3)",
+        "pipecast_growth_n8_over_n1": pipe[top] / pipe[1],
+        "baseline_over_pipecast": {n: base[n] / pipe[n] for n in NS},
+        "sim_s": sim,
+        "sim_ratio_baseline_over_pipecast": {n: sim["baseline"][n] / sim["pipecast"][n] for n in SIM_NS},
+        "targets": {
+            "pipecast_n8_over_n1_at_most": 1.5,
+            "baseline_over_pipecast_n8_at_least": 4,
+            "sim_baseline_over_pipecast_n256_at_least": 50,
+        },
+        "targets_met": {
+            "pipecast_n8_over_n1": pipe[top] / pipe[1] <= 1.5,
+            "baseline_over_pipecast_n8": base[top] / pipe[top] >= 4,
+            "sim_n256": sim["baseline"][256] / sim["pipecast"][256] >= 50,
+            "fault_run_no_failed_scale_out": real["fault"]["failed_scale_outs"] == 0,
+        },
+        "fault_run": real["fault"],
+        "runs": real["runs"],
+        "link_mbps": args.link_mbps,
+        "model_bytes": real["model_bytes"],
+        "block_bytes": real["block_bytes"],
+        "blocks": real["blocks"],
+        "machine": machine_info(load_before),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "bench_wall_s": time.perf_counter() - t0,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "multicast.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "multicast.png")
+    print(
+        json.dumps(
+            {k: result[k] for k in ("pipecast_s", "baseline_s", "baseline_over_pipecast", "targets_met")}, indent=2
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

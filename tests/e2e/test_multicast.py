@@ -1,0 +1,251 @@
+"""A model's compiled blob multicast between real loader processes over real NATS and TCP
+(FaaScale PipeCast, `policy.multicast`): every block checked, a corrupt one refetched, a
+loader killed mid-transfer routed around."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.localcluster import LocalCluster, default_model_path
+from policy.multicast import STORE, pipecast
+from services.loader.blockset import BlockSet, bad_blocks, read_block
+from services.loader.hostcache import block_set
+from shared import subjects
+from shared.bus import Bus
+from shared.messages import (
+    Artifact,
+    CacheQuery,
+    CacheStatus,
+    Evicted,
+    EvictHostCache,
+    ImportModel,
+    ModelImported,
+    Multicast,
+    MulticastDone,
+    StageArtifact,
+    Staged,
+    Tier,
+)
+from tests.conftest import TEST_ENV
+from tests.helpers.cluster import wait_for
+
+DEVICE = "CPU"
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    """Four loaders and nothing else; uplinks shaped so a transfer lasts long enough to kill
+    a peer in the middle of it (≈ 1 s a hop for the default model's blob)."""
+    c = LocalCluster(
+        home=tmp_path_factory.mktemp("loaders"),
+        nodes=4,
+        store=model_store,
+        services=("loader",),
+        env={**TEST_ENV, "TESSERA_FILL_DELAY_S": "0", "TESSERA_LINK_BPS": str(300e6)},
+    )
+    c.start(timeout_s=120)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def call(c: LocalCluster, subject: str, message: object, reply: type, timeout: float = 120) -> object:
+    bus = Bus("test-multicast")
+    await bus.connect(c.nats_url)
+    try:
+        return await bus.request(subject, message, reply, timeout=timeout)  # type: ignore[arg-type]
+    finally:
+        await bus.close()
+
+
+def request(c: LocalCluster, subject: str, message: object, reply: type, timeout: float = 120) -> object:
+    return asyncio.run(call(c, subject, message, reply, timeout))
+
+
+def cached(c: LocalCluster, node: str) -> CacheStatus:
+    status = request(c, subjects.loader_cache(node), CacheQuery(), CacheStatus, 10)
+    assert isinstance(status, CacheStatus)
+    return status
+
+
+@pytest.fixture(scope="module")
+def model(loaders: LocalCluster) -> tuple[Artifact, BlockSet, dict[str, str]]:
+    """The default model imported, node-0's host cache holding its blob, the loaders' addresses."""
+    imported = request(
+        loaders, subjects.import_model(), ImportModel(source=str(default_model_path())), ModelImported, 600
+    )
+    assert isinstance(imported, ModelImported)
+    artifact = imported.artifact
+    request(loaders, subjects.loader_stage("node-0"), StageArtifact(artifact=artifact, device=DEVICE), Staged)
+    wait_for(lambda: cached(loaders, "node-0").entries, 60, "node-0 to cache the blob")
+    addr = {f"node-{i}": cached(loaders, f"node-{i}").peer_addr for i in range(4)}
+    assert all(a.startswith("127.0.0.1:") for a in addr.values()), addr
+    return artifact, block_set(artifact, DEVICE, Tier.STEADY), addr
+
+
+def copy_in(c: LocalCluster, node: str, artifact: Artifact, bs: BlockSet) -> Path:
+    [blob] = [f.path for f in bs.files]
+    [path] = list((c.host_cache / node / artifact.artifact_id).glob(f"*/{blob}"))
+    return path.parent
+
+
+def evict(c: LocalCluster, artifact: Artifact, targets: list[str]) -> None:
+    for t in targets:
+        request(c, subjects.loader_evict(t), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, 30)
+
+
+def multicast(
+    c: LocalCluster,
+    artifact: Artifact,
+    bs: BlockSet,
+    addr: dict[str, str],
+    targets: list[str],
+    unawaited: frozenset[str] = frozenset(),
+) -> dict[str, MulticastDone | Exception]:
+    """Send each target (caches emptied: `evict`) its feeds of a PipeCast plan from node-0,
+    and collect the answers (not those of `unawaited`: a loader killed never answers)."""
+    plan = pipecast(["node-0"], targets, bs.blocks)
+
+    async def go() -> dict[str, MulticastDone | Exception]:
+        bus = Bus("test-multicast")
+        await bus.connect(c.nats_url)
+        try:
+            tasks = {
+                t: asyncio.create_task(
+                    bus.request(
+                        subjects.loader_multicast(t),
+                        Multicast(
+                            artifact=artifact,
+                            device=DEVICE,
+                            feeds=tuple((s.block, addr[s.src]) for s in plan.feeds(t)),
+                            fallbacks=(addr["node-0"], STORE),
+                            timeout_s=10,
+                        ),
+                        MulticastDone,
+                        timeout=120,
+                    )
+                )
+                for t in targets
+            }
+            out: dict[str, MulticastDone | Exception] = {}
+            for t, task in tasks.items():
+                if t in unawaited:
+                    continue
+                try:
+                    out[t] = await task
+                except Exception as e:
+                    out[t] = e
+            for task in tasks.values():
+                task.cancel()
+            return out
+        finally:
+            await bus.close()
+
+    return asyncio.run(go())
+
+
+def test_a_pipecast_plan_brings_every_verified_block_to_every_target(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    artifact, bs, addr = model
+    assert bs.blocks > 8  # enough blocks for a pipeline to matter
+    targets = ["node-1", "node-2", "node-3"]
+    evict(loaders, artifact, targets)
+    done = multicast(loaders, artifact, bs, addr, targets)
+    for t in targets:
+        d = done[t]
+        assert isinstance(d, MulticastDone), d
+        assert d.blocks == bs.blocks and d.nbytes == bs.size and d.refetched == 0 and d.corrupt == 0
+        assert bad_blocks(copy_in(loaders, t, artifact, bs), bs) == []
+        # The host cache counts it: a start on this node is now a hit.
+        assert [e.artifact_id for e in cached(loaders, t).entries] == [artifact.artifact_id]
+    # The targets forwarded to each other: node-0 did not send every block three times.
+    sent = {
+        t: sum(
+            float(line.split()[-1])
+            for line in httpx.get(
+                f"http://127.0.0.1:{loaders.procs[f'loader@{t}'].http_port}/metrics"
+            ).text.splitlines()
+            if line.startswith("tessera_loader_served_blocks ")
+        )
+        for t in ["node-0", *targets]
+    }
+    assert sum(sent[t] for t in targets) > 0, sent
+
+
+def test_a_corrupt_block_on_the_source_is_detected_and_refetched_from_the_store(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    artifact, bs, addr = model
+    src = copy_in(loaders, "node-0", artifact, bs)
+    blob = src / bs.files[0].path
+    good = read_block(src, bs, 3)
+    with blob.open("r+b") as f:  # flip a byte of block 3 in node-0's host memory copy
+        f.seek(3 * bs.block_bytes + 100)
+        byte = f.read(1)
+        f.seek(3 * bs.block_bytes + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        evict(loaders, artifact, ["node-1"])
+        done = multicast(loaders, artifact, bs, addr, ["node-1"])
+        d = done["node-1"]
+        assert isinstance(d, MulticastDone), d
+        assert d.corrupt >= 1 and d.refetched >= 1
+        assert bad_blocks(copy_in(loaders, "node-1", artifact, bs), bs) == []
+    finally:
+        with blob.open("r+b") as f:
+            f.seek(3 * bs.block_bytes)
+            f.write(good)
+
+
+def test_a_loader_killed_mid_transfer_is_routed_around(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    artifact, bs, addr = model
+    targets = ["node-1", "node-2", "node-3"]
+    plan = pipecast(["node-0"], targets, bs.blocks)
+    # Someone was to receive from node-1 after its first blocks: killing it is a real fault.
+    assert any(s.src == "node-1" for t in targets for s in plan.feeds(t))
+    victim = loaders.procs["loader@node-1"]
+    metrics = f"http://127.0.0.1:{victim.http_port}/metrics"
+
+    def forwarding() -> bool:
+        try:
+            text = httpx.get(metrics, timeout=2).text
+        except httpx.HTTPError:
+            return False
+        return any(
+            line.startswith("tessera_loader_multicast_received_blocks ") and float(line.split()[-1]) >= 2
+            for line in text.splitlines()
+        )
+
+    def kill_when_forwarding() -> None:
+        wait_for(forwarding, 60, "node-1 to receive its first blocks", every_s=0.02)
+        victim.kill()
+
+    evict(loaders, artifact, targets)  # and their count of blocks received goes back to 0
+    killer = threading.Thread(target=kill_when_forwarding, daemon=True)
+    killer.start()
+    try:
+        outcome = multicast(loaders, artifact, bs, addr, targets, unawaited=frozenset({"node-1"}))
+        killer.join(60)
+        assert not victim.alive(), "node-1 was never killed"
+        for t in ["node-2", "node-3"]:
+            d = outcome[t]
+            assert isinstance(d, MulticastDone), d  # the scale-out completed without node-1
+            assert d.blocks == bs.blocks
+            assert bad_blocks(copy_in(loaders, t, artifact, bs), bs) == []
+        # Blocks planned from node-1 after it died came from the fallback.
+        assert sum(d.refetched for d in outcome.values() if isinstance(d, MulticastDone)) > 0
+        assert any(
+            isinstance(d, MulticastDone) and any(addr["node-1"] in x for x in d.dead_sources) for d in outcome.values()
+        )
+    finally:
+        loaders.restart("loader@node-1")
