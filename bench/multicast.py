@@ -4,9 +4,11 @@
 
 A cluster of loaders alone (`LocalCluster(services=("loader",))`, real NATS, nine loader
 processes): node-0 holds the default model's compiled blob in its host cache (FaaScale's one
-replica in host memory, k = 1), nodes 1..8 are targets. Every loader's block server sends
-through an uplink shaped to `--link-mbps` (`TESSERA_LINK_BPS`), so that moving the model is
-network-bound, as between hosts, and not the loopback's memory copy. For N = 1, 2, 4, 8
+replica in host memory, k = 1), nodes 1..8 are targets. Each loader runs in a network
+namespace of its own, its link shaped to `--link-mbps` each way by `tc` (`ops/netns.py`), so
+that moving the model is network-bound, as between hosts, and not the loopback's memory copy;
+where namespaces are not permitted (or with `--loopback`), the loaders share the loopback and
+each block server paces its uplink to the same rate (`TESSERA_LINK_BPS`). For N = 1, 2, 4, 8
 targets, their host caches emptied first, each scheme once:
 
 - baseline: every target reads every block from node-0 (the one copy, as from a store);
@@ -33,6 +35,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -43,6 +46,7 @@ if __package__ in (None, ""):  # `python bench/multicast.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, make_log
+from ops import netns
 from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, naive, pipecast, transfer_s
 from services.loader.hostcache import block_set
@@ -104,8 +108,15 @@ class Loaders:
             )
 
     async def multicast(
-        self, artifact: Artifact, feeds: dict[str, list[tuple[int, str]]], fallbacks: tuple[str, ...]
+        self,
+        artifact: Artifact,
+        feeds: dict[str, list[tuple[int, str]]],
+        fallbacks: tuple[str, ...],
+        unawaited: frozenset[str] = frozenset(),
     ) -> tuple[float, dict[str, MulticastDone | str]]:
+        """Send every target its feeds at once; the seconds until the last answer (not
+        waiting for `unawaited`: a loader killed never answers) and each answer."""
+
         async def one(node: str) -> MulticastDone | str:
             try:
                 return await self.bus.request(
@@ -125,22 +136,28 @@ class Loaders:
                 return str(e)
 
         t0 = time.perf_counter()
-        nodes = list(feeds)
-        done = await asyncio.gather(*(one(n) for n in nodes))
-        return time.perf_counter() - t0, dict(zip(nodes, done, strict=True))
+        tasks = {n: asyncio.create_task(one(n)) for n in feeds}
+        done = {n: await t for n, t in tasks.items() if n not in unawaited}
+        wall = time.perf_counter() - t0
+        for t in tasks.values():
+            t.cancel()
+        return wall, done
 
 
 def feeds_of(plan_sends: Any, addr: dict[str, str], targets: list[str]) -> dict[str, list[tuple[int, str]]]:
     return {t: [(s.block, addr.get(s.src, s.src)) for s in plan_sends.feeds(t)] for t in targets}
 
 
-async def run(link_bps: float, home: Path) -> dict[str, Any]:
+async def run(link_bps: float, home: Path, namespaces: bool) -> dict[str, Any]:
     nodes = 1 + max(NS)
+    names = [f"node-{i}" for i in range(nodes)]
+    spaces = netns.NetNamespaces(str(home), names, link_bps * 8 / 1e6) if namespaces else None
     cluster = LocalCluster(
         home=home,
         nodes=nodes,
         services=("loader",),
-        env={"TESSERA_LINK_BPS": str(link_bps), "TESSERA_FILL_DELAY_S": "0"},
+        env={"TESSERA_FILL_DELAY_S": "0", **({} if spaces else {"TESSERA_LINK_BPS": str(link_bps)})},
+        netns=spaces,
     )
     t = time.perf_counter()
     cluster.start(timeout_s=180)
@@ -189,9 +206,10 @@ async def run(link_bps: float, home: Path) -> dict[str, Any]:
             cluster.procs[f"loader@{victim}"].kill()
 
         killer = asyncio.create_task(kill_later())
-        wall, done = await loaders.multicast(artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE))
+        wall, survivors = await loaders.multicast(
+            artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE), unawaited=frozenset({victim})
+        )
         await killer
-        survivors = {k: v for k, v in done.items() if k != victim}
         fault = {
             "n": max(NS),
             "killed": victim,
@@ -231,15 +249,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for scheme, marker in (("pipecast", "o"), ("baseline", "s")):
+    for scheme, marker, color in (("pipecast", "o", "C0"), ("baseline", "s", "C1")):
         xs = [int(n) for n in result[f"{scheme}_s"]]
-        axes[0].plot(xs, list(result[f"{scheme}_s"].values()), marker=marker, label=f"{scheme} (measured)")
+        axes[0].plot(xs, list(result[f"{scheme}_s"].values()), marker=marker, color=color, label=f"{scheme} (measured)")
         sim = result["sim_s"][scheme]
-        axes[0].plot([int(n) for n in sim][:4], list(sim.values())[:4], linestyle=":", label=f"{scheme} (model)")
-        axes[1].plot([int(n) for n in sim], list(sim.values()), marker=marker, label=scheme)
+        axes[0].plot(
+            [int(n) for n in sim][:4], list(sim.values())[:4], linestyle=":", color=color, label=f"{scheme} (model)"
+        )
+        axes[1].plot([int(n) for n in sim], list(sim.values()), marker=marker, color=color, label=scheme)
     axes[0].set_xlabel("target nodes N")
     axes[0].set_ylabel("seconds until every node has the model")
-    axes[0].set_title(f"9 loaders, links shaped to {result['link_mbps']:g} Mb/s")
+    axes[0].set_title(f"9 loaders, links of {result['link_mbps']:g} Mb/s", fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].set_xscale("log", base=2)
     axes[1].set_yscale("log")
@@ -255,13 +275,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link-mbps", type=float, default=200.0, help="every node's uplink, megabits per second")
+    ap.add_argument("--loopback", action="store_true", help="no namespaces: pace the block servers instead")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args()
+    # A kill ends the run through its `finally`s: the loaders stop and the namespaces go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    why_not = "asked for the loopback" if args.loopback else netns.unavailable()
+    if why_not:
+        log(f"links paced by the block servers on the loopback ({why_not})")
     load_before = os.getloadavg()
     link_bps = args.link_mbps * 1e6 / 8
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tessera-multicast-") as home:
-        real = asyncio.run(run(link_bps, Path(home)))
+        real = asyncio.run(run(link_bps, Path(home), namespaces=not why_not))
     sim = simulate(real["blocks"], real["block_bytes"], link_bps)
     pipe = {n: r["seconds"] for n, r in real["runs"]["pipecast"].items()}
     base = {n: r["seconds"] for n, r in real["runs"]["baseline"].items()}
@@ -290,6 +316,9 @@ def main() -> None:
         "fault_run": real["fault"],
         "runs": real["runs"],
         "link_mbps": args.link_mbps,
+        "links": "tc tbf on veth pairs, a network namespace per node"
+        if not why_not
+        else f"each block server paces its uplink on the loopback ({why_not})",
         "model_bytes": real["model_bytes"],
         "block_bytes": real["block_bytes"],
         "blocks": real["blocks"],

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from ops.netns import NetNamespaces
 from shared.process import die_with_parent
 
 SERVICES = ("scheduler", "memory_manager", "loader", "engine", "gateway")
@@ -128,13 +129,13 @@ def save_admin_key(home: Path, key: str) -> None:
     path.chmod(0o600)  # a file left by an older run may have had wider modes
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: str) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: str, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode} before listening")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)  # sync-ok: polling a port with a deadline
@@ -250,6 +251,9 @@ class LocalCluster:
     services: tuple[str, ...] = SERVICES
     """Which services run (NATS and Valkey always do): `("loader",)` is a cluster of loaders
     alone, for what only moves model blocks (bench/multicast.py)."""
+    netns: NetNamespaces | None = None
+    """Each node's services in a network namespace of its own, their links shaped (made at
+    `start`, removed at `stop`); NATS and Valkey then listen on the namespaces' bridge."""
     procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -275,12 +279,22 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.gateway_port}"
 
     @property
+    def bus_host(self) -> str:
+        """Where NATS and Valkey listen: the loopback, or the namespaces' bridge."""
+        return self.netns.host_ip if self.netns else "127.0.0.1"
+
+    @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.nats_port}"
+        return f"nats://{self.bus_host}:{self.nats_port}"
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.valkey_port}/0"
+        return f"redis://{self.bus_host}:{self.valkey_port}/0"
+
+    def host_of(self, name: str) -> str:
+        """The address a service's HTTP (and a loader's block server) listens on."""
+        node = name.split("@", 1)[1] if "@" in name else None
+        return self.netns.ip(node) if self.netns and node in self.netns.nodes else "127.0.0.1"
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -314,7 +328,7 @@ class LocalCluster:
         logs = self.home / "logs"
         self.procs["nats"] = Process(
             "nats",
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port)],
+            [nats_server_binary(), "-a", self.bus_host, "-p", str(self.nats_port)],
             dict(os.environ),
             logs / "nats.log",
         )
@@ -327,7 +341,7 @@ class LocalCluster:
                 "--port",
                 str(self.valkey_port),
                 "--bind",
-                "127.0.0.1",
+                self.bus_host,
                 "--dir",
                 str(data),
                 "--appendonly",
@@ -351,9 +365,13 @@ class LocalCluster:
                 port = self.gateway_port if name == "gateway" else free_port()
                 assert port is not None
                 env = self.gateway_env(port) if name == "gateway" else self._service_env(node_id, port)
+                inside: list[str] = []
+                if self.netns is not None and name in NODE_SERVICES:
+                    inside = self.netns.prefix(node_id)
+                    env.update(TESSERA_HTTP_HOST=self.netns.ip(node_id), TESSERA_PEER_HOST=self.netns.ip(node_id))
                 self.procs[key] = Process(
                     key,
-                    [sys.executable, "-m", f"services.{name}"],
+                    [*inside, sys.executable, "-m", f"services.{name}"],
                     env,
                     logs / f"{key}.log",
                     http_port=port,
@@ -362,10 +380,12 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0) -> None:
         self._define()
         try:
+            if self.netns is not None:
+                self.netns.setup()
             self.procs["nats"].start()
             self.procs["valkey"].start()
-            wait_port(self.nats_port, self.procs["nats"].popen, timeout_s, "nats-server")  # type: ignore[arg-type]
-            wait_port(self.valkey_port, self.procs["valkey"].popen, timeout_s, "valkey-server")  # type: ignore[arg-type]
+            wait_port(self.nats_port, self.procs["nats"].popen, timeout_s, "nats-server", self.bus_host)  # type: ignore[arg-type]
+            wait_port(self.valkey_port, self.procs["valkey"].popen, timeout_s, "valkey-server", self.bus_host)  # type: ignore[arg-type]
             for p in self.procs.values():
                 if p.http_port is not None:
                     p.start()
@@ -379,7 +399,7 @@ class LocalCluster:
     def ready(self, name: str) -> bool:
         p = self.procs[name]
         try:
-            r = httpx.get(f"http://127.0.0.1:{p.http_port}/readyz", timeout=1.0)
+            r = httpx.get(f"http://{self.host_of(name)}:{p.http_port}/readyz", timeout=1.0)
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -403,13 +423,15 @@ class LocalCluster:
             self.wait_ready(name, timeout_s)
         else:
             port = self.nats_port if name == "nats" else self.valkey_port
-            wait_port(port, p.popen, timeout_s, name)  # type: ignore[arg-type]
+            wait_port(port, p.popen, timeout_s, name, self.bus_host)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         # Services first (they flush to the bus and Valkey), then the servers they use.
         for p in reversed(list(self.procs.values())):
             p.stop()
         shutil.rmtree(self.host_cache, ignore_errors=True)  # give the host memory back
+        if self.netns is not None:
+            self.netns.teardown()
 
     def register_default_model(
         self, keep_alive_s: float = 300.0, name: str = DEFAULT_MODEL_NAME, timeout_s: float = 600.0

@@ -5,6 +5,7 @@ loader killed mid-transfer routed around."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ops import netns
 from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, pipecast
 from services.loader.blockset import BlockSet, bad_blocks, read_block
@@ -249,3 +251,48 @@ def test_a_loader_killed_mid_transfer_is_routed_around(
         )
     finally:
         loaders.restart("loader@node-1")
+
+
+def test_loaders_in_network_namespaces_multicast_over_shaped_links(
+    tmp_path: Path, model_store: Path, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    """Each loader in a namespace of its own, its link a `tc` token bucket each way: the
+    multicast goes over real (virtual) network links between hosts, not the loopback."""
+    why_not = netns.unavailable()
+    if why_not:
+        pytest.skip(f"no network namespaces here: {why_not}")
+    artifact, bs, _ = model
+    names = ["node-0", "node-1", "node-2"]
+    spaces = netns.NetNamespaces(str(tmp_path), names, link_mbit=2000)
+    c = LocalCluster(
+        home=tmp_path / "home",
+        nodes=3,
+        store=model_store,
+        services=("loader",),
+        env={**TEST_ENV, "TESSERA_FILL_DELAY_S": "0"},
+        netns=spaces,
+    )
+    c.start(timeout_s=120)
+    try:
+        request(c, subjects.loader_stage("node-0"), StageArtifact(artifact=artifact, device=DEVICE), Staged)
+        wait_for(lambda: cached(c, "node-0").entries, 60, "node-0 to cache the blob")
+        addr = {n: cached(c, n).peer_addr for n in names}
+        # Every loader serves at its own namespace's address, behind a shaped link.
+        assert {a.rsplit(":", 1)[0] for a in addr.values()} == {spaces.ip(n) for n in names}
+        for n in names:
+            shown = subprocess.run(
+                [*spaces.prefix(n), "tc", "qdisc", "show"], capture_output=True, text=True, check=True
+            ).stdout
+            assert "tbf" in shown and "rate 2Gbit" in shown, shown
+        evict(c, artifact, ["node-1", "node-2"])
+        done = multicast(c, artifact, bs, addr, ["node-1", "node-2"])
+        for t in ("node-1", "node-2"):
+            d = done[t]
+            assert isinstance(d, MulticastDone), d
+            assert d.blocks == bs.blocks and d.refetched == 0
+            assert bad_blocks(copy_in(c, t, artifact, bs), bs) == []
+    finally:
+        c.stop()
+    # Nothing of the namespaces is left behind.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(spaces.namespace(n) in left for n in names), left

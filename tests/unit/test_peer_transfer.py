@@ -140,3 +140,25 @@ def test_a_shaped_link_paces_what_it_carries() -> None:
         return loop.time() - t0
 
     assert asyncio.run(go()) >= 0.5
+
+
+def test_a_request_that_arrives_before_its_set_is_offered_waits_for_it(tmp_path: Path) -> None:
+    # Every target gets its order at once, so a target may ask a peer for a block before
+    # the peer's own order (which offers the set) has reached it: that peer is not dead.
+    bs = make_set(tmp_path / "store")
+
+    async def go() -> bytes:
+        server = BlockServer()
+        addr = await server.start()
+        source = PeerSource(addr)
+        try:
+            asked = asyncio.create_task(source.get(bs, 2, timeout_s=10))
+            while not server.awaiting_offer:  # noqa: ASYNC110 (the server has no event to wait on)
+                await asyncio.sleep(0.01)  # sync-ok: polling the server's state, under the get's timeout
+            server.offer(Holding.complete(tmp_path / "store", bs))
+            return await asked
+        finally:
+            await source.close()
+            await server.close()
+
+    assert asyncio.run(go()) == read_block(tmp_path / "store", bs, 2)
