@@ -455,6 +455,8 @@ class CacheStatus(Message, frozen=True):
     entries: tuple[CachedArtifact, ...] = ()
     peer_addr: str = ""
     """host:port of the loader's block server: where other nodes read the blocks it holds."""
+    device: str = ""
+    """The device its blobs are compiled for (a multicast moves the blob for this device)."""
 
 
 class Multicast(Message, frozen=True):
@@ -468,6 +470,11 @@ class Multicast(Message, frozen=True):
     feeds: tuple[tuple[int, str], ...] = ()
     """(block, source) in the order to receive them; a source is a peer's `peer_addr`, or
     `policy.multicast.STORE` for the model store."""
+    plan_sources: tuple[str, ...] = ()
+    plan_targets: tuple[str, ...] = ()
+    """Instead of `feeds`: the plan's sources and targets (`peer_addr`s, this node's among the
+    targets). Every target derives the same PipeCast plan from them and the block count it
+    reads from the store, and takes its own feeds: the sender need not know the blocks."""
     fallbacks: tuple[str, ...] = ("store",)
     """Where a block comes from when its planned source fails, in order."""
     timeout_s: float = 30.0

@@ -106,8 +106,15 @@ class Holding:
 class BlockServer:
     """Serves the blocks of the sets offered to it, over TCP, through a shaped uplink."""
 
-    def __init__(self, link: Link | None = None, wait_s: float = WAIT_FOR_BLOCK_S) -> None:
+    def __init__(
+        self,
+        link: Link | None = None,
+        wait_s: float = WAIT_FOR_BLOCK_S,
+        on_served: Callable[[int], None] | None = None,
+    ) -> None:
         self.link = link or Link()
+        self.on_served = on_served
+        """Told each block's bytes as it is sent (the loader counts them)."""
         self.wait_s = wait_s
         self.sets: dict[str, Holding] = {}
         self._offered = asyncio.Event()
@@ -173,6 +180,8 @@ class BlockServer:
                     await writer.drain()
                 if data:
                     self.served_blocks += 1
+                    if self.on_served is not None:
+                        self.on_served(len(data))
         except (ConnectionError, asyncio.IncompleteReadError, msgspec.DecodeError) as e:
             log.debug("block connection ended: %s", e)
         except Exception:  # an answer to nobody: the asker sees the connection end and falls back

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -12,7 +13,7 @@ import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
-from policy.multicast import STORE
+from policy.multicast import STORE, pipecast
 from services.loader.convert import is_materialized
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
@@ -61,7 +62,7 @@ MULTICAST_BLOCKS = Counter(
 RECEIVED_BLOCKS = Gauge(
     "tessera_loader_multicast_received_blocks", "Blocks the multicast under way (or the last one) has received"
 )
-SERVED_BLOCKS = Gauge("tessera_loader_served_blocks", "Blocks this node's block server has sent to other nodes")
+SERVED_BLOCKS = Counter("tessera_loader_served_blocks", "Blocks this node's block server has sent to other nodes")
 REPAIRED_BLOCKS = Counter(
     "tessera_loader_corrupt_blocks_total", "Cached blocks that failed their checksum and were re-read"
 )
@@ -90,9 +91,11 @@ class LoaderService:
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
         self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
         HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
-        self.peers = BlockServer(Link(settings.link_bps))
+        self.peers = BlockServer(Link(settings.link_bps), on_served=lambda _: SERVED_BLOCKS.inc())
         """Serves the blocks of what the host cache holds to other nodes (FaaScale §4)."""
         self.peer_addr = ""
+        self._receiving: dict[str, asyncio.Future[None]] = {}
+        """Multicasts under way, by artifact: a stage of it waits for the copy; a fill skips it."""
 
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
@@ -113,6 +116,11 @@ class LoaderService:
         req = decode(msg.data, StageArtifact)
         aid = req.artifact.artifact_id
         t0 = time.perf_counter()
+        if aid in self._receiving:
+            # Its blocks are on their way from other nodes (a scale-out's multicast): wait for
+            # them and stage the copy, rather than read the store beside it.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._receiving[aid])
         replied = False  # a deferred check answers early, before its blocks are checked
         try:
             # One stage at a time: the cache's bookkeeping is not shared between threads. The
@@ -212,8 +220,11 @@ class LoaderService:
         t0 = time.perf_counter()
         try:
             async with self._stage_lock:
-                if self.cache.tiers.get(artifact.artifact_id) != tier:
-                    await asyncio.to_thread(self.cache.fill, artifact, device, tier)
+                # Not if it is there, or a multicast under way brings it into the same place
+                # (and offers it to other nodes as its blocks land).
+                if self.cache.tiers.get(artifact.artifact_id) == tier or artifact.artifact_id in self._receiving:
+                    return
+                await asyncio.to_thread(self.cache.fill, artifact, device, tier)
         except Exception:
             log.exception("filling the host cache with %s failed", artifact.artifact_id)
             return
@@ -237,29 +248,51 @@ class LoaderService:
 
     async def on_multicast(self, msg: Msg) -> None:
         """Receive an artifact's blob by a multicast plan into the host cache, forwarding each
-        block to the targets after this one as it lands (the bus answers an error for us)."""
+        block to the targets after this one as it lands (the bus answers an error for us).
+        A start's stage of the artifact meanwhile waits for it rather than read it twice."""
         req = decode(msg.data, Multicast)
+        aid = req.artifact.artifact_id
+        if aid in self._receiving:  # one copy at a time: this order joins the one under way
+            await asyncio.shield(self._receiving[aid])
+            await self.bus.reply(msg, MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0))
+            return
+        done = self._receiving[aid] = asyncio.get_running_loop().create_future()
+        try:
+            reply = await self._multicast(req)
+        except BaseException as e:
+            done.set_exception(e)
+            done.exception()  # retrieved: a stage waiting on it reads the store instead
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            del self._receiving[aid]
+        await self.bus.reply(msg, reply)
+
+    async def _multicast(self, req: Multicast) -> MulticastDone:
         aid = req.artifact.artifact_id
         bs = await asyncio.to_thread(block_set, req.artifact, req.device, req.tier)
         async with self._stage_lock:
             if self.cache.tiers.get(aid) == req.tier:  # already here: nothing to move
-                await self.bus.reply(msg, MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0))
-                return
+                return MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0)
             place = await asyncio.to_thread(self.cache.reserve, req.artifact, req.device, req.tier, bs.size)
         holding = Holding(place, bs)
         self.peers.offer(holding)  # forward while receiving
-        named = {src for _, src in req.feeds} | set(req.fallbacks)
+        feeds = req.feeds
+        if not feeds and req.plan_sources:
+            plan = pipecast(req.plan_sources, req.plan_targets, bs.blocks)
+            feeds = tuple((s.block, s.src) for s in plan.feeds(self.peer_addr))
+        feeds = feeds or tuple((i, STORE) for i in range(bs.blocks))
+        named = {src for _, src in feeds} | set(req.fallbacks)
         sources: dict[str, BlockSource] = {
             name: self._store_source(req.artifact, req.device, req.tier) if name == STORE else PeerSource(name)
             for name in named
         }
-        feeds = req.feeds or tuple((i, STORE) for i in range(bs.blocks))
         try:
             RECEIVED_BLOCKS.set(0)
 
             async def landed(_: int) -> None:
                 RECEIVED_BLOCKS.inc()
-                SERVED_BLOCKS.set(self.peers.served_blocks)
 
             got = await receive(holding, feeds, sources, req.fallbacks, req.timeout_s, on_block=landed)
         except BaseException:
@@ -274,7 +307,6 @@ class LoaderService:
             self.cache.adopt(req.artifact, req.tier, bs.size, got.seconds)
         MULTICAST_BLOCKS.labels("planned").inc(got.blocks - got.refetched)
         MULTICAST_BLOCKS.labels("fallback").inc(got.refetched)
-        SERVED_BLOCKS.set(self.peers.served_blocks)
         self._update_gauges()
         log.info(
             "multicast of %s: %d blocks (%d MB) in %.2f s, %d from fallbacks, %d corrupt, dead sources %s",
@@ -286,17 +318,14 @@ class LoaderService:
             got.corrupt,
             got.dead_sources,
         )
-        await self.bus.reply(
-            msg,
-            MulticastDone(
-                node_id=self.settings.node_id,
-                blocks=got.blocks,
-                nbytes=got.nbytes,
-                seconds=got.seconds,
-                refetched=got.refetched,
-                corrupt=got.corrupt,
-                dead_sources=tuple(got.dead_sources),
-            ),
+        return MulticastDone(
+            node_id=self.settings.node_id,
+            blocks=got.blocks,
+            nbytes=got.nbytes,
+            seconds=got.seconds,
+            refetched=got.refetched,
+            corrupt=got.corrupt,
+            dead_sources=tuple(got.dead_sources),
         )
 
     async def on_cache(self, msg: Msg) -> None:
@@ -318,6 +347,7 @@ class LoaderService:
                 used_bytes=self.cache.used_bytes,
                 entries=entries,
                 peer_addr=self.peer_addr,
+                device=self.settings.device,
             ),
         )
 

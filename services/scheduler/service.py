@@ -17,6 +17,7 @@ from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
 from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode
 from policy.slo import ttft_slo
+from services.scheduler import multicast
 from services.scheduler.line import Line
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -68,6 +69,8 @@ class SchedulerService:
         self.bus = bus
         self.registry = registry
         self.nodes: dict[str, NodeView] = {}
+        self._multicasts: set[asyncio.Task[object]] = set()
+        """Scale-outs' multicasts under way (`_multicast_to`)."""
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
         self._changed_at: dict[str, float] = {}
         self._last_placed: dict[tuple[str, str], float] = {}
@@ -393,6 +396,8 @@ class SchedulerService:
 
     async def _start(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
+        if self.settings.multicast_scale_out:
+            await self._multicast_to(record, node_id)
         try:
             ready = await self.bus.request(
                 subjects.engine_start(node_id),
@@ -410,6 +415,21 @@ class SchedulerService:
                 InstanceView(model=record.name, active=0, last_used=now, loaded_at=now),
             )
         return ready
+
+    async def _multicast_to(self, record: ModelRecord, node_id: str) -> None:
+        """A scale-out: the new node's loader fetches the blob from the loaders of the nodes
+        running the model (FaaScale §4-5). Sent before the start, not waited for: the loader
+        makes the start's stage wait for the blocks (or read the store if they fail)."""
+        running = [n for n, view in self.nodes.items() if record.name in view.instances and n != node_id]
+        if not running:
+            return
+        order = await multicast.order(self.bus, record, [node_id], running)
+        if order is None:
+            return
+        task = asyncio.create_task(multicast.send(self.bus, order, node_id, self.settings.start_timeout_s))
+        self._multicasts.add(task)
+        task.add_done_callback(self._multicasts.discard)
+        await asyncio.sleep(0)  # its order goes out ahead of the start's
 
     # --- keep-alive ---------------------------------------------------------------------------
 

@@ -20,3 +20,8 @@ class SchedulerSettings(CommonSettings):
     placement: Literal["tessera", "exclusive"] = "tessera"
     """"exclusive": the baseline of bench/cluster.py (one model per node, no sharing, no
     scale-out, fixed keep-alive), as a Knative or ServerlessLLM deployment places."""
+    multicast_scale_out: bool = False
+    """Before a start on a node for a model other nodes run, have that node's loader fetch
+    the compiled blob from the loaders that hold it in host memory, by a PipeCast plan
+    (FaaScale §4-5), instead of each start reading the model store: for nodes that reach the
+    store over the network. Off where every node reads one local store (one machine)."""

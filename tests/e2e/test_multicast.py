@@ -175,7 +175,7 @@ def test_a_pipecast_plan_brings_every_verified_block_to_every_target(
             for line in httpx.get(
                 f"http://127.0.0.1:{loaders.procs[f'loader@{t}'].http_port}/metrics"
             ).text.splitlines()
-            if line.startswith("tessera_loader_served_blocks ")
+            if line.startswith("tessera_loader_served_blocks_total ")
         )
         for t in ["node-0", *targets]
     }

@@ -27,7 +27,14 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> It
     # node-1 is its own share of the machine: one core, a smaller memory budget.
     c = LocalCluster(
         home=tmp_path_factory.mktemp("two"),
-        env={**TEST_ENV, "TESSERA_MAX_INFLIGHT": "16"},
+        # A scale-out fetches the blob from node-0's loader (FaaScale's multicast), which
+        # caches it as soon as node-0's start is done.
+        env={
+            **TEST_ENV,
+            "TESSERA_MAX_INFLIGHT": "16",
+            "TESSERA_MULTICAST_SCALE_OUT": "true",
+            "TESSERA_FILL_DELAY_S": "0",
+        },
         store=model_store,
         nodes=2,
         node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}},
@@ -89,11 +96,20 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     slo = 2.5 * min([await ttft() for _ in range(2)])
     register(cluster, NAME, keep_alive_s=600.0, ttft_slo_s=slo, ttft_slo_per_token_s=0.0, tpot_slo_s=1.0)
     before = metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total")
+    wait_for(
+        lambda: metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1,
+        30,
+        "node-0's loader to hold the blob in host memory",
+    )
     results = await asyncio.gather(*(ask(8) for _ in range(6)))
     assert results == ["length"] * 6
     assert metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total") >= before + 1
     # A scale-out for the requests after these may still be starting when they are answered.
     wait_for(lambda: nodes_running(cluster, NAME) == {"node-0", "node-1"}, 60, "the instance on node-1")
+    # node-1's loader received the blob from node-0's over TCP, every block checked, not from
+    # the store; the start staged that copy.
+    assert metric(cluster, "loader@node-1", "tessera_loader_multicast_blocks_total", source="planned") > 0
+    assert metric(cluster, "loader@node-0", "tessera_loader_served_blocks_total") > 0
     # Each node has its own memory budget and cores; node-1's worker runs on its one core.
     assert metric(cluster, "memory_manager@node-1", "tessera_memory_budget_bytes") == NODE1_BUDGET
     assert metric(cluster, "memory_manager@node-0", "tessera_memory_budget_bytes") != NODE1_BUDGET
