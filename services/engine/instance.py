@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
+from services.engine import text_stream
 from services.engine.batch import BatchItem, Join, RowEmit, RowResult, generate_batch
-from services.engine.detokenize import IncrementalDetokenizer
 from services.engine.stops import StopMatcher
 from shared.artifact import compile_config, model_xml
 from shared.messages import Artifact, Tier
@@ -84,63 +84,6 @@ class Detokenizer:
         return texts
 
 
-class _Text:
-    """Detokenized text through stop strings, counting the tokens behind each piece."""
-
-    def __init__(self, tokenizer: Detokenizer, stops: StopMatcher, emit: Emit) -> None:
-        self._stops = stops
-        self._emit = emit
-        self._pending = 0
-        self._detok = IncrementalDetokenizer(tokenizer.decode)
-
-    def _out(self, piece: str) -> None:
-        out = self._stops.feed(piece) if piece else ""
-        if out:
-            self._emit(out, self._pending)
-            self._pending = 0
-
-    def write(self, tokens: Sequence[int]) -> None:
-        self._pending += len(tokens)
-        self._out(self._detok.add(*tokens))
-
-    def end(self) -> None:
-        self._out(self._detok.flush())
-        rest = self._stops.flush()
-        if rest or self._pending:
-            self._emit(rest, self._pending)
-            self._pending = 0
-
-
-class _Coalesce:
-    """Send text at most every `interval` seconds (the first piece at once).
-
-    Each message wakes the engine's event loop, the gateway and the client; on a node whose
-    cores all run inference threads, every wake-up stalls a decode step. Batching pieces that
-    arrive within one interval keeps TTFT and cuts those wake-ups (vLLM's `stream_interval`).
-    """
-
-    def __init__(self, emit: Emit, interval_s: float) -> None:
-        self._emit = emit
-        self._interval = interval_s
-        self._texts: list[str] = []
-        self._tokens = 0
-        self._last: float | None = None
-
-    def __call__(self, text: str, tokens: int) -> None:
-        self._texts.append(text)
-        self._tokens += tokens
-        now = time.perf_counter()
-        if self._last is None or now - self._last >= self._interval:
-            self.flush(now)
-
-    def flush(self, now: float | None = None) -> None:
-        if self._texts or self._tokens:
-            self._emit("".join(self._texts), self._tokens)
-            self._texts.clear()
-            self._tokens = 0
-            self._last = time.perf_counter() if now is None else now
-
-
 @dataclass
 class LoadedModel:
     """A compiled model and its tokenizer: the part of an instance that can stay resident
@@ -185,18 +128,21 @@ class LoadedModel:
 
 
 class TextStream:
-    """A row's text: detokenized, through its stop strings, coalesced per stream interval."""
+    """A row's text (`text_stream.TextStream`: detokenized, through its stop strings,
+    coalesced per stream interval), each piece handed to `emit` as it is due."""
 
     def __init__(self, tokenizer: Detokenizer, stops: StopMatcher, emit: Emit, interval_s: float) -> None:
-        self._out = _Coalesce(emit, interval_s)
-        self._text = _Text(tokenizer, stops, self._out)
+        self._stream = text_stream.TextStream(tokenizer.decode, stops, interval_s, time.perf_counter)
+        self._emit = emit
 
     def write(self, tokens: Sequence[int]) -> None:
-        self._text.write(tokens)
+        for token in tokens:
+            if (piece := self._stream.add(int(token))) is not None:
+                self._emit(piece.text, piece.tokens)
 
     def end(self) -> None:
-        self._text.end()
-        self._out.flush()
+        if (piece := self._stream.end()) is not None:
+            self._emit(piece.text, piece.tokens)
 
 
 @dataclass

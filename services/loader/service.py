@@ -62,7 +62,7 @@ MULTICAST_BLOCKS = Counter(
 RECEIVED_BLOCKS = Gauge(
     "tessera_loader_multicast_received_blocks", "Blocks the multicast under way (or the last one) has received"
 )
-SERVED_BLOCKS = Counter("tessera_loader_served_blocks", "Blocks this node's block server has sent to other nodes")
+SERVED_BLOCKS = Counter("tessera_loader_served_blocks_total", "Blocks this node's block server has sent to other nodes")
 REPAIRED_BLOCKS = Counter(
     "tessera_loader_corrupt_blocks_total", "Cached blocks that failed their checksum and were re-read"
 )

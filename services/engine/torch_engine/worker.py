@@ -23,9 +23,10 @@ import torch
 
 from cuda_ext import TensorArena
 from services.engine.step_gate import StepGate
+from services.engine.stops import StopMatcher
 from services.engine.streams import Chunk
+from services.engine.text_stream import Piece, TextStream
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.torch_engine.text import Piece, TextStream
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,
@@ -157,7 +158,7 @@ class TorchWorker:
         tokenizer = engine.tokenizer
         text = TextStream(
             lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)),
-            run.params.stop,
+            StopMatcher(run.params.stop),
             run.stream_interval_s,
             time.monotonic,
         )

@@ -1,11 +1,12 @@
-"""One request's text on the torch engine: tokens in, the pieces its stream sends out.
+"""One request's text: tokens in, the pieces its stream sends out. Both engines' per-request
+paths use it: the OpenVINO worker's stateful tier (`instance.py`) and the torch worker.
 
-The same three stages the OpenVINO worker's stateful tier runs (`instance.py`): incremental
-detokenization (a token's text once it is whole UTF-8), stop strings (the stop itself and
-anything after it never leave, `stops.py`), and coalescing into one piece per stream interval,
-the first at once (each piece wakes the engine, NATS, the gateway and the client: see
-`EngineSettings.stream_interval_s`). Pure, with the decoder and the clock passed in, so that
-tests drive it with a toy vocabulary and a fake clock.
+Three stages: incremental detokenization (a token's text once it is whole UTF-8), stop
+strings (the stop itself and anything after it never leave, `stops.py`), and coalescing into
+one piece per stream interval, the first at once (each piece wakes the engine, NATS, the
+gateway and the client: see `EngineSettings.stream_interval_s`; vLLM's `stream_interval`).
+Pure, with the decoder and the clock passed in, so that tests drive it with a toy vocabulary
+and a fake clock; it imports no runtime.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ class TextStream:
     def __init__(
         self,
         decode: Callable[[list[int]], str],
-        stops: tuple[str, ...],
+        stops: StopMatcher,
         interval_s: float,
         clock: Callable[[], float],
     ) -> None:
         self._detok = IncrementalDetokenizer(decode)
-        self._stops = StopMatcher(stops)
+        self._stops = stops
         self._interval_s = interval_s
         self._clock = clock
         self._last: float | None = None

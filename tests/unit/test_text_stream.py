@@ -1,4 +1,4 @@
-"""One request's text on the torch engine (`torch_engine/text.py`) with a toy vocabulary and a
+"""One request's text on the torch engine (`text_stream.py`, which the torch worker and the stateful tier share) with a toy vocabulary and a
 fake clock: pieces per stream interval, the first at once; stop strings cut; a token whose
 text is incomplete waits for the rest; every token is counted in some piece."""
 
@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch engine's package needs torch")
 
-from services.engine.torch_engine.text import Piece, TextStream
+from services.engine.stops import StopMatcher
+from services.engine.text_stream import Piece, TextStream
 from shared.messages import TokenLogprob
 
 VOCAB = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: b"\xc3", 6: b"\xa9", 7: b"!"}
@@ -39,7 +40,7 @@ def feed(stream: TextStream, clock: Clock, tokens: list[int], dt: float) -> list
 
 def test_the_first_piece_goes_at_once_and_later_ones_once_per_interval() -> None:
     clock = Clock()
-    pieces = feed(TextStream(decode, (), 0.1, clock), clock, [1, 2, 3, 4, 7], dt=0.04)
+    pieces = feed(TextStream(decode, StopMatcher(()), 0.1, clock), clock, [1, 2, 3, 4, 7], dt=0.04)
     assert "".join(p.text for p in pieces) == "Hello world!"
     assert pieces[0] == Piece("Hel", 1)  # at once
     assert len(pieces) < 5  # the rest coalesced
@@ -48,14 +49,14 @@ def test_the_first_piece_goes_at_once_and_later_ones_once_per_interval() -> None
 
 def test_a_split_character_waits_for_its_second_byte() -> None:
     clock = Clock()
-    stream = TextStream(decode, (), 0.0, clock)
+    stream = TextStream(decode, StopMatcher(()), 0.0, clock)
     assert stream.add(5) is None  # half of "é": nothing to send yet
     assert stream.add(6) == Piece("é", 2)
 
 
 def test_a_stop_string_ends_the_text_before_it_and_holds_back_what_might_start_it() -> None:
     clock = Clock()
-    stream = TextStream(decode, (" wo",), 0.0, clock)
+    stream = TextStream(decode, StopMatcher((" wo",)), 0.0, clock)
     assert stream.add(1) == Piece("Hel", 1)
     assert stream.add(2) == Piece("lo", 1)
     piece = stream.add(3)
@@ -66,7 +67,7 @@ def test_a_stop_string_ends_the_text_before_it_and_holds_back_what_might_start_i
 
 def test_text_held_as_a_possible_stop_is_sent_when_the_generation_ends() -> None:
     clock = Clock()
-    stream = TextStream(decode, ("o!",), 0.0, clock)
+    stream = TextStream(decode, StopMatcher(("o!",)), 0.0, clock)
     assert stream.add(1) == Piece("Hel", 1)
     assert stream.add(2) == Piece("l", 1)  # its "o" may start "o!": held back
     assert stream.end() == Piece("o", 0)
@@ -75,7 +76,7 @@ def test_text_held_as_a_possible_stop_is_sent_when_the_generation_ends() -> None
 
 def test_logprobs_travel_with_the_piece_that_carries_their_tokens() -> None:
     clock = Clock()
-    stream = TextStream(decode, (), 0.0, clock)
+    stream = TextStream(decode, StopMatcher(()), 0.0, clock)
     a, b = TokenLogprob(5, -0.5), TokenLogprob(6, -0.1)
     assert stream.add(5, a) is None
     assert stream.add(6, b) == Piece("é", 2, (a, b))
