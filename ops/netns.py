@@ -107,8 +107,10 @@ class NetNamespaces:
                 self.made.append(("ip", "netns", "del", ns))
                 inside = ["ip", "netns", "exec", ns]
                 _run("ip", "link", "add", port, "type", "veth", "peer", "name", node_side)
+                self.made.append(("ip", "link", "del", port))  # gone with a namespace, or not
                 _run("ip", "link", "set", node_side, "netns", ns)
                 _run("ip", "link", "set", port, "netns", switch)
+                self.made[-1] = ("ip", "netns", "exec", switch, "ip", "link", "del", port)
                 _run(*sw, "ip", "link", "set", port, "master", bridge)
                 _run(*sw, "ip", "link", "set", port, "up")
                 _run(*inside, "ip", "link", "set", "lo", "up")

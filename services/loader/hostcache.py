@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,9 +78,11 @@ class StageResult:
 
 
 class HostCache:
-    def __init__(self, root: Path, budget_bytes: int) -> None:
+    def __init__(self, root: Path, budget_bytes: int, on_evict: Callable[[str], None] | None = None) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
+        self.on_evict = on_evict
+        """Told each artifact whose copy is removed (the loader stops serving it to peers)."""
         self.entries: dict[str, Resident] = {}
         self.tiers: dict[str, Tier] = {}
         """The tier cached per artifact: one per artifact, the one its starts load."""
@@ -167,6 +170,8 @@ class HostCache:
     def evict(self, artifact_id: str) -> int:
         entry = self.entries.pop(artifact_id, None)
         self.tiers.pop(artifact_id, None)
+        if self.on_evict is not None:
+            self.on_evict(artifact_id)
         shutil.rmtree(self.root / artifact_id, ignore_errors=True)
         return entry.nbytes if entry else 0
 

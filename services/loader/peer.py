@@ -38,9 +38,13 @@ _LEN = struct.Struct(">I")
 SEND_BUFFER_BYTES = 256 * 1024
 OFFER_WAIT_S = 5.0
 """How long a request for a set not (yet) offered here waits for it."""
-WAIT_FOR_BLOCK_S = 60.0
+WAIT_FOR_BLOCK_S = 15.0
 """How long a server waits for a block it is itself receiving before it answers "not here"
-(its own source may be dead and it is falling back: the asker then falls back too)."""
+(its own source may be dead and it is falling back: the asker then falls back too). Below
+the askers' own per-block timeout (`Multicast.timeout_s`, 30 s), so the answer comes first."""
+SEND_TIMEOUT_S = 30.0
+"""Longest one block may take to leave: a receiver that stops reading must not hold the
+server's one send slot (everyone else's blocks) until TCP gives up on it."""
 
 
 class BlockRequest(msgspec.Struct, frozen=True):
@@ -173,16 +177,18 @@ class BlockServer:
                 req = msgspec.msgpack.decode(await reader.readexactly(n), type=BlockRequest)
                 data, error = await self._block(req)
                 header = msgspec.msgpack.encode(BlockHeader(ok=not error, length=len(data), error=error))
+                if writer.is_closing():
+                    return  # the asker gave up waiting: spend no link time on it
                 async with self._sending:
                     if data:
                         await self.link.carry(len(data))
                     writer.write(_LEN.pack(len(header)) + header + data)
-                    await writer.drain()
+                    await asyncio.wait_for(writer.drain(), SEND_TIMEOUT_S)
                 if data:
                     self.served_blocks += 1
                     if self.on_served is not None:
                         self.on_served(len(data))
-        except (ConnectionError, asyncio.IncompleteReadError, msgspec.DecodeError) as e:
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, msgspec.DecodeError) as e:
             log.debug("block connection ended: %s", e)
         except Exception:  # an answer to nobody: the asker sees the connection end and falls back
             log.exception("serving blocks failed")
@@ -343,8 +349,8 @@ async def receive(
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(fetch())
             tasks.create_task(write())
-    except* TransferFailed as failed:
-        raise failed.exceptions[0] from None
+    except BaseExceptionGroup as group:  # what failed, not the task group around it
+        raise group.exceptions[0] from None
     finally:
         out.dead_sources = sorted(dead)
         out.seconds = time.perf_counter() - t0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -74,6 +73,11 @@ STAGE_SECONDS = Histogram(
 )
 
 
+STAGE_WAITS_FOR_MULTICAST_S = 60.0
+"""Longest a start's stage waits for a multicast of its artifact under way before it reads
+the store instead."""
+
+
 class ImportRefused(Exception):
     pass
 
@@ -89,10 +93,14 @@ class LoaderService:
         """Block checks of deferred-verify hits, by artifact, until the engine asks."""
         self._fills: dict[str, asyncio.Task[None]] = {}
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
-        self.cache = HostCache(settings.host_cache_dir / settings.node_id, settings.host_cache_bytes)
-        HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
         self.peers = BlockServer(Link(settings.link_bps), on_served=lambda _: SERVED_BLOCKS.inc())
         """Serves the blocks of what the host cache holds to other nodes (FaaScale §4)."""
+        # A copy that leaves the cache (an eviction, or room made for another) is no longer
+        # served to other nodes.
+        self.cache = HostCache(
+            settings.host_cache_dir / settings.node_id, settings.host_cache_bytes, on_evict=self.peers.withdraw_artifact
+        )
+        HOST_CACHE_BUDGET.set(settings.host_cache_bytes)
         self.peer_addr = ""
         self._receiving: dict[str, asyncio.Future[None]] = {}
         """Multicasts under way, by artifact: a stage of it waits for the copy; a fill skips it."""
@@ -119,8 +127,9 @@ class LoaderService:
         if aid in self._receiving:
             # Its blocks are on their way from other nodes (a scale-out's multicast): wait for
             # them and stage the copy, rather than read the store beside it.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._receiving[aid])
+            # Bounded: a slow multicast must not outlast the start; one that failed (or was
+            # cancelled) leaves the store to read.
+            await asyncio.wait({self._receiving[aid]}, timeout=STAGE_WAITS_FOR_MULTICAST_S)
         replied = False  # a deferred check answers early, before its blocks are checked
         try:
             # One stage at a time: the cache's bookkeeping is not shared between threads. The
@@ -239,7 +248,8 @@ class LoaderService:
         except Exception:
             log.exception("no block set for %s: not offered to other nodes", artifact.artifact_id)
             return
-        self.peers.offer(Holding.complete(self.cache.place(artifact, device, tier), bs))
+        if self.cache.tiers.get(artifact.artifact_id) == tier:  # not evicted meanwhile
+            self.peers.offer(Holding.complete(self.cache.place(artifact, device, tier), bs))
 
     def _store_source(self, artifact: Artifact, device: str, tier: Tier) -> BlockSource:
         if self.settings.store_addr:
@@ -253,15 +263,21 @@ class LoaderService:
         req = decode(msg.data, Multicast)
         aid = req.artifact.artifact_id
         if aid in self._receiving:  # one copy at a time: this order joins the one under way
-            await asyncio.shield(self._receiving[aid])
+            joined = self._receiving[aid]
+            await asyncio.wait({joined})
+            if joined.cancelled() or joined.exception() is not None:
+                raise RuntimeError(f"the multicast of {aid} under way here failed")
             await self.bus.reply(msg, MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0))
             return
         done = self._receiving[aid] = asyncio.get_running_loop().create_future()
         try:
             reply = await self._multicast(req)
         except BaseException as e:
-            done.set_exception(e)
-            done.exception()  # retrieved: a stage waiting on it reads the store instead
+            if isinstance(e, Exception):
+                done.set_exception(e)
+                done.exception()  # retrieved: a stage waiting on it reads the store instead
+            else:
+                done.cancel()
             raise
         else:
             done.set_result(None)
@@ -272,38 +288,45 @@ class LoaderService:
     async def _multicast(self, req: Multicast) -> MulticastDone:
         aid = req.artifact.artifact_id
         bs = await asyncio.to_thread(block_set, req.artifact, req.device, req.tier)
+        feeds = req.feeds
+        if not feeds and req.plan_sources:  # the plan every target derives alike
+            plan = pipecast(req.plan_sources, req.plan_targets, bs.blocks)
+            feeds = tuple((s.block, s.src) for s in plan.feeds(self.peer_addr))
+        feeds = feeds or tuple((i, STORE) for i in range(bs.blocks))
         async with self._stage_lock:
             if self.cache.tiers.get(aid) == req.tier:  # already here: nothing to move
                 return MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0)
             place = await asyncio.to_thread(self.cache.reserve, req.artifact, req.device, req.tier, bs.size)
         holding = Holding(place, bs)
-        self.peers.offer(holding)  # forward while receiving
-        feeds = req.feeds
-        if not feeds and req.plan_sources:
-            plan = pipecast(req.plan_sources, req.plan_targets, bs.blocks)
-            feeds = tuple((s.block, s.src) for s in plan.feeds(self.peer_addr))
-        feeds = feeds or tuple((i, STORE) for i in range(bs.blocks))
-        named = {src for _, src in feeds} | set(req.fallbacks)
-        sources: dict[str, BlockSource] = {
-            name: self._store_source(req.artifact, req.device, req.tier) if name == STORE else PeerSource(name)
-            for name in named
-        }
+        sources: dict[str, BlockSource] = {}
         try:
+            self.peers.offer(holding)  # forward while receiving
+            for name in {src for _, src in feeds} | set(req.fallbacks):
+                sources[name] = (
+                    self._store_source(req.artifact, req.device, req.tier) if name == STORE else PeerSource(name)
+                )
             RECEIVED_BLOCKS.set(0)
 
             async def landed(_: int) -> None:
                 RECEIVED_BLOCKS.inc()
 
             got = await receive(holding, feeds, sources, req.fallbacks, req.timeout_s, on_block=landed)
-        except BaseException:
+        except BaseException as e:
+            evicted = self.peers.sets.get(bs.set_id) is not holding  # `on_evict` withdrew it
             self.peers.withdraw(bs.set_id)
             async with self._stage_lock:
                 self.cache.evict(aid)
+            if evicted and isinstance(e, Exception):
+                raise RuntimeError(f"the copy of {aid} was evicted while it arrived") from e
             raise
         finally:
             for source in sources.values():
                 await source.close()
         async with self._stage_lock:
+            if self.peers.sets.get(bs.set_id) is not holding or not place.is_dir():
+                # Evicted while its blocks arrived (`on_evict` withdrew it): not cached.
+                self.cache.evict(aid)
+                raise RuntimeError(f"the copy of {aid} was evicted while it arrived")
             self.cache.adopt(req.artifact, req.tier, bs.size, got.seconds)
         MULTICAST_BLOCKS.labels("planned").inc(got.blocks - got.refetched)
         MULTICAST_BLOCKS.labels("fallback").inc(got.refetched)
@@ -361,7 +384,11 @@ class LoaderService:
                 keys, freed = [req.artifact_id], self.cache.evict(req.artifact_id)
             else:
                 keys, freed = self.cache.evict_all()
-            for key in keys:
+            # Copies still arriving go too: their multicast fails rather than cache them after.
+            arriving = [a for a in self._receiving if not req.artifact_id or a == req.artifact_id]
+            for key in arriving:
+                self.cache.evict(key)
+            for key in [*keys, *arriving]:
                 self.peers.withdraw_artifact(key)
             if keys:
                 RECEIVED_BLOCKS.set(0)

@@ -296,3 +296,36 @@ def test_loaders_in_network_namespaces_multicast_over_shaped_links(
     # Nothing of the namespaces is left behind.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not any(spaces.namespace(n) in left for n in names), left
+
+
+def test_a_copy_evicted_while_it_arrives_is_not_cached(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    """An eviction during a multicast removes the copy under way: the multicast fails (its
+    caller hears so) rather than count a copy with no files as cached; the next one works."""
+    artifact, bs, addr = model
+    target = loaders.procs["loader@node-2"]
+    metrics = f"http://127.0.0.1:{target.http_port}/metrics"
+
+    def receiving() -> bool:
+        text = httpx.get(metrics, timeout=2).text
+        return any(
+            line.startswith("tessera_loader_multicast_received_blocks ") and float(line.split()[-1]) >= 2
+            for line in text.splitlines()
+        )
+
+    def evict_when_receiving() -> None:
+        wait_for(receiving, 60, "node-2 to receive its first blocks", every_s=0.02)
+        request(loaders, subjects.loader_evict("node-2"), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, 30)
+
+    evict(loaders, artifact, ["node-2"])
+    evicter = threading.Thread(target=evict_when_receiving, daemon=True)
+    evicter.start()
+    done = multicast(loaders, artifact, bs, addr, ["node-2"])
+    evicter.join(60)
+    assert not isinstance(done["node-2"], MulticastDone), done  # failed, and said so
+    assert "evicted while it arrived" in str(done["node-2"]), done
+    assert cached(loaders, "node-2").entries == ()
+    again = multicast(loaders, artifact, bs, addr, ["node-2"])["node-2"]
+    assert isinstance(again, MulticastDone) and again.blocks == bs.blocks
+    assert bad_blocks(copy_in(loaders, "node-2", artifact, bs), bs) == []
