@@ -82,6 +82,9 @@ class HostCache:
         self.root = root
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
+        self.reserved: dict[str, int] = {}
+        """Bytes held for copies still arriving (`reserve`), by artifact: counted against the
+        budget, never chosen for eviction, until `adopt` (or `evict`) ends them."""
         """Told each artifact whose copy is removed (the loader stops serving it to peers)."""
         self.entries: dict[str, Resident] = {}
         self.tiers: dict[str, Tier] = {}
@@ -91,7 +94,7 @@ class HostCache:
 
     @property
     def used_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return sum(e.nbytes for e in self.entries.values()) + sum(self.reserved.values())
 
     def _dir(self, artifact: Artifact, device: str, tier: Tier) -> Path:
         return self.root / artifact.artifact_id / compiled_cache_dir(artifact, device, tier).name
@@ -152,6 +155,7 @@ class HostCache:
         fill makes them; the directory it goes in."""
         self.evict(artifact.artifact_id)
         self._make_room(nbytes, time.time())
+        self.reserved[artifact.artifact_id] = nbytes
         place = self._dir(artifact, device, tier)
         place.mkdir(parents=True, exist_ok=True)
         return place
@@ -159,17 +163,19 @@ class HostCache:
     def adopt(self, artifact: Artifact, tier: Tier, nbytes: int, load_s: float) -> None:
         """Count a copy that arrived in a reserved place as cached."""
         now = time.time()
+        self.reserved.pop(artifact.artifact_id, None)
         self.entries[artifact.artifact_id] = Resident(artifact.artifact_id, nbytes, load_s, now, now)
         self.tiers[artifact.artifact_id] = tier
 
     def _make_room(self, nbytes: int, now: float) -> None:
-        need = over_budget(self.entries.values(), self.budget_bytes - nbytes)
+        need = over_budget(self.entries.values(), self.budget_bytes - nbytes - sum(self.reserved.values()))
         for key in choose_evictions(self.entries.values(), need, now):
             self.evict(key)
 
     def evict(self, artifact_id: str) -> int:
         entry = self.entries.pop(artifact_id, None)
         self.tiers.pop(artifact_id, None)
+        self.reserved.pop(artifact_id, None)
         if self.on_evict is not None:
             self.on_evict(artifact_id)
         shutil.rmtree(self.root / artifact_id, ignore_errors=True)

@@ -129,3 +129,25 @@ def test_a_multicast_into_a_full_cache_evicts_by_cost_and_completes(tmp_path: Pa
     assert on_disk(cache) == set(cache.entries) and cache.used_bytes <= 16 * MB
     assert bad_blocks(cache.place(new, DEVICE), bs) == []
     assert cache.verify(new, DEVICE) is not None  # a start now finds it: a hit
+
+
+def test_room_reserved_for_a_copy_under_way_counts_against_the_budget(tmp_path: Path) -> None:
+    """A copy arriving by multicast holds its bytes from `reserve` on: a fill meanwhile makes
+    room around it (never evicting it) instead of overshooting the budget."""
+    store = tmp_path / "store"
+    big, small, arriving = (
+        artifact(store, "big", 8 * MB),
+        artifact(store, "small", 4 * MB),
+        artifact(store, "arr", 6 * MB),
+    )
+    cache = HostCache(tmp_path / "shm", budget_bytes=16 * MB)
+    cache.stage(big, DEVICE)
+    cache.reserve(arriving, DEVICE, Tier.STEADY, 6 * MB)  # 8 + 6 of 16
+    assert cache.used_bytes == 14 * MB
+    cache.stage(small, DEVICE)  # 4 more: something cached must go, and the arriving copy cannot
+    assert cache.used_bytes <= 16 * MB
+    assert "arr" in cache.reserved and set(cache.entries) == {"small"}
+    cache.adopt(arriving, Tier.STEADY, 6 * MB, 0.1)
+    assert cache.reserved == {} and cache.used_bytes == 10 * MB
+    cache.evict("arr")
+    assert cache.used_bytes == 4 * MB
