@@ -47,24 +47,13 @@ if __package__ in (None, ""):  # `python bench/multicast.py`
 
 from bench.common import machine_info, make_log
 from ops import netns
+from ops.loaders import LoaderClient
 from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, naive, pipecast, transfer_s
 from services.loader.hostcache import block_set
-from shared import subjects
 from shared.bus import Bus
-from shared.errors import TesseraError
 from shared.messages import (
-    Artifact,
-    CacheQuery,
-    CacheStatus,
-    Evicted,
-    EvictHostCache,
-    ImportModel,
-    ModelImported,
-    Multicast,
     MulticastDone,
-    StageArtifact,
-    Staged,
     Tier,
 )
 
@@ -74,74 +63,6 @@ DEVICE = "CPU"
 SOURCE = "node-0"
 NS = (1, 2, 4, 8)
 SIM_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-class Loaders:
-    def __init__(self, cluster: LocalCluster, bus: Bus) -> None:
-        self.cluster = cluster
-        self.bus = bus
-        self.addr: dict[str, str] = {}
-
-    async def status(self, node: str) -> CacheStatus:
-        return await self.bus.request(subjects.loader_cache(node), CacheQuery(), CacheStatus, timeout=10)
-
-    async def import_default(self) -> Artifact:
-        reply = await self.bus.request(
-            subjects.import_model(), ImportModel(source=str(default_model_path())), ModelImported, timeout=600
-        )
-        return reply.artifact
-
-    async def fill_source(self, artifact: Artifact) -> None:
-        await self.bus.request(
-            subjects.loader_stage(SOURCE), StageArtifact(artifact=artifact, device=DEVICE), Staged, timeout=60
-        )
-        deadline = time.monotonic() + 120
-        while not any(e.artifact_id == artifact.artifact_id for e in (await self.status(SOURCE)).entries):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the source never cached the model")
-            await asyncio.sleep(0.2)
-
-    async def evict(self, nodes: list[str], artifact: Artifact) -> None:
-        for n in nodes:
-            await self.bus.request(
-                subjects.loader_evict(n), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, timeout=30
-            )
-
-    async def multicast(
-        self,
-        artifact: Artifact,
-        feeds: dict[str, list[tuple[int, str]]],
-        fallbacks: tuple[str, ...],
-        unawaited: frozenset[str] = frozenset(),
-    ) -> tuple[float, dict[str, MulticastDone | str]]:
-        """Send every target its feeds at once; the seconds until the last answer (not
-        waiting for `unawaited`: a loader killed never answers) and each answer."""
-
-        async def one(node: str) -> MulticastDone | str:
-            try:
-                return await self.bus.request(
-                    subjects.loader_multicast(node),
-                    Multicast(
-                        artifact=artifact,
-                        device=DEVICE,
-                        tier=Tier.STEADY,
-                        feeds=tuple(feeds[node]),
-                        fallbacks=fallbacks,
-                        timeout_s=20,
-                    ),
-                    MulticastDone,
-                    timeout=900,
-                )
-            except TesseraError as e:
-                return str(e)
-
-        t0 = time.perf_counter()
-        tasks = {n: asyncio.create_task(one(n)) for n in feeds}
-        done = {n: await t for n, t in tasks.items() if n not in unawaited}
-        wall = time.perf_counter() - t0
-        for t in tasks.values():
-            t.cancel()
-        return wall, done
 
 
 def feeds_of(plan_sends: Any, addr: dict[str, str], targets: list[str]) -> dict[str, list[tuple[int, str]]]:
@@ -165,10 +86,10 @@ async def run(link_bps: float, home: Path, namespaces: bool) -> dict[str, Any]:
     bus = Bus("bench-multicast")
     await bus.connect(cluster.nats_url)
     try:
-        loaders = Loaders(cluster, bus)
-        artifact = await loaders.import_default()
+        loaders = LoaderClient(bus, DEVICE)
+        artifact = await loaders.import_model(str(default_model_path()))
         bs = block_set(artifact, DEVICE, Tier.STEADY)
-        await loaders.fill_source(artifact)
+        await loaders.cache_on(SOURCE, artifact)
         addr = {f"node-{i}": (await loaders.status(f"node-{i}")).peer_addr for i in range(nodes)}
         log(f"model blob: {bs.size / 1e6:.0f} MB in {bs.blocks} blocks of {bs.block_bytes >> 20} MiB")
         results: dict[str, dict[int, dict[str, Any]]] = {"pipecast": {}, "baseline": {}}

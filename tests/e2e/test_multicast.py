@@ -7,37 +7,31 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 
 from ops import netns
+from ops.loaders import LoaderClient
 from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, pipecast
 from services.loader.blockset import BlockSet, bad_blocks, read_block
 from services.loader.hostcache import block_set
-from shared import subjects
 from shared.bus import Bus
 from shared.messages import (
     Artifact,
-    CacheQuery,
     CacheStatus,
-    Evicted,
-    EvictHostCache,
-    ImportModel,
-    ModelImported,
-    Multicast,
     MulticastDone,
-    StageArtifact,
-    Staged,
     Tier,
 )
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import wait_for
 
 DEVICE = "CPU"
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -58,35 +52,29 @@ def loaders(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iter
         c.stop()
 
 
-async def call(c: LocalCluster, subject: str, message: object, reply: type, timeout: float = 120) -> object:
-    bus = Bus("test-multicast")
-    await bus.connect(c.nats_url)
-    try:
-        return await bus.request(subject, message, reply, timeout=timeout)  # type: ignore[arg-type]
-    finally:
-        await bus.close()
+def with_loaders(c: LocalCluster, work: Callable[[LoaderClient], Awaitable[T]]) -> T:
+    """Run `work` with a client of the cluster's loaders on a bus connection of its own."""
 
+    async def go() -> T:
+        bus = Bus("test-multicast")
+        await bus.connect(c.nats_url)
+        try:
+            return await work(LoaderClient(bus, DEVICE))
+        finally:
+            await bus.close()
 
-def request(c: LocalCluster, subject: str, message: object, reply: type, timeout: float = 120) -> object:
-    return asyncio.run(call(c, subject, message, reply, timeout))
+    return asyncio.run(go())
 
 
 def cached(c: LocalCluster, node: str) -> CacheStatus:
-    status = request(c, subjects.loader_cache(node), CacheQuery(), CacheStatus, 10)
-    assert isinstance(status, CacheStatus)
-    return status
+    return with_loaders(c, lambda loaders: loaders.status(node))
 
 
 @pytest.fixture(scope="module")
 def model(loaders: LocalCluster) -> tuple[Artifact, BlockSet, dict[str, str]]:
     """The default model imported, node-0's host cache holding its blob, the loaders' addresses."""
-    imported = request(
-        loaders, subjects.import_model(), ImportModel(source=str(default_model_path())), ModelImported, 600
-    )
-    assert isinstance(imported, ModelImported)
-    artifact = imported.artifact
-    request(loaders, subjects.loader_stage("node-0"), StageArtifact(artifact=artifact, device=DEVICE), Staged)
-    wait_for(lambda: cached(loaders, "node-0").entries, 60, "node-0 to cache the blob")
+    artifact = with_loaders(loaders, lambda c: c.import_model(str(default_model_path())))
+    with_loaders(loaders, lambda c: c.cache_on("node-0", artifact, timeout_s=60))
     addr = {f"node-{i}": cached(loaders, f"node-{i}").peer_addr for i in range(4)}
     assert all(a.startswith("127.0.0.1:") for a in addr.values()), addr
     return artifact, block_set(artifact, DEVICE, Tier.STEADY), addr
@@ -99,8 +87,7 @@ def copy_in(c: LocalCluster, node: str, artifact: Artifact, bs: BlockSet) -> Pat
 
 
 def evict(c: LocalCluster, artifact: Artifact, targets: list[str]) -> None:
-    for t in targets:
-        request(c, subjects.loader_evict(t), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, 30)
+    with_loaders(c, lambda loaders: loaders.evict(targets, artifact))
 
 
 def multicast(
@@ -110,47 +97,19 @@ def multicast(
     addr: dict[str, str],
     targets: list[str],
     unawaited: frozenset[str] = frozenset(),
-) -> dict[str, MulticastDone | Exception]:
+) -> dict[str, MulticastDone | str]:
     """Send each target (caches emptied: `evict`) its feeds of a PipeCast plan from node-0,
-    and collect the answers (not those of `unawaited`: a loader killed never answers)."""
+    and collect the answers, or the errors they gave (not those of `unawaited`: a loader
+    killed never answers)."""
     plan = pipecast(["node-0"], targets, bs.blocks)
-
-    async def go() -> dict[str, MulticastDone | Exception]:
-        bus = Bus("test-multicast")
-        await bus.connect(c.nats_url)
-        try:
-            tasks = {
-                t: asyncio.create_task(
-                    bus.request(
-                        subjects.loader_multicast(t),
-                        Multicast(
-                            artifact=artifact,
-                            device=DEVICE,
-                            feeds=tuple((s.block, addr[s.src]) for s in plan.feeds(t)),
-                            fallbacks=(addr["node-0"], STORE),
-                            timeout_s=10,
-                        ),
-                        MulticastDone,
-                        timeout=120,
-                    )
-                )
-                for t in targets
-            }
-            out: dict[str, MulticastDone | Exception] = {}
-            for t, task in tasks.items():
-                if t in unawaited:
-                    continue
-                try:
-                    out[t] = await task
-                except Exception as e:
-                    out[t] = e
-            for task in tasks.values():
-                task.cancel()
-            return out
-        finally:
-            await bus.close()
-
-    return asyncio.run(go())
+    feeds = {t: [(s.block, addr[s.src]) for s in plan.feeds(t)] for t in targets}
+    _, done = with_loaders(
+        c,
+        lambda loaders: loaders.multicast(
+            artifact, feeds, (addr["node-0"], STORE), block_timeout_s=10, unawaited=unawaited
+        ),
+    )
+    return done
 
 
 def test_a_pipecast_plan_brings_every_verified_block_to_every_target(
@@ -274,8 +233,7 @@ def test_loaders_in_network_namespaces_multicast_over_shaped_links(
     )
     c.start(timeout_s=120)
     try:
-        request(c, subjects.loader_stage("node-0"), StageArtifact(artifact=artifact, device=DEVICE), Staged)
-        wait_for(lambda: cached(c, "node-0").entries, 60, "node-0 to cache the blob")
+        with_loaders(c, lambda loaders: loaders.cache_on("node-0", artifact, timeout_s=60))
         addr = {n: cached(c, n).peer_addr for n in names}
         # Every loader serves at its own namespace's address, behind a shaped link.
         assert {a.rsplit(":", 1)[0] for a in addr.values()} == {spaces.ip(n) for n in names}
@@ -316,7 +274,7 @@ def test_a_copy_evicted_while_it_arrives_is_not_cached(
 
     def evict_when_receiving() -> None:
         wait_for(receiving, 60, "node-2 to receive its first blocks", every_s=0.02)
-        request(loaders, subjects.loader_evict("node-2"), EvictHostCache(artifact_id=artifact.artifact_id), Evicted, 30)
+        evict(loaders, artifact, ["node-2"])
 
     evict(loaders, artifact, ["node-2"])
     evicter = threading.Thread(target=evict_when_receiving, daemon=True)
