@@ -163,6 +163,7 @@ class EngineNode:
             gate=self.gate,
             backend=settings.engine_backend,
             arena_bytes=settings.torch_arena_bytes,
+            kv_tokens=settings.torch_kv_tokens,
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -300,8 +301,9 @@ class EngineNode:
                 for aid, p in self._perf.items()
             ),
             # The continuous-batching core (`core.py`) serves every instance once built; the
-            # start tier's batch before it lasts a couple of seconds.
-            max_batch=CORE_MAX_SEQS,
+            # start tier's batch before it lasts a couple of seconds. A torch worker's batch
+            # (`torch_engine/batching.py`) steps at most `max_batch` requests at once.
+            max_batch=self.settings.max_batch if self.settings.engine_backend == "torch" else CORE_MAX_SEQS,
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
             continuous_batching=True,

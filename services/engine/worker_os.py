@@ -5,20 +5,8 @@ touched before a start needs it and trimmed after, the device plugin's kernels l
 from __future__ import annotations
 
 import ctypes
-import os
 
 import openvino as ov
-
-
-def pin_all_threads(cores: set[int]) -> None:
-    """Set the CPU affinity of every thread of this process (sched_setaffinity on pid 0 moves
-    only the calling thread; the runtime's pool threads would keep every core)."""
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cores)
-        except OSError:
-            pass  # a thread that just ended
-
 
 # glibc malloc settings for worker processes (read at process start, so set in the
 # environment they are spawned with). One arena and no trimming keep the pages that

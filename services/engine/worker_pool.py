@@ -73,10 +73,11 @@ class Worker:
         gate: StepGate | None = None,
         backend: str = "openvino",
         arena_bytes: int = 0,
+        kv_tokens: int = 8192,
     ) -> None:
         """`backend`: the process it runs, OpenVINO's (`worker_process.py`) or the torch
-        engine's (`torch_engine/worker.py`, its weights in an arena of `arena_bytes`); both
-        speak `worker_wire`."""
+        engine's (`torch_engine/worker.py`, its weights in an arena of `arena_bytes`, its
+        continuous batch's paged KV cache `kv_tokens` long); both speak `worker_wire`."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
@@ -85,7 +86,7 @@ class Worker:
         if backend == "torch":
             self.process = ctx.Process(
                 target=torch_worker_main,
-                args=(child, threads, arena_bytes, gate, self._slot),
+                args=(child, threads, arena_bytes, gate, self._slot, max_batch, kv_tokens),
                 daemon=True,
                 name="tessera-torch-worker",
             )
@@ -298,6 +299,7 @@ class WorkerPool:
         gate: StepGate | None = None,
         backend: str = "openvino",
         arena_bytes: int = 0,
+        kv_tokens: int = 8192,
     ) -> None:
         """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
         the node's headroom gate, shared by every worker it spawns. `backend`, `arena_bytes`:
@@ -305,7 +307,7 @@ class WorkerPool:
         self.size = size
         self._spawn = spawn or (
             lambda: Worker(
-                device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, backend, arena_bytes
+                device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, backend, arena_bytes, kv_tokens
             )
         )
         self.refill_delay_s = refill_delay_s

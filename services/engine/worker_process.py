@@ -34,9 +34,10 @@ import openvino as ov
 
 from services.engine.batch import BatchItem, joinable, take_batch
 from services.engine.core import needs_core, needs_logits
+from services.engine.cpu_share import pin_all_threads
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk, CoreStreams
-from services.engine.worker_os import pin_all_threads, prefault_heap, touch_kernels, trim_heap
+from services.engine.worker_os import prefault_heap, touch_kernels, trim_heap
 from services.engine.worker_wire import (
     NO_SLO_S,
     CancelRun,

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("torch", reason="the torch engine needs torch (the `test` extra installs it)")
 
@@ -127,3 +130,32 @@ def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restar
     assert again.choices[0].message.content == expected
     starts = wait_for(lambda: (s := cold_starts(torch_cluster, NAME)) and len(s) >= 2 and s, 30, "two cold starts")
     assert {str(s["source"]) for s in starts} >= {"store", "resident"}, starts
+
+
+def test_a_crowd_on_a_torch_node_runs_in_one_batch_and_each_gets_its_own_answer(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
+) -> None:
+    """Five requests at once (the test cluster admits six): each gets transformers' greedy text (a row's neighbours change
+    nothing), and the engine counts them run in batches of more than one."""
+    expected, _, _ = transformers_greedy(torch_checkpoint(artifact), gateway_prompt_ids(artifact))
+
+    def batched() -> float:
+        port = torch_cluster.procs["engine@node-0"].http_port
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "tessera_engine_batched_requests_total" and s.labels.get("batch") != "1"
+        )
+
+    before = batched()
+    with ThreadPoolExecutor(5) as pool:
+        replies = list(
+            pool.map(
+                lambda _: client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY),  # type: ignore[arg-type, call-overload]
+                range(5),
+            )
+        )
+    assert [r.choices[0].message.content for r in replies] == [expected] * 5
+    assert batched() - before >= 2, "no two of five concurrent requests shared a step"

@@ -4,8 +4,10 @@ model code; a second start finds every tensor resident and reads nothing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,9 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
+from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
 from services.loader.torch_checkpoint import materialize
-from shared.messages import SamplingParams
+from shared.messages import FinishReason, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -80,3 +83,99 @@ def test_a_start_after_scale_to_zero_reads_no_weight(checkpoint: Path, arena: Te
         assert warm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)) == expected
     finally:
         warm.close()
+
+
+# --- the continuous batch (`batching.py`): transformers' paged-KV continuous batching, each
+# token picked by the engine's own sampler -------------------------------------------------
+
+
+Outcome = dict[str, tuple[list[int], list[Any], Any]]
+"""Each request's tokens, logprobs and how it ended (None while it runs)."""
+
+
+def take(batch: ContinuousBatcher, out: Outcome, timeout: float) -> int:
+    """One look at the batch, added to `out`; how many requests stepped."""
+    steps = batch.steps(timeout)
+    for step in steps:
+        assert not step.error, step.error
+        tokens, logprobs, _ = out.setdefault(step.request_id, ([], [], None))
+        tokens += [t for t, _ in step.tokens]
+        logprobs += [lp for _, lp in step.tokens]
+        out[step.request_id] = (tokens, logprobs, step.finish)
+    return len(steps)
+
+
+def run_batch(batch: ContinuousBatcher, until: set[str], out: Outcome | None = None) -> Outcome:
+    """Look at the batch until every request in `until` has ended."""
+    out = {} if out is None else out
+    deadline = time.monotonic() + 300
+    while not all(out.get(rid, (0, 0, None))[2] is not None for rid in until):
+        assert time.monotonic() < deadline, "the batch never ended"
+        take(batch, out, 0.05)
+    return out
+
+
+def test_a_crowd_in_one_batch_gets_what_each_request_gets_alone(engine: TorchEngine) -> None:
+    """Greedy rows are transformers' greedy; a seeded sample is the one the request gets
+    alone (its own sampler, not the batch's generator), with its logprobs; a request that joins
+    a running batch and one that ends early leave the others untouched."""
+    prompts = [
+        engine.chat_ids([{"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "Name three colours.", "Count to five.")
+    ]
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    short = SamplingParams(max_tokens=3, temperature=0.0)
+    alone = {
+        "g0": engine.generate(prompts[0], greedy).token_ids,
+        "g1": engine.generate(prompts[1], greedy).token_ids,
+        "short": engine.generate(prompts[2], short).token_ids,
+    }
+    alone_sample = list(engine.steps(prompts[1], sampled))
+
+    batch = ContinuousBatcher(engine, max_batch=8, kv_tokens=2048)
+    try:
+        batch.add("g0", prompts[0], greedy)
+        batch.add("s", prompts[1], sampled)
+        batch.add("short", prompts[2], short)
+        got: Outcome = {}
+        deadline = time.monotonic() + 60
+        while not take(batch, got, 0.05):
+            assert time.monotonic() < deadline, "no step within 60 s"
+        batch.add("g1", prompts[1], greedy)  # joins the running batch
+        got = run_batch(batch, {"g0", "s", "short", "g1"}, got)
+        assert batch.active == 0
+    finally:
+        batch.close()
+    for rid in ("g0", "g1", "short"):
+        assert got[rid][0] == alone[rid], rid
+    assert got["short"][2] is FinishReason.LENGTH and len(got["short"][0]) == 3
+    tokens, logprobs, finish = got["s"]
+    assert tokens == [t for t, _ in alone_sample] and finish is FinishReason.LENGTH
+    for mine, theirs in zip(logprobs, [lp for _, lp in alone_sample], strict=True):
+        assert mine is not None and theirs is not None and mine.token == theirs.token
+        assert abs(mine.logprob - theirs.logprob) < 1e-3 and len(mine.top) == 2
+
+
+def test_a_cancelled_request_leaves_the_batch_and_its_blocks_serve_the_next(engine: TorchEngine) -> None:
+    """More requests than the batch holds at once queue and all end; a cancelled one yields
+    nothing more, and the cache it held serves the requests after it."""
+    prompt = engine.chat_ids(QUESTION)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # Room for about three requests' KV at a time: the later ones wait for blocks.
+    batch = ContinuousBatcher(engine, max_batch=4, kv_tokens=160)
+    try:
+        batch.add("doomed", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while not take(batch, {}, 0.05):
+            assert time.monotonic() < deadline, "no step within 60 s"
+        batch.cancel("doomed")
+        ids = {f"r{i}" for i in range(6)}
+        for rid in sorted(ids):
+            batch.add(rid, prompt, params)
+        got = run_batch(batch, ids)
+        assert "doomed" not in got and batch.active == 0
+    finally:
+        batch.close()
+    expected = engine.generate(prompt, params).token_ids
+    assert all(got[rid][0] == expected for rid in ids)

@@ -1,13 +1,15 @@
 """The torch worker's side of the worker protocol (`worker_wire`), over a real pipe, with a
-stand-in engine (no model): a request streams its text and ends with a `Done` whose counts are
-the tokens it generated; a cancel ends the running request after its current token and a
-queued one at once; a tier-up is answered (there is no other tier); a structured-output
+stand-in batch (`FakeBatch`: no model; the real one, `ContinuousBatcher`, runs the real model in
+tests/e2e/test_torch_engine.py): requests stream their text and end with a `Done` whose counts
+are the tokens they generated; requests that arrive while others run join them; a cancel ends
+a running request at its next step and stops its computation; a stop string does too; a
+failed request fails alone; a tier-up is answered (there is no other tier); a structured-output
 request is refused, never run without its grammar."""
 
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 
 import pytest
@@ -15,9 +17,10 @@ import pytest
 pytest.importorskip("torch", reason="the torch engine needs torch")
 
 from cuda_ext import TensorArena
+from services.engine.torch_engine.batching import Step
 from services.engine.torch_engine.worker import TorchWorker
 from services.engine.worker_wire import CancelRun, Chunks, Done, Failure, Run, Started, TieredUp, TierUpNow
-from shared.messages import FinishReason, Guide, SamplingParams, Tier, TokenLogprob
+from shared.messages import FinishReason, Guide, SamplingParams, Tier
 
 WORDS = {1: "one", 2: " two", 3: " three", 4: " four"}
 
@@ -28,19 +31,53 @@ class Tokenizer:
 
 
 class Engine:
-    """Stands in for `TorchEngine`: yields 1, 2, 3, 4 (up to max_tokens), then its end of sequence."""
-
     tokenizer = Tokenizer()
 
-    def __init__(self) -> None:
-        self.closed_steps = 0
 
-    def steps(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generator[tuple[int, TokenLogprob | None]]:
-        try:
-            for token in list(WORDS)[: params.max_tokens]:
-                yield token, None
-        finally:
-            self.closed_steps += 1
+class FakeBatch:
+    """Stands in for `ContinuousBatcher`: each look steps every request once, giving it the
+    next of 1, 2, 3, 4 (up to max_tokens), then its end of sequence."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[SamplingParams, int]] = {}
+        self.cancelled: list[str] = []
+        self.fail: set[str] = set()
+        self.waited = 0.0
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)
+
+    def add(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
+    ) -> None:
+        self.requests[request_id] = (params, 0)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        self.requests.pop(request_id, None)
+
+    def steps(self, timeout: float) -> list[Step]:
+        out = []
+        for rid, (params, made) in list(self.requests.items()):
+            if rid in self.fail:
+                del self.requests[rid]
+                out.append(Step(rid, (), None, "RuntimeError: boom"))
+                continue
+            if made == len(WORDS):
+                del self.requests[rid]
+                out.append(Step(rid, (), FinishReason.STOP))
+                continue
+            made += 1
+            self.requests[rid] = (params, made)
+            finish = FinishReason.LENGTH if made == params.max_tokens else None
+            if finish is not None:
+                del self.requests[rid]
+            out.append(Step(rid, ((made, None),), finish))
+        return out
+
+    def close(self) -> None:
+        self.requests.clear()
 
 
 def run(request_id: str, max_tokens: int = 4, **params: object) -> Run:
@@ -58,20 +95,34 @@ def text_of(msgs: list[object], request_id: str) -> str:
     return "".join(c.text for m in msgs if isinstance(m, Chunks) for c in m.items if c.request_id == request_id)
 
 
+def dones(msgs: list[object]) -> dict[str, Done]:
+    return {m.request_id: m for m in msgs if isinstance(m, Done)}
+
+
+def drain(w: TorchWorker) -> None:
+    for _ in range(10):
+        if not w.live:
+            return
+        w.pump(0.0)
+    raise AssertionError("requests never ended")
+
+
 @pytest.fixture
-def worker() -> Iterator[tuple[TorchWorker, Connection]]:
+def worker() -> Iterator[tuple[TorchWorker, Connection, FakeBatch]]:
     engine_end, worker_end = multiprocessing.Pipe()
     w = TorchWorker(worker_end, TensorArena(1 << 20, device="cpu"))
+    batch = FakeBatch()
     w.engine = Engine()  # type: ignore[assignment]
-    yield w, engine_end
+    w.batch = batch
+    yield w, engine_end, batch
     engine_end.close()
     worker_end.close()
 
 
 def test_a_request_streams_its_text_and_ends_with_honest_counts(worker) -> None:
-    w, engine = worker
+    w, engine, _ = worker
     w._handle(run("a"))
-    w._run(w.queue.popleft())
+    drain(w)
     msgs = messages(engine)
     assert msgs[0] == Started("a", 1)
     assert text_of(msgs, "a") == "one two three four"
@@ -83,73 +134,85 @@ def test_a_request_streams_its_text_and_ends_with_honest_counts(worker) -> None:
 
 
 def test_an_end_of_sequence_before_max_tokens_is_a_stop(worker) -> None:
-    w, engine = worker
+    w, engine, _ = worker
     w._handle(run("a", max_tokens=9))  # the stand-in ends after four tokens
-    w._run(w.queue.popleft())
+    drain(w)
     done = messages(engine)[-1]
     assert isinstance(done, Done) and (done.finish_reason, done.completion_tokens) == (FinishReason.STOP, 4)
 
 
+def test_requests_that_arrive_while_others_run_join_the_batch(worker) -> None:
+    w, engine, _ = worker
+    w._handle(run("a"))
+    w.pump(0.0)  # a has its first token
+    w._handle(run("b", max_tokens=2))
+    w.pump(0.0)  # one step: a's second token and b's first travel in one message
+    msgs = messages(engine)
+    both = [m for m in msgs if isinstance(m, Chunks) and {c.request_id for c in m.items} == {"a", "b"}]
+    assert len(both) == 1
+    drain(w)
+    msgs += messages(engine)
+    assert text_of(msgs, "a") == "one two three four" and text_of(msgs, "b") == "one two"
+    done = dones(msgs)
+    assert done["a"].batch == 2 and done["b"].batch == 2
+    assert (done["b"].finish_reason, done["b"].completion_tokens) == (FinishReason.LENGTH, 2)
+
+
 def test_a_stop_string_ends_the_request_and_its_computation(worker) -> None:
-    w, engine = worker
-    fake = w.engine
+    w, engine, batch = worker
     w._handle(run("a", stop=(" three",)))
-    w._run(w.queue.popleft())
+    drain(w)
     msgs = messages(engine)
     assert text_of(msgs, "a") == "one two"
     done = msgs[-1]
     assert isinstance(done, Done) and (done.finish_reason, done.completion_tokens) == (FinishReason.STOP, 3)
-    assert fake.closed_steps == 1  # type: ignore[union-attr]
+    assert batch.cancelled == ["a"] and not batch.requests
 
 
-def test_a_cancel_ends_the_running_request_after_its_current_token(worker) -> None:
-    w, engine = worker
-    fake = w.engine
+def test_a_cancel_ends_the_running_request_and_its_computation_not_its_neighbours(worker) -> None:
+    w, engine, batch = worker
     w._handle(run("a"))
-    engine.send(CancelRun("a"))  # read by the worker between tokens
-    w._run(w.queue.popleft())
+    w._handle(run("b"))
+    w.pump(0.0)
+    engine.send(CancelRun("a"))  # read by the worker between looks at the batch
+    w._read_commands()
+    drain(w)
     msgs = messages(engine)
-    done = msgs[-1]
-    assert isinstance(done, Done) and (done.finish_reason, done.completion_tokens) == (FinishReason.CANCELLED, 1)
-    assert fake.closed_steps == 1  # type: ignore[union-attr]
+    done = dones(msgs)
+    assert (done["a"].finish_reason, done["a"].completion_tokens) == (FinishReason.CANCELLED, 1)
+    assert batch.cancelled == ["a"]
+    assert text_of(msgs, "b") == "one two three four" and done["b"].finish_reason is FinishReason.LENGTH
 
 
-def test_a_cancelled_queued_request_ends_at_once_and_a_later_one_still_runs(worker) -> None:
-    w, engine = worker
+def test_a_failed_request_fails_alone(worker) -> None:
+    w, engine, batch = worker
     w._handle(run("a"))
-    w._handle(run("b", max_tokens=2))
-    w._handle(CancelRun("a"))
-    assert messages(engine) == [Done("a", FinishReason.CANCELLED, 0, None, 3)]
-    w._run(w.queue.popleft())
+    w._handle(run("b"))
+    batch.fail.add("a")
+    drain(w)
     msgs = messages(engine)
-    assert text_of(msgs, "b") == "one two" and not w.queue
-
-
-def test_a_request_that_arrives_while_another_runs_waits_in_line(worker) -> None:
-    w, engine = worker
-    w._handle(run("a"))
-    engine.send(run("b"))
-    w._run(w.queue.popleft())
-    assert [r.request_id for r in w.queue] == ["b"]
+    failures = [m for m in msgs if isinstance(m, Failure)]
+    assert [f.request_id for f in failures] == ["a"] and "boom" in failures[0].message
+    assert set(dones(msgs)) == {"b"}
 
 
 def test_a_structured_output_request_is_refused_not_run_without_its_grammar(worker) -> None:
-    w, engine = worker
+    w, engine, batch = worker
     w._handle(run("a", guide=Guide(kind="regex", spec="[0-9]+")))
     msgs = messages(engine)
     assert len(msgs) == 1 and isinstance(msgs[0], Failure) and msgs[0].request_id == "a"
-    assert not w.queue
+    assert not batch.requests and not w.live
 
 
 def test_a_tier_up_is_answered_on_the_one_tier(worker) -> None:
-    w, engine = worker
+    w, engine, _ = worker
     w._handle(TierUpNow())
     assert messages(engine) == [TieredUp(Tier.STEADY, 0.0, "")]
 
 
 def test_a_request_with_no_model_loaded_fails(worker) -> None:
-    w, engine = worker
-    w.engine = None
-    w._run(run("a"))
+    w, engine, _ = worker
+    w.engine, w.batch = None, None
+    w._handle(run("a"))
     msgs = messages(engine)
     assert len(msgs) == 1 and isinstance(msgs[0], Failure) and msgs[0].request_id == "a"

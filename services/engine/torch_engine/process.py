@@ -13,7 +13,15 @@ from services.engine.worker_wire import Ready
 from shared.process import die_with_parent
 
 
-def worker_main(conn: Connection, threads: int, arena_bytes: int, gate: StepGate | None = None, slot: int = -1) -> None:
+def worker_main(
+    conn: Connection,
+    threads: int,
+    arena_bytes: int,
+    gate: StepGate | None = None,
+    slot: int = -1,
+    max_batch: int = 16,
+    kv_tokens: int = 8192,
+) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm (TIDAL §5): torch, transformers' model code and the arena, before any model
@@ -27,4 +35,4 @@ def worker_main(conn: Connection, threads: int, arena_bytes: int, gate: StepGate
     prewarm()
     arena = TensorArena(arena_bytes)  # CUDA where present, else host memory
     conn.send(Ready(pid=os.getpid()))
-    TorchWorker(conn, arena, gate, slot).serve()
+    TorchWorker(conn, arena, gate, slot, max_batch, kv_tokens).serve()

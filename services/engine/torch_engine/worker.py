@@ -4,28 +4,39 @@
 One model at a time, bound from the artifact's torch checkpoint (materialized by the loader at
 registration) into the worker's tensor arena; a `Load` of another model (or of the same one
 again) releases the first to the arena, where its tensors stay resident, idle, so the next
-start copies only what is missing (Tangram §3.1). Requests run one at a time, in arrival order
-(no batching yet: `max_batch` is the OpenVINO worker's); between tokens the worker reads its
-pipe, so a cancel ends a running request after its current token and new ones queue. Each
-iteration passes the node's headroom gate (`step_gate.py`) as the OpenVINO worker's do. There
-is one tier: `TierUpNow` is answered at once, on STEADY. A start's bounded core share
-(`Load.cores`) is not applied: torch's threads are set once, at the pre-warm.
+start copies only what is missing (Tangram §3.1).
+
+Requests run in one continuous batch (`batching.py`: transformers' paged-KV continuous
+batching, every token picked by the engine's seeded sampler): a request joins the running
+batch at its next step, and each request's new tokens after a step travel in one `Chunks`
+message. The worker's thread reads its pipe between looks at the batch (`POLL_S`), so a cancel
+ends a running request at its next step. Each step passes the node's headroom gate
+(`step_gate.py`) as the OpenVINO worker's iterations do.
+
+A start's bounded core share (`Load.cores`) applies as it does on the OpenVINO worker: the
+load and the model's first steps run on that many threads, pinned to those cores, until the
+engine's `TierUpNow` (sent once the whole node is idle) gives the worker every core back. There
+is no other tier to build: `TierUpNow` is answered at once, on STEADY.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 import torch
 
 from cuda_ext import TensorArena
+from services.engine.cpu_share import pin_all_threads
 from services.engine.step_gate import StepGate
 from services.engine.stops import StopMatcher
 from services.engine.streams import Chunk
 from services.engine.text_stream import Piece, TextStream
+from services.engine.torch_engine.batching import ContinuousBatcher, Step
 from services.engine.torch_engine.engine import TorchEngine
 from services.engine.worker_wire import (
     CancelRun,
@@ -41,9 +52,46 @@ from services.engine.worker_wire import (
     TierUpNow,
 )
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
-Steps = Generator[tuple[int, TokenLogprob | None]]
+POLL_S = 0.005
+"""Longest the worker looks at the batch before it reads its pipe again (a step of a crowd
+takes longer; a new request or a cancel waits at most this long to be seen)."""
+
+
+class Batch(Protocol):
+    """What the worker drives: `ContinuousBatcher` (a stand-in in the unit tests)."""
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def waited(self) -> float: ...
+
+    def add(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def steps(self, timeout: float) -> list[Step]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Live:
+    """A request in the batch, as the worker streams it."""
+
+    run: Run
+    text: TextStream
+    started: float
+    waited_at: float
+    batch: int
+    generated: int = 0
+    first: float | None = None
+    waited_first: float = 0.0
+    pieces: list[Piece] = field(default_factory=list)
 
 
 def prewarm() -> None:
@@ -62,30 +110,43 @@ def refusal(params: SamplingParams) -> str:
 
 
 class TorchWorker:
-    def __init__(self, conn: Connection, arena: TensorArena, gate: StepGate | None = None, slot: int = -1) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        arena: TensorArena,
+        gate: StepGate | None = None,
+        slot: int = -1,
+        max_batch: int = 16,
+        kv_tokens: int = 8192,
+    ) -> None:
         self.conn = conn
         self.arena = arena
         self.gate = gate if gate is not None and slot >= 0 else None
         self.slot = slot
+        self.max_batch = max(1, max_batch)
+        self.kv_tokens = kv_tokens
         self.engine: TorchEngine | None = None
+        self.batch: Batch | None = None
         self.artifact: Artifact | None = None
-        self.queue: deque[Run] = deque()
-        self.running: str | None = None
-        self.cancelled = False
-        """The running request was cancelled: it ends after its current token."""
-        self.waited = 0.0
-        """Seconds this worker's iterations have waited for the gate, in all."""
+        self.live: dict[str, _Live] = {}
+        self.all_cores = os.sched_getaffinity(0)
+        self.threads = torch.get_num_threads()
+        """The pre-warm's thread count: what the worker runs with outside a start's share."""
 
     def serve(self) -> None:
-        while True:
-            try:
-                if not self.queue:
-                    self.conn.poll(None)
-                self._read_commands()
-            except (EOFError, OSError):
-                return
-            if self.queue:
-                self._run(self.queue.popleft())
+        try:
+            while True:
+                try:
+                    if not self.live:
+                        self.conn.poll(None)
+                    self._read_commands()
+                except (EOFError, OSError):
+                    return
+                if self.live:
+                    self.pump(POLL_S)
+        finally:
+            if self.batch is not None:
+                self.batch.close()
 
     def _read_commands(self) -> None:
         while self.conn.poll(0):
@@ -94,22 +155,41 @@ class TorchWorker:
     def _handle(self, cmd: object) -> None:
         try:
             if isinstance(cmd, Run):
-                why = refusal(cmd.params)
-                if why:
-                    self.conn.send(Failure(cmd.request_id, why))
-                else:
-                    self.queue.append(cmd)
+                self._add(cmd)
             elif isinstance(cmd, CancelRun):
                 self._cancel(cmd.request_id)
             elif isinstance(cmd, Load):
                 self._load(cmd)
             elif isinstance(cmd, TierUpNow):
-                # One tier: nothing to build, and the engine waits for an answer.
+                # One tier: nothing to build, and the engine waits for an answer. The node is
+                # idle: a start's bounded share ends here.
+                self._unpin()
                 self.conn.send(TieredUp(Tier.STEADY, 0.0, "" if self.engine is not None else "no model loaded"))
             elif isinstance(cmd, DropSession):
-                pass  # no state outlives a request here: its KV cache is its own
+                pass  # no state outlives a request here: its KV blocks are freed as it ends
         except Exception as e:  # the engine turns this into an error for the request (or the load)
             self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
+
+    def _add(self, run: Run) -> None:
+        why = refusal(run.params)
+        if why:
+            self.conn.send(Failure(run.request_id, why))
+            return
+        if self.engine is None or self.batch is None:
+            self.conn.send(Failure(run.request_id, "no model loaded in this worker"))
+            return
+        tokenizer = self.engine.tokenizer
+        text = TextStream(
+            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)),
+            StopMatcher(run.params.stop),
+            run.stream_interval_s,
+            time.monotonic,
+        )
+        self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline)
+        live = _Live(run, text, time.monotonic(), self.batch.waited, self.batch.active)
+        live.waited_first = live.waited_at
+        self.live[run.request_id] = live
+        self.conn.send(Started(run.request_id, live.batch))
 
     def _load(self, cmd: Load) -> None:
         t0 = time.monotonic()
@@ -119,10 +199,24 @@ class TorchWorker:
                 f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: "
                 "it was registered by a loader whose engine_backend is not torch"
             )
+        for rid in list(self.live):
+            self.conn.send(Failure(rid, "the worker was bound to another model"))
+        self.live.clear()
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
         if self.engine is not None:
             self.engine.close()  # its tensors stay resident, idle: shared ones are not copied again
             self.engine = None
+        threads = self.threads
+        if cmd.cores:
+            # The start's share: its load and first steps on these cores alone, beside the
+            # node's busy instances (`EngineSettings.start_cpu_share`), until `TierUpNow`.
+            pin_all_threads(set(cmd.cores))
+            threads = min(threads, len(cmd.cores))
+        torch.set_num_threads(threads)
         self.engine = TorchEngine.start(checkpoint, self.arena)
+        self.batch = ContinuousBatcher(self.engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
         self.artifact = cmd.artifact
         self.conn.send(
             Loaded(
@@ -133,96 +227,76 @@ class TorchWorker:
             )
         )
 
+    def _unpin(self) -> None:
+        if os.sched_getaffinity(0) != self.all_cores:
+            pin_all_threads(self.all_cores)
+        torch.set_num_threads(self.threads)
+
     def _cancel(self, request_id: str) -> None:
-        if request_id == self.running:
-            self.cancelled = True
+        live = self.live.pop(request_id, None)
+        if live is None or self.batch is None:
             return
-        for run in self.queue:
-            if run.request_id == request_id:
-                self.queue.remove(run)
-                self.conn.send(Done(request_id, FinishReason.CANCELLED, 0, None, len(run.prompt_ids)))
-                return
+        self.batch.cancel(request_id)
+        self._done(live, FinishReason.CANCELLED)
 
-    def _send(self, request_id: str, piece: Piece | None) -> None:
-        if piece is not None:
-            self.conn.send(Chunks((Chunk(request_id, piece.text, piece.tokens, piece.logprobs),)))
+    def pump(self, timeout: float) -> None:
+        """Look at the batch once (waiting up to `timeout` for a step) and stream what it made:
+        every request's new text in one `Chunks`, then the `Done` of those that ended."""
+        if self.batch is None:
+            return
+        ended: list[tuple[_Live, FinishReason]] = []
+        chunks: list[Chunk] = []
+        for step in self.batch.steps(timeout):
+            live = self.live.get(step.request_id)
+            if live is None:
+                continue  # cancelled
+            finish = self._advance(live, step)
+            piece = live.text.end() if finish is not None else None
+            for p in [*live.pieces, *([piece] if piece is not None else [])]:
+                chunks.append(Chunk(step.request_id, p.text, p.tokens, p.logprobs))
+            live.pieces.clear()
+            if step.error:
+                del self.live[step.request_id]
+                self.conn.send(Failure(step.request_id, step.error))
+            elif finish is not None:
+                del self.live[step.request_id]
+                ended.append((live, finish))
+        if chunks:
+            self.conn.send(Chunks(tuple(chunks)))
+        for live, finish in ended:
+            self._done(live, finish)
 
-    def _run(self, run: Run) -> None:
-        engine = self.engine
-        rid = run.request_id
-        if engine is None:
-            self.conn.send(Failure(rid, "no model loaded in this worker"))
-            return
-        self.running, self.cancelled = rid, False
-        self.conn.send(Started(rid, 1))
-        tokenizer = engine.tokenizer
-        text = TextStream(
-            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)),
-            StopMatcher(run.params.stop),
-            run.stream_interval_s,
-            time.monotonic,
-        )
-        t_run, waited_at = time.monotonic(), self.waited
-        first: float | None = None
-        waited_first = waited_at
-        generated = 0
-        finish = FinishReason.STOP
-        steps = engine.steps(run.prompt_ids, run.params)
-        try:
-            while True:
-                if self.cancelled:
-                    finish = FinishReason.CANCELLED
-                    break
-                item = self._gated(steps, run.deadline(generated))
-                if item is None:  # the model's end of sequence, or max_tokens
-                    finish = FinishReason.LENGTH if generated >= run.params.max_tokens else FinishReason.STOP
-                    break
-                token, logprob = item
-                generated += 1
-                if first is None:
-                    first, waited_first = time.monotonic(), self.waited
-                self._send(rid, text.add(token, logprob))
-                if text.stopped:
-                    finish = FinishReason.STOP
-                    break
-                self._read_commands()  # cancels and new requests, between tokens
-        except Exception as e:  # this request fails; the worker lives on
-            self.conn.send(Failure(rid, f"{type(e).__name__}: {e}"))
-            return
-        finally:
-            steps.close()
-            self.running = None
-            if self.gate is not None:
-                self.gate.idle(self.slot)
-        if finish is not FinishReason.CANCELLED:
-            self._send(rid, text.end())
+    def _advance(self, live: _Live, step: Step) -> FinishReason | None:
+        """Take a step's tokens into the request's text; how it ended, if it did."""
+        assert self.batch is not None
+        live.batch = max(live.batch, len(self.live))  # the most requests its steps ran beside
+        for token, logprob in step.tokens:
+            live.generated += 1
+            if live.first is None:
+                live.first, live.waited_first = time.monotonic(), self.batch.waited
+            piece = live.text.add(token, logprob)
+            if piece is not None:
+                live.pieces.append(piece)
+            if live.text.stopped:  # a stop string: the rest of its computation goes too
+                self.batch.cancel(live.run.request_id)
+                return FinishReason.STOP
+        return step.finish
+
+    def _done(self, live: _Live, finish: FinishReason) -> None:
+        waited = self.batch.waited if self.batch is not None else live.waited_at
         t_end = time.monotonic()
+        first = live.first
         self.conn.send(
             Done(
-                rid,
+                live.run.request_id,
                 finish,
-                generated,
+                live.generated,
                 first,
-                len(run.prompt_ids),
-                prefill_s=max(0.0, (first or t_end) - t_run - (waited_first - waited_at)),
-                decode_s=max(0.0, t_end - first - (self.waited - waited_first)) if first is not None else 0.0,
-                batch=1,
-                prefill_tokens=len(run.prompt_ids),
-                gated_s=self.waited - waited_at,
+                len(live.run.prompt_ids),
+                prefill_s=max(0.0, (first or t_end) - live.started - (live.waited_first - live.waited_at)),
+                decode_s=max(0.0, t_end - first - (waited - live.waited_first)) if first is not None else 0.0,
+                batch=live.batch,
+                prefill_tokens=len(live.run.prompt_ids),
+                gated_s=max(0.0, waited - live.waited_at),
             )
         )
-
-    def _gated(self, steps: Steps, deadline: float) -> tuple[int, TokenLogprob | None] | None:
-        """The next token (one forward pass), once the node's headroom gate lets this worker
-        run an iteration; None when the generation has ended."""
-        if self.gate is None:
-            return next(steps, None)
-        t0 = time.monotonic()
-        entered = self.gate.enter(self.slot, deadline)
-        self.waited += time.monotonic() - t0
-        try:
-            return next(steps, None)
-        finally:
-            if entered:
-                # Posted again at once for the next token (`StepGate.leave`); `idle` at the end.
-                self.gate.leave(self.slot, deadline)

@@ -1,0 +1,301 @@
+"""Continuous batching for the torch engine: transformers' own (`init_continuous_batching`: a
+paged KV cache in fixed blocks, a scheduler that admits a request into the running batch at any
+step and splits long prefills, ragged batches with no padding), with every token picked by the
+engine's seeded `Sampler`.
+
+The library samples a whole batch with one generator; a request's `seed` would then depend on
+its neighbours, and its penalties, `logit_bias` and logprobs would not be applied at all. So
+the library's last logits processor is the engine's: it runs each row's own `Sampler` on the
+host (the same code and the same numbers as the one-request path and the OpenVINO engine's
+start tier) and hands the library a row that is -inf everywhere but the chosen token, which the
+library's greedy pick then takes. The cost is a device→host copy of one logits row per
+sequence per step (≈ 0.2 MB here), and no CUDA graph for the step: a graph replays its kernels
+without running Python.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.logits_process import LogitsProcessorList
+
+from services.engine.sampling import Sampler, token_logprob
+from services.engine.step_gate import StepGate
+from services.engine.torch_engine.engine import TorchEngine
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
+
+BLOCK_TOKENS = 32
+"""Tokens per KV block (the library's default, 256, strands up to 255 tokens' worth of cache
+per sequence: a crowd of short chats would fill the cache with empty block tails)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one request got since the last look: its new tokens, and how it ended if it did."""
+
+    request_id: str
+    tokens: tuple[tuple[int, TokenLogprob | None], ...]
+    finish: FinishReason | None = None
+    error: str = ""
+
+
+@dataclass
+class _Sequence:
+    """A request in the batch as the sampler sees it (touched by the library's thread only,
+    after `add`)."""
+
+    params: SamplingParams
+    sampler: Sampler
+    context: list[int]
+    deadline: Callable[[int], float]
+    eos_ids: frozenset[int]
+    ends: bool = False
+    """Its last pick ended it (max_tokens, or an end of sequence): no deadline is posted for it."""
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """One per token picked, in order (read by the worker's thread as the tokens arrive)."""
+
+
+class EngineSampling(ContinuousBatchingLogitsProcessor):
+    """The library's per-step logits processor that picks each row's token with its request's
+    own `Sampler`; its per-request argument is the request's slot number.
+
+    It also holds the node's headroom gate (`step_gate.py`) around each step, as the
+    one-request path does around each token: the library's thread waits for its turn as it
+    forms a step (`prepare_tensor_args`, before the forward pass) and leaves once the step's
+    tokens are picked, posted with the deadline of the batch's next token, or not at all when
+    no request goes on. Every gate call is made under `lock`, which `forget` takes too, so a
+    cancel from the worker's thread can never leave a posting behind."""
+
+    def __init__(self, gate: StepGate | None = None, gate_slot: int = -1) -> None:
+        self.supported_kwargs = {"slot": int}
+        self.ignored_kwargs = ()
+        self.sequences: dict[int, _Sequence] = {}
+        self.gate = gate if gate is not None and gate_slot >= 0 else None
+        self.gate_slot = gate_slot
+        self.holding = False
+        """The library's thread holds a gate turn (entered and not left)."""
+        self.waited = 0.0
+        """Seconds the library's thread has waited for the gate, in all."""
+        self.lock = threading.Lock()
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(-1)
+
+    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:  # type: ignore[type-arg]
+        slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
+        self._enter()
+        return torch.tensor(slots, dtype=torch.int32, device="cpu")
+
+    def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
+        rows = scores.size(0)
+        slots = tensor_arg[:rows].tolist()
+        host = scores.detach().float().cpu().numpy()
+        picked = torch.full_like(scores, -math.inf)
+        for row, slot in enumerate(slots):
+            seq = self.sequences.get(slot)
+            if seq is None:  # cancelled since this step was formed: any token, it is dropped
+                picked[row, int(host[row].argmax())] = 0.0
+                continue
+            token = seq.sampler.pick(host[row], seq.context)
+            logprob = None
+            if seq.params.logprobs >= 0 and seq.sampler.adjusted is not None:
+                logprob = token_logprob(seq.sampler.adjusted, token, seq.params.logprobs)
+            seq.context.append(token)
+            seq.logprobs.append(logprob)
+            seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (
+                token in seq.eos_ids and not seq.params.ignore_eos
+            )
+            picked[row, token] = 0.0
+        self._leave()
+        return picked  # type: ignore[return-value]
+
+    def _deadline(self) -> float:
+        going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
+        return min(going, default=math.inf)
+
+    def _enter(self) -> None:
+        if self.gate is None:
+            return
+        with self.lock:
+            if self.holding:  # a step formed with no token to pick (a prefill chunk)
+                self.gate.leave(self.gate_slot, math.inf)
+                self.holding = False
+            deadline = self._deadline()
+        t0 = time.monotonic()
+        entered = self.gate.enter(self.gate_slot, deadline if math.isfinite(deadline) else time.monotonic())
+        self.waited += time.monotonic() - t0
+        with self.lock:
+            self.holding = entered
+
+    def _leave(self) -> None:
+        if self.gate is None:
+            return
+        with self.lock:
+            if self.holding:
+                self.gate.leave(self.gate_slot, self._deadline())
+                self.holding = False
+
+    def forget(self, slot: int) -> None:
+        """A request left the batch (ended, failed or cancelled): when it was the last, take
+        the worker's posting down."""
+        with self.lock:
+            self.sequences.pop(slot, None)
+            if self.gate is not None and not self.holding and not self.sequences:
+                self.gate.idle(self.gate_slot)
+
+
+class ContinuousBatcher:
+    """One model's continuous batch: `add` requests, read their `steps`, `cancel`, `close`."""
+
+    def __init__(
+        self,
+        engine: TorchEngine,
+        max_batch: int,
+        kv_tokens: int,
+        gate: StepGate | None = None,
+        gate_slot: int = -1,
+    ) -> None:
+        self.engine = engine
+        self.sampling = EngineSampling(gate, gate_slot)
+        self.eos_ids = sorted(engine.eos_ids)
+        generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
+        blocks = max(2, -(-kv_tokens // BLOCK_TOKENS))
+        config = ContinuousBatchingConfig(
+            block_size=BLOCK_TOKENS,
+            num_blocks=blocks,
+            max_batch_tokens=min(blocks * BLOCK_TOKENS, 2048),
+            max_requests_per_batch=max_batch,
+            max_memory_percent=0.9,
+            use_cuda_graph=False,  # the sampler is Python on the host: see the module's docstring
+            use_async_batching=False,
+        )
+        model: Any = engine.model  # transformers' continuous-batching mixin is untyped
+        self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+        # The engine's sampler replaces whatever the generation config would have made (nothing,
+        # with do_sample=False): it is the one processor, with one int per request.
+        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampling]))
+        processors.tensors_required = 1
+        self.manager.logit_processor = processors
+        self.kv_bytes = blocks * BLOCK_TOKENS * engine.kv_bytes_per_token
+        self._slots: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
+        """Tokens of each request already handed out by `steps`."""
+        self._next_slot = 0
+        self.manager.start()
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    @property
+    def waited(self) -> float:
+        return self.sampling.waited
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float] = lambda _: math.inf,
+    ) -> None:
+        if not self.manager.is_running():
+            raise RuntimeError("the continuous batch has stopped")
+        slot = self._next_slot
+        self._next_slot += 1
+        self.sampling.sequences[slot] = _Sequence(
+            params, Sampler.of(params), list(prompt_ids), deadline, frozenset(self.eos_ids)
+        )
+        self._slots[request_id] = slot
+        self._seen[request_id] = 0
+        self.manager.add_request(
+            list(prompt_ids),
+            request_id=request_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            eos_token_id=-1 if params.ignore_eos else self.eos_ids,
+            slot=slot,
+        )
+
+    def cancel(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is None:
+            return
+        self._seen.pop(request_id, None)
+        self.manager.cancel_request(request_id)
+        self.sampling.forget(slot)
+
+    def steps(self, timeout: float) -> list[Step]:
+        """Every request's progress since the last call, waiting up to `timeout` for the first."""
+        out: dict[str, Step] = {}
+        wait: float | None = timeout
+        while True:
+            try:
+                result = self.manager.output_router.output_queue.get(timeout=wait) if wait else None
+                if result is None:
+                    result = self.manager.output_router.output_queue.get_nowait()
+            except queue.Empty:
+                break
+            wait = None
+            step = self._step(result)
+            if step is None:
+                continue
+            before = out.get(step.request_id)
+            if before is not None:  # two results of one request in one look: one step
+                step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+            out[step.request_id] = step
+        if self._slots and not self.manager.is_running():  # the library's thread died
+            for rid in list(self._slots):
+                out[rid] = Step(rid, (), None, "the continuous batch stopped")
+                self._forget(rid)
+        return list(out.values())
+
+    def _step(self, result: object) -> Step | None:
+        rid: str = result.request_id  # type: ignore[attr-defined]
+        slot = self._slots.get(rid)
+        if slot is None:  # cancelled
+            return None
+        seq = self.sampling.sequences[slot]
+        if result.error is not None:  # type: ignore[attr-defined]
+            self._forget(rid)
+            return Step(rid, (), None, str(result.error))  # type: ignore[attr-defined]
+        tokens: list[int] = list(result.generated_tokens)  # type: ignore[attr-defined]
+        finished = result.is_finished()  # type: ignore[attr-defined]
+        finish = None
+        if finished:
+            if tokens and tokens[-1] in seq.eos_ids and not seq.params.ignore_eos:
+                tokens.pop()  # the end of sequence ends it; it is not part of the text
+                finish = FinishReason.STOP
+            else:
+                finish = FinishReason.LENGTH if len(tokens) >= seq.params.max_tokens else FinishReason.STOP
+        seen = self._seen[rid]
+        new = tuple((t, seq.logprobs[i]) for i, t in enumerate(tokens[seen:], start=seen))
+        self._seen[rid] = max(seen, len(tokens))
+        if finished:
+            self._forget(rid)
+        return Step(rid, new, finish)
+
+    def _forget(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        self._seen.pop(request_id, None)
+        if slot is not None:
+            self.sampling.forget(slot)
+
+    def close(self) -> None:
+        """Stop the library's thread (requests still running end with it) and free the cache."""
+        self.manager.stop(block=True, timeout=30, hard_stop=True)
+        for slot in list(self._slots.values()):
+            self.sampling.forget(slot)
+        self._slots.clear()
