@@ -9,6 +9,7 @@ request is refused, never run without its grammar."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 
@@ -17,6 +18,7 @@ import pytest
 pytest.importorskip("torch", reason="the torch engine needs torch")
 
 from cuda_ext import TensorArena
+from services.engine.cpu_share import pin_all_threads
 from services.engine.torch_engine.batching import Step
 from services.engine.torch_engine.worker import TorchWorker
 from services.engine.worker_wire import CancelRun, Chunks, Done, Failure, Run, Started, TieredUp, TierUpNow
@@ -216,3 +218,45 @@ def test_a_request_with_no_model_loaded_fails(worker) -> None:
     w._handle(run("a"))
     msgs = messages(engine)
     assert len(msgs) == 1 and isinstance(msgs[0], Failure) and msgs[0].request_id == "a"
+
+
+def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_back(
+    worker, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """`Load.cores`: the load and the first steps run on that many threads, every thread of
+    the worker pinned to those cores; `TierUpNow` (the node is idle) gives them all back."""
+    import torch
+
+    import services.engine.torch_engine.worker as worker_module
+    from services.engine.worker_wire import Load, Loaded
+    from shared.messages import Artifact
+
+    w, engine, _ = worker
+    w.engine, w.batch = None, None  # a pre-warmed worker, bound to no model
+    seen: dict[str, object] = {}
+
+    class Started:
+        tokenizer = Tokenizer()
+
+        @staticmethod
+        def start(checkpoint: object, arena: object) -> Started:
+            seen["threads"], seen["cores"] = torch.get_num_threads(), os.sched_getaffinity(0)
+            return Started()
+
+    monkeypatch.setattr(worker_module, "TorchEngine", Started)
+    monkeypatch.setattr(worker_module, "ContinuousBatcher", lambda *_: FakeBatch())
+    monkeypatch.setattr(worker_module, "has_torch_checkpoint", lambda _: True)
+    artifact = Artifact("a", str(tmp_path), "s", 2048, 1, 1)
+    all_cores, threads = w.all_cores, w.threads
+    one = min(all_cores)
+    try:
+        w._handle(Load(artifact, cores=(one,)))
+        (loaded,) = messages(engine)
+        assert isinstance(loaded, Loaded) and loaded.threads == 1
+        assert seen == {"threads": 1, "cores": {one}}
+        w._handle(TierUpNow())
+        assert messages(engine) == [TieredUp(Tier.STEADY, 0.0, "")]
+        assert os.sched_getaffinity(0) == all_cores and torch.get_num_threads() == threads
+    finally:
+        pin_all_threads(all_cores)
+        torch.set_num_threads(threads)
