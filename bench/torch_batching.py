@@ -1,0 +1,190 @@
+"""The torch engine's continuous batch against the engine library in one process.
+
+    python -m bench.torch_batching [--crowds 1,4,16,32] [--tokens 64] [--out bench/results]
+
+The default model's GGUF is materialized once into a float32 torch checkpoint (what a torch
+node's registration writes). For each crowd size c, c different chat prompts each generate
+`--tokens` tokens (sampled: temperature 0.8, top-p 0.95, `ignore_eos`), all sent at once, in
+three ways, side by side in one run:
+
+- `tessera`: the torch worker's batch (`services/engine/torch_engine/batching.py`) on a model
+  bound from the tensor arena: transformers' continuous batching, every token picked by the
+  engine's own seeded sampler on the host;
+- `library`: transformers' continuous batching on the same checkpoint loaded the usual way
+  (`from_pretrained`), sampling with the library's own per-request processors on the device
+  (the peer: what the engine library does in one process);
+- `one_at_a_time`: the engine's one-request path, the requests one after another (the torch
+  worker before it batched), for c <= 4.
+
+Output tokens per second from the first request sent to the last token. Prints one JSON object
+and writes `<out>/torch_batching.json` and `.png`. On a CUDA machine the same run measures the
+GPU (`device` says which); the committed result is this host's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from bench.common import machine_info, make_log
+from cuda_ext import TensorArena
+from ops.localcluster import REPO_ROOT, default_model_path
+from services.engine.torch_engine.batching import BLOCK_TOKENS, ContinuousBatcher
+from services.engine.torch_engine.engine import TorchEngine
+from services.loader.torch_checkpoint import materialize
+from shared.messages import SamplingParams
+
+log = make_log("torch_batching")
+TOPICS = ("a lighthouse", "the sea", "a fox", "mountains", "a city at night", "rain", "a library", "the moon")
+KV_TOKENS = 8192
+
+
+def prompts(engine: TorchEngine, n: int) -> list[list[int]]:
+    return [
+        engine.chat_ids([{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} (#{i})."}])
+        for i in range(n)
+    ]
+
+
+def params(i: int, tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+
+
+def run_tessera(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
+    batcher = ContinuousBatcher(engine, max_batch=max(1, len(batch)), kv_tokens=KV_TOKENS)
+    try:
+        t0 = time.perf_counter()
+        for i, p in enumerate(batch):
+            batcher.add(f"r{i}", p, params(i, tokens))
+        made, ended = 0, 0
+        while ended < len(batch):
+            for step in batcher.steps(0.05):
+                if step.error:
+                    raise RuntimeError(step.error)
+                made += len(step.tokens)
+                ended += step.finish is not None
+        return made / (time.perf_counter() - t0)
+    finally:
+        batcher.close()
+
+
+def run_library(model: Any, batch: list[list[int]], tokens: int) -> float:
+    generation = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=tokens, eos_token_id=-1)
+    blocks = -(-KV_TOKENS // BLOCK_TOKENS)
+    config = ContinuousBatchingConfig(
+        block_size=BLOCK_TOKENS,
+        num_blocks=blocks,
+        max_batch_tokens=min(blocks * BLOCK_TOKENS, 2048),
+        max_requests_per_batch=max(1, len(batch)),
+        per_request_processors=True,
+        use_cuda_graph=torch.cuda.is_available(),
+    )
+    manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        for i, p in enumerate(batch):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=tokens, eos_token_id=-1)
+        made = 0
+        for _ in batch:
+            result = manager.get_result(timeout=600)
+            if result is None or result.error:
+                raise RuntimeError(f"the library's batch failed: {result}")
+            made += len(result.generated_tokens)
+        return made / (time.perf_counter() - t0)
+    finally:
+        manager.stop(block=True, timeout=60)
+
+
+def run_one_at_a_time(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
+    t0 = time.perf_counter()
+    made = sum(len(engine.generate(p, params(i, tokens)).token_ids) for i, p in enumerate(batch))
+    return made / (time.perf_counter() - t0)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, label in (("tessera", "Tessera torch batch"), ("library", "transformers CB, one process")):
+        xs = sorted(int(c) for c in result[name])
+        ax.plot(xs, [result[name][str(c)] for c in xs], marker="o", label=label)
+    xs = sorted(int(c) for c in result["one_at_a_time"])
+    ax.plot(xs, [result["one_at_a_time"][str(c)] for c in xs], marker="s", ls="--", label="one at a time")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests at once")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"torch engine, SmolLM2-135M float32, {result['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--crowds", default="1,4,16,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = ap.parse_args()
+    crowds = [int(c) for c in args.crowds.split(",")]
+    load_before = os.getloadavg()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+
+    with tempfile.TemporaryDirectory(prefix="tessera-torch-bench-") as tmp:
+        checkpoint = materialize(default_model_path(), Path(tmp) / "smol", dtype=torch.float32)
+        engine = TorchEngine.start(checkpoint, TensorArena(1 << 30))
+        library: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        library = library.to(engine.device).eval()
+        result: dict[str, Any] = {"tessera": {}, "library": {}, "one_at_a_time": {}, "ratio_tessera_over_library": {}}
+        for c in crowds:
+            batch = prompts(engine, c)
+            result["library"][str(c)] = run_library(library, batch, args.tokens)
+            result["tessera"][str(c)] = run_tessera(engine, batch, args.tokens)
+            if c <= 4:
+                result["one_at_a_time"][str(c)] = run_one_at_a_time(engine, batch, args.tokens)
+            result["ratio_tessera_over_library"][str(c)] = result["tessera"][str(c)] / result["library"][str(c)]
+            log(
+                f"c={c}: tessera {result['tessera'][str(c)]:.1f} tok/s, library {result['library'][str(c)]:.1f}, "
+                f"ratio {result['ratio_tessera_over_library'][str(c)]:.2f}"
+            )
+        engine.close()
+
+    top = str(max(crowds))
+    result.update(
+        {
+            "device": device,
+            "tokens_per_request": args.tokens,
+            "threads": torch.get_num_threads(),
+            "speedup_over_one_at_a_time": result["tessera"][top] / result["one_at_a_time"]["1"]
+            if "1" in result["one_at_a_time"]
+            else None,
+            "machine": machine_info(load_before),
+            "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "torch_batching.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "torch_batching.png")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
