@@ -8,6 +8,7 @@ resident."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -159,3 +160,24 @@ def test_a_crowd_on_a_torch_node_runs_in_one_batch_and_each_gets_its_own_answer(
         )
     assert [r.choices[0].message.content for r in replies] == [expected] * 5
     assert batched() - before >= 2, "no two of five concurrent requests shared a step"
+
+
+def test_a_torch_node_enforces_structured_output(client: openai.OpenAI, artifact: Artifact) -> None:
+    """`response_format` with a JSON schema, through the gateway, on a torch node: the reply
+    parses and has exactly the schema's fields (llguidance on the torch worker's batch)."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 30}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=QUESTION,
+        max_tokens=60,
+        temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    parsed = json.loads(reply.choices[0].message.content or "")
+    assert set(parsed) == {"answer", "sure"} and isinstance(parsed["sure"], bool)

@@ -4,6 +4,8 @@ model code; a second start finds every tensor resident and reads nothing."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +22,9 @@ from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
 from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
+from services.engine.torch_engine.guides import GuideError
 from services.loader.torch_checkpoint import materialize
-from shared.messages import FinishReason, SamplingParams
+from shared.messages import FinishReason, Guide, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -179,3 +182,48 @@ def test_a_cancelled_request_leaves_the_batch_and_its_blocks_serve_the_next(engi
         batch.close()
     expected = engine.generate(prompt, params).token_ids
     assert all(got[rid][0] == expected for rid in ids)
+
+
+def test_structured_output_in_a_crowd_follows_each_requests_grammar(engine: TorchEngine) -> None:
+    """A JSON schema, a regex and an EBNF choice, each enforced on its own row of one batch
+    (llguidance), beside a plain row that still gets what it gets alone; a guide that does not
+    compile fails that request at `add`, and the batch goes on."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "capital": {"type": "boolean"}},
+        "required": ["city", "capital"],
+        "additionalProperties": False,
+    }
+    ask = engine.chat_ids(
+        [{"role": "user", "content": "Describe Paris as JSON: its name, and whether it is a capital."}]
+    )
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = engine.generate(ask, plain).token_ids
+    guided = {
+        "json": SamplingParams(
+            max_tokens=80, temperature=0.0, guide=Guide(kind="json_schema", spec=json.dumps(schema))
+        ),
+        "regex": SamplingParams(
+            max_tokens=12, temperature=0.7, seed=3, guide=Guide(kind="regex", spec="[0-9]{3}-[a-z]{2}")
+        ),
+        "choice": SamplingParams(
+            max_tokens=12, temperature=0.0, guide=Guide(kind="grammar", spec='root ::= "yes" | "no"')
+        ),
+    }
+    batch = ContinuousBatcher(engine, max_batch=8, kv_tokens=2048)
+    try:
+        for rid, params in guided.items():
+            batch.add(rid, ask, params)
+        batch.add("plain", ask, plain)
+        with pytest.raises(GuideError, match="regex"):
+            batch.add("broken", ask, SamplingParams(max_tokens=4, guide=Guide(kind="regex", spec="[0-9")))
+        got = run_batch(batch, {*guided, "plain"})
+    finally:
+        batch.close()
+    text = {rid: engine.tokenizer.decode(got[rid][0], skip_special_tokens=True) for rid in guided}
+    reply = json.loads(text["json"])
+    assert set(reply) == {"city", "capital"} and isinstance(reply["capital"], bool), text["json"]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text["regex"]), text["regex"]
+    assert text["choice"] in {"yes", "no"}
+    assert all(got[rid][2] is FinishReason.STOP for rid in guided)  # the grammar ended them
+    assert got["plain"][0] == alone

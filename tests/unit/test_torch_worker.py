@@ -4,7 +4,7 @@ tests/e2e/test_torch_engine.py): requests stream their text and end with a `Done
 are the tokens they generated; requests that arrive while others run join them; a cancel ends
 a running request at its next step and stops its computation; a stop string does too; a
 failed request fails alone; a tier-up is answered (there is no other tier); a structured-output
-request is refused, never run without its grammar."""
+request runs with its guide, and one whose guide does not compile fails alone."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ pytest.importorskip("torch", reason="the torch engine needs torch")
 from cuda_ext import TensorArena
 from services.engine.cpu_share import pin_all_threads
 from services.engine.torch_engine.batching import Step
+from services.engine.torch_engine.guides import GuideError
 from services.engine.torch_engine.worker import TorchWorker
 from services.engine.worker_wire import CancelRun, Chunks, Done, Failure, Run, Started, TieredUp, TierUpNow
 from shared.messages import FinishReason, Guide, SamplingParams, Tier
@@ -44,6 +45,8 @@ class FakeBatch:
         self.requests: dict[str, tuple[SamplingParams, int]] = {}
         self.cancelled: list[str] = []
         self.fail: set[str] = set()
+        self.refuse = False
+        """`add` raises as the real batch does for a guide that does not compile."""
         self.waited = 0.0
 
     @property
@@ -53,6 +56,8 @@ class FakeBatch:
     def add(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
     ) -> None:
+        if self.refuse:
+            raise GuideError("regex: unclosed character class")
         self.requests[request_id] = (params, 0)
 
     def cancel(self, request_id: str) -> None:
@@ -198,12 +203,17 @@ def test_a_failed_request_fails_alone(worker) -> None:
     assert set(dones(msgs)) == {"b"}
 
 
-def test_a_structured_output_request_is_refused_not_run_without_its_grammar(worker) -> None:
+def test_a_structured_output_request_runs_with_its_guide_and_one_that_does_not_compile_fails_alone(worker) -> None:
     w, engine, batch = worker
-    w._handle(run("a", guide=Guide(kind="regex", spec="[0-9]+")))
+    guide = Guide(kind="regex", spec="[0-9]+")
+    w._handle(run("a", guide=guide))
+    assert batch.requests["a"][0].guide == guide  # the batch enforces it (tests/e2e/test_torch_engine.py)
+    batch.refuse = True
+    w._handle(run("b", guide=Guide(kind="regex", spec="[0-9")))
     msgs = messages(engine)
-    assert len(msgs) == 1 and isinstance(msgs[0], Failure) and msgs[0].request_id == "a"
-    assert not batch.requests and not w.live
+    failures = [m for m in msgs if isinstance(m, Failure)]
+    assert [f.request_id for f in failures] == ["b"] and "unclosed" in failures[0].message
+    assert "b" not in w.live and "a" in w.live
 
 
 def test_a_tier_up_is_answered_on_the_one_tier(worker) -> None:

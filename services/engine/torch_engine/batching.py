@@ -35,6 +35,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.engine import TorchEngine
+from services.engine.torch_engine.guides import Guided, Guides
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 BLOCK_TOKENS = 32
@@ -62,6 +63,10 @@ class _Sequence:
     context: list[int]
     deadline: Callable[[int], float]
     eos_ids: frozenset[int]
+    guided: Guided | None = None
+    """Its structured output's grammar (`guides.py`), None without one."""
+    error: str = ""
+    """Picking its token failed (set by the library's thread; the request then fails alone)."""
     ends: bool = False
     """Its last pick ended it (max_tokens, or an end of sequence): no deadline is posted for it."""
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -109,10 +114,19 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             if seq is None:  # cancelled since this step was formed: any token, it is dropped
                 picked[row, int(host[row].argmax())] = 0.0
                 continue
-            token = seq.sampler.pick(host[row], seq.context)
-            logprob = None
-            if seq.params.logprobs >= 0 and seq.sampler.adjusted is not None:
-                logprob = token_logprob(seq.sampler.adjusted, token, seq.params.logprobs)
+            try:
+                logits = host[row] if seq.guided is None else seq.guided.mask(host[row])
+                token = seq.sampler.pick(logits, seq.context)
+                if seq.guided is not None:
+                    seq.guided.accept(token)
+                logprob = None
+                if seq.params.logprobs >= 0 and seq.sampler.adjusted is not None:
+                    logprob = token_logprob(seq.sampler.adjusted, token, seq.params.logprobs)
+            except Exception as e:  # this request fails (at its next result); the batch goes on
+                seq.error = f"{type(e).__name__}: {e}"
+                seq.ends = True
+                picked[row, int(host[row].argmax())] = 0.0
+                continue
             seq.context.append(token)
             seq.logprobs.append(logprob)
             seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (
@@ -171,6 +185,7 @@ class ContinuousBatcher:
         self.engine = engine
         self.sampling = EngineSampling(gate, gate_slot)
         self.eos_ids = sorted(engine.eos_ids)
+        self.guides = Guides(engine.tokenizer, int(engine.model.config.vocab_size), self.eos_ids)
         generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
         blocks = max(2, -(-kv_tokens // BLOCK_TOKENS))
         config = ContinuousBatchingConfig(
@@ -215,8 +230,9 @@ class ContinuousBatcher:
             raise RuntimeError("the continuous batch has stopped")
         slot = self._next_slot
         self._next_slot += 1
+        guided = self.guides.start(params.guide) if params.guide is not None else None
         self.sampling.sequences[slot] = _Sequence(
-            params, Sampler.of(params), list(prompt_ids), deadline, frozenset(self.eos_ids)
+            params, Sampler.of(params), list(prompt_ids), deadline, frozenset(self.eos_ids), guided
         )
         self._slots[request_id] = slot
         self._seen[request_id] = 0
@@ -268,9 +284,10 @@ class ContinuousBatcher:
         if slot is None:  # cancelled
             return None
         seq = self.sampling.sequences[slot]
-        if result.error is not None:  # type: ignore[attr-defined]
+        if result.error is not None or seq.error:  # type: ignore[attr-defined]
+            self.manager.cancel_request(rid)
             self._forget(rid)
-            return Step(rid, (), None, str(result.error))  # type: ignore[attr-defined]
+            return Step(rid, (), None, seq.error or str(result.error))  # type: ignore[attr-defined]
         tokens: list[int] = list(result.generated_tokens)  # type: ignore[attr-defined]
         finished = result.is_finished()  # type: ignore[attr-defined]
         finish = None

@@ -101,14 +101,6 @@ def prewarm() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
-def refusal(params: SamplingParams) -> str:
-    """Why the torch engine cannot serve a request as asked ("" when it can): it never
-    ignores a parameter silently."""
-    if params.guide is not None:
-        return "the torch engine does not enforce structured output (a guide) yet"
-    return ""
-
-
 class TorchWorker:
     def __init__(
         self,
@@ -171,10 +163,6 @@ class TorchWorker:
             self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
 
     def _add(self, run: Run) -> None:
-        why = refusal(run.params)
-        if why:
-            self.conn.send(Failure(run.request_id, why))
-            return
         if self.engine is None or self.batch is None:
             self.conn.send(Failure(run.request_id, "no model loaded in this worker"))
             return
