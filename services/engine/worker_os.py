@@ -8,16 +8,6 @@ import ctypes
 
 import openvino as ov
 
-# glibc malloc settings for worker processes (read at process start, so set in the
-# environment they are spawned with). One arena and no trimming keep the pages that
-# `prefault_heap` touched in the heap for the start's allocations to reuse; blocks from 32 MiB
-# up still get their own mappings (a large block would otherwise pin the heap's top).
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-}
-
 
 def _libc() -> ctypes.CDLL | None:
     try:
@@ -34,7 +24,7 @@ def prefault_heap(nbytes: int) -> None:
     ≈ 200 MB (the imported model, then the CPU plugin's repacked weights on the first forward
     pass), and a fresh process takes a page fault for every 4 KiB it first writes: measured
     ≈ 54 000 faults, 0.06 s of a 0.28 s load + first pass. Touched here and freed into the
-    heap (kept by MALLOC_ENV), those pages are reused without faulting."""
+    heap (kept by `openvino_process.MALLOC_ENV`), those pages are reused without faulting."""
     libc = _libc()
     if libc is None or nbytes <= 0:
         return
@@ -52,7 +42,7 @@ def prefault_heap(nbytes: int) -> None:
 
 def trim_heap() -> None:
     """Give the heap's free pages back to the system (after a tier swap or a dropped session:
-    MALLOC_ENV stops glibc from doing it on its own)."""
+    `openvino_process.MALLOC_ENV` stops glibc from doing it on its own)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)

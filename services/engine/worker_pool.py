@@ -17,11 +17,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 
+from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
 from services.engine.torch_engine.process import worker_main as torch_worker_main
-from services.engine.worker_os import MALLOC_ENV
-from services.engine.worker_process import worker_main
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,

@@ -542,7 +542,7 @@ class _Loop:
             )
 
 
-def worker_main(
+def serve(
     conn: Connection,
     device: str,
     threads: int,

@@ -117,7 +117,12 @@ def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restar
     assert reply.choices[0].finish_reason == finish
     assert reply.usage is not None
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), tokens)
-    assert torch_workers(torch_cluster), "no engine worker runs torch"
+    workers = torch_workers(torch_cluster)
+    assert workers, "no engine worker runs torch"
+    # A GPU machine's image may hold no OpenVINO: neither the torch node's engine nor its
+    # torch workers load it, having served (tests/unit/test_floors.py checks the imports).
+    for pid in [torch_cluster.procs["engine@node-0"].pid, *workers]:
+        assert "libopenvino" not in Path(f"/proc/{pid}/maps").read_text(), f"process {pid} loaded OpenVINO"
 
     stream = client.chat.completions.create(model=NAME, messages=QUESTION, stream=True, **GREEDY)  # type: ignore[arg-type, call-overload]
     deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]

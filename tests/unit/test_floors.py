@@ -95,3 +95,18 @@ def test_the_torch_worker_runs_without_openvino() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_engine_service_imports_no_runtime() -> None:
+    # The engine's main process spawns workers of either runtime and runs neither itself: on
+    # a torch node it must start without OpenVINO, and on a CPU node without torch (its
+    # workers import theirs). tests/e2e/test_torch_backend.py checks the running processes.
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import services.engine.__main__; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('openvino', 'torch', 'transformers'))}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
