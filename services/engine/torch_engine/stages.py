@@ -1,0 +1,147 @@
+"""A layer range of a model, run on its own (FaaScale §4.3, pipelined multicast inference).
+
+While a model's blocks are still being multicast, nodes that hold complementary parts of it
+can serve together: each runs its range of decoder layers and hands the hidden states on, the
+last one turning them into logits. A stage is the model's own code (transformers) on a config
+with only its layers, renumbered from 0, so that the KV cache, positions and masks work as in
+a whole model; it reads from the checkpoint only the tensors its range needs
+(`stage_tensors`). The first stage embeds the tokens; the others take hidden states; the last
+applies the final norm and the head (a tied head is the embedding, which it then reads too).
+
+`StageServer` serves a stage over TCP and `Pipeline` drives a generation through a list of
+them (`stage_wire.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from services.engine.torch_engine.binding import skeleton
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    lo: int
+    hi: int
+    layers: int
+    """The model's decoder layers in all."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.hi <= self.layers:
+            raise ValueError(f"layers [{self.lo}, {self.hi}) are not a range of a {self.layers}-layer model")
+
+    @property
+    def first(self) -> bool:
+        return self.lo == 0
+
+    @property
+    def last(self) -> bool:
+        return self.hi == self.layers
+
+
+def split(layers: int, stages: int) -> list[LayerRange]:
+    """`stages` contiguous ranges of nearly equal size covering every layer."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"cannot split {layers} layers into {stages} stages")
+    cuts = [round(i * layers / stages) for i in range(stages + 1)]
+    return [LayerRange(lo, hi, layers) for lo, hi in itertools.pairwise(cuts)]
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+        return int(parts[2])
+    return None
+
+
+def stage_tensors(names: Sequence[str], r: LayerRange, tied: bool) -> dict[str, str]:
+    """The checkpoint tensors a stage needs, each with its name in the stage's model (its
+    layers renumbered from 0)."""
+    out: dict[str, str] = {}
+    for name in names:
+        i = _layer(name)
+        if i is not None:
+            if r.lo <= i < r.hi:
+                out[name] = name.replace(f"model.layers.{i}.", f"model.layers.{i - r.lo}.", 1)
+        elif name == EMBED and (r.first or (r.last and tied)):
+            out[name] = name
+        elif name in (NORM, HEAD) and r.last:
+            out[name] = name
+    return out
+
+
+class Stage:
+    """One layer range, loaded, with a KV cache per session (one generation)."""
+
+    def __init__(self, model: Any, r: LayerRange, read_bytes: int) -> None:
+        self.model = model
+        self.range = r
+        self.read_bytes = read_bytes
+        """Bytes of weights it read: its share of the model."""
+        self.caches: dict[str, Any] = {}
+
+    @classmethod
+    def load(cls, checkpoint: Path, r: LayerRange, device: str = "cpu") -> Stage:
+        config = AutoConfig.from_pretrained(checkpoint)
+        if config.num_hidden_layers != r.layers:
+            raise ValueError(f"the checkpoint has {config.num_hidden_layers} layers, not {r.layers}")
+        sub = copy.deepcopy(config)
+        sub.num_hidden_layers = r.hi - r.lo
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        names = [t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]]
+        wanted = stage_tensors(names, r, tied)
+        with safe_open(str(checkpoint / TORCH_WEIGHTS), framework="pt", device=device) as f:
+            state = {mine: f.get_tensor(theirs) for theirs, mine in wanted.items()}
+        dtype = next(iter(state.values())).dtype
+        read = sum(t.numel() * t.element_size() for t in state.values())
+        model = skeleton(sub, dtype)
+        if r.last and tied:
+            state[HEAD] = state[EMBED]
+        model.load_state_dict(state, strict=False, assign=True)
+        inner = model.model
+        if not r.last:
+            inner.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
+        # The rotary embedding's buffer was built on the meta device: build it for real.
+        inner.rotary_emb = type(inner.rotary_emb)(config=sub).to(device)
+        left = [n for n, p in model.named_parameters() if p.is_meta and not _unused(n, r)]
+        if left:
+            raise RuntimeError(f"stage [{r.lo}, {r.hi}) is missing {left[:3]}")
+        return cls(model.eval(), r, read)
+
+    def forward(self, session: str, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [1, T] (the first stage) or hidden states [1, T, H] (the others) in; the
+        next stage's hidden states [1, T, H] out, or, from the last, the logits of the last
+        position [V] (float32)."""
+        cache = self.caches.get(session)
+        with torch.inference_mode():
+            kwargs: dict[str, Any] = {"input_ids": x} if self.range.first else {"inputs_embeds": x}
+            out = self.model.model(**kwargs, past_key_values=cache, use_cache=True)
+            self.caches[session] = out.past_key_values
+            hidden = out.last_hidden_state
+            if not self.range.last:
+                return hidden
+            return self.model.lm_head(hidden[:, -1]).float()[0]
+
+    def drop(self, session: str) -> None:
+        self.caches.pop(session, None)
+
+
+def _unused(name: str, r: LayerRange) -> bool:
+    """Parameters a stage never runs: the embedding of a stage that takes hidden states, the
+    head of one that is not last."""
+    return (name == EMBED and not r.first) or (name == HEAD and not r.last)

@@ -1,0 +1,126 @@
+"""The default model served by a pipeline of stages (FaaScale §4.3): each stage a process of
+its own holding only its layer range, the hidden states passed over TCP, the last stage's
+logits sampled by the engine's sampler. Greedy text is transformers' own; a seeded sample is
+the one the whole model gives; a stage that dies fails the generation with a named error
+instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch engine needs torch (the `test` extra installs it)")
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from cuda_ext import TensorArena
+from ops.localcluster import default_model_path
+from services.engine.torch_engine.engine import TorchEngine, read_manifest
+from services.engine.torch_engine.stage_wire import Pipeline, StageFailed, StageServer
+from services.engine.torch_engine.stages import LayerRange, Stage, split
+from services.loader.torch_checkpoint import materialize
+from shared.messages import SamplingParams
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def serve_stage(checkpoint: str, r: LayerRange, conn: Connection) -> None:
+    """A stage's process: load its range, serve it, say where, run until told to stop."""
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        stage = Stage.load(Path(checkpoint), r)
+        server = StageServer(stage)
+        conn.send((await server.start(), stage.read_bytes))
+        await asyncio.to_thread(conn.recv)  # the test's end closing: EOFError ends the thread
+        await server.close()
+
+    try:
+        asyncio.run(main())
+    except EOFError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialize(default_model_path(), tmp_path_factory.mktemp("torch") / "smol", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[TorchEngine]:
+    engine = TorchEngine.start(checkpoint, TensorArena(1 << 30, device="cpu"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def stages(checkpoint: Path) -> Iterator[list[tuple[str, int, multiprocessing.Process]]]:
+    ctx = multiprocessing.get_context("spawn")
+    out = []
+    ends = []
+    try:
+        for r in split(30, 2):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=serve_stage, args=(str(checkpoint), r, theirs), daemon=True)
+            p.start()
+            theirs.close()
+            assert mine.poll(120), "a stage did not start within 120 s"
+            addr, read = mine.recv()
+            out.append((addr, read, p))
+            ends.append(mine)
+        yield out
+    finally:
+        for end in ends:
+            end.close()
+        for _, _, p in out:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+async def generate(addrs: list[str], prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
+    async with Pipeline(addrs) as pipeline:
+        return [t async for t in pipeline.generate(prompt, params, eos)]
+
+
+def test_two_stages_serve_the_default_model_as_the_whole_model_does(
+    stages: list[tuple[str, int, multiprocessing.Process]], engine: TorchEngine, checkpoint: Path
+) -> None:
+    addrs = [addr for addr, _, _ in stages]
+    specs = read_manifest(checkpoint)
+    whole = sum(s.nbytes for s in specs)
+    embedding = next(s.nbytes for s in specs if s.name == "model.embed_tokens.weight")
+    # Each holds its part only: together the whole model, the embedding twice (the first stage
+    # embeds, and the last one's head is the tied embedding).
+    assert sum(read for _, read, _ in stages) == whole + embedding
+
+    prompt = engine.chat_ids(QUESTION)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    mine = asyncio.run(generate(addrs, prompt, greedy, engine.eos_ids))
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = plain.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    n = min(len(mine), len(theirs))
+    assert n >= 4 and mine[:n] == theirs[:n]
+    assert "Paris" in engine.tokenizer.decode(mine)
+
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    assert asyncio.run(generate(addrs, prompt, sampled, engine.eos_ids)) == [
+        t for t, _ in engine.steps(prompt, sampled)
+    ]
+
+
+def test_a_stage_that_dies_fails_the_generation_by_name(
+    stages: list[tuple[str, int, multiprocessing.Process]], engine: TorchEngine
+) -> None:
+    addrs = [addr for addr, _, _ in stages]
+    stages[1][2].kill()
+    stages[1][2].join(10)
+    with pytest.raises((StageFailed, ConnectionError, asyncio.IncompleteReadError, OSError)):
+        asyncio.run(generate(addrs, engine.chat_ids(QUESTION), SamplingParams(max_tokens=4), engine.eos_ids))
