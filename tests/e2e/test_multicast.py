@@ -5,6 +5,7 @@ loader killed mid-transfer routed around."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -20,11 +21,14 @@ from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, pipecast
 from services.loader.blockset import BlockSet, bad_blocks, read_block
 from services.loader.hostcache import block_set
+from shared import subjects
 from shared.bus import Bus
 from shared.messages import (
     Artifact,
     CacheStatus,
     MulticastDone,
+    StageArtifact,
+    Staged,
     Tier,
 )
 from tests.conftest import TEST_ENV
@@ -287,3 +291,44 @@ def test_a_copy_evicted_while_it_arrives_is_not_cached(
     again = multicast(loaders, artifact, bs, addr, ["node-2"])["node-2"]
     assert isinstance(again, MulticastDone) and again.blocks == bs.blocks
     assert bad_blocks(copy_in(loaders, "node-2", artifact, bs), bs) == []
+
+
+def test_a_start_waiting_for_a_failed_multicast_reads_the_store(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    """A start's stage of an artifact whose multicast is under way waits for it; when the
+    multicast fails (its only source never answers), the stage reads the store's copy instead
+    and the node caches the model behind it. Had the stage not waited, its fill would have
+    been skipped for the multicast under way, and nothing would cache the model."""
+    artifact, bs, _ = model
+    evict(loaders, artifact, ["node-3"])
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, reads, never answers
+    asked = threading.Event()
+
+    def listen() -> None:
+        conn, _ = silent.accept()
+        conn.recv(1024)  # the block request: the multicast is under way
+        asked.set()
+        conn.recv(1024)  # held open until the receiver gives up and closes
+        conn.close()
+
+    threading.Thread(target=listen, daemon=True).start()
+    host, port = silent.getsockname()
+
+    async def work(client: LoaderClient) -> tuple[str, Staged]:
+        feeds = {"node-3": [(i, f"{host}:{port}") for i in range(bs.blocks)]}
+        under_way = asyncio.create_task(client.multicast(artifact, feeds, (), block_timeout_s=3))
+        assert await asyncio.to_thread(asked.wait, 60), "the multicast never asked its source"
+        staged = await client.bus.request(
+            subjects.loader_stage("node-3"), StageArtifact(artifact=artifact, device=DEVICE), Staged, timeout=120
+        )
+        _, answers = await under_way
+        return str(answers["node-3"]), staged
+
+    try:
+        answer, staged = with_loaders(loaders, work)
+    finally:
+        silent.close()
+    assert not answer.startswith("MulticastDone("), answer  # it failed, and said so
+    assert staged.hit is False  # the store's copy
+    wait_for(lambda: cached(loaders, "node-3").entries, 60, "node-3 to cache the model after the start")

@@ -122,5 +122,5 @@ def test_a_stage_that_dies_fails_the_generation_by_name(
     addrs = [addr for addr, _, _ in stages]
     stages[1][2].kill()
     stages[1][2].join(10)
-    with pytest.raises((StageFailed, ConnectionError, asyncio.IncompleteReadError, OSError)):
+    with pytest.raises(StageFailed, match=addrs[1]):
         asyncio.run(generate(addrs, engine.chat_ids(QUESTION), SamplingParams(max_tokens=4), engine.eos_ids))

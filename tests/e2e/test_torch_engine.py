@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
-from services.engine.torch_engine.batching import ContinuousBatcher
+from services.engine.torch_engine.batching import STEP_TOKENS, ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
 from services.engine.torch_engine.guides import GuideError
 from services.loader.torch_checkpoint import materialize
@@ -168,7 +168,7 @@ def test_a_cancelled_request_leaves_the_batch_and_its_blocks_serve_the_next(engi
     # Room for about three requests' KV at a time: the later ones wait for blocks.
     batch = ContinuousBatcher(engine, max_batch=4, kv_tokens=160)
     try:
-        batch.add("doomed", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        batch.add("doomed", prompt, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
         deadline = time.monotonic() + 60
         while not take(batch, {}, 0.05):
             assert time.monotonic() < deadline, "no step within 60 s"
@@ -227,3 +227,36 @@ def test_structured_output_in_a_crowd_follows_each_requests_grammar(engine: Torc
     assert text["choice"] in {"yes", "no"}
     assert all(got[rid][2] is FinishReason.STOP for rid in guided)  # the grammar ended them
     assert got["plain"][0] == alone
+
+
+def test_a_long_prompt_prefilled_in_chunks_beside_sampling_rows_changes_none_of_them(engine: TorchEngine) -> None:
+    """A prompt longer than one step's tokens is prefilled over several steps; the rows of its
+    chunks get no token, and the seeded rows sampling beside it must each still get exactly
+    the sample they get alone (a row picked twice in a step would shift its generator). Three
+    rows sample first and one of them ends, so that the chunk's row sits where a live row's
+    pick was the step before. A request longer than the cache is refused at `add`, alone."""
+    short = [engine.chat_ids([{"role": "user", "content": q}]) for q in ("Hi.", "Name a fruit.", "Name a river.")]
+    story = " ".join(["The lighthouse keeper climbed the stairs and watched the sea."] * 260)
+    long = engine.chat_ids([{"role": "user", "content": story + " Summarise."}])
+    assert len(long) > STEP_TOKENS
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.9, seed=40 + i, ignore_eos=True) for i, n in enumerate((2, 24, 24))
+    ]
+    alone = [[t for t, _ in engine.steps(p, q)] for p, q in zip(short, params, strict=True)]
+    batch = ContinuousBatcher(engine, max_batch=8, kv_tokens=4096)
+    try:
+        with pytest.raises(ValueError, match="KV cache of 4096 tokens"):
+            batch.add("huge", long, SamplingParams(max_tokens=4096))
+        for i, (p, q) in enumerate(zip(short, params, strict=True)):
+            batch.add(f"s{i}", p, q)
+        got = run_batch(batch, {"s0"})  # the first row has ended; the two after it sample on
+        assert got["s1"][2] is None and got["s2"][2] is None, (
+            "the long rows ended too soon to test anything",
+            {k: (len(v[0]), v[2]) for k, v in got.items()},
+        )
+        batch.add("long", long, SamplingParams(max_tokens=4, temperature=0.0))
+        got = run_batch(batch, {"s1", "s2", "long"}, got)
+    finally:
+        batch.close()
+    assert [got[f"s{i}"][0] for i in range(3)] == alone
+    assert len(got["long"][0]) == 4

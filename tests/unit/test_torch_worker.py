@@ -53,6 +53,12 @@ class FakeBatch:
     def active(self) -> int:
         return len(self.requests)
 
+    alive = True
+    threads = 0
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+
     def add(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
     ) -> None:
@@ -264,9 +270,27 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
         (loaded,) = messages(engine)
         assert isinstance(loaded, Loaded) and loaded.threads == 1
         assert seen == {"threads": 1, "cores": {one}}
+        assert w.batch is not None and w.batch.threads == 1  # type: ignore[attr-defined]  (its own thread's count)
         w._handle(TierUpNow())
         assert messages(engine) == [TieredUp(Tier.STEADY, 0.0, "")]
         assert os.sched_getaffinity(0) == all_cores and torch.get_num_threads() == threads
+        assert w.batch.threads == threads  # type: ignore[attr-defined]
     finally:
         pin_all_threads(all_cores)
         torch.set_num_threads(threads)
+
+
+def test_a_batch_whose_thread_died_is_made_anew_for_the_next_request(worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error inside the library ends its thread and the requests on it; the next request
+    gets a new batch rather than a worker that fails everything until its next load."""
+    import services.engine.torch_engine.worker as worker_module
+
+    w, engine, dead = worker
+    dead.alive = False
+    fresh = FakeBatch()
+    monkeypatch.setattr(worker_module, "ContinuousBatcher", lambda *_: fresh)
+    w._handle(run("a"))
+    assert w.batch is fresh and "a" in fresh.requests and not dead.requests
+    assert fresh.threads == w.threads
+    drain(w)
+    assert dones(messages(engine))["a"].finish_reason is FinishReason.LENGTH

@@ -42,6 +42,11 @@ BLOCK_TOKENS = 32
 """Tokens per KV block (the library's default, 256, strands up to 255 tokens' worth of cache
 per sequence: a crowd of short chats would fill the cache with empty block tails)."""
 
+STEP_TOKENS = 2048
+"""Most tokens one step computes: a longer prompt is prefilled in chunks of this many beside
+the running decodes. The library claims a block ahead for each chunk, so the cache holds one
+more block per chunk of the longest context than the tokens it promises."""
+
 
 @dataclass(frozen=True)
 class Step:
@@ -95,20 +100,32 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.waited = 0.0
         """Seconds the library's thread has waited for the gate, in all."""
         self.lock = threading.Lock()
+        self.rows = 0
+        """Rows of the step being formed that get a token: the library puts them first; the
+        logits' other rows (a prompt's chunk that ends no prefill) are dropped."""
+        self.threads = 0
+        """Runtime threads the library's thread runs on (set there: torch keeps a count per
+        thread); 0: as it is."""
+        self.closing = False
+        """The batch is being stopped: its last steps pass no gate."""
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(-1)
 
     def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:  # type: ignore[type-arg]
         slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
+        self.rows = len(slots)
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         self._enter()
         return torch.tensor(slots, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
-        rows = scores.size(0)
+        rows = min(self.rows, scores.size(0))
         slots = tensor_arg[:rows].tolist()
-        host = scores.detach().float().cpu().numpy()
-        picked = torch.full_like(scores, -math.inf)
+        host = scores[:rows].detach().float().cpu().numpy()
+        picked = scores.clone()  # the rows past `rows` are the library's to drop
+        picked[:rows] = -math.inf
         for row, slot in enumerate(slots):
             seq = self.sequences.get(slot)
             if seq is None:  # cancelled since this step was formed: any token, it is dropped
@@ -141,7 +158,7 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         return min(going, default=math.inf)
 
     def _enter(self) -> None:
-        if self.gate is None:
+        if self.gate is None or self.closing:
             return
         with self.lock:
             if self.holding:  # a step formed with no token to pick (a prefill chunk)
@@ -152,6 +169,9 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         entered = self.gate.enter(self.gate_slot, deadline if math.isfinite(deadline) else time.monotonic())
         self.waited += time.monotonic() - t0
         with self.lock:
+            if entered and self.closing:  # released while it waited: hold nothing past the stop
+                self.gate.idle(self.gate_slot)
+                entered = False
             self.holding = entered
 
     def _leave(self) -> None:
@@ -161,6 +181,14 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             if self.holding:
                 self.gate.leave(self.gate_slot, self._deadline())
                 self.holding = False
+
+    def release(self) -> None:
+        """Give back whatever this batch holds of the gate (its thread is gone or going)."""
+        with self.lock:
+            self.closing = True
+            if self.gate is not None:
+                self.gate.idle(self.gate_slot)
+            self.holding = False
 
     def forget(self, slot: int) -> None:
         """A request left the batch (ended, failed or cancelled): when it was the last, take
@@ -187,11 +215,14 @@ class ContinuousBatcher:
         self.eos_ids = sorted(engine.eos_ids)
         self.guides = Guides(engine.tokenizer, int(engine.model.config.vocab_size), self.eos_ids)
         generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
-        blocks = max(2, -(-kv_tokens // BLOCK_TOKENS))
+        self.kv_tokens = kv_tokens
+        """The longest prompt + completion it takes (a longer one alone would stop the library:
+        it has nothing to evict to make room)."""
+        blocks = -(-kv_tokens // BLOCK_TOKENS) + -(-kv_tokens // STEP_TOKENS) + 1
         config = ContinuousBatchingConfig(
             block_size=BLOCK_TOKENS,
             num_blocks=blocks,
-            max_batch_tokens=min(blocks * BLOCK_TOKENS, 2048),
+            max_batch_tokens=STEP_TOKENS,
             max_requests_per_batch=max_batch,
             max_memory_percent=0.9,
             use_cuda_graph=False,  # the sampler is Python on the host: see the module's docstring
@@ -219,6 +250,15 @@ class ContinuousBatcher:
     def waited(self) -> float:
         return self.sampling.waited
 
+    @property
+    def alive(self) -> bool:
+        """Its thread runs (an error inside the library ends it, and every request with it)."""
+        return bool(self.manager.is_running())
+
+    def set_threads(self, threads: int) -> None:
+        """The runtime threads its steps run on, from the next step."""
+        self.sampling.threads = threads
+
     def add(
         self,
         request_id: str,
@@ -228,6 +268,11 @@ class ContinuousBatcher:
     ) -> None:
         if not self.manager.is_running():
             raise RuntimeError("the continuous batch has stopped")
+        if len(prompt_ids) + params.max_tokens > self.kv_tokens:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({params.max_tokens}) exceed this "
+                f"worker's KV cache of {self.kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
+            )
         slot = self._next_slot
         self._next_slot += 1
         guided = self.guides.start(params.guide) if params.guide is not None else None
@@ -272,7 +317,8 @@ class ContinuousBatcher:
             if before is not None:  # two results of one request in one look: one step
                 step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
             out[step.request_id] = step
-        if self._slots and not self.manager.is_running():  # the library's thread died
+        if not self.manager.is_running():  # the library's thread died (its log says why)
+            self.sampling.release()
             for rid in list(self._slots):
                 out[rid] = Step(rid, (), None, "the continuous batch stopped")
                 self._forget(rid)
@@ -312,6 +358,7 @@ class ContinuousBatcher:
 
     def close(self) -> None:
         """Stop the library's thread (requests still running end with it) and free the cache."""
+        self.sampling.release()  # its last steps pass no gate, and it holds none
         self.manager.stop(block=True, timeout=30, hard_stop=True)
         for slot in list(self._slots.values()):
             self.sampling.forget(slot)

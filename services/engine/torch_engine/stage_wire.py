@@ -87,6 +87,7 @@ class StageServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sessions: set[str] = set()  # dropped when the asker goes, whether it said so or not
         try:
             while True:
                 try:
@@ -99,6 +100,7 @@ class StageServer:
                             self.stage.drop(frame.session)
                             await _send(writer, StageFrame(frame.session, "result"))
                             continue
+                        sessions.add(frame.session)
                         x = _from_bytes(frame.dtype, frame.shape, data)
                         y = await asyncio.to_thread(self.stage.forward, frame.session, x)
                         self.steps += 1
@@ -109,6 +111,8 @@ class StageServer:
                 except Exception as e:  # this step fails, told to the asker; the stage serves on
                     await _send(writer, StageFrame(frame.session, "result", error=f"{type(e).__name__}: {e}"))
         finally:
+            for session in sessions:
+                self.stage.drop(session)
             writer.close()
 
 
@@ -122,7 +126,11 @@ class Pipeline:
     async def __aenter__(self) -> Pipeline:
         for addr in self.addrs:
             host, port = addr.rsplit(":", 1)
-            self._conns.append(await asyncio.wait_for(asyncio.open_connection(host, int(port)), TIMEOUT_S))
+            try:
+                self._conns.append(await asyncio.wait_for(asyncio.open_connection(host, int(port)), TIMEOUT_S))
+            except (OSError, TimeoutError) as e:
+                await self.__aexit__()
+                raise StageFailed(f"stage {addr}: {type(e).__name__}: {e}") from e
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -133,8 +141,13 @@ class Pipeline:
     async def _step(self, session: str, x: torch.Tensor) -> torch.Tensor:
         for (reader, writer), addr in zip(self._conns, self.addrs, strict=True):
             dtype, shape, data = _to_bytes(x)
-            await _send(writer, StageFrame(session, "forward", dtype, shape, len(data)), data)
-            frame, out = await asyncio.wait_for(_recv(reader), TIMEOUT_S)
+            try:
+                await _send(writer, StageFrame(session, "forward", dtype, shape, len(data)), data)
+                frame, out = await asyncio.wait_for(_recv(reader), TIMEOUT_S)
+            except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
+                # A late answer would be read as the next one's: no connection is used again.
+                await self.__aexit__()
+                raise StageFailed(f"stage {addr}: {type(e).__name__}: {e}") from e
             if frame.error:
                 raise StageFailed(f"stage {addr}: {frame.error}")
             x = _from_bytes(frame.dtype, frame.shape, out)

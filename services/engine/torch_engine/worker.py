@@ -68,6 +68,11 @@ class Batch(Protocol):
     @property
     def waited(self) -> float: ...
 
+    @property
+    def alive(self) -> bool: ...
+
+    def set_threads(self, threads: int) -> None: ...
+
     def add(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
     ) -> None: ...
@@ -166,6 +171,9 @@ class TorchWorker:
         if self.engine is None or self.batch is None:
             self.conn.send(Failure(run.request_id, "no model loaded in this worker"))
             return
+        if not self.batch.alive:  # an error inside the library ended it (its requests failed): anew
+            self.batch.close()
+            self.batch = self._new_batch(self.engine, torch.get_num_threads())
         tokenizer = self.engine.tokenizer
         text = TextStream(
             lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)),
@@ -204,7 +212,7 @@ class TorchWorker:
             threads = min(threads, len(cmd.cores))
         torch.set_num_threads(threads)
         self.engine = TorchEngine.start(checkpoint, self.arena)
-        self.batch = ContinuousBatcher(self.engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
+        self.batch = self._new_batch(self.engine, threads)
         self.artifact = cmd.artifact
         self.conn.send(
             Loaded(
@@ -215,10 +223,17 @@ class TorchWorker:
             )
         )
 
+    def _new_batch(self, engine: TorchEngine, threads: int) -> Batch:
+        batch = ContinuousBatcher(engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
+        batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
+        return batch
+
     def _unpin(self) -> None:
         if os.sched_getaffinity(0) != self.all_cores:
             pin_all_threads(self.all_cores)
         torch.set_num_threads(self.threads)
+        if self.batch is not None:
+            self.batch.set_threads(self.threads)
 
     def _cancel(self, request_id: str) -> None:
         live = self.live.pop(request_id, None)
@@ -233,6 +248,7 @@ class TorchWorker:
         if self.batch is None:
             return
         ended: list[tuple[_Live, FinishReason]] = []
+        failed: list[Failure] = []
         chunks: list[Chunk] = []
         for step in self.batch.steps(timeout):
             live = self.live.get(step.request_id)
@@ -245,12 +261,14 @@ class TorchWorker:
             live.pieces.clear()
             if step.error:
                 del self.live[step.request_id]
-                self.conn.send(Failure(step.request_id, step.error))
+                failed.append(Failure(step.request_id, step.error))
             elif finish is not None:
                 del self.live[step.request_id]
                 ended.append((live, finish))
         if chunks:
             self.conn.send(Chunks(tuple(chunks)))
+        for failure in failed:  # after the text it had: the engine ends its stream at a Failure
+            self.conn.send(failure)
         for live, finish in ended:
             self._done(live, finish)
 
