@@ -154,6 +154,10 @@ class TensorArena:
     def resident(self, digest: str) -> Resident | None:
         return self._residents.get(digest)
 
+    def digests(self) -> frozenset[str]:
+        """Every tensor resident (in use or idle), by content hash."""
+        return frozenset(self._residents)
+
     def resident_bytes(self) -> int:
         return sum(r.nbytes for r in self._residents.values())
 

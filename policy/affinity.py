@@ -17,6 +17,9 @@ Pure: sizes in, seconds out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+
 
 def load_time_s(model_bytes: int, reusable_bytes: int, bandwidth_bps: float) -> float:
     """Eq. 3: seconds to bring the model's missing tensors onto the node."""
@@ -32,3 +35,18 @@ def start_s_if_fits(
     if free_bytes + reusable_bytes < need_bytes:
         return None
     return init_s + load_time_s(model_bytes, reusable_bytes, bandwidth_bps)
+
+
+def most_reused(candidates: Mapping[str, AbstractSet[str]], tensors: Mapping[str, int]) -> tuple[str, int] | None:
+    """Tangram §3.1 within a node: of idle workers whose tensor arenas hold the tensors in
+    `candidates` (worker → content hashes), the one that holds the most bytes of the model to
+    start (`tensors`: content hash → bytes), and those bytes (S' of eq. 3, which a load there
+    does not read). None where no candidate holds any of them. Ties go to the first name in
+    sorted order, so the choice is deterministic."""
+    best: tuple[str, int] | None = None
+    for name in sorted(candidates):
+        held = candidates[name]
+        reused = sum(nbytes for digest, nbytes in tensors.items() if digest in held)
+        if reused > 0 and (best is None or reused > best[1]):
+            best = (name, reused)
+    return best

@@ -8,6 +8,7 @@ main process, the loader and the converter all agree on them cheaply.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,21 @@ def torch_checkpoint(artifact: Artifact) -> Path:
 def has_torch_checkpoint(artifact: Artifact) -> bool:
     """Written whole or not at all (the manifest is written last, and the directory renamed into place)."""
     return (torch_checkpoint(artifact) / TORCH_MANIFEST).is_file()
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+
+
+def torch_tensor_bytes(artifact: Artifact) -> dict[str, int]:
+    """The artifact's torch tensors as content hash → bytes (its checkpoint's manifest), for
+    matching them against what a tensor arena holds; empty without a checkpoint."""
+    path = torch_checkpoint(artifact) / TORCH_MANIFEST
+    if not path.is_file():
+        return {}
+    out: dict[str, int] = {}
+    for t in json.loads(path.read_text())["tensors"]:
+        out[t["digest"]] = int(np.prod(t["shape"], dtype=np.int64)) * _ITEMSIZE[t["dtype"]]
+    return out
 
 
 def has_tier(artifact: Artifact, device: str, tier: Tier) -> bool:

@@ -228,7 +228,9 @@ class ColdStartRecorded(Message, frozen=True):
     loaded_from_cache: bool = False
     source: str = "store"
     """Where the weights came from: "resident" (a worker kept them after scale-to-zero),
-    "host" (the loader's host cache) or "store" (the model store on disk)."""
+    "arena" (a torch worker idle with another model rebound to this one, its tensors shared by
+    content hash read from nowhere: Tangram §3.1), "host" (the loader's host cache) or "store"
+    (the model store on disk)."""
     stage_s: float = 0.0
     """Of Load: asking the loader for the blob (a host-cache hit verifies every block)."""
     worker_load_s: float = 0.0

@@ -70,7 +70,8 @@ class Bound:
     loaded_from_cache: bool
     resident: Resident
     source: str
-    """Where its load read the blob: "host" (the loader's cache) or "store"."""
+    """Where its load read the blob: "host" (the loader's cache), "store", or "arena" (a
+    torch worker rebound from another model, its shared tensors already there)."""
     stage_s: float = 0.0
     worker_load_s: float = 0.0
     load_threads: int = 0
@@ -82,6 +83,9 @@ class Bound:
     kv_allocated_bytes: int = 0
     """The worker's KV cache as its core last reported it (inside its RSS; the instances' KV
     reservations count it)."""
+    tensors: frozenset[str] = frozenset()
+    """Content hashes of what its worker's tensor arena holds (a torch worker; empty on
+    OpenVINO's): another model sharing them may be bound to this worker once it is idle."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ import time
 
 from nats.aio.msg import Msg
 
+from policy.affinity import most_reused
 from policy.eviction import Resident
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from services.engine.memory import KvMemory
@@ -33,7 +34,7 @@ from services.engine.node import Bound, PendingColdStart, Served
 from services.engine.worker_pool import Worker
 from services.engine.worker_wire import Loaded, TieredUp
 from shared import subjects
-from shared.artifact import has_tier
+from shared.artifact import has_tier, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -187,6 +188,10 @@ class Starts(KvMemory):
                 r.last_used = now
                 POOL_HITS.inc()
                 return bound, True, time.monotonic()
+            if self.settings.engine_backend == "torch":
+                rebound = await self._rebind(artifact)
+                if rebound is not None:
+                    return rebound, False, time.monotonic()
             weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
             await self._reserve(f"weights:{aid}", weights)
             try:
@@ -220,8 +225,59 @@ class Starts(KvMemory):
                 loaded.load_s,
                 loaded.threads,
                 weights,
+                tensors=frozenset(loaded.resident),
             )
             return bound, False, t_load
+
+    async def _rebind(self, artifact: Artifact) -> Bound | None:
+        """Tangram §3.1 on a torch node: the idle worker whose arena holds the most of this
+        model's tensors by content hash (a fine-tune's base, or the same weights under another
+        artifact) is bound to it, reading only the rest; the model it held stops being
+        resident (its tensors stay in that arena, idle, until evicted). None where no idle
+        worker shares any tensor: a pre-warmed one loads it."""
+        tensors = await asyncio.to_thread(torch_tensor_bytes, artifact)
+        idle = {
+            key: b.tensors for key, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead and b.tensors
+        }
+        choice = most_reused(idle, tensors)
+        if choice is None:
+            return None
+        key, shared = choice
+        old = self.bound.pop(key)  # no await since the check: nobody took it meanwhile
+        await self._release_memory(f"weights:{key}")
+        aid = artifact.artifact_id
+        weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
+        await self._reserve(f"weights:{aid}", weights)
+        try:
+            old.worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+            loaded, _ = await self._load(old.worker, artifact, Tier.STEADY, None)
+            await self._memory_done(f"weights:{aid}")
+        except BaseException:
+            await self._release_memory(f"weights:{aid}")
+            await asyncio.to_thread(old.worker.stop)  # bound to neither model now
+            raise
+        log.info(
+            "%s bound to the idle worker of %s: %d of its bytes were in that worker's arena",
+            aid,
+            key,
+            loaded.reused_bytes,
+            extra={"artifact": aid, "reused_bytes": loaded.reused_bytes, "expected_bytes": shared},
+        )
+        now = time.time()
+        bound = self.bound[aid] = Bound(
+            old.worker,
+            artifact,
+            loaded.loaded_from_cache,
+            Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1),
+            "arena",
+            0.0,
+            loaded.load_s,
+            loaded.threads,
+            weights,
+            tensors=frozenset(loaded.resident),
+        )
+        self._update_gauges()
+        return bound
 
     async def _load(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None

@@ -35,6 +35,12 @@ class Loaded:
     threads: int = 0
     """The threads the runtime was given for the load and the start tier (a share of the
     node's cores beside busy instances: `Load.cores`), as the compiled model reports them."""
+    reused_bytes: int = 0
+    """Weights the load found resident in the worker's tensor arena, by content hash, and did
+    not read (a torch worker; Tangram §3.1's S')."""
+    resident: tuple[str, ...] = ()
+    """Content hashes of every tensor in the worker's arena after the load (a torch worker):
+    what a later start of another model on this worker would not read."""
 
 
 @dataclass(frozen=True)

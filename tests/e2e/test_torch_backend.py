@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +25,7 @@ pytest.importorskip("torch", reason="the torch engine needs torch (the `test` ex
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ops.localcluster import LocalCluster
+from ops.localcluster import LocalCluster, default_model_path
 from services.gateway.tokenizers import Tokenizers
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint
 from shared.messages import Artifact
@@ -186,3 +187,33 @@ def test_a_torch_node_enforces_structured_output(client: openai.OpenAI, artifact
     assert reply.choices[0].finish_reason == "stop"
     parsed = json.loads(reply.choices[0].message.content or "")
     assert set(parsed) == {"answer", "sure"} and isinstance(parsed["sure"], bool)
+
+
+def test_a_model_sharing_an_idle_models_tensors_is_bound_to_its_worker(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """Tangram §3.1 within a node: a second artifact with the same tensors (the default GGUF
+    with bytes appended: a stand-in for a fine-tune sharing its base) starts on the torch
+    worker that the first model left idle, reading none of them, and answers as it does."""
+    expected, _, _ = transformers_greedy(torch_checkpoint(artifact), gateway_prompt_ids(artifact))
+
+    def worker_of(model: str) -> int:
+        status = httpx.get(f"{torch_cluster.base_url}/admin/instances", timeout=10).json()
+        return next(i["worker_pid"] for n in status["nodes"] for i in n["instances"] if i["model"] == model)
+
+    first = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert first.choices[0].message.content == expected
+    pid = worker_of(NAME)
+    wait_for(lambda: NAME not in loaded_models(torch_cluster), 30, f"{NAME} to scale to zero")
+
+    variant = tmp_path / "variant.gguf"
+    shutil.copyfile(default_model_path(), variant)
+    with variant.open("ab") as f:
+        f.write(b"tessera-variant")
+    record = register(torch_cluster, "smollm-torch-variant", keep_alive_s=1.0, source=str(variant))
+    assert record["artifact"]["artifact_id"] != artifact.artifact_id  # type: ignore[index]  (another artifact)
+    reply = client.chat.completions.create(model="smollm-torch-variant", messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert reply.choices[0].message.content == expected
+    assert worker_of("smollm-torch-variant") == pid  # the idle worker, not a fresh one
+    (start,) = cold_starts(torch_cluster, "smollm-torch-variant")
+    assert start["source"] == "arena", start

@@ -1,6 +1,6 @@
 import pytest
 
-from policy.affinity import load_time_s, start_s_if_fits
+from policy.affinity import load_time_s, most_reused, start_s_if_fits
 
 GB = 10**9
 
@@ -14,3 +14,15 @@ def test_resident_tensors_count_toward_the_room_a_start_needs() -> None:
     # 16 GB needed, 4 GB free: only with the model's 14 GB still resident does it fit.
     assert start_s_if_fits(4 * GB, 0, 14 * GB, 16 * GB, 2 * GB) is None
     assert start_s_if_fits(4 * GB, 14 * GB, 14 * GB, 16 * GB, 2 * GB, init_s=0.5) == pytest.approx(0.5)
+
+
+def test_the_idle_worker_holding_most_of_a_fine_tune_is_the_one_reused() -> None:
+    # A fine-tune shares its base's embedding and first layers (Tangram §3.1: matched by
+    # content hash); only its changed layers differ.
+    base = {"embed": 400, "l0": 100, "l1": 100, "l2": 100}
+    tune = {"embed": 400, "l0": 100, "l1": 100, "l2*": 100}
+    workers = {"w-base": set(base), "w-other": {"x", "l0"}, "w-empty": set()}
+    assert most_reused(workers, tune) == ("w-base", 600)
+    assert load_time_s(sum(tune.values()), 600, 100.0) == 1.0  # eq. 3: only the changed layer
+    assert most_reused({"w-other": {"x"}}, tune) is None  # nothing shared: a fresh worker
+    assert most_reused({"b": {"l0"}, "a": {"l1"}}, tune) == ("a", 100)  # a tie: by name

@@ -127,6 +127,7 @@ def test_a_released_model_stays_resident_and_its_restart_copies_nothing() -> Non
     first = arena.load(groups_of(image), image)
     arena.release(first)
     assert len(arena.idle()) == len(image.specs)
+    assert arena.digests() == {s.digest for s in image.specs}  # what a worker reports it holds
     again = arena.load(groups_of(image), image)
     assert again.copied_bytes == 0 and again.transfers == 0
     assert again.reused_bytes == sum(s.nbytes for s in image.specs)

@@ -253,6 +253,7 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
 
     class Started:
         tokenizer = Tokenizer()
+        loaded = type("Loaded", (), {"reused_bytes": 0})()
 
         @staticmethod
         def start(checkpoint: object, arena: object) -> Started:

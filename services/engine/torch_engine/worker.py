@@ -220,6 +220,8 @@ class TorchWorker:
                 loaded_from_cache=True,
                 load_s=time.monotonic() - t0,
                 threads=torch.get_num_threads(),
+                reused_bytes=self.engine.loaded.reused_bytes,
+                resident=tuple(sorted(self.arena.digests())),
             )
         )
 
