@@ -238,7 +238,9 @@ class EngineNode:
     async def _evict(self, keys: list[str]) -> int:
         freed = 0
         for key in keys:
-            bound = self.bound.pop(key)
+            bound = self.bound.pop(key, None)
+            if bound is None:  # gone while an earlier one stopped (rebound to another model)
+                continue
             await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
             freed += bound.resident.nbytes
             await self._release_memory(f"weights:{key}")
