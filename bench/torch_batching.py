@@ -16,6 +16,9 @@ three ways, side by side in one run:
 - `one_at_a_time`: the engine's one-request path, the requests one after another (the torch
   worker before it batched), for c <= 4.
 
+On a CUDA machine the same command measures the GPU in bfloat16 (the library's side with its
+CUDA graphs; the engine's batch samples on the host, so it has none).
+
 Output tokens per second from the first request sent to the last token. Prints one JSON object
 and writes `<out>/torch_batching.json` and `.png`. On a CUDA machine the same run measures the
 GPU (`device` says which); the committed result is this host's CPU.
@@ -117,10 +120,13 @@ def run_one_at_a_time(engine: TorchEngine, batch: list[list[int]], tokens: int) 
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the `bench` extra is not installed: the JSON alone
+        return
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, label in (("tessera", "Tessera torch batch"), ("library", "transformers CB, one process")):
@@ -131,7 +137,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests at once")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"torch engine, SmolLM2-135M float32, {result['device']}")
+    ax.set_title(f"torch engine, SmolLM2-135M {result['dtype']}, {result['device']}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -148,10 +154,13 @@ def main() -> None:
     load_before = os.getloadavg()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
 
+    # bfloat16 on a GPU (what a torch node registers there); float32 on the host, whose matmuls
+    # have no fast bfloat16 path.
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with tempfile.TemporaryDirectory(prefix="tessera-torch-bench-") as tmp:
-        checkpoint = materialize(default_model_path(), Path(tmp) / "smol", dtype=torch.float32)
+        checkpoint = materialize(default_model_path(), Path(tmp) / "smol", dtype=dtype)
         engine = TorchEngine.start(checkpoint, TensorArena(1 << 30))
-        library: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        library: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
         library = library.to(engine.device).eval()
         result: dict[str, Any] = {"tessera": {}, "library": {}, "one_at_a_time": {}, "ratio_tessera_over_library": {}}
         for c in crowds:
@@ -172,6 +181,7 @@ def main() -> None:
         {
             "device": device,
             "tokens_per_request": args.tokens,
+            "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "speedup_over_one_at_a_time": result["tessera"][top] / result["one_at_a_time"]["1"]
             if "1" in result["one_at_a_time"]
