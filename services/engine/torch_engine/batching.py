@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -123,35 +125,37 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
         rows = min(self.rows, scores.size(0))
         slots = tensor_arg[:rows].tolist()
-        host = scores[:rows].detach().float().cpu().numpy()
+        host = scores[:rows].detach().float().cpu().numpy()  # one copy for the step's rows
+        tokens = [self._pick(slot, host[row]) for row, slot in enumerate(slots)]
         picked = scores.clone()  # the rows past `rows` are the library's to drop
         picked[:rows] = -math.inf
-        for row, slot in enumerate(slots):
-            seq = self.sequences.get(slot)
-            if seq is None:  # cancelled since this step was formed: any token, it is dropped
-                picked[row, int(host[row].argmax())] = 0.0
-                continue
-            try:
-                logits = host[row] if seq.guided is None else seq.guided.mask(host[row])
-                token = seq.sampler.pick(logits, seq.context)
-                if seq.guided is not None:
-                    seq.guided.accept(token)
-                logprob = None
-                if seq.params.logprobs >= 0 and seq.sampler.adjusted is not None:
-                    logprob = token_logprob(seq.sampler.adjusted, token, seq.params.logprobs)
-            except Exception as e:  # this request fails (at its next result); the batch goes on
-                seq.error = f"{type(e).__name__}: {e}"
-                seq.ends = True
-                picked[row, int(host[row].argmax())] = 0.0
-                continue
-            seq.context.append(token)
-            seq.logprobs.append(logprob)
-            seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (
-                token in seq.eos_ids and not seq.params.ignore_eos
-            )
-            picked[row, token] = 0.0
+        # One write for the step, not one per row (each is a kernel launch on a GPU).
+        index = torch.tensor(tokens, dtype=torch.long).to(picked.device).unsqueeze(1)
+        picked[:rows].scatter_(1, index, 0.0)
         self._leave()
         return picked  # type: ignore[return-value]
+
+    def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
+        """The row's token, picked by its request's sampler (and grammar), recorded for it."""
+        seq = self.sequences.get(slot)
+        if seq is None:  # cancelled since this step was formed: any token, it is dropped
+            return int(logits.argmax())
+        try:
+            masked = logits if seq.guided is None else seq.guided.mask(logits)
+            token = seq.sampler.pick(masked, seq.context)
+            if seq.guided is not None:
+                seq.guided.accept(token)
+            logprob = None
+            if seq.params.logprobs >= 0 and seq.sampler.adjusted is not None:
+                logprob = token_logprob(seq.sampler.adjusted, token, seq.params.logprobs)
+        except Exception as e:  # this request fails (at its next result); the batch goes on
+            seq.error = f"{type(e).__name__}: {e}"
+            seq.ends = True
+            return int(logits.argmax())
+        seq.context.append(token)
+        seq.logprobs.append(logprob)
+        seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in seq.eos_ids and not seq.params.ignore_eos)
+        return token
 
     def _deadline(self) -> float:
         going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
