@@ -83,30 +83,25 @@ def test_policy_is_pure() -> None:
     assert not bad, sorted(bad)
 
 
-def test_the_torch_worker_runs_without_openvino() -> None:
-    # A GPU node's image may hold torch and no OpenVINO: the torch worker's process (what the
-    # engine spawns for it) must not import it, not even through the engine's shared modules.
+def loaded_by(modules: str, runtimes: tuple[str, ...]) -> list[str]:
+    """Which of `runtimes` a fresh interpreter has loaded after importing `modules`."""
+    import ast
     import subprocess
     import sys
 
-    probe = (
-        "import sys; import services.engine.torch_engine.process, services.engine.torch_engine.worker; "
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('openvino')}))"
-    )
+    probe = f"import sys; import {modules}; print(sorted({{m.split('.')[0] for m in sys.modules if m.startswith({runtimes!r})}}))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    return list(ast.literal_eval(out.stdout))
+
+
+def test_the_torch_worker_runs_without_openvino() -> None:
+    # A GPU node's image may hold torch and no OpenVINO: the torch worker's process (what the
+    # engine spawns for it) must not import it, not even through the engine's shared modules.
+    assert loaded_by("services.engine.torch_engine.process, services.engine.torch_engine.worker", ("openvino",)) == []
 
 
 def test_the_engine_service_imports_no_runtime() -> None:
     # The engine's main process spawns workers of either runtime and runs neither itself: on
     # a torch node it must start without OpenVINO, and on a CPU node without torch (its
     # workers import theirs). tests/e2e/test_torch_backend.py checks the running processes.
-    import subprocess
-    import sys
-
-    probe = (
-        "import sys; import services.engine.__main__; "
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('openvino', 'torch', 'transformers'))}))"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    assert loaded_by("services.engine.__main__", ("openvino", "torch", "transformers")) == []
