@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions, over_budget
 from policy.kv_account import KvAccount
 from policy.kv_watermark import floor_tokens
@@ -176,6 +177,8 @@ class EngineNode:
         self._perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
         self._footprints: dict[str, int] = {}
+        self.tensor_bytes: dict[str, dict[str, int]] = {}
+        """A torch node's artifacts started here: content hash → bytes of each tensor."""
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
         self._core_build_s = 0.0
@@ -278,6 +281,19 @@ class EngineNode:
             cancelled.by_client = cancelled.by_client or by_client
             bound.worker.cancel(request_id)
 
+    def _resident(self) -> tuple[str, ...]:
+        """Artifacts a start here would read nothing of: those of idle bound workers, and on a
+        torch node those whose every tensor an idle worker's arena holds (a model whose worker
+        was rebound to another with the same weights: a start binds it back, Tangram §3.1)."""
+        idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        out = set(idle)
+        for aid, tensors in self.tensor_bytes.items():
+            if aid not in self.bound and tensors:
+                best = most_reused(idle, tensors)
+                if best is not None and best[1] == sum(tensors.values()):
+                    out.add(aid)
+        return tuple(sorted(out))
+
     def status(self) -> NodeStatus:
         return NodeStatus(
             node_id=self.node,
@@ -301,7 +317,7 @@ class EngineNode:
             memory_budget_bytes=self._memory_seen[0],
             memory_used_bytes=self._memory_seen[1],
             kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
-            resident=tuple(aid for aid, b in self.bound.items() if b.resident.users == 0),
+            resident=self._resident(),
             perf=tuple(
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self._perf.items()

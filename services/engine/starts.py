@@ -235,7 +235,7 @@ class Starts(KvMemory):
         artifact) is bound to it, reading only the rest; the model it held stops being
         resident (its tensors stay in that arena, idle, until evicted). None where no idle
         worker shares any tensor: a pre-warmed one loads it."""
-        tensors = await asyncio.to_thread(torch_tensor_bytes, artifact)
+        tensors = self.tensor_bytes[artifact.artifact_id] = await asyncio.to_thread(torch_tensor_bytes, artifact)
         idle = {
             key: b.tensors for key, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead and b.tensors
         }

@@ -215,5 +215,24 @@ def test_a_model_sharing_an_idle_models_tensors_is_bound_to_its_worker(
     reply = client.chat.completions.create(model="smollm-torch-variant", messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
     assert reply.choices[0].message.content == expected
     assert worker_of("smollm-torch-variant") == pid  # the idle worker, not a fresh one
-    (start,) = cold_starts(torch_cluster, "smollm-torch-variant")
+    (start,) = wait_for(lambda: cold_starts(torch_cluster, "smollm-torch-variant"), 30, "the variant's cold start")
     assert start["source"] == "arena", start
+
+    # Both idle now: the node says either would start here reading nothing (the scheduler's
+    # affinity), and the first model binds back to the same worker.
+    wait_for(lambda: "smollm-torch-variant" not in loaded_models(torch_cluster), 30, "the variant to scale to zero")
+    both = {artifact.artifact_id, record["artifact"]["artifact_id"]}  # type: ignore[index]
+
+    def resident() -> set[str]:
+        (node,) = httpx.get(f"{torch_cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+        return set(node["resident"])
+
+    wait_for(lambda: both <= resident(), 30, "both artifacts reported resident", detail=resident)
+    again = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert again.choices[0].message.content == expected
+    assert worker_of(NAME) == pid
+    wait_for(
+        lambda: any(s["source"] == "arena" for s in cold_starts(torch_cluster, NAME)),
+        30,
+        f"a start of {NAME} from the arena",
+    )
