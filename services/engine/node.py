@@ -177,10 +177,10 @@ class EngineNode:
         self._perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
         self._footprints: dict[str, int] = {}
-        self.tensor_bytes: dict[str, dict[str, int]] = {}
-        """A torch node's artifacts started here: content hash → bytes of each tensor."""
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
+        self.tensor_bytes: dict[str, dict[str, int]] = {}
+        """A torch node's artifacts started here: content hash → bytes of each tensor."""
         self._core_build_s = 0.0
         """How long the last core build on this node took (`TieredUp.load_s`): what a new
         instance's build costs its neighbours' decode rounds, as placement prices it."""
@@ -281,11 +281,16 @@ class EngineNode:
             cancelled.by_client = cancelled.by_client or by_client
             bound.worker.cancel(request_id)
 
+    def idle_tensors(self) -> dict[str, frozenset[str]]:
+        """Each idle bound worker (by its artifact) with what its tensor arena holds (nothing on
+        an OpenVINO worker)."""
+        return {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+
     def _resident(self) -> tuple[str, ...]:
         """Artifacts a start here would read nothing of: those of idle bound workers, and on a
         torch node those whose every tensor an idle worker's arena holds (a model whose worker
         was rebound to another with the same weights: a start binds it back, Tangram §3.1)."""
-        idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        idle = self.idle_tensors()
         out = set(idle)
         for aid, tensors in self.tensor_bytes.items():
             if aid not in self.bound and tensors:

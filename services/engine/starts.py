@@ -213,21 +213,28 @@ class Starts(KvMemory):
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
-            resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
             source = "host" if staged and staged.hit else "store"
-            bound = self.bound[aid] = Bound(
-                worker,
-                artifact,
-                loaded.loaded_from_cache,
-                resident,
-                source,
-                stage_s,
-                loaded.load_s,
-                loaded.threads,
-                weights,
-                tensors=frozenset(loaded.resident),
-            )
-            return bound, False, t_load
+            return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
+
+    def _bind(
+        self, worker: Worker, artifact: Artifact, loaded: Loaded, source: str, stage_s: float, weights: int, now: float
+    ) -> Bound:
+        """Record `worker` as bound to `artifact`, in use by the start that loaded it (`now`:
+        when that start began, its resident's first use)."""
+        aid = artifact.artifact_id
+        bound = self.bound[aid] = Bound(
+            worker,
+            artifact,
+            loaded.loaded_from_cache,
+            Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1),
+            source,
+            stage_s,
+            loaded.load_s,
+            loaded.threads,
+            weights,
+            tensors=frozenset(loaded.resident),
+        )
+        return bound
 
     async def _rebind(self, artifact: Artifact) -> Bound | None:
         """Tangram §3.1 on a torch node: the idle worker whose arena holds the most of this
@@ -235,17 +242,16 @@ class Starts(KvMemory):
         artifact) is bound to it, reading only the rest; the model it held stops being
         resident (its tensors stay in that arena, idle, until evicted). None where no idle
         worker shares any tensor: a pre-warmed one loads it."""
-        tensors = self.tensor_bytes[artifact.artifact_id] = await asyncio.to_thread(torch_tensor_bytes, artifact)
-        idle = {
-            key: b.tensors for key, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead and b.tensors
-        }
-        choice = most_reused(idle, tensors)
+        aid = artifact.artifact_id
+        tensors = self.tensor_bytes.get(aid)
+        if tensors is None:  # read once: an artifact never changes
+            tensors = self.tensor_bytes[aid] = await asyncio.to_thread(torch_tensor_bytes, artifact)
+        choice = most_reused(self.idle_tensors(), tensors)
         if choice is None:
             return None
         key, shared = choice
         old = self.bound.pop(key)  # no await since the check: nobody took it meanwhile
         await self._release_memory(f"weights:{key}")
-        aid = artifact.artifact_id
         weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
         await self._reserve(f"weights:{aid}", weights)
         try:
@@ -263,19 +269,7 @@ class Starts(KvMemory):
             loaded.reused_bytes,
             extra={"artifact": aid, "reused_bytes": loaded.reused_bytes, "expected_bytes": shared},
         )
-        now = time.time()
-        bound = self.bound[aid] = Bound(
-            old.worker,
-            artifact,
-            loaded.loaded_from_cache,
-            Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1),
-            "arena",
-            0.0,
-            loaded.load_s,
-            loaded.threads,
-            weights,
-            tensors=frozenset(loaded.resident),
-        )
+        bound = self._bind(old.worker, artifact, loaded, "arena", 0.0, weights, time.time())
         self._update_gauges()
         return bound
 

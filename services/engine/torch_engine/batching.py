@@ -69,7 +69,6 @@ class _Sequence:
     sampler: Sampler
     context: list[int]
     deadline: Callable[[int], float]
-    eos_ids: frozenset[int]
     guided: Guided | None = None
     """Its structured output's grammar (`guides.py`), None without one."""
     error: str = ""
@@ -91,9 +90,11 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
     no request goes on. Every gate call is made under `lock`, which `forget` takes too, so a
     cancel from the worker's thread can never leave a posting behind."""
 
-    def __init__(self, gate: StepGate | None = None, gate_slot: int = -1) -> None:
+    def __init__(self, eos_ids: frozenset[int], gate: StepGate | None = None, gate_slot: int = -1) -> None:
         self.supported_kwargs = {"slot": int}
         self.ignored_kwargs = ()
+        self.eos_ids = eos_ids
+        """The model's ends of sequence (a pick of one ends its request unless it ignores them)."""
         self.sequences: dict[int, _Sequence] = {}
         self.gate = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
@@ -154,7 +155,7 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             return int(logits.argmax())
         seq.context.append(token)
         seq.logprobs.append(logprob)
-        seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in seq.eos_ids and not seq.params.ignore_eos)
+        seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in self.eos_ids and not seq.params.ignore_eos)
         return token
 
     def _deadline(self) -> float:
@@ -214,8 +215,7 @@ class ContinuousBatcher:
         gate: StepGate | None = None,
         gate_slot: int = -1,
     ) -> None:
-        self.engine = engine
-        self.sampling = EngineSampling(gate, gate_slot)
+        self.sampling = EngineSampling(engine.eos_ids, gate, gate_slot)
         self.eos_ids = sorted(engine.eos_ids)
         self.guides = Guides(engine.tokenizer, int(engine.model.config.vocab_size), self.eos_ids)
         generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
@@ -239,7 +239,6 @@ class ContinuousBatcher:
         processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampling]))
         processors.tensors_required = 1
         self.manager.logit_processor = processors
-        self.kv_bytes = blocks * BLOCK_TOKENS * engine.kv_bytes_per_token
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
         """Tokens of each request already handed out by `steps`."""
@@ -280,9 +279,7 @@ class ContinuousBatcher:
         slot = self._next_slot
         self._next_slot += 1
         guided = self.guides.start(params.guide) if params.guide is not None else None
-        self.sampling.sequences[slot] = _Sequence(
-            params, Sampler.of(params), list(prompt_ids), deadline, frozenset(self.eos_ids), guided
-        )
+        self.sampling.sequences[slot] = _Sequence(params, Sampler.of(params), list(prompt_ids), deadline, guided)
         self._slots[request_id] = slot
         self._seen[request_id] = 0
         self.manager.add_request(
@@ -295,22 +292,18 @@ class ContinuousBatcher:
         )
 
     def cancel(self, request_id: str) -> None:
-        slot = self._slots.pop(request_id, None)
-        if slot is None:
-            return
-        self._seen.pop(request_id, None)
-        self.manager.cancel_request(request_id)
-        self.sampling.forget(slot)
+        if request_id in self._slots:
+            self.manager.cancel_request(request_id)
+            self._forget(request_id)
 
     def steps(self, timeout: float) -> list[Step]:
         """Every request's progress since the last call, waiting up to `timeout` for the first."""
         out: dict[str, Step] = {}
         wait: float | None = timeout
         while True:
+            outputs = self.manager.output_router.output_queue
             try:
-                result = self.manager.output_router.output_queue.get(timeout=wait) if wait else None
-                if result is None:
-                    result = self.manager.output_router.output_queue.get_nowait()
+                result = outputs.get(timeout=wait) if wait else outputs.get_nowait()
             except queue.Empty:
                 break
             wait = None
@@ -342,7 +335,7 @@ class ContinuousBatcher:
         finished = result.is_finished()  # type: ignore[attr-defined]
         finish = None
         if finished:
-            if tokens and tokens[-1] in seq.eos_ids and not seq.params.ignore_eos:
+            if tokens and tokens[-1] in self.sampling.eos_ids and not seq.params.ignore_eos:
                 tokens.pop()  # the end of sequence ends it; it is not part of the text
                 finish = FinishReason.STOP
             else:
@@ -364,6 +357,5 @@ class ContinuousBatcher:
         """Stop the library's thread (requests still running end with it) and free the cache."""
         self.sampling.release()  # its last steps pass no gate, and it holds none
         self.manager.stop(block=True, timeout=30, hard_stop=True)
-        for slot in list(self._slots.values()):
-            self.sampling.forget(slot)
-        self._slots.clear()
+        for rid in list(self._slots):
+            self._forget(rid)

@@ -105,7 +105,7 @@ def bind(
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None:
             out.weight = inp.weight
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"no tensor for {left[:5]} ({len(left)} in all)")
@@ -120,7 +120,7 @@ def bind(
     return BoundModel(model, loaded, waits)
 
 
-def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Buffers computed from the config (rotary frequencies) are not in a checkpoint: build
     those modules again on the device."""
     for name, module in list(model.named_modules()):

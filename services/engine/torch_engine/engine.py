@@ -58,14 +58,6 @@ class TorchEngine:
         self.eos_ids = frozenset(i for i in ids if i is not None)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """A token's keys and values in every layer, in the model's dtype."""
-        c = self.model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return int(2 * c.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize)
-
-    @property
     def loaded(self) -> Loaded:
         return self.bound.loaded
 

@@ -73,8 +73,6 @@ class StageServer:
         self.stage = stage
         self._lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
-        self.steps = 0
-        """Forward passes served."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._server = await asyncio.start_server(self._serve, host, port)
@@ -103,7 +101,6 @@ class StageServer:
                         sessions.add(frame.session)
                         x = _from_bytes(frame.dtype, frame.shape, data)
                         y = await asyncio.to_thread(self.stage.forward, frame.session, x)
-                        self.steps += 1
                     dtype, shape, out = _to_bytes(y)
                     await _send(writer, StageFrame(frame.session, "result", dtype, shape, len(out)), out)
                 except (ConnectionError, asyncio.IncompleteReadError):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from services.engine.torch_engine.binding import skeleton
-from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+from services.engine.torch_engine.binding import materialize_buffers, skeleton
+from services.engine.torch_engine.engine import read_manifest
+from shared.artifact import TORCH_WEIGHTS
 
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
@@ -103,8 +103,7 @@ class Stage:
         sub = copy.deepcopy(config)
         sub.num_hidden_layers = r.hi - r.lo
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        names = [t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]]
-        wanted = stage_tensors(names, r, tied)
+        wanted = stage_tensors([s.name for s in read_manifest(checkpoint)], r, tied)
         with safe_open(str(checkpoint / TORCH_WEIGHTS), framework="pt", device=device) as f:
             state = {mine: f.get_tensor(theirs) for theirs, mine in wanted.items()}
         dtype = next(iter(state.values())).dtype
@@ -116,8 +115,7 @@ class Stage:
         inner = model.model
         if not r.last:
             inner.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
-        # The rotary embedding's buffer was built on the meta device: build it for real.
-        inner.rotary_emb = type(inner.rotary_emb)(config=sub).to(device)
+        materialize_buffers(model, torch.device(device))  # the rotary frequencies, built on meta
         left = [n for n, p in model.named_parameters() if p.is_meta and not _unused(n, r)]
         if left:
             raise RuntimeError(f"stage [{r.lo}, {r.hi}) is missing {left[:3]}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
 
@@ -52,7 +52,7 @@ from services.engine.worker_wire import (
     TierUpNow,
 )
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+from shared.messages import FinishReason, SamplingParams, Tier
 
 POLL_S = 0.005
 """Longest the worker looks at the batch before it reads its pipe again (a step of a crowd
@@ -93,10 +93,10 @@ class _Live:
     started: float
     waited_at: float
     batch: int
+    waited_first: float
+    """The gate's wait counter at its first token (at its start until then)."""
     generated: int = 0
     first: float | None = None
-    waited_first: float = 0.0
-    pieces: list[Piece] = field(default_factory=list)
 
 
 def prewarm() -> None:
@@ -124,7 +124,6 @@ class TorchWorker:
         self.kv_tokens = kv_tokens
         self.engine: TorchEngine | None = None
         self.batch: Batch | None = None
-        self.artifact: Artifact | None = None
         self.live: dict[str, _Live] = {}
         self.all_cores = os.sched_getaffinity(0)
         self.threads = torch.get_num_threads()
@@ -182,8 +181,8 @@ class TorchWorker:
             time.monotonic,
         )
         self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline)
-        live = _Live(run, text, time.monotonic(), self.batch.waited, self.batch.active)
-        live.waited_first = live.waited_at
+        waited = self.batch.waited
+        live = _Live(run, text, time.monotonic(), waited, self.batch.active, waited)
         self.live[run.request_id] = live
         self.conn.send(Started(run.request_id, live.batch))
 
@@ -213,7 +212,6 @@ class TorchWorker:
         torch.set_num_threads(threads)
         self.engine = TorchEngine.start(checkpoint, self.arena)
         self.batch = self._new_batch(self.engine, threads)
-        self.artifact = cmd.artifact
         self.conn.send(
             Loaded(
                 # Nothing is compiled at start: the checkpoint was materialized at registration.
@@ -256,11 +254,10 @@ class TorchWorker:
             live = self.live.get(step.request_id)
             if live is None:
                 continue  # cancelled
-            finish = self._advance(live, step)
-            piece = live.text.end() if finish is not None else None
-            for p in [*live.pieces, *([piece] if piece is not None else [])]:
-                chunks.append(Chunk(step.request_id, p.text, p.tokens, p.logprobs))
-            live.pieces.clear()
+            finish, pieces = self._advance(live, step)
+            if finish is not None and (last := live.text.end()) is not None:
+                pieces.append(last)
+            chunks += [Chunk(step.request_id, p.text, p.tokens, p.logprobs) for p in pieces]
             if step.error:
                 del self.live[step.request_id]
                 failed.append(Failure(step.request_id, step.error))
@@ -274,21 +271,23 @@ class TorchWorker:
         for live, finish in ended:
             self._done(live, finish)
 
-    def _advance(self, live: _Live, step: Step) -> FinishReason | None:
-        """Take a step's tokens into the request's text; how it ended, if it did."""
+    def _advance(self, live: _Live, step: Step) -> tuple[FinishReason | None, list[Piece]]:
+        """Take a step's tokens into the request's text: how it ended, if it did, and the
+        pieces of text ready to send."""
         assert self.batch is not None
         live.batch = max(live.batch, len(self.live))  # the most requests its steps ran beside
+        pieces = []
         for token, logprob in step.tokens:
             live.generated += 1
             if live.first is None:
                 live.first, live.waited_first = time.monotonic(), self.batch.waited
             piece = live.text.add(token, logprob)
             if piece is not None:
-                live.pieces.append(piece)
+                pieces.append(piece)
             if live.text.stopped:  # a stop string: the rest of its computation goes too
                 self.batch.cancel(live.run.request_id)
-                return FinishReason.STOP
-        return step.finish
+                return FinishReason.STOP, pieces
+        return step.finish, pieces
 
     def _done(self, live: _Live, finish: FinishReason) -> None:
         waited = self.batch.waited if self.batch is not None else live.waited_at
