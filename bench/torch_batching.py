@@ -1,6 +1,8 @@
 """The torch engine's continuous batch against the engine library in one process.
 
     python -m bench.torch_batching [--crowds 1,4,16,32] [--tokens 64] [--out bench/results]
+    python -m bench.torch_batching --write-skeleton DIR    # the default model's config + tokenizer
+    python -m bench.torch_batching --skeleton DIR ...      # that architecture, random weights
 
 The default model's GGUF is materialized once into a float32 torch checkpoint (what a torch
 node's registration writes). For each crowd size c, c different chat prompts each generate
@@ -9,19 +11,23 @@ three ways, side by side in one run:
 
 - `tessera`: the torch worker's batch (`services/engine/torch_engine/batching.py`) on a model
   bound from the tensor arena: transformers' continuous batching, every token picked by the
-  engine's own seeded sampler on the host;
+  engine's own seeded sampler (the plain rows together on the device, `row_sampling.py`); on a
+  GPU each step replayed from a CUDA graph;
+- `tessera_no_graphs` (on a GPU only): the same batch with every step run eagerly;
 - `library`: transformers' continuous batching on the same checkpoint loaded the usual way
-  (`from_pretrained`), sampling with the library's own per-request processors on the device
-  (the peer: what the engine library does in one process);
+  (`from_pretrained`), sampling with the library's own per-request processors on the device,
+  with its CUDA graphs on a GPU (the peer: what the engine library does in one process);
 - `one_at_a_time`: the engine's one-request path, the requests one after another (the torch
   worker before it batched), for c <= 4.
 
-On a CUDA machine the same command measures the GPU in bfloat16 (the library's side with its
-CUDA graphs; the engine's batch samples on the host, so it has none).
+On a CUDA machine the same command measures the GPU in bfloat16.
 
-Output tokens per second from the first request sent to the last token. Prints one JSON object
-and writes `<out>/torch_batching.json` and `.png`. On a CUDA machine the same run measures the
-GPU (`device` says which); the committed result is this host's CPU.
+Output tokens per second from the first request sent to the last token, after an untimed
+warm-up round of the same crowd on the same batch (`WARM_TOKENS`). Prints one JSON object
+and writes `<out>/torch_batching.json` and `.png` (`torch_batching_gpu.*` on a GPU). On a CUDA machine the same run measures the
+GPU (`device` says which). The GPU machine has no room for the GGUF (what travels there is
+limited), so there the run takes `--skeleton`: the default model's config and tokenizer, written
+here by `--write-skeleton`, with random weights made on the spot (they cost the same to run).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from bench.common import machine_info, make_log
@@ -48,7 +54,7 @@ from cuda_ext import TensorArena
 from ops.localcluster import REPO_ROOT, default_model_path
 from services.engine.torch_engine.batching import BLOCK_TOKENS, ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine
-from services.loader.torch_checkpoint import materialize
+from services.loader.torch_checkpoint import materialize, write_checkpoint
 from shared.messages import SamplingParams
 
 log = make_log("torch_batching")
@@ -67,20 +73,29 @@ def params(i: int, tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
 
 
-def run_tessera(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
-    batcher = ContinuousBatcher(engine, max_batch=max(1, len(batch)), kv_tokens=KV_TOKENS)
+WARM_TOKENS = 8
+"""Each side first serves the same crowd this many tokens long, untimed: a server's batch lives
+on, so the timed round measures steps, not the first-use costs (CUDA graph captures, kernel
+autotuning) that the warm-up pays."""
+
+
+def run_tessera(engine: TorchEngine, batch: list[list[int]], tokens: int, graphs: bool | None = None) -> float:
+    batcher = ContinuousBatcher(engine, max_batch=max(1, len(batch)), kv_tokens=KV_TOKENS, graphs=graphs)
     try:
-        t0 = time.perf_counter()
-        for i, p in enumerate(batch):
-            batcher.add(f"r{i}", p, params(i, tokens))
-        made, ended = 0, 0
-        while ended < len(batch):
-            for step in batcher.steps(0.05):
-                if step.error:
-                    raise RuntimeError(step.error)
-                made += len(step.tokens)
-                ended += step.finish is not None
-        return made / (time.perf_counter() - t0)
+        rate = 0.0
+        for round, n in enumerate((min(WARM_TOKENS, tokens), tokens)):
+            t0 = time.perf_counter()
+            for i, p in enumerate(batch):
+                batcher.add(f"r{round}-{i}", p, params(i, n))
+            made, ended = 0, 0
+            while ended < len(batch):
+                for step in batcher.steps(0.05):
+                    if step.error:
+                        raise RuntimeError(step.error)
+                    made += len(step.tokens)
+                    ended += step.finish is not None
+            rate = made / (time.perf_counter() - t0)
+        return rate
     finally:
         batcher.close()
 
@@ -99,24 +114,43 @@ def run_library(model: Any, batch: list[list[int]], tokens: int) -> float:
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     manager.start()
     try:
-        t0 = time.perf_counter()
-        for i, p in enumerate(batch):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=tokens, eos_token_id=-1)
-        made = 0
-        for _ in batch:
-            result = manager.get_result(timeout=600)
-            if result is None or result.error:
-                raise RuntimeError(f"the library's batch failed: {result}")
-            made += len(result.generated_tokens)
-        return made / (time.perf_counter() - t0)
+        rate = 0.0
+        for round, n in enumerate((min(WARM_TOKENS, tokens), tokens)):
+            t0 = time.perf_counter()
+            for i, p in enumerate(batch):
+                manager.add_request(p, request_id=f"r{round}-{i}", max_new_tokens=n, eos_token_id=-1)
+            made = 0
+            for _ in batch:
+                result = manager.get_result(timeout=600)
+                if result is None or result.error:
+                    raise RuntimeError(f"the library's batch failed: {result}")
+                made += len(result.generated_tokens)
+            rate = made / (time.perf_counter() - t0)
+        return rate
     finally:
         manager.stop(block=True, timeout=60)
 
 
 def run_one_at_a_time(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
+    engine.generate(batch[0], params(0, min(WARM_TOKENS, tokens)))
     t0 = time.perf_counter()
     made = sum(len(engine.generate(p, params(i, tokens)).token_ids) for i, p in enumerate(batch))
     return made / (time.perf_counter() - t0)
+
+
+def write_skeleton(dest: Path) -> None:
+    gguf = default_model_path()
+    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+
+
+def random_checkpoint(skeleton: Path, dest: Path, dtype: torch.dtype) -> Path:
+    """`skeleton`'s architecture with random weights, as a checkpoint a torch node loads."""
+    config = AutoConfig.from_pretrained(skeleton)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+    return write_checkpoint(dest, tensors, config, AutoTokenizer.from_pretrained(skeleton), "random weights")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -129,7 +163,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
         return
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, label in (("tessera", "Tessera torch batch"), ("library", "transformers CB, one process")):
+    for name, label in (
+        ("tessera", "Tessera torch batch"),
+        ("tessera_no_graphs", "Tessera, no CUDA graphs"),
+        ("library", "transformers CB, one process"),
+    ):
+        if name not in result:
+            continue
         xs = sorted(int(c) for c in result[name])
         ax.plot(xs, [result[name][str(c)] for c in xs], marker="o", label=label)
     xs = sorted(int(c) for c in result["one_at_a_time"])
@@ -149,7 +189,12 @@ def main() -> None:
     ap.add_argument("--crowds", default="1,4,16,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    ap.add_argument("--skeleton", type=Path, help="config + tokenizer: run that model with random weights")
+    ap.add_argument("--write-skeleton", type=Path, help="write the default model's config + tokenizer there")
     args = ap.parse_args()
+    if args.write_skeleton:
+        write_skeleton(args.write_skeleton)
+        return
     crowds = [int(c) for c in args.crowds.split(",")]
     load_before = os.getloadavg()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
@@ -158,15 +203,23 @@ def main() -> None:
     # have no fast bfloat16 path.
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with tempfile.TemporaryDirectory(prefix="tessera-torch-bench-") as tmp:
-        checkpoint = materialize(default_model_path(), Path(tmp) / "smol", dtype=dtype)
+        if args.skeleton:
+            checkpoint = random_checkpoint(args.skeleton, Path(tmp) / "smol", dtype)
+        else:
+            checkpoint = materialize(default_model_path(), Path(tmp) / "smol", dtype=dtype)
         engine = TorchEngine.start(checkpoint, TensorArena(1 << 30))
         library: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
         library = library.to(engine.device).eval()
         result: dict[str, Any] = {"tessera": {}, "library": {}, "one_at_a_time": {}, "ratio_tessera_over_library": {}}
+        cuda = torch.cuda.is_available()
+        if cuda:
+            result["tessera_no_graphs"] = {}
         for c in crowds:
             batch = prompts(engine, c)
             result["library"][str(c)] = run_library(library, batch, args.tokens)
             result["tessera"][str(c)] = run_tessera(engine, batch, args.tokens)
+            if cuda:
+                result["tessera_no_graphs"][str(c)] = run_tessera(engine, batch, args.tokens, graphs=False)
             if c <= 4:
                 result["one_at_a_time"][str(c)] = run_one_at_a_time(engine, batch, args.tokens)
             result["ratio_tessera_over_library"][str(c)] = result["tessera"][str(c)] / result["library"][str(c)]
@@ -182,6 +235,7 @@ def main() -> None:
             "device": device,
             "tokens_per_request": args.tokens,
             "dtype": str(dtype).removeprefix("torch."),
+            "weights": "random" if args.skeleton else "the default model's GGUF",
             "threads": torch.get_num_threads(),
             "speedup_over_one_at_a_time": result["tessera"][top] / result["one_at_a_time"]["1"]
             if "1" in result["one_at_a_time"]
@@ -191,8 +245,9 @@ def main() -> None:
         }
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "torch_batching.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "torch_batching.png")
+    name = "torch_batching_gpu" if cuda else "torch_batching"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / f"{name}.png")
     print(json.dumps(result, indent=2))
 
 

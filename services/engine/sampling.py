@@ -102,13 +102,39 @@ class Sampler:
             p[p < self.min_p * p.max()] = 0.0
             p /= p.sum()
         if self.top_p < 1.0:
-            order = np.argsort(-p)
+            # Most likely first; equal probabilities in vocabulary order (a stable sort), so
+            # that the batch's device sampler (`torch_engine/row_sampling.py`) orders them alike.
+            order = np.argsort(-p, kind="stable")
             cumulative = np.cumsum(p[order])
             # Smallest prefix whose mass reaches top_p (always at least the top token).
             keep = order[: int(np.searchsorted(cumulative, self.top_p)) + 1]
-            q = p[keep] / p[keep].sum()
-            return int(keep[self.rng.choice(len(keep), p=q)])
-        return int(self.rng.choice(len(p), p=p))
+            return int(keep[self._inverse_cdf(p[keep] / p[keep].sum())])
+        return self._inverse_cdf(p)
+
+    def uniform(self) -> float:
+        """The one draw of this request's generator that a sampled token consumes."""
+        return float(self.rng.random())
+
+    def _inverse_cdf(self, p: npt.NDArray[np.float64]) -> int:
+        # What `Generator.choice(len(p), p=p)` computes, spelled out, so that a sampler that
+        # picks on the device from the same draw (`uniform`) picks the same token.
+        cdf = np.cumsum(p)
+        cdf /= cdf[-1]
+        return int(cdf.searchsorted(self.uniform(), side="right"))
+
+    @property
+    def plain(self) -> bool:
+        """No penalty or bias: the token depends on the logits and the draw alone."""
+        return (
+            self.repetition_penalty == 1.0
+            and not self.frequency_penalty
+            and not self.presence_penalty
+            and not self.bias_ids.size
+        )
+
+    def record(self, token: int) -> None:
+        """A token picked for this request elsewhere (from its draw), counted as its own."""
+        self.generated[token] += 1
 
 
 def token_logprob(logits: npt.NDArray[np.float32], token: int, top: int) -> TokenLogprob:

@@ -16,6 +16,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -45,13 +46,22 @@ def materialize(gguf: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> 
     # The skeleton declares a decoder's parameters in the order its forward reads them.
     names = [n for n, _ in model.named_parameters() if n in raw]
     tensors = {n: raw[n].to(dtype).contiguous() for n in names}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return write_checkpoint(dest, tensors, config, tokenizer, gguf.name)
+
+
+def write_checkpoint(dest: Path, tensors: dict[str, torch.Tensor], config: Any, tokenizer: Any, source: str) -> Path:
+    """Write a checkpoint of `tensors` (in the order the forward pass reads them) to `dest`:
+    weights, config, tokenizer and the manifest of digests; returns `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(tensors.values())).dtype
     save_file(tensors, str(dest / TORCH_WEIGHTS), metadata={"format": "pt"})
     config.torch_dtype = dtype
     config.save_pretrained(dest)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
     digests = content_digests(tensors)
     manifest = {
-        "source": gguf.name,
+        "source": source,
         "dtype": str(dtype).removeprefix("torch."),
         "tensors": [
             {"name": n, "digest": digests[n], "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}

@@ -120,7 +120,8 @@ def run_batch(batch: ContinuousBatcher, until: set[str], out: Outcome | None = N
 
 def test_a_crowd_in_one_batch_gets_what_each_request_gets_alone(engine: TorchEngine) -> None:
     """Greedy rows are transformers' greedy; a seeded sample is the one the request gets
-    alone (its own sampler, not the batch's generator), with its logprobs; a request that joins
+    alone (its own sampler, not the batch's generator), with its logprobs, and so is a plain
+    one (sampled with the others on the device, `row_sampling.py`); a request that joins
     a running batch and one that ends early leave the others untouched."""
     prompts = [
         engine.chat_ids([{"role": "user", "content": q}])
@@ -129,7 +130,9 @@ def test_a_crowd_in_one_batch_gets_what_each_request_gets_alone(engine: TorchEng
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, logprobs=2, ignore_eos=True)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     short = SamplingParams(max_tokens=3, temperature=0.0)
+    plain = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=30, seed=5, ignore_eos=True)
     alone = {
+        "p": engine.generate(prompts[0], plain).token_ids,
         "g0": engine.generate(prompts[0], greedy).token_ids,
         "g1": engine.generate(prompts[1], greedy).token_ids,
         "short": engine.generate(prompts[2], short).token_ids,
@@ -141,16 +144,17 @@ def test_a_crowd_in_one_batch_gets_what_each_request_gets_alone(engine: TorchEng
         batch.add("g0", prompts[0], greedy)
         batch.add("s", prompts[1], sampled)
         batch.add("short", prompts[2], short)
+        batch.add("p", prompts[0], plain)
         got: Outcome = {}
         deadline = time.monotonic() + 60
         while not take(batch, got, 0.05):
             assert time.monotonic() < deadline, "no step within 60 s"
         batch.add("g1", prompts[1], greedy)  # joins the running batch
-        got = run_batch(batch, {"g0", "s", "short", "g1"}, got)
+        got = run_batch(batch, {"g0", "s", "short", "g1", "p"}, got)
         assert batch.active == 0
     finally:
         batch.close()
-    for rid in ("g0", "g1", "short"):
+    for rid in ("g0", "g1", "short", "p"):
         assert got[rid][0] == alone[rid], rid
     assert got["short"][2] is FinishReason.LENGTH and len(got["short"][0]) == 3
     tokens, logprobs, finish = got["s"]

@@ -5,13 +5,13 @@ engine's seeded `Sampler`.
 
 The library samples a whole batch with one generator; a request's `seed` would then depend on
 its neighbours, and its penalties, `logit_bias` and logprobs would not be applied at all. So
-the library's last logits processor is the engine's: it runs each row's own `Sampler` on the
-host (the same code and the same numbers as the one-request path and the OpenVINO engine's
-start tier) and hands the library a row that is -inf everywhere but the chosen token, which the
-library's greedy pick then takes. The cost is a device→host copy of one logits row per
-sequence per step (≈ 0.2 MB here), and no CUDA graph for the step: a graph replays its kernels
-without running Python.
-"""
+the library's last logits processor is the engine's, and hands the library a row that is -inf
+everywhere but the chosen token, which the library's greedy pick then takes. It samples the
+plain rows (temperature, top-k/p, min-p, greedy) together on the logits' device, each from its
+own request's draw (`row_sampling.py`), with tensor operations alone, so that on a GPU the
+library replays each step from a CUDA graph; the other rows are picked after the step with
+their request's `Sampler` on the host (a device→host copy of those rows). Either way a seed
+gives the same tokens as the one-request path and the OpenVINO engine's start tier."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.engine import TorchEngine
 from services.engine.torch_engine.guides import Guided, Guides
+from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 BLOCK_TOKENS = 32
@@ -78,23 +79,50 @@ class _Sequence:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """One per token picked, in order (read by the worker's thread as the tokens arrive)."""
 
+    @property
+    def on_device(self) -> bool:
+        """Its token depends on the logits and its draw alone (`row_sampling.py`)."""
+        return self.guided is None and self.params.logprobs < 0 and self.sampler.plain
+
 
 class EngineSampling(ContinuousBatchingLogitsProcessor):
-    """The library's per-step logits processor that picks each row's token with its request's
-    own `Sampler`; its per-request argument is the request's slot number.
+    """The library's per-step logits processor that picks each row's token for its request;
+    its per-request argument is the request's slot number.
+
+    A step is three calls on the library's thread. `prepare_tensor_args`, as the step is
+    formed: each plain row's settings and its request's draw go into a table on the device.
+    `__call__`, inside the forward pass: tensor operations only (`row_sampling.pick_rows` over
+    that table), so that the library can capture the step in a CUDA graph and replay it, its
+    Python not run again. `after_step`, once the forward pass is done (the batch wraps the
+    library's `compute_batch`): the other rows (penalties, bias, logprobs, a grammar) are
+    picked on the host from the step's logits and written over the library's output, and every
+    row's token is recorded for its request.
 
     It also holds the node's headroom gate (`step_gate.py`) around each step, as the
     one-request path does around each token: the library's thread waits for its turn as it
-    forms a step (`prepare_tensor_args`, before the forward pass) and leaves once the step's
-    tokens are picked, posted with the deadline of the batch's next token, or not at all when
-    no request goes on. Every gate call is made under `lock`, which `forget` takes too, so a
-    cancel from the worker's thread can never leave a posting behind."""
+    forms a step (before the forward pass) and leaves once the step's tokens are picked,
+    posted with the deadline of the batch's next token, or not at all when no request goes on.
+    Every gate call is made under `lock`, which `forget` takes too, so a cancel from the
+    worker's thread can never leave a posting behind."""
 
-    def __init__(self, eos_ids: frozenset[int], gate: StepGate | None = None, gate_slot: int = -1) -> None:
+    def __init__(
+        self,
+        eos_ids: frozenset[int],
+        vocab: int,
+        max_rows: int,
+        device: torch.device,
+        graphed: bool = False,
+        gate: StepGate | None = None,
+        gate_slot: int = -1,
+    ) -> None:
         self.supported_kwargs = {"slot": int}
         self.ignored_kwargs = ()
         self.eos_ids = eos_ids
         """The model's ends of sequence (a pick of one ends its request unless it ignores them)."""
+        self.vocab = vocab
+        self.graphed = graphed
+        """Steps are replayed from CUDA graphs: every step takes every branch of the sampler,
+        and keeps its logits in `logits` for the rows picked on the host."""
         self.sequences: dict[int, _Sequence] = {}
         self.gate = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
@@ -106,6 +134,22 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.rows = 0
         """Rows of the step being formed that get a token: the library puts them first; the
         logits' other rows (a prompt's chunk that ends no prefill) are dropped."""
+        self.slots: list[int] = []
+        """The request (slot) of each of those rows."""
+        self.host_rows: list[int] = []
+        """Those of them picked on the host, after the forward pass."""
+        self.branches = ALL
+        self.pending = False
+        """A step was formed and its tokens are not recorded yet."""
+        self.hook: Callable[[], None] | None = None
+        """Called once, on the library's thread, before its first step (`ContinuousBatcher._hook`)."""
+        pinned = device.type == "cuda"
+        self.staging = torch.zeros((COLUMNS, max_rows), dtype=torch.float64, pin_memory=pinned)
+        self.table = self.staging.to(device)
+        """Each row's settings and draw (`row_sampling.py`), read by the step on the device."""
+        self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device) if graphed else None
+        self.step_logits: torch.Tensor | None = None
+        """The step's logits (eager steps: the library's own tensor, held until `after_step`)."""
         self.threads = 0
         """Runtime threads the library's thread runs on (set there: torch keeps a count per
         thread); 0: as it is."""
@@ -116,25 +160,58 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         int32_tensor.fill_(-1)
 
     def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:  # type: ignore[type-arg]
-        slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
-        self.rows = len(slots)
+        if self.hook is not None:
+            self.hook()
+            self.hook = None
+        self.slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
+        self.rows = len(self.slots)
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        sequences = [self.sequences.get(slot) for slot in self.slots]
+        self.host_rows = [row for row, seq in enumerate(sequences) if seq is not None and not seq.on_device]
+        draws = [GREEDY if seq is None or not seq.on_device else RowDraw.of(seq.sampler) for seq in sequences]
+        fill_table(self.staging, draws)
+        self.table.copy_(self.staging)  # waits for the copy: the step reads it on another stream
+        self.branches = ALL if self.graphed else Branches.of(draws, self.vocab)
+        self.pending = True
         self._enter()
-        return torch.tensor(slots, dtype=torch.int32, device="cpu")
+        return torch.tensor(self.slots, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
-        rows = min(self.rows, scores.size(0))
-        slots = tensor_arg[:rows].tolist()
-        host = scores[:rows].detach().float().cpu().numpy()  # one copy for the step's rows
-        tokens = [self._pick(slot, host[row]) for row, slot in enumerate(slots)]
-        picked = scores.clone()  # the rows past `rows` are the library's to drop
-        picked[:rows] = -math.inf
-        # One write for the step, not one per row (each is a kernel launch on a GPU).
-        index = torch.tensor(tokens, dtype=torch.long).to(picked.device).unsqueeze(1)
-        picked[:rows].scatter_(1, index, 0.0)
-        self._leave()
+        # Tensor operations alone: under a CUDA graph this runs once, at capture.
+        n = scores.size(0) if self.graphed else min(self.rows, scores.size(0))
+        if self.logits is not None:
+            self.logits[:n].copy_(scores[:n])
+        else:
+            self.step_logits = scores
+        tokens = pick_rows(scores[:n], self.table, self.branches)
+        picked = torch.full_like(scores, -math.inf)  # the rows past n are the library's to drop
+        picked[:n].scatter_(1, tokens.unsqueeze(1), 0.0)
         return picked  # type: ignore[return-value]
+
+    def after_step(self, output_ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """The step's forward pass is done (or queued on `stream`): pick the host's rows into
+        the library's `output_ids`, and record every row's token for its request."""
+        if not self.pending:  # a step the library ran without forming one (a warm-up)
+            return
+        self.pending = False
+        if stream is not None:
+            stream.synchronize()
+        if self.host_rows:
+            logits = self.logits if self.logits is not None else self.step_logits
+            assert logits is not None
+            host = logits[self.host_rows].detach().float().cpu().numpy()  # one copy for those rows
+            picks = [self._pick(self.slots[row], host[i]) for i, row in enumerate(self.host_rows)]
+            output_ids[0, self.host_rows] = torch.tensor(picks, dtype=output_ids.dtype).to(output_ids.device)
+        self.step_logits = None
+        tokens: list[int] = output_ids[0, : self.rows].tolist()
+        picked_on_host = set(self.host_rows)
+        for row, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
+            seq = self.sequences.get(slot)
+            if seq is not None and row not in picked_on_host:
+                seq.sampler.record(token)
+                self._record(seq, token, None)
+        self._leave()
 
     def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
         """The row's token, picked by its request's sampler (and grammar), recorded for it."""
@@ -153,10 +230,13 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             seq.error = f"{type(e).__name__}: {e}"
             seq.ends = True
             return int(logits.argmax())
+        self._record(seq, token, logprob)
+        return token
+
+    def _record(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.context.append(token)
         seq.logprobs.append(logprob)
         seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in self.eos_ids and not seq.params.ignore_eos)
-        return token
 
     def _deadline(self) -> float:
         going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
@@ -214,10 +294,16 @@ class ContinuousBatcher:
         kv_tokens: int,
         gate: StepGate | None = None,
         gate_slot: int = -1,
+        graphs: bool | None = None,
     ) -> None:
-        self.sampling = EngineSampling(engine.eos_ids, gate, gate_slot)
+        """`graphs`: replay steps from CUDA graphs (the library's, captured per padded shape at
+        its first use); None: where the model is on a CUDA device."""
+        graphed = engine.device.type == "cuda" if graphs is None else graphs
+        vocab = int(engine.model.config.vocab_size)
+        self.sampling = EngineSampling(engine.eos_ids, vocab, max_batch, engine.device, graphed, gate, gate_slot)
+        self.sampling.hook = self._hook
         self.eos_ids = sorted(engine.eos_ids)
-        self.guides = Guides(engine.tokenizer, int(engine.model.config.vocab_size), self.eos_ids)
+        self.guides = Guides(engine.tokenizer, vocab, self.eos_ids)
         generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
         self.kv_tokens = kv_tokens
         """The longest prompt + completion it takes (a longer one alone would stop the library:
@@ -229,7 +315,7 @@ class ContinuousBatcher:
             max_batch_tokens=STEP_TOKENS,
             max_requests_per_batch=max_batch,
             max_memory_percent=0.9,
-            use_cuda_graph=False,  # the sampler is Python on the host: see the module's docstring
+            use_cuda_graph=graphed,
             use_async_batching=False,
         )
         model: Any = engine.model  # transformers' continuous-batching mixin is untyped
@@ -244,6 +330,22 @@ class ContinuousBatcher:
         """Tokens of each request already handed out by `steps`."""
         self._next_slot = 0
         self.manager.start()
+
+    def _hook(self) -> None:
+        """Run `EngineSampling.after_step` after each forward pass (on the library's thread, at
+        its first step: the library makes its step runner there). The runner's `compute_batch`
+        is wrapped on the instance; transformers is pinned (`constraints.txt`)."""
+        processor: Any = self.manager.batch_processor
+        runner = processor.model_runner
+        compute = runner.compute_batch
+
+        def compute_batch(model: Any, batch_data: dict[str, Any]) -> None:
+            compute(model, batch_data)
+            io = processor.inputs_and_outputs
+            _, _, output_ids = io.get_cb_kwargs()
+            self.sampling.after_step(output_ids, io.compute_stream)
+
+        runner.compute_batch = compute_batch
 
     @property
     def active(self) -> int:

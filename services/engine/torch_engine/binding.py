@@ -114,7 +114,11 @@ def bind(
         for g, unit in enumerate(units):
 
             def wait(_m: torch.nn.Module, _args: object, g: int = g) -> None:
-                loaded.wait(g)
+                # A CUDA graph may not wait on another stream's work; one is captured only after
+                # an eager pass on the same stream waited (the batch's library warms up so), and
+                # replays after it.
+                if not torch.cuda.is_current_stream_capturing():
+                    loaded.wait(g)
 
             waits.append(model.get_submodule(unit).register_forward_pre_hook(wait))
     return BoundModel(model, loaded, waits)

@@ -1,0 +1,136 @@
+"""A step's tokens for many rows at once, on the logits' device: the engine's `Sampler`
+(temperature, top-k, min-p, top-p, or greedy) as tensor operations over the whole batch.
+
+The host sampler costs a device→host copy of each row and ≈ 1.4 ms of numpy per sampled row
+(a sort of the vocabulary for top-p); 32 rows would spend more on it than a GPU spends on the
+step. Here one sort serves every row. Each row's randomness is still its own request's: the
+caller passes one uniform per row drawn from that request's generator (`Sampler.uniform`), and
+the token is the inverse CDF of that draw over the same distribution in the same order as the
+host's (float64, ties in vocabulary order), so a seed gives the same token on either path.
+
+Rows with penalties, a logit bias, logprobs or a grammar stay on the host (`Sampler.pick`).
+Each row's settings and draw travel in a small table (`fill_table`) that the step reads on the
+device, so the same kernels serve every step: what a CUDA graph needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class RowDraw:
+    """One row's sampling settings and the uniform its request drew for this token."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    uniform: float
+
+    @classmethod
+    def of(cls, sampler: Sampler) -> RowDraw:
+        """`sampler`'s settings; a sampled (not greedy) row consumes its request's draw."""
+        draw = 0.0 if sampler.greedy else sampler.uniform()
+        return cls(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, draw)
+
+
+GREEDY = RowDraw(0.0, 0, 1.0, 0.0, 0.0)
+"""A row whose pick nobody reads (cancelled since the step was formed, or picked on the host)."""
+
+COLUMNS = 5
+"""A step's table: one column per row; its rows are temperature, top_k, top_p, min_p, draw."""
+
+
+@dataclass(frozen=True)
+class Branches:
+    """Which parts of the sampler a step needs. Decided on the host from the rows, so that no
+    branch waits for the device; a step replayed as a CUDA graph takes them all (`ALL`): a
+    graph is the same kernels every time."""
+
+    sampled: bool = True
+    top_k: bool = True
+    min_p: bool = True
+    nucleus: bool = True
+    natural: bool = True
+    """Some sampled row has no top_p: its CDF is in vocabulary order."""
+
+    @classmethod
+    def of(cls, rows: Sequence[RowDraw], vocab: int) -> Branches:
+        sampled = [r for r in rows if r.temperature > 0.0]
+        return cls(
+            bool(sampled),
+            any(0 < r.top_k < vocab for r in sampled),
+            any(r.min_p > 0.0 for r in sampled),
+            any(r.top_p < 1.0 for r in sampled),
+            any(r.top_p >= 1.0 for r in sampled),
+        )
+
+
+ALL = Branches()
+
+
+def fill_table(table: torch.Tensor, rows: Sequence[RowDraw]) -> None:
+    """Write `rows` into the first columns of `table` ([COLUMNS, >= len(rows)], float64)."""
+    values = [[r.temperature, float(r.top_k), r.top_p, r.min_p, r.uniform] for r in rows]
+    if values:
+        table[:, : len(values)] = torch.tensor(values, dtype=torch.float64).T
+
+
+def table_of(rows: Sequence[RowDraw], device: torch.device | str = "cpu") -> torch.Tensor:
+    table = torch.empty((COLUMNS, len(rows)), dtype=torch.float64)
+    fill_table(table, rows)
+    return table.to(device)
+
+
+def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = ALL) -> torch.Tensor:
+    """The token of each of `logits`' rows ([n, vocab], any float dtype, on any device), as a
+    long tensor beside them; `table` ([COLUMNS, n], float64, same device) holds each row's
+    settings and draw. Tensor operations only (no wait for the device, no host tensor), so that
+    a step can be captured in a CUDA graph and replayed with a new table."""
+    n, vocab = logits.shape
+    argmax = logits.argmax(dim=-1)  # the first of equal maxima, as numpy's
+    if not branches.sampled:
+        return argmax
+    temperature, top_k, top_p, min_p, uniform = (table[i, :n].unsqueeze(1) for i in range(COLUMNS))
+    greedy = temperature.squeeze(1) <= 0.0
+    z = logits.to(torch.float64) / torch.where(greedy.unsqueeze(1), 1.0, temperature)
+
+    if branches.top_k:
+        # Below the k-th largest value goes; ties with it stay (the host's partition does alike).
+        k = top_k.long()
+        limited = (k > 0) & (k < vocab)
+        kth = torch.sort(z, dim=-1, descending=True).values.gather(1, (k.clamp(1, vocab) - 1))
+        z = torch.where(limited & (z < kth), -torch.inf, z)
+
+    z = z - z.max(dim=-1, keepdim=True).values
+    p = torch.exp(z)
+    p = p / p.sum(dim=-1, keepdim=True)
+    if branches.min_p:
+        cut = torch.where(p < min_p * p.max(dim=-1, keepdim=True).values, 0.0, p)
+        p = torch.where(min_p > 0.0, cut / cut.sum(dim=-1, keepdim=True), p)
+
+    nucleus = top_p.squeeze(1) < 1.0
+    token = argmax
+    if branches.nucleus:
+        # Most likely first (stable: equal probabilities in vocabulary order); the smallest
+        # prefix whose mass reaches top_p, renormalized; the draw's place in its CDF.
+        ordered, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        cumulative = torch.cumsum(ordered, dim=-1)
+        keep = (torch.searchsorted(cumulative, top_p) + 1).clamp(max=vocab)
+        kept_mass = cumulative.gather(1, keep - 1)
+        positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        cdf = torch.where(positions < keep, cumulative / kept_mass, torch.inf)
+        at = torch.searchsorted(cdf, uniform, right=True).clamp(max=vocab - 1)
+        token = torch.where(nucleus, order.gather(1, at).squeeze(1), token)
+    if branches.natural:
+        cumulative = torch.cumsum(p, dim=-1)
+        cdf = cumulative / cumulative[:, -1:]
+        at = torch.searchsorted(cdf, uniform, right=True).clamp(max=vocab - 1).squeeze(1)
+        token = torch.where(nucleus, token, at)
+    return torch.where(greedy, argmax, token)
