@@ -101,11 +101,16 @@ def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = AL
     greedy = temperature.squeeze(1) <= 0.0
     z = logits.to(torch.float64) / torch.where(greedy.unsqueeze(1), 1.0, temperature)
 
+    # One sort serves top-k and top-p: most likely first, equal values in vocabulary order (a
+    # stable sort, as the host's). Probabilities follow the logits' order, and what top-k and
+    # min-p take away is the least likely, so this order is the host's order of probabilities.
+    if branches.top_k or branches.nucleus:
+        ordered_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
     if branches.top_k:
         # Below the k-th largest value goes; ties with it stay (the host's partition does alike).
         k = top_k.long()
         limited = (k > 0) & (k < vocab)
-        kth = torch.sort(z, dim=-1, descending=True).values.gather(1, (k.clamp(1, vocab) - 1))
+        kth = ordered_z.gather(1, (k.clamp(1, vocab) - 1))
         z = torch.where(limited & (z < kth), -torch.inf, z)
 
     z = z - z.max(dim=-1, keepdim=True).values
@@ -118,10 +123,8 @@ def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = AL
     nucleus = top_p.squeeze(1) < 1.0
     token = argmax
     if branches.nucleus:
-        # Most likely first (stable: equal probabilities in vocabulary order); the smallest
-        # prefix whose mass reaches top_p, renormalized; the draw's place in its CDF.
-        ordered, order = torch.sort(p, dim=-1, descending=True, stable=True)
-        cumulative = torch.cumsum(ordered, dim=-1)
+        # The smallest prefix whose mass reaches top_p, renormalized; the draw's place in its CDF.
+        cumulative = torch.cumsum(p.gather(1, order), dim=-1)
         keep = (torch.searchsorted(cumulative, top_p) + 1).clamp(max=vocab)
         kept_mass = cumulative.gather(1, keep - 1)
         positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
