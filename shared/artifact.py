@@ -43,6 +43,11 @@ def model_xml(artifact: Artifact, tier: Tier = Tier.STEADY) -> Path:
     return base / MODEL_XML if tier == Tier.STEADY else base / START_DIR / MODEL_XML
 
 
+def reads_torch_checkpoint(engine_backend: str) -> bool:
+    """The backend's workers read the artifact's torch checkpoint (not its OpenVINO files)."""
+    return engine_backend in ("torch", "vllm")
+
+
 def torch_checkpoint(artifact: Artifact) -> Path:
     return Path(artifact.path) / TORCH_DIR
 

@@ -33,10 +33,12 @@ class CommonSettings(BaseSettings):
     """OpenVINO device of this node's engine; artifacts are materialized for it."""
     inference_threads: int = 2
     """OpenVINO inference threads per instance; part of the materialized compile config."""
-    engine_backend: Literal["openvino", "torch"] = "openvino"
-    """What runs a node's models: OpenVINO GenAI, or the torch engine (transformers' model code
-    over the tensor arena, `services/engine/torch_engine`). One setting for the node's loader,
-    which materializes a torch checkpoint at registration only for `torch`, and its engine."""
+    engine_backend: Literal["openvino", "torch", "vllm"] = "openvino"
+    """What runs a node's models: OpenVINO GenAI, the torch engine (transformers' model code
+    over the tensor arena, `services/engine/torch_engine`), or vLLM (`services/engine/
+    vllm_engine`: where the `vllm` package is installed, on a GPU or vLLM's CPU backend). One
+    setting for the node's loader, which materializes a torch checkpoint at registration for
+    `torch` and `vllm` (`shared.artifact.reads_torch_checkpoint`), and its engine."""
     kv_min_tokens: int = 0
     """L_min of LLM-Mesh's eq. 2: the fewest tokens an instance's KV reservation covers (it
     grows with the requests running, by the watermark rule). 0: the model's context length,

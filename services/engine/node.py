@@ -41,6 +41,7 @@ from services.engine.step_gate import StepGate
 from services.engine.worker_pool import Cancelled, Worker, WorkerPool
 from services.engine.worker_wire import Done
 from shared import subjects
+from shared.artifact import reads_torch_checkpoint
 from shared.bus import Bus
 from shared.messages import (
     Artifact,
@@ -330,7 +331,9 @@ class EngineNode:
             # The continuous-batching core (`core.py`) serves every instance once built; the
             # start tier's batch before it lasts a couple of seconds. A torch worker's batch
             # (`torch_engine/batching.py`) steps at most `max_batch` requests at once.
-            max_batch=self.settings.max_batch if self.settings.engine_backend == "torch" else CORE_MAX_SEQS,
+            max_batch=self.settings.max_batch
+            if reads_torch_checkpoint(self.settings.engine_backend)
+            else CORE_MAX_SEQS,
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
             continuous_batching=True,

@@ -64,9 +64,10 @@ class EngineSettings(CommonSettings):
     only as tensors land), holding the weights of the models it serves and, idle, of those it
     served (Tangram §3.1). SmolLM2-135M in float32 takes 0.54 GB of it."""
     torch_kv_tokens: int = 8192
-    """With `engine_backend` torch: tokens of the paged KV cache each torch worker's continuous
-    batch allocates when it binds a model (`torch_engine/batching.py`; 32-token blocks shared by
-    the batch's requests, prefixes included). SmolLM2-135M in float32 takes 45 KiB a token:
+    """With `engine_backend` torch or vllm: tokens of the paged KV cache each worker's
+    continuous batch allocates when it binds a model (`torch_engine/batching.py`: 32-token
+    blocks shared by the batch's requests, prefixes included; vLLM's cache is sized to as many,
+    `vllm_engine/batch.py`), and the longest prompt + completion it takes. SmolLM2-135M in float32 takes 45 KiB a token:
     0.38 GB for the default, one full context."""
     stream_interval_s: float = 0.1
     """Text produced within this interval travels as one message (the first piece at once).

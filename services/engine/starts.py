@@ -34,7 +34,7 @@ from services.engine.node import Bound, PendingColdStart, Served
 from services.engine.worker_pool import Worker
 from services.engine.worker_wire import Loaded, TieredUp
 from shared import subjects
-from shared.artifact import has_tier, torch_tensor_bytes
+from shared.artifact import has_tier, reads_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -319,9 +319,9 @@ class Starts(KvMemory):
 
     def _start_tier(self, artifact: Artifact) -> Tier:
         """START when the artifact has one (materialized since tiers exist) and it is enabled;
-        the torch engine has one tier only, which the engine counts as STEADY (so it never
-        asks it to tier up)."""
-        if self.settings.engine_backend == "torch":
+        the torch engine and vLLM have one tier only, which the engine counts as STEADY (so it
+        never asks them to tier up)."""
+        if reads_torch_checkpoint(self.settings.engine_backend):
             return Tier.STEADY
         if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
             return Tier.START
@@ -347,8 +347,8 @@ class Starts(KvMemory):
     async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
         """The verified blob in host memory, from this node's loader; None (read the store's
         copy) if the loader cannot be reached, so a start never depends on the cache. None on
-        a torch node too: its worker reads the artifact's torch checkpoint, not a compiled blob."""
-        if self.settings.engine_backend == "torch":
+        a torch or vLLM node too: its worker reads the artifact's torch checkpoint, not a compiled blob."""
+        if reads_torch_checkpoint(self.settings.engine_backend):
             return None
         try:
             staged = await self.bus.request(

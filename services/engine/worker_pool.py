@@ -21,6 +21,7 @@ from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
 from services.engine.torch_engine.process import worker_main as torch_worker_main
+from services.engine.vllm_engine.process import worker_main as vllm_worker_main
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,
@@ -74,9 +75,10 @@ class Worker:
         arena_bytes: int = 0,
         kv_tokens: int = 8192,
     ) -> None:
-        """`backend`: the process it runs, OpenVINO's (`worker_process.py`) or the torch
+        """`backend`: the process it runs, OpenVINO's (`worker_process.py`), the torch
         engine's (`torch_engine/worker.py`, its weights in an arena of `arena_bytes`, its
-        continuous batch's paged KV cache `kv_tokens` long); both speak `worker_wire`."""
+        continuous batch's paged KV cache `kv_tokens` long) or vLLM's (`vllm_engine/worker.py`,
+        its cache as long); all speak `worker_wire`."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
@@ -88,6 +90,14 @@ class Worker:
                 args=(child, threads, arena_bytes, gate, self._slot, max_batch, kv_tokens),
                 daemon=True,
                 name="tessera-torch-worker",
+            )
+            self.process.start()
+        elif backend == "vllm":
+            self.process = ctx.Process(
+                target=vllm_worker_main,
+                args=(child, threads, gate, self._slot, max_batch, kv_tokens),
+                daemon=True,
+                name="tessera-vllm-worker",
             )
             self.process.start()
         else:

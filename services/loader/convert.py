@@ -37,6 +37,7 @@ from shared.artifact import (
     has_tier,
     has_torch_checkpoint,
     model_xml,
+    reads_torch_checkpoint,
     torch_checkpoint,
 )
 from shared.messages import Artifact, Tier
@@ -127,10 +128,10 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
 
 
 def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") -> bool:
-    """Every tier compiled for `device`, and the torch checkpoint where `backend` is torch (the
+    """Every tier compiled for `device`, and the torch checkpoint where `backend` reads one (the
     OpenVINO artifact stays whole there too: its metadata and tokenizers serve the gateway)."""
     tiers = all(has_tier(artifact, device, tier) for tier in Tier)
-    return tiers and (backend != "torch" or has_torch_checkpoint(artifact))
+    return tiers and (not reads_torch_checkpoint(backend) or has_torch_checkpoint(artifact))
 
 
 def _write_start_ir(artifact: Artifact) -> None:
@@ -176,7 +177,7 @@ def main(argv: list[str]) -> None:
     artifact = read_artifact(dest) or convert(Path(src), dest, sha, aid)
     if not is_materialized(artifact, device):
         materialize(artifact, device, int(threads))
-    if backend == "torch" and not has_torch_checkpoint(artifact):
+    if reads_torch_checkpoint(backend) and not has_torch_checkpoint(artifact):
         from services.loader.torch_checkpoint import host_dtype, materialize_into
 
         materialize_into(Path(src), torch_checkpoint(artifact), host_dtype())

@@ -126,6 +126,7 @@ def worker() -> Iterator[tuple[TorchWorker, Connection, FakeBatch]]:
     w = TorchWorker(worker_end, TensorArena(1 << 20, device="cpu"))
     batch = FakeBatch()
     w.engine = Engine()  # type: ignore[assignment]
+    w.tokenizer = w.engine.tokenizer
     w.batch = batch
     yield w, engine_end, batch
     engine_end.close()
@@ -230,7 +231,7 @@ def test_a_tier_up_is_answered_on_the_one_tier(worker) -> None:
 
 def test_a_request_with_no_model_loaded_fails(worker) -> None:
     w, engine, _ = worker
-    w.engine, w.batch = None, None
+    w.tokenizer, w.batch = None, None
     w._handle(run("a"))
     msgs = messages(engine)
     assert len(msgs) == 1 and isinstance(msgs[0], Failure) and msgs[0].request_id == "a"
@@ -243,12 +244,13 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
     the worker pinned to those cores; `TierUpNow` (the node is idle) gives them all back."""
     import torch
 
+    import services.engine.batch_worker as batch_worker
     import services.engine.torch_engine.worker as worker_module
     from services.engine.worker_wire import Load, Loaded
     from shared.messages import Artifact
 
     w, engine, _ = worker
-    w.engine, w.batch = None, None  # a pre-warmed worker, bound to no model
+    w.tokenizer, w.batch = None, None  # a pre-warmed worker, bound to no model
     seen: dict[str, object] = {}
 
     class Started:
@@ -262,7 +264,7 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
 
     monkeypatch.setattr(worker_module, "TorchEngine", Started)
     monkeypatch.setattr(worker_module, "ContinuousBatcher", lambda *_: FakeBatch())
-    monkeypatch.setattr(worker_module, "has_torch_checkpoint", lambda _: True)
+    monkeypatch.setattr(batch_worker, "has_torch_checkpoint", lambda _: True)
     artifact = Artifact("a", str(tmp_path), "s", 2048, 1, 1)
     all_cores, threads = w.all_cores, w.threads
     one = min(all_cores)

@@ -51,11 +51,7 @@ class TorchEngine:
         self.read_bytes = read_bytes
         """Bytes this start read from the checkpoint file (0 when the arena held everything)."""
         self.device = arena.device
-        ids = {tokenizer.eos_token_id, *(_as_list(self.model.config.eos_token_id))}
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # ChatML's end of turn, where the vocabulary has it
-        if isinstance(end, int) and end != tokenizer.unk_token_id:
-            ids.add(end)
-        self.eos_ids = frozenset(i for i in ids if i is not None)
+        self.eos_ids = ends_of_sequence(tokenizer, self.model.config.eos_token_id)
 
     @property
     def loaded(self) -> Loaded:
@@ -118,6 +114,16 @@ class TorchEngine:
                     past_key_values=step.past_key_values,
                     use_cache=True,
                 )
+
+
+def ends_of_sequence(tokenizer: Any, config_eos: int | list[int] | None) -> frozenset[int]:
+    """The tokens that end a completion: the tokenizer's and the model config's ends of
+    sequence, and ChatML's end of turn where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id, *(_as_list(config_eos))}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return frozenset(i for i in ids if i is not None)
 
 
 def _as_list(x: int | list[int] | None) -> list[int]:

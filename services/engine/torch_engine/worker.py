@@ -1,5 +1,4 @@
-"""A torch worker: the torch engine behind the same pipe protocol as the OpenVINO worker
-(`worker_wire`), so that the engine's pool, starts and generation drive either alike.
+"""A torch worker: the torch engine behind the engine's pipe protocol (`batch_worker.py`).
 
 One model at a time, bound from the artifact's torch checkpoint (materialized by the loader at
 registration) into the worker's tensor arena; a `Load` of another model (or of the same one
@@ -7,96 +6,24 @@ again) releases the first to the arena, where its tensors stay resident, idle, s
 start copies only what is missing (Tangram §3.1).
 
 Requests run in one continuous batch (`batching.py`: transformers' paged-KV continuous
-batching, every token picked by the engine's seeded sampler): a request joins the running
-batch at its next step, and each request's new tokens after a step travel in one `Chunks`
-message. The worker's thread reads its pipe between looks at the batch (`POLL_S`), so a cancel
-ends a running request at its next step. Each step passes the node's headroom gate
-(`step_gate.py`) as the OpenVINO worker's iterations do.
-
-A start's bounded core share (`Load.cores`) applies as it does on the OpenVINO worker: the
-load and the model's first steps run on that many threads, pinned to those cores, until the
-engine's `TierUpNow` (sent once the whole node is idle) gives the worker every core back. There
-is no other tier to build: `TierUpNow` is answered at once, on STEADY.
+batching, every token picked by the engine's seeded sampler). Each step passes the node's
+headroom gate (`step_gate.py`) as the OpenVINO worker's iterations do.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Protocol
+from pathlib import Path
 
 import torch
 
 from cuda_ext import TensorArena
-from services.engine.cpu_share import pin_all_threads
+from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.step_gate import StepGate
-from services.engine.stops import StopMatcher
-from services.engine.streams import Chunk
-from services.engine.text_stream import Piece, TextStream
-from services.engine.torch_engine.batching import ContinuousBatcher, Step
+from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.worker_wire import (
-    CancelRun,
-    Chunks,
-    Done,
-    DropSession,
-    Failure,
-    Load,
-    Loaded,
-    Run,
-    Started,
-    TieredUp,
-    TierUpNow,
-)
-from shared.artifact import has_torch_checkpoint, torch_checkpoint
-from shared.messages import FinishReason, SamplingParams, Tier
-
-POLL_S = 0.005
-"""Longest the worker looks at the batch before it reads its pipe again (a step of a crowd
-takes longer; a new request or a cancel waits at most this long to be seen)."""
-
-
-class Batch(Protocol):
-    """What the worker drives: `ContinuousBatcher` (a stand-in in the unit tests)."""
-
-    @property
-    def active(self) -> int: ...
-
-    @property
-    def waited(self) -> float: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    def set_threads(self, threads: int) -> None: ...
-
-    def add(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
-    ) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def steps(self, timeout: float) -> list[Step]: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class _Live:
-    """A request in the batch, as the worker streams it."""
-
-    run: Run
-    text: TextStream
-    started: float
-    waited_at: float
-    batch: int
-    waited_first: float
-    """The gate's wait counter at its first token (at its start until then)."""
-    generated: int = 0
-    first: float | None = None
+from services.engine.worker_wire import Loaded
 
 
 def prewarm() -> None:
@@ -106,7 +33,7 @@ def prewarm() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
-class TorchWorker:
+class TorchWorker(BatchWorker):
     def __init__(
         self,
         conn: Connection,
@@ -116,194 +43,30 @@ class TorchWorker:
         max_batch: int = 16,
         kv_tokens: int = 8192,
     ) -> None:
-        self.conn = conn
+        super().__init__(conn, gate, slot, max_batch, kv_tokens)
         self.arena = arena
-        self.gate = gate if gate is not None and slot >= 0 else None
-        self.slot = slot
-        self.max_batch = max(1, max_batch)
-        self.kv_tokens = kv_tokens
         self.engine: TorchEngine | None = None
-        self.batch: Batch | None = None
-        self.live: dict[str, _Live] = {}
-        self.all_cores = os.sched_getaffinity(0)
-        self.threads = torch.get_num_threads()
-        """The pre-warm's thread count: what the worker runs with outside a start's share."""
 
-    def serve(self) -> None:
-        try:
-            while True:
-                try:
-                    if not self.live:
-                        self.conn.poll(None)
-                    self._read_commands()
-                except (EOFError, OSError):
-                    return
-                if self.live:
-                    self.pump(POLL_S)
-        finally:
-            if self.batch is not None:
-                self.batch.close()
-
-    def _read_commands(self) -> None:
-        while self.conn.poll(0):
-            self._handle(self.conn.recv())
-
-    def _handle(self, cmd: object) -> None:
-        try:
-            if isinstance(cmd, Run):
-                self._add(cmd)
-            elif isinstance(cmd, CancelRun):
-                self._cancel(cmd.request_id)
-            elif isinstance(cmd, Load):
-                self._load(cmd)
-            elif isinstance(cmd, TierUpNow):
-                # One tier: nothing to build, and the engine waits for an answer. The node is
-                # idle: a start's bounded share ends here.
-                self._unpin()
-                self.conn.send(TieredUp(Tier.STEADY, 0.0, "" if self.engine is not None else "no model loaded"))
-            elif isinstance(cmd, DropSession):
-                pass  # no state outlives a request here: its KV blocks are freed as it ends
-        except Exception as e:  # the engine turns this into an error for the request (or the load)
-            self.conn.send(Failure(getattr(cmd, "request_id", None), f"{type(e).__name__}: {e}"))
-
-    def _add(self, run: Run) -> None:
-        if self.engine is None or self.batch is None:
-            self.conn.send(Failure(run.request_id, "no model loaded in this worker"))
-            return
-        if not self.batch.alive:  # an error inside the library ended it (its requests failed): anew
-            self.batch.close()
-            self.batch = self._new_batch(self.engine, torch.get_num_threads())
-        tokenizer = self.engine.tokenizer
-        text = TextStream(
-            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)),
-            StopMatcher(run.params.stop),
-            run.stream_interval_s,
-            time.monotonic,
-        )
-        self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline)
-        waited = self.batch.waited
-        live = _Live(run, text, time.monotonic(), waited, self.batch.active, waited)
-        self.live[run.request_id] = live
-        self.conn.send(Started(run.request_id, live.batch))
-
-    def _load(self, cmd: Load) -> None:
-        t0 = time.monotonic()
-        checkpoint = torch_checkpoint(cmd.artifact)
-        if not has_torch_checkpoint(cmd.artifact):
-            raise FileNotFoundError(
-                f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: "
-                "it was registered by a loader whose engine_backend is not torch"
-            )
-        for rid in list(self.live):
-            self.conn.send(Failure(rid, "the worker was bound to another model"))
-        self.live.clear()
-        if self.batch is not None:
-            self.batch.close()
-            self.batch = None
-        if self.engine is not None:
-            self.engine.close()  # its tensors stay resident, idle: shared ones are not copied again
-            self.engine = None
-        threads = self.threads
-        if cmd.cores:
-            # The start's share: its load and first steps on these cores alone, beside the
-            # node's busy instances (`EngineSettings.start_cpu_share`), until `TierUpNow`.
-            pin_all_threads(set(cmd.cores))
-            threads = min(threads, len(cmd.cores))
-        torch.set_num_threads(threads)
+    def _open(self, checkpoint: Path, threads: int, t0: float) -> Loaded:
         self.engine = TorchEngine.start(checkpoint, self.arena)
-        self.batch = self._new_batch(self.engine, threads)
-        self.conn.send(
-            Loaded(
-                # Nothing is compiled at start: the checkpoint was materialized at registration.
-                loaded_from_cache=True,
-                load_s=time.monotonic() - t0,
-                threads=torch.get_num_threads(),
-                reused_bytes=self.engine.loaded.reused_bytes,
-                resident=tuple(sorted(self.arena.digests())),
-            )
+        self.tokenizer = self.engine.tokenizer
+        self.batch = self._reopen(threads)
+        return Loaded(
+            # Nothing is compiled at start: the checkpoint was materialized at registration.
+            loaded_from_cache=True,
+            load_s=time.monotonic() - t0,
+            threads=torch.get_num_threads(),
+            reused_bytes=self.engine.loaded.reused_bytes,
+            resident=tuple(sorted(self.arena.digests())),
         )
 
-    def _new_batch(self, engine: TorchEngine, threads: int) -> Batch:
-        batch = ContinuousBatcher(engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
+    def _reopen(self, threads: int) -> Batch:
+        assert self.engine is not None
+        batch = ContinuousBatcher(self.engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
         batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
         return batch
 
-    def _unpin(self) -> None:
-        if os.sched_getaffinity(0) != self.all_cores:
-            pin_all_threads(self.all_cores)
-        torch.set_num_threads(self.threads)
-        if self.batch is not None:
-            self.batch.set_threads(self.threads)
-
-    def _cancel(self, request_id: str) -> None:
-        live = self.live.pop(request_id, None)
-        if live is None or self.batch is None:
-            return
-        self.batch.cancel(request_id)
-        self._done(live, FinishReason.CANCELLED)
-
-    def pump(self, timeout: float) -> None:
-        """Look at the batch once (waiting up to `timeout` for a step) and stream what it made:
-        every request's new text in one `Chunks`, then the `Done` of those that ended."""
-        if self.batch is None:
-            return
-        ended: list[tuple[_Live, FinishReason]] = []
-        failed: list[Failure] = []
-        chunks: list[Chunk] = []
-        for step in self.batch.steps(timeout):
-            live = self.live.get(step.request_id)
-            if live is None:
-                continue  # cancelled
-            finish, pieces = self._advance(live, step)
-            if finish is not None and (last := live.text.end()) is not None:
-                pieces.append(last)
-            chunks += [Chunk(step.request_id, p.text, p.tokens, p.logprobs) for p in pieces]
-            if step.error:
-                del self.live[step.request_id]
-                failed.append(Failure(step.request_id, step.error))
-            elif finish is not None:
-                del self.live[step.request_id]
-                ended.append((live, finish))
-        if chunks:
-            self.conn.send(Chunks(tuple(chunks)))
-        for failure in failed:  # after the text it had: the engine ends its stream at a Failure
-            self.conn.send(failure)
-        for live, finish in ended:
-            self._done(live, finish)
-
-    def _advance(self, live: _Live, step: Step) -> tuple[FinishReason | None, list[Piece]]:
-        """Take a step's tokens into the request's text: how it ended, if it did, and the
-        pieces of text ready to send."""
-        assert self.batch is not None
-        live.batch = max(live.batch, len(self.live))  # the most requests its steps ran beside
-        pieces = []
-        for token, logprob in step.tokens:
-            live.generated += 1
-            if live.first is None:
-                live.first, live.waited_first = time.monotonic(), self.batch.waited
-            piece = live.text.add(token, logprob)
-            if piece is not None:
-                pieces.append(piece)
-            if live.text.stopped:  # a stop string: the rest of its computation goes too
-                self.batch.cancel(live.run.request_id)
-                return FinishReason.STOP, pieces
-        return step.finish, pieces
-
-    def _done(self, live: _Live, finish: FinishReason) -> None:
-        waited = self.batch.waited if self.batch is not None else live.waited_at
-        t_end = time.monotonic()
-        first = live.first
-        self.conn.send(
-            Done(
-                live.run.request_id,
-                finish,
-                live.generated,
-                first,
-                len(live.run.prompt_ids),
-                prefill_s=max(0.0, (first or t_end) - live.started - (live.waited_first - live.waited_at)),
-                decode_s=max(0.0, t_end - first - (waited - live.waited_first)) if first is not None else 0.0,
-                batch=live.batch,
-                prefill_tokens=len(live.run.prompt_ids),
-                gated_s=max(0.0, waited - live.waited_at),
-            )
-        )
+    def _release(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # its tensors stay resident, idle: shared ones are not copied again
+            self.engine = None

@@ -1,0 +1,36 @@
+"""The vLLM worker process's entry point, apart from the worker so that the engine's main
+process can name it as a spawn target without importing vLLM."""
+
+from __future__ import annotations
+
+import os
+import signal
+from multiprocessing.connection import Connection
+
+from services.engine.step_gate import StepGate
+from services.engine.worker_wire import Ready
+from shared.process import die_with_parent
+
+
+def worker_main(
+    conn: Connection,
+    threads: int,
+    gate: StepGate | None = None,
+    slot: int = -1,
+    max_batch: int = 16,
+    kv_tokens: int = 8192,
+) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
+    # vLLM's engine core in this process (the worker is already the engine's process for its
+    # model), and its CPU threads left where a start's core share pins them.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import torch
+
+    # The pre-warm (TIDAL §5): vLLM and torch imported before any model is bound.
+    from services.engine.vllm_engine.worker import VllmWorker
+
+    torch.set_num_threads(max(1, threads))
+    conn.send(Ready(pid=os.getpid()))
+    VllmWorker(conn, gate, slot, max_batch, kv_tokens).serve()

@@ -1,0 +1,161 @@
+"""A node whose engine is vLLM (`TESSERA_ENGINE_BACKEND=vllm`) serves a registered model through
+the whole stack: registration materializes the torch checkpoint, the engine starts a vLLM
+worker on it (`services/engine/vllm_engine`), and the OpenAI API's parameters reach vLLM.
+
+vLLM pins versions the project's own environment does not take (FastAPI, llguidance), so it is
+not in the `test` extra: these tests run where a vLLM node's environment is installed (the
+README's "vLLM nodes"; here, vLLM's CPU build) and skip elsewhere, CI included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from importlib.util import find_spec
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+
+from ops.localcluster import LocalCluster
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint
+from shared.messages import Artifact
+from tests.conftest import start_cluster
+from tests.helpers.cluster import register
+
+# Looked up, not imported: the engine's workers import vLLM, not the tests.
+pytestmark = pytest.mark.skipif(
+    find_spec("vllm") is None, reason="vLLM is not installed in this environment (README: vLLM nodes)"
+)
+
+NAME = "smollm-vllm"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("vllm-node"), model_store, TESSERA_ENGINE_BACKEND="vllm")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def artifact(vllm_cluster: LocalCluster) -> Artifact:
+    record = register(vllm_cluster, NAME)
+    return msgspec.convert(record["artifact"], Artifact)
+
+
+@pytest.fixture(scope="module")
+def client(vllm_cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vllm_cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def vllm_workers(cluster: LocalCluster) -> list[int]:
+    """The engine's child processes that run vLLM."""
+    engine = cluster.procs["engine@node-0"].pid
+    children = [
+        int(pid) for task in Path(f"/proc/{engine}/task").iterdir() for pid in (task / "children").read_text().split()
+    ]
+    found = []
+    for pid in children:
+        try:
+            if (
+                "tessera-vllm-worker" in Path(f"/proc/{pid}/cmdline").read_text()
+                or "vllm" in Path(f"/proc/{pid}/maps").read_text()
+            ):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_vllm_node_answers_greedy_and_streamed_alike(
+    vllm_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
+) -> None:
+    assert (torch_checkpoint(artifact) / TORCH_MANIFEST).is_file(), "registration on a vLLM node writes the checkpoint"
+    greedy = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"repetition_penalty": 1.0}}
+    whole = client.chat.completions.create(model=NAME, messages=QUESTION, **greedy)  # type: ignore[arg-type]
+    text = whole.choices[0].message.content or ""
+    assert "Paris" in text, text
+    assert whole.usage is not None and 0 < whole.usage.completion_tokens <= 12
+    assert vllm_workers(vllm_cluster), "no engine worker runs vLLM"
+    stream = client.chat.completions.create(model=NAME, messages=QUESTION, stream=True, **greedy)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_the_openai_parameters_reach_vllm(artifact: Artifact, client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Write a sentence about the sea."}]
+
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(model=NAME, messages=ask, temperature=1.0, seed=seed, max_tokens=16)  # type: ignore[arg-type]
+        return r.choices[0].message.content or ""
+
+    assert sample(7) == sample(7), "a seed gives the same sample"
+    assert len({sample(s) for s in (1, 2, 3)}) > 1, "different seeds give different samples"
+
+    r = client.chat.completions.create(model=NAME, messages=ask, max_tokens=5, temperature=0.0)  # type: ignore[arg-type]
+    assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 5
+
+    lp = client.chat.completions.create(
+        model=NAME,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = lp.choices[0].logprobs.content if lp.choices[0].logprobs else None
+    assert content and len(content) == lp.usage.completion_tokens  # type: ignore[union-attr]
+    for token in content:
+        assert token.logprob <= 0.0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        # Greedy: the token taken is the most likely one.
+        assert abs(token.top_logprobs[0].logprob - token.logprob) < 1e-4
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    j = client.chat.completions.create(
+        model=NAME,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=60,
+        temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    answer = json.loads(j.choices[0].message.content or "")
+    assert set(answer) == {"city", "population"} and isinstance(answer["population"], int)
+
+    banned = client.chat.completions.create(
+        model=NAME,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0.0,
+        stop=["Paris"],
+    )
+    assert "Paris" not in (banned.choices[0].message.content or "") and banned.choices[0].finish_reason == "stop"
+
+
+def test_a_crowd_is_served_in_one_batch(artifact: Artifact, client: openai.OpenAI) -> None:
+    topics = ["a fox", "rain", "the moon", "a city", "a lighthouse", "mountains"]
+
+    def ask(topic: str) -> tuple[str, str | None]:
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": f"One sentence about {topic}."}],
+            max_tokens=24,
+            temperature=0.0,
+        )
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(len(topics)) as pool:
+        answers = list(pool.map(ask, topics))
+    assert all(text and finish in ("stop", "length") for text, finish in answers), answers
+    alone = ask(topics[0])
+    assert answers[0] == alone, "a request in a crowd gets what it gets alone (greedy)"
