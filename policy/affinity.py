@@ -37,6 +37,22 @@ def start_s_if_fits(
     return init_s + load_time_s(model_bytes, reusable_bytes, bandwidth_bps)
 
 
+def reusable_shares(
+    idle: Mapping[str, AbstractSet[str]], artifacts: Mapping[str, Mapping[str, int]]
+) -> dict[str, float]:
+    """For each artifact (content hash → bytes of each of its tensors), the largest share of
+    its bytes that one idle worker's arena holds (`idle`: worker → content hashes): what a start
+    binding that worker does not read (`most_reused`). 1.0: all of it (the artifact counts as
+    resident); artifacts sharing nothing with any idle worker are left out."""
+    out: dict[str, float] = {}
+    for aid, tensors in artifacts.items():
+        total = sum(tensors.values())
+        best = most_reused(idle, tensors) if total else None
+        if best is not None:
+            out[aid] = best[1] / total
+    return out
+
+
 def most_reused(candidates: Mapping[str, AbstractSet[str]], tensors: Mapping[str, int]) -> tuple[str, int] | None:
     """Tangram §3.1 within a node: of idle workers whose tensor arenas hold the tensors in
     `candidates` (worker → content hashes), the one that holds the most bytes of the model to

@@ -113,6 +113,8 @@ class NodeState(Protocol):
     @property
     def resident(self) -> AbstractSet[str]: ...
     @property
+    def reusable(self) -> Mapping[str, float]: ...
+    @property
     def memory_budget_bytes(self) -> int: ...
     @property
     def memory_used_bytes(self) -> int: ...
@@ -399,7 +401,7 @@ def start_order(
     nodes: Iterable[NodeState], profile: Profile | None, neighbours: Mapping[str, Profile] | None = None
 ) -> list[NodeState]:
     """Nodes that could start the model, best first: CPU first, then the soonest start (its
-    weights still resident there: Tangram's affinity), then the fewest instances (they share
+    weights, or part of them, still resident there: Tangram's affinity), then the fewest instances (they share
     the node's cores), then the neighbours with the laxest TTFT SLO (the new instance takes
     turns with them, and the tighter its headroom the sooner it goes: LLM-Mesh §5.1), then the
     tightest fit. A node whose memory is known to be too small is left out."""
@@ -415,7 +417,10 @@ def start_order(
     keyed = []
     for n in nodes:
         free = max(n.memory_budget_bytes - n.memory_used_bytes, 0) if n.memory_budget_bytes else 1 << 62
-        reusable = weights if profile.artifact_id in n.resident else 0
+        # Eq. 3's S': all of the weights where they are resident, else the share of them an
+        # idle worker's arena holds (the shared base of a fine-tune).
+        share = 1.0 if profile.artifact_id in n.resident else n.reusable.get(profile.artifact_id, 0.0)
+        reusable = int(weights * share)
         load_s = start_s_if_fits(free, reusable, weights, need, LOAD_BANDWIDTH_BPS)
         if load_s is not None:
             keyed.append(

@@ -46,6 +46,8 @@ class NodeView:
     """How long one more prefill may hold up the requests there (a continuous-batching engine
     runs it ahead of their next tokens): the least eq. 1 headroom among them once the prefills
     already queued have run, as of `seen_at`, where the engine reports it (inf: not reported)."""
+    reusable: Mapping[str, float] = field(default_factory=dict)
+    """Artifacts part of whose weights this node keeps (the share of their bytes)."""
 
     @classmethod
     def from_status(cls, status: NodeStatus) -> NodeView:
@@ -56,6 +58,7 @@ class NodeView:
             starting=frozenset(status.starting),
             kind=status.kind,
             resident=frozenset(status.resident),
+            reusable=dict(status.reusable),
             memory_budget_bytes=status.memory_budget_bytes,
             memory_used_bytes=status.memory_used_bytes,
             max_batch=max(1, status.max_batch),

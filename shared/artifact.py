@@ -9,6 +9,7 @@ main process, the loader and the converter all agree on them cheaply.
 from __future__ import annotations
 
 import json
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,26 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1,
 def torch_tensor_bytes(artifact: Artifact) -> dict[str, int]:
     """The artifact's torch tensors as content hash → bytes (its checkpoint's manifest), for
     matching them against what a tensor arena holds; empty without a checkpoint."""
-    path = torch_checkpoint(artifact) / TORCH_MANIFEST
+    return checkpoint_tensor_bytes(torch_checkpoint(artifact))
+
+
+def stored_torch_checkpoints(store: Path, known: AbstractSet[str]) -> dict[str, dict[str, int]]:
+    """The tensors (`checkpoint_tensor_bytes`) of every artifact in the model store that has a
+    torch checkpoint and is not in `known`, by artifact id (an artifact's directory name)."""
+    out: dict[str, dict[str, int]] = {}
+    if not store.is_dir():
+        return out
+    for entry in store.iterdir():
+        if entry.name not in known and (entry / TORCH_DIR / TORCH_MANIFEST).is_file():
+            try:
+                out[entry.name] = checkpoint_tensor_bytes(entry / TORCH_DIR)
+            except (OSError, ValueError, KeyError):  # unreadable: known, with nothing to match
+                out[entry.name] = {}
+    return out
+
+
+def checkpoint_tensor_bytes(checkpoint: Path) -> dict[str, int]:
+    path = checkpoint / TORCH_MANIFEST
     if not path.is_file():
         return {}
     out: dict[str, int] = {}

@@ -13,9 +13,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from bench.sim.hardware import GB, TPOT_SLO, Hardware
 from policy.perf_model import PerfModel
@@ -191,6 +192,8 @@ class Node:
     prewarmed = 1
     """A start costs `Hardware.init_s` (a pre-warmed worker) plus its load."""
     continuous_batching = True
+    reusable: ClassVar[Mapping[str, float]] = MappingProxyType({})
+    """Its models share no tensors: each is resident whole or not at all."""
     core_build_s = 0.0
     """The simulated engines start on their serving engine: no core build beside neighbours."""
 

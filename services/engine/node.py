@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from policy.affinity import most_reused
+from policy.affinity import reusable_shares
 from policy.eviction import Resident, choose_evictions, over_budget
 from policy.kv_account import KvAccount
 from policy.kv_watermark import floor_tokens
@@ -41,7 +41,7 @@ from services.engine.step_gate import StepGate
 from services.engine.worker_pool import Cancelled, Worker, WorkerPool
 from services.engine.worker_wire import Done
 from shared import subjects
-from shared.artifact import reads_torch_checkpoint
+from shared.artifact import reads_torch_checkpoint, stored_torch_checkpoints
 from shared.bus import Bus
 from shared.messages import (
     Artifact,
@@ -181,7 +181,8 @@ class EngineNode:
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
         self.tensor_bytes: dict[str, dict[str, int]] = {}
-        """A torch node's artifacts started here: content hash → bytes of each tensor."""
+        """A torch node's artifacts (started here, or in the store): content hash → bytes of
+        each tensor."""
         self._core_build_s = 0.0
         """How long the last core build on this node took (`TieredUp.load_s`): what a new
         instance's build costs its neighbours' decode rounds, as placement prices it."""
@@ -287,20 +288,33 @@ class EngineNode:
         an OpenVINO worker)."""
         return {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
 
-    def _resident(self) -> tuple[str, ...]:
-        """Artifacts a start here would read nothing of: those of idle bound workers, and on a
-        torch node those whose every tensor an idle worker's arena holds (a model whose worker
-        was rebound to another with the same weights: a start binds it back, Tangram §3.1)."""
+    def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
+        """Artifacts a start here would read nothing of, and those it would read part of (with
+        the share of their bytes it would not read). The first: those of idle bound workers,
+        and on a torch node those whose every tensor an idle worker's arena holds (a model
+        whose worker was rebound to another with the same weights: a start binds it back,
+        Tangram §3.1). The second: a torch node's artifacts (those of the store too,
+        `learn_artifacts`) part of whose tensors an idle arena holds, such as a fine-tune
+        beside its base."""
         idle = self.idle_tensors()
-        out = set(idle)
-        for aid, tensors in self.tensor_bytes.items():
-            if aid not in self.bound and tensors:
-                best = most_reused(idle, tensors)
-                if best is not None and best[1] == sum(tensors.values()):
-                    out.add(aid)
-        return tuple(sorted(out))
+        shares = (
+            reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
+        )
+        resident = set(idle) | {aid for aid, share in shares.items() if share >= 1.0}
+        partial = tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0))
+        return tuple(sorted(resident)), partial
+
+    async def learn_artifacts(self) -> None:
+        """On a torch node: the tensors of each artifact in the model store with a torch
+        checkpoint, read once each (an artifact never changes), so that the status says which
+        share of each an idle arena holds before the model was ever started here."""
+        if self.settings.engine_backend != "torch":
+            return
+        found = await asyncio.to_thread(stored_torch_checkpoints, self.settings.model_store, set(self.tensor_bytes))
+        self.tensor_bytes.update(found)
 
     def status(self) -> NodeStatus:
+        resident, reusable = self._residency()
         return NodeStatus(
             node_id=self.node,
             sent_at=time.time(),
@@ -323,7 +337,8 @@ class EngineNode:
             memory_budget_bytes=self._memory_seen[0],
             memory_used_bytes=self._memory_seen[1],
             kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
-            resident=self._resident(),
+            resident=resident,
+            reusable=reusable,
             perf=tuple(
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self._perf.items()

@@ -49,6 +49,7 @@ class EngineService(Starts, Generation):
         while True:
             try:
                 self._update_gauges()
+                await self.learn_artifacts()
                 if self.bus.connected.is_set():
                     await self.bus.publish(subjects.node_heartbeat(), self.status())
             except Exception:

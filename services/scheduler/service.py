@@ -140,6 +140,7 @@ class SchedulerService:
                         memory_used_bytes=n.memory_used_bytes,
                         kind=n.kind,
                         resident=tuple(sorted(n.resident)),
+                        reusable=tuple(sorted(n.reusable.items())),
                         core_build_s=n.core_build_s,
                     )
                     for n in sorted(live, key=lambda n: n.node_id)

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ops.localcluster import LocalCluster, default_model_path
 from services.gateway.tokenizers import Tokenizers
-from shared.artifact import TORCH_MANIFEST, torch_checkpoint
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint, torch_tensor_bytes
 from shared.messages import Artifact
 from tests.conftest import start_cluster
 from tests.helpers.cluster import cold_starts, loaded_models, register, wait_for
@@ -236,3 +236,36 @@ def test_a_model_sharing_an_idle_models_tensors_is_bound_to_its_worker(
         30,
         f"a start of {NAME} from the arena",
     )
+
+
+def test_a_fine_tune_beside_an_idle_base_is_reported_partly_resident(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
+) -> None:
+    """The scheduler's affinity counts resident bytes (Tangram eq. 3): an artifact in the store
+    whose tensors are the base's but one (its embedding's digest changed: a fine-tune that
+    retrained it) is reported by the node, once the base's worker is idle, with the share of
+    its bytes that worker's arena holds; before it was ever started there."""
+    client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    wait_for(lambda: NAME not in loaded_models(torch_cluster), 30, f"{NAME} to scale to zero")
+    manifest = json.loads((torch_checkpoint(artifact) / TORCH_MANIFEST).read_text())
+    changed = manifest["tensors"][0]
+    changed["digest"] = "0" * len(changed["digest"])
+    sizes = torch_tensor_bytes(artifact)
+    expected = 1 - sizes[next(iter(sizes))] / sum(sizes.values())
+    # Only the manifest is read to match tensors; it is written whole (renamed into place).
+    tune = Path(artifact.path).parent / "tune-of-smollm-torch"
+    (tune / "torch").mkdir(parents=True)
+    try:
+        (tune / "torch" / "manifest.tmp").write_text(json.dumps(manifest))
+        (tune / "torch" / "manifest.tmp").rename(tune / "torch" / TORCH_MANIFEST)
+
+        def reusable() -> dict[str, float]:
+            (node,) = httpx.get(f"{torch_cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+            return dict(node["reusable"])
+
+        shares = wait_for(lambda: "tune-of-smollm-torch" in reusable() and reusable(), 30, "the tune reported")
+        assert shares["tune-of-smollm-torch"] == pytest.approx(expected, abs=1e-3)
+        assert 0.5 < expected < 1.0  # the embedding is big, but not all of it
+        assert artifact.artifact_id not in shares  # whole: reported resident, not partly
+    finally:
+        shutil.rmtree(tune)

@@ -1,6 +1,6 @@
 import pytest
 
-from policy.affinity import load_time_s, most_reused, start_s_if_fits
+from policy.affinity import load_time_s, most_reused, reusable_shares, start_s_if_fits
 
 GB = 10**9
 
@@ -26,3 +26,19 @@ def test_the_idle_worker_holding_most_of_a_fine_tune_is_the_one_reused() -> None
     assert load_time_s(sum(tune.values()), 600, 100.0) == 1.0  # eq. 3: only the changed layer
     assert most_reused({"w-other": {"x"}}, tune) is None  # nothing shared: a fresh worker
     assert most_reused({"b": {"l0"}, "a": {"l1"}}, tune) == ("a", 100)  # a tie: by name
+
+
+def test_each_artifact_reports_the_largest_share_one_idle_arena_holds() -> None:
+    # The node's status: the base's worker is idle; the fine-tune (one layer changed) is 6/7
+    # there, a model sharing only a layer with the other worker 1/7, an unrelated one nothing.
+    base = {"embed": 400, "l0": 100, "l1": 100, "l2": 100}
+    artifacts = {
+        "tune": {"embed": 400, "l0": 100, "l1": 100, "l2*": 100},
+        "same": dict(base),
+        "cousin": {"e2": 400, "l0": 100, "m1": 100, "m2": 100},
+        "stranger": {"s": 10},
+        "empty": {},
+    }
+    idle = {"w-base": set(base), "w-other": {"l0"}}
+    assert reusable_shares(idle, artifacts) == {"tune": 600 / 700, "same": 1.0, "cousin": 100 / 700}
+    assert reusable_shares({}, artifacts) == {}

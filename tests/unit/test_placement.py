@@ -220,6 +220,21 @@ def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_r
     assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
 
 
+def test_a_node_holding_part_of_the_weights_starts_sooner_than_one_holding_none() -> None:
+    # Tangram eq. 3 with S' the share an idle arena holds (a fine-tune beside its base): a
+    # start there reads only the rest, so it ranks after a node holding all of it and before
+    # the others, whatever their instances; a node with no room is out even so.
+    nodes = [
+        node("empty"),
+        NodeView("part", NOW, {"x": inst("x", 0)}, reusable={"a1": 0.8}),
+        NodeView("little", NOW, reusable={"a1": 0.1}),
+        node("whole", inst("y", 0), inst("z", 0), resident=frozenset({"a1"})),
+        NodeView("full", NOW, reusable={"a1": 0.8}, memory_budget_bytes=100, memory_used_bytes=95),
+    ]
+    assert [n.node_id for n in start_order(nodes, profile())] == ["whole", "part", "little", "empty"]
+    assert next(n.node_id for n in start_order(nodes, profile(aid="other"))) == "empty"  # shares nothing of it
+
+
 def test_a_scale_out_goes_beside_the_neighbours_with_the_most_slack() -> None:
     # Alike but for their neighbour: "lax" hosts an 8 s TTFT SLO, "tight" a 3 s one.
     nodes = [node("tight", inst("t", 0)), node("lax", inst("l", 0))]
