@@ -340,6 +340,20 @@ def first_join(
     return _join(model, running, max_active_per_instance, demand, profiles)
 
 
+def scale_out_nodes(
+    model: str, nodes: Iterable[NodeState], profiles: Mapping[str, Profile], instances: int
+) -> list[str]:
+    """The nodes a scale-out of `model` to `instances` instances in all starts it on: as many
+    as are missing, best first by `placement.start_order` (the node kind, then where its
+    weights, or part of them, are resident), among the nodes neither running nor starting it
+    (`nodes` as `with_starts` makes them). Fewer where fewer nodes have room for it."""
+    nodes = list(nodes)
+    have = [n for n in nodes if model in n.instances or model in n.starting]
+    others = [n for n in nodes if not (model in n.instances or model in n.starting)]
+    order = placement.start_order(others, profiles.get(model), profiles)
+    return [n.node_id for n in order][: max(0, instances - len(have))]
+
+
 def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, Profile]) -> bool:
     """Whether a typical request of `model` validates on one of `others` (joining its instance
     there or a new one): LLM-Mesh §7.1 preempts an instance only if its requests can go on

@@ -308,6 +308,23 @@ class NodeStatus(Message, frozen=True):
     the cores its neighbours decode on (the last build measured; 0: starts here build none)."""
 
 
+class ScaleOut(Message, frozen=True):
+    """Run `model` on `instances` nodes in all, starting it at once on those that lack it, its
+    weights brought to them along one multicast plan (FaaScale §4-5): an operator's, ahead of
+    a burst it expects."""
+
+    model: str
+    instances: int
+
+
+class ScaledOut(Message, frozen=True):
+    model: str
+    running: tuple[str, ...]
+    """Nodes that ran the model, or were starting it, already."""
+    started: tuple[str, ...]
+    """Nodes it starts on now (fewer than asked where no more nodes can take it)."""
+
+
 class ClusterStatusQuery(Message, frozen=True):
     pass
 

@@ -25,6 +25,11 @@ def relocatable() -> str:
     return f"{_ROOT}.scheduler.relocatable"
 
 
+def scale_out() -> str:
+    """Gateway → scheduler: start a model on more nodes at once (request/reply)."""
+    return f"{_ROOT}.scheduler.scale"
+
+
 def cluster_status() -> str:
     """Anyone → scheduler: the scheduler's view of nodes and instances (request/reply)."""
     return f"{_ROOT}.scheduler.status"

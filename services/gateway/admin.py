@@ -31,6 +31,8 @@ from shared.messages import (
     ModelImported,
     ModelRecord,
     Rejected,
+    ScaledOut,
+    ScaleOut,
 )
 from shared.registry import Registry
 
@@ -115,6 +117,21 @@ class Admin:
         if not await self.registry.remove(name):
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
         return {"name": name, "removed": True}
+
+    async def scale(self, name: str, instances: int) -> dict[str, Any]:
+        """Run the model on `instances` nodes in all: the scheduler starts it at once on the
+        nodes missing (one multicast brings its blob to all of them) and answers without
+        waiting for them; `/admin/instances` shows them come up."""
+        scaled = await self.bus.request(
+            subjects.scale_out(),
+            ScaleOut(model=name, instances=instances),
+            ScaledOut | Rejected,
+            timeout=self.settings.request_timeout_s,
+        )
+        if isinstance(scaled, Rejected):
+            param = "name" if scaled.code is ErrorCode.MODEL_NOT_FOUND else "instances"
+            raise TesseraError(scaled.code, scaled.message, param=param, retry_after_s=scaled.retry_after_s)
+        return as_json(scaled)
 
     async def create_key(self, req: CreateApiKey) -> dict[str, Any]:
         secret, record = await self.keys.create(req.name, req.models, req.requests_per_minute, req.tokens_per_minute)

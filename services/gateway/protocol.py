@@ -279,6 +279,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ScaleModel(BaseModel):
+    """Admin API: run a model on this many nodes in all (FaaScale's scale-out, ahead of a burst)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instances: int = Field(ge=1, le=1024)
+
+
 class RegisterModel(BaseModel):
     """Admin API: register a model name on a GGUF file."""
 

@@ -33,6 +33,7 @@ from services.gateway.protocol import (
     ModelCard,
     ModelList,
     RegisterModel,
+    ScaleModel,
     TokenizeRequest,
     TokenizeResponse,
     UnsupportedParameter,
@@ -211,6 +212,10 @@ def _admin_routes(admin: Admin) -> APIRouter:
     @router.get("/models")
     async def models() -> list[dict[str, object]]:
         return await admin.list()
+
+    @router.post("/models/{name:path}/scale")
+    async def scale(name: str, req: ScaleModel) -> dict[str, object]:
+        return await admin.scale(name, req.instances)
 
     @router.delete("/models/{name:path}")
     async def remove(name: str) -> dict[str, object]:

@@ -38,6 +38,8 @@ from shared.messages import (
     Rejected,
     RelocateAnswer,
     RelocateQuery,
+    ScaledOut,
+    ScaleOut,
     StartInstance,
     StopInstance,
 )
@@ -88,6 +90,7 @@ class SchedulerService:
     async def start(self) -> None:
         await self.bus.subscribe(subjects.place(), self.on_place, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.cluster_status(), self.on_status, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.scale_out(), self.on_scale_out, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.relocatable(), self.on_relocatable, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.node_heartbeat(), self.on_heartbeat)
         await self.bus.subscribe(subjects.cold_start_recorded(), self.on_cold_start, queue=subjects.SCHEDULER_QUEUE)
@@ -158,6 +161,39 @@ class SchedulerService:
             p = event.phases
             self.perf.start(record.artifact.artifact_id, p.load_s + p.profile_s, spawn_s=p.init_s)
         await self.registry.record_cold_start(event)
+
+    async def on_scale_out(self, msg: Msg) -> None:
+        try:
+            reply: ScaledOut | Rejected = await self.scale_out(decode(msg.data, ScaleOut))
+        except TesseraError as e:
+            reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
+        except Exception as e:  # the operator gets an answer, whatever happened
+            log.exception("scale-out failed")
+            reply = Rejected(code=ErrorCode.UNAVAILABLE, message=f"scale-out failed: {e}", retry_after_s=1.0)
+        await self.bus.reply(msg, reply)
+
+    async def scale_out(self, req: ScaleOut) -> ScaledOut | Rejected:
+        """Start `req.model` on the nodes that make `req.instances` in all (not waiting for
+        them: the cluster's status shows them come up), in one multicast group."""
+        if req.instances < 1:
+            return Rejected(code=ErrorCode.INVALID_REQUEST, message="instances must be at least 1")
+        record = await self.registry.get(req.model)
+        if record is None:
+            return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
+        self._records[record.name] = record
+        now = time.time()
+        view = scheduling.with_starts(
+            scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s),
+            ((m, s.node_id) for (m, _), (s, _) in self._starts.items()),
+        )
+        have = tuple(sorted(n.node_id for n in view if req.model in n.instances or req.model in n.starting))
+        targets = scheduling.scale_out_nodes(req.model, view, self._profiles(), req.instances)
+        if targets:
+            log.info("scale-out of %s to %s, asked for", req.model, ", ".join(targets), extra={"model": req.model})
+            if have:
+                SCALE_OUTS.inc(len(targets))
+            await self._begin_starts(record, targets)
+        return ScaledOut(model=record.name, running=have, started=tuple(targets))
 
     # --- placement ----------------------------------------------------------------------------
 
@@ -373,12 +409,21 @@ class SchedulerService:
                 out[model] = start
         return out
 
-    def _begin_start(self, record: ModelRecord, node_id: str) -> None:
+    async def _begin_starts(self, record: ModelRecord, node_ids: list[str]) -> None:
+        """Start the model on several nodes at once, its blob brought to all of them along one
+        PipeCast plan (each target forwards blocks to the next while it receives them)."""
+        if self.settings.multicast_scale_out:
+            await self._multicast_to(record, node_ids)
+        for node_id in node_ids:
+            self._begin_start(record, node_id, multicast=False)
+
+    def _begin_start(self, record: ModelRecord, node_id: str, multicast: bool = True) -> None:
         """Start the model there unless a start of it is under way (one per model at a time);
-        `_starts` holds the task until it is done."""
+        `_starts` holds the task until it is done. `multicast`: the start orders its own blob
+        from the nodes running the model (False: the caller ordered it for a group)."""
         key = (record.name, node_id)
         if key not in self._starts:
-            task = asyncio.create_task(self._start(record, node_id))
+            task = asyncio.create_task(self._start(record, node_id, multicast))
             self._starts[key] = (StartUnderWay(node_id, time.time()), task)
             task.add_done_callback(lambda _: self._starts.pop(key, None))
 
@@ -395,10 +440,10 @@ class SchedulerService:
                 s, _ = self._starts[key]
                 self._starts[key] = (dataclasses.replace(s, waiting=max(0, s.waiting - 1)), task)
 
-    async def _start(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
+    async def _start(self, record: ModelRecord, node_id: str, multicast: bool = True) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
-        if self.settings.multicast_scale_out:
-            await self._multicast_to(record, node_id)
+        if multicast and self.settings.multicast_scale_out:
+            await self._multicast_to(record, [node_id])
         try:
             ready = await self.bus.request(
                 subjects.engine_start(node_id),
@@ -417,20 +462,22 @@ class SchedulerService:
             )
         return ready
 
-    async def _multicast_to(self, record: ModelRecord, node_id: str) -> None:
-        """A scale-out: the new node's loader fetches the blob from the loaders of the nodes
-        running the model (FaaScale §4-5). Sent before the start, not waited for: the loader
-        makes the start's stage wait for the blocks (or read the store if they fail)."""
-        running = [n for n, view in self.nodes.items() if record.name in view.instances and n != node_id]
+    async def _multicast_to(self, record: ModelRecord, node_ids: list[str]) -> None:
+        """A scale-out: the new nodes' loaders fetch the blob from the loaders of the nodes
+        running the model (FaaScale §4-5), all of them along one plan. Sent before the starts,
+        not waited for: each loader makes its start's stage wait for the blocks (or read the
+        store if they fail)."""
+        running = [n for n, view in self.nodes.items() if record.name in view.instances and n not in node_ids]
         if not running:
             return
-        order = await multicast.order(self.bus, record, [node_id], running)
+        order = await multicast.order(self.bus, record, node_ids, running)
         if order is None:
             return
-        task = asyncio.create_task(multicast.send(self.bus, order, node_id, self.settings.start_timeout_s))
-        self._multicasts.add(task)
-        task.add_done_callback(self._multicasts.discard)
-        await asyncio.sleep(0)  # its order goes out ahead of the start's
+        for node_id in node_ids:  # each target derives the same plan and carries out its part
+            task = asyncio.create_task(multicast.send(self.bus, order, node_id, self.settings.start_timeout_s))
+            self._multicasts.add(task)
+            task.add_done_callback(self._multicasts.discard)
+        await asyncio.sleep(0)  # its orders go out ahead of the starts
 
     # --- keep-alive ---------------------------------------------------------------------------
 

@@ -11,7 +11,17 @@ from policy.perf_book import PerfBook
 from policy.perf_model import DecodeSample, PerfModel, PrefillSample
 from policy.perf_model import profile as perf_profile
 from policy.placement import Demand, Failure, Profile, join_order, service_s, start_order, validate
-from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode, place
+from policy.scheduling import (
+    AwaitStart,
+    NodeView,
+    NoRoom,
+    StartOn,
+    StartUnderWay,
+    UseNode,
+    place,
+    scale_out_nodes,
+    with_starts,
+)
 from shared.messages import ErrorCode, InstanceView, PerfReport, Rejected
 from tests.helpers.records import RECORD
 
@@ -564,3 +574,24 @@ def test_among_equally_busy_instances_the_quieter_node_is_tried_first() -> None:
         node("d", inst("m", active=1), inst("chat", active=6)),
     ]
     assert [n.node_id for n in join_order(nodes, "m")] == ["d", "c", "b", "a"]
+
+
+def test_a_scale_out_to_n_instances_starts_only_the_missing_ones_best_nodes_first() -> None:
+    # Running on "a", starting on "b": three instances in all is one more, on the node that
+    # holds most of its weights; ten asks for every node left with room.
+    nodes = with_starts(
+        [
+            node("a", inst("m", 3)),
+            node("b"),
+            node("c"),
+            NodeView("d", NOW, reusable={"a1": 0.9}),
+            node("gpu", kind="gpu"),
+            node("full", budget=100, used=95),
+        ],
+        [("m", "b")],
+    )
+    profiles = {"m": profile()}
+    assert scale_out_nodes("m", nodes, profiles, 3) == ["d"]
+    assert scale_out_nodes("m", nodes, profiles, 10) == ["d", "c", "gpu"]
+    assert scale_out_nodes("m", nodes, profiles, 2) == []  # as many run or start already
+    assert scale_out_nodes("new", nodes, {}, 2) == ["c", "d"]  # unmeasured: the emptiest first (b starts m)
