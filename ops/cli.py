@@ -248,6 +248,21 @@ def models_rm(name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home
     console.print(f"removed {name}")
 
 
+@models.command("scale")
+def models_scale(
+    name: str,
+    instances: int = typer.Argument(..., help="Nodes to run it on, in all"),
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
+    """Start the model on more nodes at once (one multicast brings its weights to all of them)."""
+    with _admin(url, admin_key, home) as http:
+        scaled = _ok(http.post(f"/admin/models/{name}/scale", json={"instances": instances}))
+    started = ", ".join(scaled["started"]) or "none (as many run already, or no node has room)"
+    console.print(f"{name}: running on {', '.join(scaled['running']) or 'no node'}; starting on {started}")
+
+
 @keys.command("add")
 def keys_add(
     name: str,

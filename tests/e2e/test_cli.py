@@ -100,6 +100,8 @@ def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert found["cli-model"]["ttft_slo_s"] == 3 and found["cli-model"]["ttft_slo_per_token_s"] == 0
     assert found["cli-model"]["defaults"]["max_tokens"] == 7
 
+    assert "starting on node-0" in run(tessera, secure, "models", "scale", "cli-model", "1")
+    assert "starting on none" in run(tessera, secure, "models", "scale", "cli-model", "1")  # it runs or starts there
     run(tessera, secure, "models", "rm", "cli-model")
     assert "cli-model" not in run(tessera, secure, "models", "ls")
     gone = tessera.invoke(
