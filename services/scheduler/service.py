@@ -13,6 +13,7 @@ from prometheus_client import Counter, Gauge
 
 from policy import defrag, scheduling
 from policy.backoff import Backoff, Change
+from policy.multicast_groups import Groups
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
 from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode
@@ -71,6 +72,9 @@ class SchedulerService:
         self.bus = bus
         self.registry = registry
         self.nodes: dict[str, NodeView] = {}
+        self._groups = Groups(self.settings.multicast_group_s)
+        self._group_sent: dict[str, asyncio.Event] = {}
+        """Per model, set once its open scale-out group's multicast is ordered."""
         self._multicasts: set[asyncio.Task[object]] = set()
         """Scale-outs' multicasts under way (`_multicast_to`)."""
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
@@ -443,7 +447,7 @@ class SchedulerService:
     async def _start(self, record: ModelRecord, node_id: str, multicast: bool = True) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
         if multicast and self.settings.multicast_scale_out:
-            await self._multicast_to(record, [node_id])
+            await self._grouped_multicast(record, node_id)
         try:
             ready = await self.bus.request(
                 subjects.engine_start(node_id),
@@ -461,6 +465,24 @@ class SchedulerService:
                 InstanceView(model=record.name, active=0, last_used=now, loaded_at=now),
             )
         return ready
+
+    async def _grouped_multicast(self, record: ModelRecord, node_id: str) -> None:
+        """A scale-out's blob, in the group of this model's scale-outs that begin within
+        `multicast_group_s` (`policy.multicast_groups`): the first waits the window out and
+        orders one plan for the group; the others wait for that order before their start asks
+        its loader for a stage (which then waits for the blocks)."""
+        model = record.name
+        if not any(model in view.instances for n, view in self.nodes.items() if n != node_id):
+            return  # a first start: nobody to fetch from, nothing to wait for
+        if self._groups.join(model, node_id, time.monotonic()):
+            sent = self._group_sent[model] = asyncio.Event()
+            try:
+                await asyncio.sleep(max(0.0, self._groups.due(model) - time.monotonic()))
+                await self._multicast_to(record, self._groups.close(model))
+            finally:
+                sent.set()
+        else:
+            await self._group_sent[model].wait()
 
     async def _multicast_to(self, record: ModelRecord, node_ids: list[str]) -> None:
         """A scale-out: the new nodes' loaders fetch the blob from the loaders of the nodes

@@ -25,3 +25,7 @@ class SchedulerSettings(CommonSettings):
     the compiled blob from the loaders that hold it in host memory, by a PipeCast plan
     (FaaScale §4-5), instead of each start reading the model store: for nodes that reach the
     store over the network. Off where every node reads one local store (one machine)."""
+    multicast_group_s: float = 0.05
+    """With `multicast_scale_out`: scale-outs of a model that begin within this many seconds
+    of the first (a burst's) share one plan (`policy.multicast_groups`); the first waits that
+    long before it orders it."""
