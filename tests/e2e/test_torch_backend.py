@@ -30,7 +30,7 @@ from services.gateway.tokenizers import Tokenizers
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint, torch_tensor_bytes
 from shared.messages import Artifact
 from tests.conftest import start_cluster
-from tests.helpers.cluster import cold_starts, loaded_models, register, wait_for
+from tests.helpers.cluster import cold_starts, engine_workers, loaded_models, register, wait_for
 
 NAME = "smollm-torch"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -90,18 +90,7 @@ def transformers_greedy(checkpoint: Path, prompt: list[int]) -> tuple[str, int, 
 def torch_workers(cluster: LocalCluster) -> list[int]:
     """The engine's child processes that run torch (libtorch mapped: an OpenVINO worker never
     loads it)."""
-    engine = cluster.procs["engine@node-0"].pid
-    children = [
-        int(pid) for task in Path(f"/proc/{engine}/task").iterdir() for pid in (task / "children").read_text().split()
-    ]
-    found = []
-    for pid in children:
-        try:
-            if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
-                found.append(pid)
-        except OSError:
-            continue  # ended meanwhile
-    return found
+    return engine_workers(cluster, "libtorch")
 
 
 def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restarts_resident(

@@ -23,7 +23,7 @@ from ops.localcluster import LocalCluster
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint
 from shared.messages import Artifact
 from tests.conftest import start_cluster
-from tests.helpers.cluster import register
+from tests.helpers.cluster import engine_workers, register
 
 # Looked up, not imported: the engine's workers import vLLM, not the tests.
 pytestmark = pytest.mark.skipif(
@@ -54,25 +54,6 @@ def client(vllm_cluster: LocalCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{vllm_cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-def vllm_workers(cluster: LocalCluster) -> list[int]:
-    """The engine's child processes that run vLLM."""
-    engine = cluster.procs["engine@node-0"].pid
-    children = [
-        int(pid) for task in Path(f"/proc/{engine}/task").iterdir() for pid in (task / "children").read_text().split()
-    ]
-    found = []
-    for pid in children:
-        try:
-            if (
-                "tessera-vllm-worker" in Path(f"/proc/{pid}/cmdline").read_text()
-                or "vllm" in Path(f"/proc/{pid}/maps").read_text()
-            ):
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
 def test_a_vllm_node_answers_greedy_and_streamed_alike(
     vllm_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
 ) -> None:
@@ -82,7 +63,7 @@ def test_a_vllm_node_answers_greedy_and_streamed_alike(
     text = whole.choices[0].message.content or ""
     assert "Paris" in text, text
     assert whole.usage is not None and 0 < whole.usage.completion_tokens <= 12
-    assert vllm_workers(vllm_cluster), "no engine worker runs vLLM"
+    assert engine_workers(vllm_cluster, "/vllm/"), "no engine worker runs vLLM"
     stream = client.chat.completions.create(model=NAME, messages=QUESTION, stream=True, **greedy)  # type: ignore[arg-type]
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 

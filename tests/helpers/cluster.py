@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -93,3 +94,20 @@ def on_the_core(cluster: LocalCluster, model: str, timeout_s: float = 120.0) -> 
         return any(i["model"] == model and i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
 
     wait_for(steady, timeout_s, f"the continuous-batching core to serve {model}")
+
+
+def engine_workers(cluster: LocalCluster, library: str, node: str = "node-0") -> list[int]:
+    """The node's engine's child processes that map `library` (a file name's part: "libtorch",
+    "vllm"): which runtime its workers run."""
+    engine = cluster.procs[f"engine@{node}"].pid
+    children = [
+        int(pid) for task in Path(f"/proc/{engine}/task").iterdir() for pid in (task / "children").read_text().split()
+    ]
+    found = []
+    for pid in children:
+        try:
+            if library in Path(f"/proc/{pid}/maps").read_text():
+                found.append(pid)
+        except OSError:
+            continue  # ended meanwhile
+    return found

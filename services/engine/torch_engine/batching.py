@@ -51,6 +51,16 @@ the running decodes. The library claims a block ahead for each chunk, so the cac
 more block per chunk of the longest context than the tokens it promises."""
 
 
+def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
+    """Refuse (ValueError, that request alone) a request longer than the batch's KV cache: in
+    the batch it would stop every request (the library has nothing to evict to make room)."""
+    if prompt_tokens + max_tokens > kv_tokens:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this "
+            f"worker's KV cache of {kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
+        )
+
+
 @dataclass(frozen=True)
 class Step:
     """What one request got since the last look: its new tokens, and how it ended if it did."""
@@ -373,11 +383,7 @@ class ContinuousBatcher:
     ) -> None:
         if not self.manager.is_running():
             raise RuntimeError("the continuous batch has stopped")
-        if len(prompt_ids) + params.max_tokens > self.kv_tokens:
-            raise ValueError(
-                f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({params.max_tokens}) exceed this "
-                f"worker's KV cache of {self.kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
-            )
+        check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         slot = self._next_slot
         self._next_slot += 1
         guided = self.guides.start(params.guide) if params.guide is not None else None

@@ -29,7 +29,7 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from services.engine.step_gate import StepGate
-from services.engine.torch_engine.batching import Step
+from services.engine.torch_engine.batching import Step, check_fits
 from services.engine.torch_engine.engine import ends_of_sequence
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -124,11 +124,7 @@ class VllmBatch:
     ) -> None:
         if not self.alive:
             raise RuntimeError(f"the vLLM batch has stopped: {self._error}")
-        if len(prompt_ids) + params.max_tokens > self.max_len:
-            raise ValueError(
-                f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({params.max_tokens}) exceed this "
-                f"worker's KV cache of {self.max_len} tokens (TESSERA_TORCH_KV_TOKENS)"
-            )
+        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
         structured = StructuredOutputsParams(**structured_kwargs(params.guide)) if params.guide is not None else None
         vllm_params = VllmSamplingParams(
             **sampling_kwargs(params, self.ends),
