@@ -16,8 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Joined:
+    group: int
+    """The group's number (its opener closes it by this number)."""
+    opened: bool
+    """This scale-out opened it: its caller sends the group's plan at `due`."""
+
+
 @dataclass
-class _Open:
+class _Group:
+    model: str
     opened_at: float
     targets: list[str]
 
@@ -25,24 +34,35 @@ class _Open:
 @dataclass
 class Groups:
     window_s: float
-    _open: dict[str, _Open] = field(default_factory=dict)
+    _groups: dict[int, _Group] = field(default_factory=dict)
+    _open: dict[str, int] = field(default_factory=dict)
+    """Per model, the group that scale-outs of it still join."""
+    _next: int = 0
 
-    def join(self, model: str, node: str, now: float) -> bool:
-        """A scale-out of `model` to `node` begins: True where it opens a group (its caller
-        sends the group's plan at `due`), False where it joined the one open."""
-        group = self._open.get(model)
-        if group is not None and now - group.opened_at <= self.window_s:
+    def join(self, model: str, node: str, now: float) -> Joined:
+        """A scale-out of `model` to `node` begins: it joins the model's group opened within
+        the window, else opens one (a group past its window takes no one, even before its
+        opener has closed it)."""
+        number = self._open.get(model)
+        if number is not None and now - self._groups[number].opened_at <= self.window_s:
+            group = self._groups[number]
             if node not in group.targets:
                 group.targets.append(node)
-            return False
-        self._open[model] = _Open(now, [node])
-        return True
+            return Joined(number, False)
+        number, self._next = self._next, self._next + 1
+        self._groups[number] = _Group(model, now, [node])
+        self._open[model] = number
+        return Joined(number, True)
 
-    def due(self, model: str) -> float:
-        """When the open group of `model` closes (its opener waits until then)."""
-        return self._open[model].opened_at + self.window_s
+    def due(self, group: int) -> float:
+        """When the group closes (its opener waits until then)."""
+        return self._groups[group].opened_at + self.window_s
 
-    def close(self, model: str) -> list[str]:
-        """The open group's targets, in the order they joined; later scale-outs open another."""
-        group = self._open.pop(model, None)
-        return group.targets if group is not None else []
+    def close(self, group: int) -> list[str]:
+        """The group's targets, in the order they joined; none join it after this."""
+        closed = self._groups.pop(group, None)
+        if closed is None:
+            return []
+        if self._open.get(closed.model) == group:
+            del self._open[closed.model]
+        return closed.targets

@@ -73,8 +73,8 @@ class SchedulerService:
         self.registry = registry
         self.nodes: dict[str, NodeView] = {}
         self._groups = Groups(self.settings.multicast_group_s)
-        self._group_sent: dict[str, asyncio.Event] = {}
-        """Per model, set once its open scale-out group's multicast is ordered."""
+        self._group_sent: dict[int, asyncio.Event] = {}
+        """Per scale-out group not yet sent, set once its multicast is ordered."""
         self._multicasts: set[asyncio.Task[object]] = set()
         """Scale-outs' multicasts under way (`_multicast_to`)."""
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
@@ -474,15 +474,17 @@ class SchedulerService:
         model = record.name
         if not any(model in view.instances for n, view in self.nodes.items() if n != node_id):
             return  # a first start: nobody to fetch from, nothing to wait for
-        if self._groups.join(model, node_id, time.monotonic()):
-            sent = self._group_sent[model] = asyncio.Event()
+        joined = self._groups.join(model, node_id, time.monotonic())
+        if joined.opened:
+            sent = self._group_sent[joined.group] = asyncio.Event()
             try:
-                await asyncio.sleep(max(0.0, self._groups.due(model) - time.monotonic()))
-                await self._multicast_to(record, self._groups.close(model))
+                await asyncio.sleep(max(0.0, self._groups.due(joined.group) - time.monotonic()))
+                await self._multicast_to(record, self._groups.close(joined.group))
             finally:
                 sent.set()
+                del self._group_sent[joined.group]
         else:
-            await self._group_sent[model].wait()
+            await self._group_sent[joined.group].wait()
 
     async def _multicast_to(self, record: ModelRecord, node_ids: list[str]) -> None:
         """A scale-out: the new nodes' loaders fetch the blob from the loaders of the nodes
