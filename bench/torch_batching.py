@@ -23,7 +23,10 @@ three ways, side by side in one run:
 On a CUDA machine the same command measures the GPU in bfloat16.
 
 Output tokens per second from the first request sent to the last token, after an untimed
-warm-up round of the same crowd on the same batch (`WARM_TOKENS`). Prints one JSON object
+warm-up round of the same crowd on the same batch (`WARM_TOKENS`). Then `first_tokens`: what
+a new batch's first requests wait (a cold start's first request meets a new batch), per way of
+running its steps (on a GPU: every step from CUDA graphs, which captures each new shape at its
+first use; decode steps alone from graphs; none). Prints one JSON object
 and writes `<out>/torch_batching.json` and `.png` (`torch_batching_gpu.*` on a GPU). On a CUDA machine the same run measures the
 GPU (`device` says which). The GPU machine has no room for the GGUF (what travels there is
 limited), so there the run takes `--skeleton`: the default model's config and tokenizer, written
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import sys
 import tempfile
@@ -129,6 +133,48 @@ def run_library(model: Any, batch: list[list[int]], tokens: int) -> float:
         return rate
     finally:
         manager.stop(block=True, timeout=60)
+
+
+FIRST_MODES: dict[str, bool | tuple[bool, bool]] = {
+    "graphs": True,
+    "decode_graphs": (False, True),
+    "eager": False,
+}
+"""How a new batch's steps run, for `first_tokens`: every step from CUDA graphs, the decode
+steps alone (a prefill's shape is new more often), or none."""
+
+
+def first_tokens(engine: TorchEngine, modes: list[str]) -> dict[str, dict[str, float]]:
+    """A new batch's first requests (what a cold start serves first), per mode: the first
+    token of its first request, of a second one with a prompt of another length, and the
+    first request's 16 tokens, in seconds from `add`."""
+    prompts = [
+        engine.chat_ids([{"role": "user", "content": "Hi."}]),
+        engine.chat_ids([{"role": "user", "content": "Tell me about " + "the sea and the sky, " * 12}]),
+    ]
+    out: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        batcher = ContinuousBatcher(engine, max_batch=8, kv_tokens=KV_TOKENS, graphs=FIRST_MODES[mode])
+        try:
+            timing: dict[str, float] = {}
+            for name, prompt in zip(("first_ttft_s", "second_ttft_s"), prompts, strict=True):
+                t0 = time.perf_counter()
+                batcher.add(name, prompt, params(0, 16))
+                first, done = None, False
+                while not done:
+                    for step in batcher.steps(0.001):
+                        if step.error:
+                            raise RuntimeError(step.error)
+                        if first is None and step.tokens:
+                            first = time.perf_counter() - t0
+                        done = done or step.finish is not None
+                timing[name] = first if first is not None else math.nan
+                if name == "first_ttft_s":
+                    timing["first_16_tokens_s"] = time.perf_counter() - t0
+            out[mode] = timing
+        finally:
+            batcher.close()
+    return out
 
 
 def run_one_at_a_time(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
@@ -227,6 +273,9 @@ def main() -> None:
                 f"c={c}: tessera {result['tessera'][str(c)]:.1f} tok/s, library {result['library'][str(c)]:.1f}, "
                 f"ratio {result['ratio_tessera_over_library'][str(c)]:.2f}"
             )
+        modes = list(FIRST_MODES) if cuda else ["eager"]
+        result["first_tokens"] = first_tokens(engine, modes)
+        log(f"first tokens of a new batch: {result['first_tokens']}")
         engine.close()
 
     top = str(max(crowds))

@@ -304,11 +304,14 @@ class ContinuousBatcher:
         kv_tokens: int,
         gate: StepGate | None = None,
         gate_slot: int = -1,
-        graphs: bool | None = None,
+        graphs: bool | tuple[bool, bool] | None = None,
     ) -> None:
         """`graphs`: replay steps from CUDA graphs (the library's, captured per padded shape at
-        its first use); None: where the model is on a CUDA device."""
-        graphed = engine.device.type == "cuda" if graphs is None else graphs
+        its first use), or (prefill steps, decode steps) for each kind apart; None: where the
+        model is on a CUDA device."""
+        if graphs is None:
+            graphs = engine.device.type == "cuda"
+        graphed = any(graphs) if isinstance(graphs, tuple) else graphs
         vocab = int(engine.model.config.vocab_size)
         self.sampling = EngineSampling(engine.eos_ids, vocab, max_batch, engine.device, graphed, gate, gate_slot)
         self.sampling.hook = self._hook
@@ -325,7 +328,7 @@ class ContinuousBatcher:
             max_batch_tokens=STEP_TOKENS,
             max_requests_per_batch=max_batch,
             max_memory_percent=0.9,
-            use_cuda_graph=graphed,
+            use_cuda_graph=graphs,
             use_async_batching=False,
         )
         model: Any = engine.model  # transformers' continuous-batching mixin is untyped
