@@ -78,6 +78,13 @@ def cold_start_recorded() -> str:
     return f"{_ROOT}.events.coldstart"
 
 
+def loader_import(node_id: str) -> str:
+    """Engine → its node's loader: import a registered model for this node's engine, writing
+    what the loader that registered it did not (a torch checkpoint, where that loader's node
+    runs OpenVINO) (request/reply)."""
+    return f"{_ROOT}.loader.{node_id}.import"
+
+
 def loader_stage(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.stage"
 

@@ -34,7 +34,7 @@ from services.engine.node import Bound, PendingColdStart, Served
 from services.engine.worker_pool import Worker
 from services.engine.worker_wire import Loaded, TieredUp
 from shared import subjects
-from shared.artifact import has_tier, reads_torch_checkpoint, torch_tensor_bytes
+from shared.artifact import has_tier, has_torch_checkpoint, reads_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -43,8 +43,11 @@ from shared.messages import (
     ErrorCode,
     Evicted,
     EvictResidents,
+    ImportModel,
     InstanceReady,
     InstanceStopped,
+    ModelImported,
+    ModelRecord,
     PreemptInstance,
     Rejected,
     StageArtifact,
@@ -121,6 +124,7 @@ class Starts(KvMemory):
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
         t0 = time.monotonic()
+        await self._materialized(record)
         bound, hit, t1 = await self._acquire(record.artifact)
         t2 = time.monotonic()
         try:
@@ -167,6 +171,26 @@ class Starts(KvMemory):
         return InstanceReady(
             node_id=self.node, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
         )
+
+    async def _materialized(self, record: ModelRecord) -> None:
+        """On a torch or vLLM node, a model registered by the loader of an OpenVINO node has no
+        torch checkpoint yet: this node's loader writes it from the model's GGUF, once (the
+        store keeps it for every node), before the first start here."""
+        if not reads_torch_checkpoint(self.settings.engine_backend):
+            return
+        if await asyncio.to_thread(has_torch_checkpoint, record.artifact):
+            return
+        log.info("%s has no torch checkpoint yet: this node's loader writes it", record.name)
+        reply = await self.bus.request(
+            subjects.loader_import(self.node),
+            ImportModel(source=record.source),
+            ModelImported | Rejected,
+            timeout=self.settings.load_timeout_s,
+        )
+        if isinstance(reply, Rejected):
+            raise TesseraError(
+                reply.code, f"{record.name} cannot start on a {self.settings.engine_backend} node: {reply.message}"
+            )
 
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances are generating, so that

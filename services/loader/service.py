@@ -109,6 +109,7 @@ class LoaderService:
         self.store.mkdir(parents=True, exist_ok=True)
         node = self.settings.node_id
         await self.bus.subscribe(subjects.import_model(), self.on_import, queue=subjects.LOADER_QUEUE)
+        await self.bus.subscribe(subjects.loader_import(node), self.on_import)
         await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
         await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
         await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
