@@ -49,6 +49,16 @@ def reads_torch_checkpoint(engine_backend: str) -> bool:
     return engine_backend in ("torch", "vllm")
 
 
+def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") -> bool:
+    """What a node's engine reads is in the store: the torch checkpoint where `backend` reads
+    one (no compiled OpenVINO tier: such a node's device may be one OpenVINO does not know, a
+    CUDA GPU), else every tier compiled for `device`. The artifact's own OpenVINO files (its
+    metadata and tokenizers) serve the gateway either way."""
+    if reads_torch_checkpoint(backend):
+        return has_torch_checkpoint(artifact)
+    return all(has_tier(artifact, device, tier) for tier in Tier)
+
+
 def torch_checkpoint(artifact: Artifact) -> Path:
     return Path(artifact.path) / TORCH_DIR
 

@@ -36,6 +36,7 @@ from shared.artifact import (
     first_pass,
     has_tier,
     has_torch_checkpoint,
+    is_materialized,
     model_xml,
     reads_torch_checkpoint,
     torch_checkpoint,
@@ -127,13 +128,6 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") -> bool:
-    """Every tier compiled for `device`, and the torch checkpoint where `backend` reads one (the
-    OpenVINO artifact stays whole there too: its metadata and tokenizers serve the gateway)."""
-    tiers = all(has_tier(artifact, device, tier) for tier in Tier)
-    return tiers and (not reads_torch_checkpoint(backend) or has_torch_checkpoint(artifact))
-
-
 def _write_start_ir(artifact: Artifact) -> None:
     """Into a temporary sibling, then renamed: a crash never leaves half a start tier."""
     final = Path(artifact.path) / START_DIR
@@ -175,12 +169,13 @@ def main(argv: list[str]) -> None:
     backend = rest[0] if rest else "openvino"
     dest = Path(dst)
     artifact = read_artifact(dest) or convert(Path(src), dest, sha, aid)
-    if not is_materialized(artifact, device):
-        materialize(artifact, device, int(threads))
-    if reads_torch_checkpoint(backend) and not has_torch_checkpoint(artifact):
-        from services.loader.torch_checkpoint import host_dtype, materialize_into
+    if reads_torch_checkpoint(backend):
+        if not has_torch_checkpoint(artifact):
+            from services.loader.torch_checkpoint import host_dtype, materialize_into
 
-        materialize_into(Path(src), torch_checkpoint(artifact), host_dtype())
+            materialize_into(Path(src), torch_checkpoint(artifact), host_dtype())
+    elif not is_materialized(artifact, device):
+        materialize(artifact, device, int(threads))
 
 
 if __name__ == "__main__":

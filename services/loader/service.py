@@ -13,13 +13,12 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from policy.multicast import STORE, pipecast
-from services.loader.convert import is_materialized
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
-from shared.artifact import compiled_cache_dir
+from shared.artifact import compiled_cache_dir, is_materialized
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,

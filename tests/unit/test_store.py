@@ -50,3 +50,31 @@ def test_import_refuses_relative_paths_and_non_gguf(loader: LoaderService, tmp_p
         loader._check_source(str(fake))
     with pytest.raises(ImportRefused, match="not a readable"):
         loader._check_source(str(tmp_path / "models" / "missing.gguf"))
+
+
+def test_what_a_node_reads_decides_whether_an_artifact_is_materialized_for_it(tmp_path: Path) -> None:
+    # A torch or vLLM node reads the torch checkpoint alone (its device, a CUDA GPU, may be
+    # none OpenVINO compiles for); an OpenVINO node reads every tier compiled for its device.
+    from shared.artifact import (
+        MODEL_XML,
+        START_DIR,
+        TORCH_DIR,
+        TORCH_MANIFEST,
+        compiled_cache_dir,
+        is_materialized,
+    )
+    from shared.messages import Artifact, Tier
+
+    art = Artifact("a", str(tmp_path), "s", 2048, 1, 1)
+    assert not is_materialized(art, "CPU") and not is_materialized(art, "CUDA", "torch")
+    (tmp_path / TORCH_DIR).mkdir()
+    (tmp_path / TORCH_DIR / TORCH_MANIFEST).write_text("{}")
+    assert is_materialized(art, "CUDA", "torch") and is_materialized(art, "CPU", "vllm")
+    assert not is_materialized(art, "CPU", "openvino")
+    (tmp_path / START_DIR).mkdir()
+    for tier, xml in ((Tier.STEADY, tmp_path / MODEL_XML), (Tier.START, tmp_path / START_DIR / MODEL_XML)):
+        xml.write_text("<net/>")
+        cache = compiled_cache_dir(art, "CPU", tier)
+        cache.mkdir(parents=True)
+        (cache / "x.blob").write_bytes(b"0")
+    assert is_materialized(art, "CPU", "openvino") and not is_materialized(art, "GPU", "openvino")
