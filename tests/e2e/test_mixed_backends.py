@@ -19,7 +19,7 @@ from ops.localcluster import LocalCluster, default_model_path
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.messages import Artifact
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import engine_workers, register, wait_for
+from tests.helpers.cluster import engine_workers, nodes_running, register, wait_for
 
 NAME = "mixed"
 
@@ -38,11 +38,6 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterat
         yield c
     finally:
         c.stop()
-
-
-def nodes_running(cluster: LocalCluster, model: str) -> set[str]:
-    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
-    return {n["node_id"] for n in status["nodes"] for i in n["instances"] if i["model"] == model}
 
 
 def test_a_model_registered_by_an_openvino_loader_starts_on_a_torch_node(mixed: LocalCluster, tmp_path: Path) -> None:

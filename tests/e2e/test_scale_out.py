@@ -16,7 +16,7 @@ import pytest
 
 from ops.localcluster import LocalCluster
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import metric, on_the_core, register, wait_for
+from tests.helpers.cluster import metric, nodes_running, on_the_core, register, wait_for
 
 NAME = "tight-ttft"
 NODE1_BUDGET = 3 * 1024**3
@@ -45,11 +45,6 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> It
         yield c
     finally:
         c.stop()
-
-
-def nodes_running(cluster: LocalCluster, model: str) -> set[str]:
-    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
-    return {n["node_id"] for n in status["nodes"] for i in n["instances"] if i["model"] == model}
 
 
 # About a thousand tokens: a prefill that dominates a request's first token on any machine.

@@ -13,7 +13,7 @@ import pytest
 
 from ops.localcluster import LocalCluster
 from tests.conftest import TEST_ENV
-from tests.helpers.cluster import metric, register, wait_for
+from tests.helpers.cluster import metric, nodes_running, register, wait_for
 
 NAME = "burst"
 
@@ -32,11 +32,6 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> 
         yield c
     finally:
         c.stop()
-
-
-def nodes_running(cluster: LocalCluster, model: str) -> set[str]:
-    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
-    return {n["node_id"] for n in status["nodes"] for i in n["instances"] if i["model"] == model}
 
 
 def scale(cluster: LocalCluster, name: str, body: object) -> httpx.Response:

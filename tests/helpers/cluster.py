@@ -111,3 +111,9 @@ def engine_workers(cluster: LocalCluster, library: str, node: str = "node-0") ->
         except OSError:
             continue  # ended meanwhile
     return found
+
+
+def nodes_running(cluster: LocalCluster, model: str) -> set[str]:
+    """The nodes with an instance of `model`, as the scheduler sees them."""
+    status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
+    return {n["node_id"] for n in status["nodes"] for i in n["instances"] if i["model"] == model}
