@@ -401,10 +401,11 @@ def start_order(
     nodes: Iterable[NodeState], profile: Profile | None, neighbours: Mapping[str, Profile] | None = None
 ) -> list[NodeState]:
     """Nodes that could start the model, best first: CPU first, then the soonest start (its
-    weights, or part of them, still resident there: Tangram's affinity), then the fewest instances (they share
-    the node's cores), then the neighbours with the laxest TTFT SLO (the new instance takes
-    turns with them, and the tighter its headroom the sooner it goes: LLM-Mesh §5.1), then the
-    tightest fit. A node whose memory is known to be too small is left out."""
+    weights, or part of them, still resident there: Tangram's affinity), then the fewest
+    instances (they share the node's cores), then the neighbours with the laxest TTFT SLO (the
+    new instance takes turns with them, and the tighter its headroom the sooner it goes:
+    LLM-Mesh §5.1), then the tightest fit. A node whose memory is known to be too small is
+    left out."""
     nodes = list(nodes)
     if profile is None:
         return sorted(nodes, key=lambda n: (kind_rank(n.kind), len(n.instances) + len(n.starting), n.node_id))

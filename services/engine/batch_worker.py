@@ -179,8 +179,8 @@ class BatchWorker:
         checkpoint = torch_checkpoint(cmd.artifact)
         if not has_torch_checkpoint(cmd.artifact):
             raise FileNotFoundError(
-                f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: "
-                "it was registered by a loader whose engine_backend reads none (openvino)"
+                f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: the node's loader "
+                "writes it before a model's first start here (its log says why it did not)"
             )
         for rid in list(self.live):
             self.conn.send(Failure(rid, "the worker was bound to another model"))
