@@ -50,6 +50,7 @@ from ops import netns
 from ops.loaders import LoaderClient
 from ops.localcluster import LocalCluster, default_model_path
 from policy.multicast import STORE, naive, pipecast, transfer_s
+from services.loader.blockset import MULTICAST_BLOCK_BYTES
 from services.loader.hostcache import block_set
 from shared.bus import Bus
 from shared.messages import (
@@ -69,7 +70,7 @@ def feeds_of(plan_sends: Any, addr: dict[str, str], targets: list[str]) -> dict[
     return {t: [(s.block, addr.get(s.src, s.src)) for s in plan_sends.feeds(t)] for t in targets}
 
 
-async def run(link_bps: float, home: Path, namespaces: bool) -> dict[str, Any]:
+async def run(link_bps: float, home: Path, namespaces: bool, block_bytes: int) -> dict[str, Any]:
     nodes = 1 + max(NS)
     names = [f"node-{i}" for i in range(nodes)]
     spaces = netns.NetNamespaces(str(home), names, link_bps * 8 / 1e6) if namespaces else None
@@ -88,7 +89,7 @@ async def run(link_bps: float, home: Path, namespaces: bool) -> dict[str, Any]:
     try:
         loaders = LoaderClient(bus, DEVICE)
         artifact = await loaders.import_model(str(default_model_path()))
-        bs = block_set(artifact, DEVICE, Tier.STEADY)
+        bs = block_set(artifact, DEVICE, Tier.STEADY, block_bytes)  # before any loader reads it
         await loaders.cache_on(SOURCE, artifact)
         addr = {f"node-{i}": (await loaders.status(f"node-{i}")).peer_addr for i in range(nodes)}
         log(f"model blob: {bs.size / 1e6:.0f} MB in {bs.blocks} blocks of {bs.block_bytes >> 20} MiB")
@@ -197,6 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link-mbps", type=float, default=200.0, help="every node's uplink, megabits per second")
     ap.add_argument("--loopback", action="store_true", help="no namespaces: pace the block servers instead")
+    ap.add_argument("--block-mib", type=float, default=MULTICAST_BLOCK_BYTES / 2**20, help="multicast block size, MiB")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args()
     # A kill ends the run through its `finally`s: the loaders stop and the namespaces go.
@@ -208,7 +210,7 @@ def main() -> None:
     link_bps = args.link_mbps * 1e6 / 8
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tessera-multicast-") as home:
-        real = asyncio.run(run(link_bps, Path(home), namespaces=not why_not))
+        real = asyncio.run(run(link_bps, Path(home), namespaces=not why_not, block_bytes=int(args.block_mib * 2**20)))
     sim = simulate(real["blocks"], real["block_bytes"], link_bps)
     pipe = {n: r["seconds"] for n, r in real["runs"]["pipecast"].items()}
     base = {n: r["seconds"] for n, r in real["runs"]["baseline"].items()}

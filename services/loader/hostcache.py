@@ -26,7 +26,7 @@ from services.loader.blocks import (
     drop_from_page_cache,
     manifest_of,
 )
-from services.loader.blockset import BlockSet, block_set_of
+from services.loader.blockset import MULTICAST_BLOCK_BYTES, BlockSet, block_set_of
 from shared.artifact import compiled_cache_dir
 from shared.messages import Artifact, Tier
 
@@ -53,9 +53,12 @@ def read_manifest(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> 
     return msgspec.msgpack.decode(path.read_bytes(), type=Manifest)
 
 
-def block_set(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> BlockSet:
+def block_set(
+    artifact: Artifact, device: str, tier: Tier = Tier.STEADY, block_bytes: int = MULTICAST_BLOCK_BYTES
+) -> BlockSet:
     """The compiled blob as a multicast's block set (SHA-256 per block), written beside it in
-    the store the first time it is asked for: every node that moves it reads this one."""
+    the store the first time it is asked for: every node that moves it reads this one (so
+    `block_bytes` counts only on that first call)."""
     cache = compiled_cache_dir(artifact, device, tier)
     path = cache.parent / f"{cache.name}.blocks"
     if path.exists():
@@ -63,7 +66,7 @@ def block_set(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Bloc
     blobs = sorted(cache.glob("*.blob"))
     if len(blobs) != 1:
         raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
-    bs = block_set_of(cache, [blobs[0].name], f"{artifact.artifact_id}/{device}/{tier}")
+    bs = block_set_of(cache, [blobs[0].name], f"{artifact.artifact_id}/{device}/{tier}", block_bytes)
     tmp = path.with_suffix(f".tmp{id(bs)}")
     tmp.write_bytes(msgspec.msgpack.encode(bs))
     tmp.replace(path)  # atomic: two nodes asking at once write the same bytes
