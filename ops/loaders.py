@@ -39,10 +39,14 @@ class LoaderClient:
         reply = await self.bus.request(subjects.import_model(), ImportModel(source=source), ModelImported, timeout=600)
         return reply.artifact
 
-    async def cache_on(self, node: str, artifact: Artifact, timeout_s: float = 120) -> None:
-        """Have `node`'s loader hold the artifact's blob in host memory (a stage, then its fill)."""
+    async def cache_on(self, node: str, artifact: Artifact, timeout_s: float = 120, tier: Tier = Tier.STEADY) -> None:
+        """Have `node`'s loader hold the artifact's blob (that form of it) in host memory (a
+        stage, then its fill)."""
         await self.bus.request(
-            subjects.loader_stage(node), StageArtifact(artifact=artifact, device=self.device), Staged, timeout=60
+            subjects.loader_stage(node),
+            StageArtifact(artifact=artifact, device=self.device, tier=tier),
+            Staged,
+            timeout=60,
         )
         deadline = time.monotonic() + timeout_s
         while not any(e.artifact_id == artifact.artifact_id for e in (await self.status(node)).entries):
@@ -64,6 +68,7 @@ class LoaderClient:
         *,
         block_timeout_s: float = 20,
         unawaited: frozenset[str] = frozenset(),
+        tier: Tier = Tier.STEADY,
     ) -> tuple[float, dict[str, MulticastDone | str]]:
         """Send every target (`feeds`' keys) its feeds at once; the seconds until the last
         answer (not waiting for `unawaited`: a loader killed never answers) and each answer,
@@ -76,7 +81,7 @@ class LoaderClient:
                     Multicast(
                         artifact=artifact,
                         device=self.device,
-                        tier=Tier.STEADY,
+                        tier=tier,
                         feeds=tuple(feeds[node]),
                         fallbacks=fallbacks,
                         timeout_s=block_timeout_s,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shared.messages import Artifact, Tier
+from shared.messages import COMPILED_TIERS, Artifact, Tier
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -34,7 +34,10 @@ a forward pass reads them."""
 
 def compiled_cache_dir(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
     """Where the compiled blob of one tier for this device lives, inside the artifact (keyed
-    by device; the artifact itself is keyed by the OpenVINO version)."""
+    by device; the artifact itself is keyed by the OpenVINO version); for TORCH, the torch
+    checkpoint (one for every device)."""
+    if tier == Tier.TORCH:
+        return torch_checkpoint(artifact)
     name = device.lower() if tier == Tier.STEADY else f"{device.lower()}-{tier}"
     return Path(artifact.path) / "compiled" / name
 
@@ -56,7 +59,7 @@ def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") 
     metadata and tokenizers) serve the gateway either way."""
     if reads_torch_checkpoint(backend):
         return has_torch_checkpoint(artifact)
-    return all(has_tier(artifact, device, tier) for tier in Tier)
+    return all(has_tier(artifact, device, tier) for tier in COMPILED_TIERS)
 
 
 def torch_checkpoint(artifact: Artifact) -> Path:

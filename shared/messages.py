@@ -44,11 +44,18 @@ class FinishReason(StrEnum):
 
 
 class Tier(StrEnum):
-    """Which compiled form of an artifact: a start loads START (cheapest first forward pass),
-    the worker tiers up to STEADY (fastest decode) once idle. Same weights, same logits."""
+    """Which form of an artifact a start loads. On OpenVINO a compiled one: a start loads START
+    (cheapest first forward pass), the worker tiers up to STEADY (fastest decode) once idle;
+    same weights, same logits. TORCH is the artifact's torch checkpoint, the one form torch and
+    vLLM workers load (no tier-up). Each is what the host cache holds and a multicast moves."""
 
     START = "start"
     STEADY = "steady"
+    TORCH = "torch"
+
+
+COMPILED_TIERS = (Tier.START, Tier.STEADY)
+"""The forms OpenVINO compiles at registration."""
 
 
 # --- the model registry -------------------------------------------------------------------
@@ -479,6 +486,8 @@ class CacheStatus(Message, frozen=True):
     """host:port of the loader's block server: where other nodes read the blocks it holds."""
     device: str = ""
     """The device its blobs are compiled for (a multicast moves the blob for this device)."""
+    torch: bool = False
+    """Its node's starts load the torch checkpoint (`Tier.TORCH`), not a compiled blob."""
 
 
 class Multicast(Message, frozen=True):

@@ -45,7 +45,7 @@ from services.engine.worker_wire import (
     TieredUp,
     TierUpNow,
 )
-from shared.artifact import has_torch_checkpoint, torch_checkpoint
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint
 from shared.messages import FinishReason, SamplingParams, Tier
 
 POLL_S = 0.005
@@ -148,7 +148,7 @@ class BatchWorker:
                 # One tier: nothing to build, and the engine waits for an answer. The node is
                 # idle: a start's bounded share ends here.
                 self._unpin()
-                self.conn.send(TieredUp(Tier.STEADY, 0.0, "" if self.tokenizer is not None else "no model loaded"))
+                self.conn.send(TieredUp(Tier.TORCH, 0.0, "" if self.tokenizer is not None else "no model loaded"))
             elif isinstance(cmd, DropSession):
                 pass  # no state outlives a request here: its KV blocks are freed as it ends
         except Exception as e:  # the engine turns this into an error for the request (or the load)
@@ -176,8 +176,9 @@ class BatchWorker:
 
     def _load(self, cmd: Load) -> None:
         t0 = time.monotonic()
-        checkpoint = torch_checkpoint(cmd.artifact)
-        if not has_torch_checkpoint(cmd.artifact):
+        # The loader's host-cache copy where it staged one, else the store's.
+        checkpoint = Path(cmd.cache_dir) if cmd.cache_dir else torch_checkpoint(cmd.artifact)
+        if not (checkpoint / TORCH_MANIFEST).is_file():
             raise FileNotFoundError(
                 f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: the node's loader "
                 "writes it before a model's first start here (its log says why it did not)"

@@ -280,7 +280,7 @@ class Starts(KvMemory):
         await self._reserve(f"weights:{aid}", weights)
         try:
             old.worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-            loaded, _ = await self._load(old.worker, artifact, Tier.STEADY, None)
+            loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
             await self._memory_done(f"weights:{aid}")
         except BaseException:
             await self._release_memory(f"weights:{aid}")
@@ -343,10 +343,9 @@ class Starts(KvMemory):
 
     def _start_tier(self, artifact: Artifact) -> Tier:
         """START when the artifact has one (materialized since tiers exist) and it is enabled;
-        the torch engine and vLLM have one tier only, which the engine counts as STEADY (so it
-        never asks them to tier up)."""
+        the torch engine and vLLM load the one TORCH form (never tiered up)."""
         if reads_torch_checkpoint(self.settings.engine_backend):
-            return Tier.STEADY
+            return Tier.TORCH
         if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
             return Tier.START
         return Tier.STEADY
@@ -369,11 +368,9 @@ class Starts(KvMemory):
         )
 
     async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
-        """The verified blob in host memory, from this node's loader; None (read the store's
-        copy) if the loader cannot be reached, so a start never depends on the cache. None on
-        a torch or vLLM node too: its worker reads the artifact's torch checkpoint, not a compiled blob."""
-        if reads_torch_checkpoint(self.settings.engine_backend):
-            return None
+        """The verified form in host memory (the compiled blob, or on a torch or vLLM node the
+        torch checkpoint), from this node's loader; None (read the store's copy) if the loader
+        cannot be reached, so a start never depends on the cache."""
         try:
             staged = await self.bus.request(
                 subjects.loader_stage(self.node),

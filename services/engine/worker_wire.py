@@ -24,7 +24,8 @@ class Load:
     cores: tuple[int, ...] | None
     """CPU cores the load and the first forward pass may use (a bounded share); None: all."""
     cache_dir: str | None = None
-    """Where the verified compiled blob is (the loader's host cache); the store's when None."""
+    """Where the verified form is (the compiled blob, or the torch checkpoint's directory) in
+    the loader's host cache; the store's when None."""
     tier: Tier = Tier.STEADY
 
 

@@ -41,7 +41,7 @@ from shared.artifact import (
     reads_torch_checkpoint,
     torch_checkpoint,
 )
-from shared.messages import Artifact, Tier
+from shared.messages import COMPILED_TIERS, Artifact, Tier
 
 SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "repetition_penalty"}
 """GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""
@@ -149,7 +149,7 @@ def materialize(artifact: Artifact, device: str, threads: int) -> None:
 
     _write_start_ir(artifact)
     core = ov.Core()
-    for tier in Tier:
+    for tier in COMPILED_TIERS:
         if has_tier(artifact, device, tier):
             continue
         cache = compiled_cache_dir(artifact, device, tier)

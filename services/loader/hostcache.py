@@ -1,11 +1,13 @@
 """The loader's host block cache: compiled models in host memory, checked block by block.
 
 TIDAL §4 and FaaScale §5 keep model bytes in host memory so that a start reads them from RAM,
-not from the store; Tangram §3.2 decides what to evict. Here an entry is an artifact's
-materialized blob, copied into a tmpfs directory (`/dev/shm` by default: host memory that the
-engine's workers map directly) under a byte budget. Every stage verifies the copy against the
-manifest written at materialization: a corrupted block is found by its checksum and re-read
-from the store, alone. Synchronous: the service runs it on a thread.
+not from the store; Tangram §3.2 decides what to evict. Here an entry is the form of an
+artifact that the node's starts load (`Tier`: a compiled OpenVINO blob, or on a torch or vLLM
+node the torch checkpoint), copied into a tmpfs directory (`/dev/shm` by default: host memory
+that the engine's workers map directly) under a byte budget. Every stage verifies the copy
+against the manifest written at materialization (a torch checkpoint's files, against its
+block set's digests): a corrupted block is found by its checksum and re-read from the store,
+alone. Synchronous: the service runs it on a thread.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from policy.eviction import Resident, choose_evictions, over_budget
+from services.loader import blockset
 from services.loader.blocks import (
     Manifest,
     bad_blocks,
@@ -27,8 +30,22 @@ from services.loader.blocks import (
     manifest_of,
 )
 from services.loader.blockset import MULTICAST_BLOCK_BYTES, BlockSet, block_set_of
-from shared.artifact import compiled_cache_dir
-from shared.messages import Artifact, Tier
+from shared.artifact import TORCH_WEIGHTS, compiled_cache_dir
+from shared.messages import COMPILED_TIERS, Artifact, Tier
+
+
+def form_files(artifact: Artifact, device: str, tier: Tier) -> list[str]:
+    """The files a start of this form reads, relative to its directory in the store
+    (`compiled_cache_dir`), in the order it reads them: the one compiled blob; or the torch
+    checkpoint's config, tokenizer and manifest, then its weights."""
+    root = compiled_cache_dir(artifact, device, tier)
+    if tier == Tier.TORCH:
+        files = sorted(p.name for p in root.iterdir() if p.is_file() and p.name != TORCH_WEIGHTS)
+        return [*files, TORCH_WEIGHTS]
+    blobs = sorted(root.glob("*.blob"))
+    if len(blobs) != 1:
+        raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
+    return [blobs[0].name]
 
 
 def manifest_path(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:
@@ -63,10 +80,7 @@ def block_set(
     path = cache.parent / f"{cache.name}.blocks"
     if path.exists():
         return msgspec.msgpack.decode(path.read_bytes(), type=BlockSet)
-    blobs = sorted(cache.glob("*.blob"))
-    if len(blobs) != 1:
-        raise RuntimeError(f"expected one compiled blob for {artifact.artifact_id}, found {len(blobs)}")
-    bs = block_set_of(cache, [blobs[0].name], f"{artifact.artifact_id}/{device}/{tier}", block_bytes)
+    bs = block_set_of(cache, form_files(artifact, device, tier), f"{artifact.artifact_id}/{device}/{tier}", block_bytes)
     tmp = path.with_suffix(f".tmp{id(bs)}")
     tmp.write_bytes(msgspec.msgpack.encode(bs))
     tmp.replace(path)  # atomic: two nodes asking at once write the same bytes
@@ -127,6 +141,8 @@ class HostCache:
 
     def check(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
         """Check the cached copy block by block; re-read the bad blocks from the store."""
+        if tier == Tier.TORCH:
+            return self._check_set(artifact, device, tier)
         manifest = read_manifest(artifact, device, tier)
         dst_dir = self._dir(artifact, device, tier)
         dst = dst_dir / manifest.name
@@ -137,21 +153,36 @@ class HostCache:
 
     def fill(self, artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> StageResult:
         """A miss: copy the blob in from the store, checking every block as it is read."""
-        manifest = read_manifest(artifact, device, tier)
-        src = compiled_cache_dir(artifact, device, tier) / manifest.name
+        if tier == Tier.TORCH:
+            bs = block_set(artifact, device, tier)
+            size = bs.size
+        else:
+            manifest = read_manifest(artifact, device, tier)
+            size = manifest.size
         dst_dir = self._dir(artifact, device, tier)
-        dst = dst_dir / manifest.name
         now = time.time()
         self.evict(artifact.artifact_id)  # another tier of it, if cached
-        self._make_room(manifest.size, now)
+        self._make_room(size, now)
         dst_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        copy_blocks(src, dst, manifest)
-        self.entries[artifact.artifact_id] = Resident(
-            artifact.artifact_id, manifest.size, time.perf_counter() - t0, now, now
-        )
+        src = compiled_cache_dir(artifact, device, tier)
+        if tier == Tier.TORCH:
+            copy_set(src, dst_dir, bs)
+        else:
+            copy_blocks(src / manifest.name, dst_dir / manifest.name, manifest)
+        self.entries[artifact.artifact_id] = Resident(artifact.artifact_id, size, time.perf_counter() - t0, now, now)
         self.tiers[artifact.artifact_id] = tier
         return StageResult(dst_dir, False, 0)
+
+    def _check_set(self, artifact: Artifact, device: str, tier: Tier) -> StageResult:
+        """`check` of a form of several files (the torch checkpoint), by its multicast block
+        set's SHA-256s (its files are moved as one set)."""
+        bs = block_set(artifact, device, tier)
+        dst_dir = self._dir(artifact, device, tier)
+        bad = blockset.bad_blocks(dst_dir, bs)
+        if bad:
+            copy_set(compiled_cache_dir(artifact, device, tier), dst_dir, bs, bad)
+        return StageResult(dst_dir, True, len(bad))
 
     def reserve(self, artifact: Artifact, device: str, tier: Tier, nbytes: int) -> Path:
         """Room for a copy that arrives by other means (a multicast): evictions by cost as a
@@ -189,8 +220,19 @@ class HostCache:
         return keys, sum(self.evict(k) for k in keys)
 
 
+def copy_set(src: Path, dst: Path, bs: BlockSet, blocks: list[int] | None = None) -> None:
+    """Copy the given blocks (all when None) of a block set from `src` into `dst`, checking
+    each: a block that does not match its digest in the store is an error, not a copy."""
+    blockset.prepare(dst, bs)
+    for i in range(bs.blocks) if blocks is None else blocks:
+        data = blockset.read_block(src, bs, i)
+        if not blockset.block_ok(bs, i, data):
+            raise RuntimeError(f"block {i} of {bs.set_id} does not match its digest in the store")
+        blockset.write_block(dst, bs, i, data)
+
+
 def forget_store_pages(artifact: Artifact, device: str) -> None:
     """Drop the store's copies of the blobs from the OS page cache: the next start reads disk."""
-    for tier in Tier:
+    for tier in COMPILED_TIERS:
         for blob in compiled_cache_dir(artifact, device, tier).glob("*.blob"):
             drop_from_page_cache(blob)

@@ -18,7 +18,7 @@ from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holdi
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
-from shared.artifact import compiled_cache_dir, is_materialized
+from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,
@@ -371,6 +371,7 @@ class LoaderService:
                 entries=entries,
                 peer_addr=self.peer_addr,
                 device=self.settings.device,
+                torch=reads_torch_checkpoint(self.settings.engine_backend),
             ),
         )
 

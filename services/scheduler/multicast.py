@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from policy.multicast import STORE
 from shared import subjects
@@ -34,32 +35,59 @@ async def _status(bus: Bus, node: str) -> CacheStatus | None:
         return None
 
 
-async def order(bus: Bus, record: ModelRecord, targets: list[str], running_on: Iterable[str]) -> Multicast | None:
-    """The `Multicast` that brings `record`'s blob to `targets` from the nodes in `running_on`
-    whose loaders hold it (asked now); None where none does, or every target holds it."""
+@dataclass(frozen=True)
+class Order:
+    """A multicast and the nodes it goes to (its plan's targets)."""
+
+    multicast: Multicast
+    nodes: tuple[str, ...]
+
+
+async def order(bus: Bus, record: ModelRecord, targets: list[str], running_on: Iterable[str]) -> list[Order]:
+    """The `Multicast`s that bring `record`'s blob to `targets` from the nodes in `running_on`
+    whose loaders hold it (asked now): one per form the targets load; none where no holder
+    has that form, or every target holds it."""
     holders = [n for n in running_on if n not in targets]
     asked = [*holders, *targets]
     statuses = await asyncio.gather(*(_status(bus, n) for n in asked))
     return choose(record, holders, targets, {n: s for n, s in zip(asked, statuses, strict=True) if s is not None})
 
 
-def choose(
-    record: ModelRecord, holders: list[str], targets: list[str], status: dict[str, CacheStatus]
-) -> Multicast | None:
-    """From what each loader said it holds (`status`, by node): the holders of the artifact as
-    the plan's sources (those of the tier the first one caches: the tier its starts load),
-    the targets that lack it, the store as the last fallback."""
+def choose(record: ModelRecord, holders: list[str], targets: list[str], status: dict[str, CacheStatus]) -> list[Order]:
+    """From what each loader said it holds (`status`, by node): a plan per form the targets
+    load (an OpenVINO node's compiled blob, a torch node's torch checkpoint: a mixed cluster
+    moves each to the nodes that load it), each from the holders of that form."""
+    return [o for torch in (False, True) if (o := choose_form(record, holders, targets, status, torch)) is not None]
+
+
+def choose_form(
+    record: ModelRecord, holders: list[str], targets: list[str], status: dict[str, CacheStatus], torch: bool
+) -> Order | None:
+    """The plan for the targets that load the torch checkpoint (`torch`) or a compiled blob:
+    the holders of that form as its sources (for a blob, those of the tier the first one
+    caches: the tier its starts load), the targets that lack it, the store as the last
+    fallback; None where no holder has the form or no such target lacks it."""
     aid = record.artifact.artifact_id
     reachable = {n: s for n, s in status.items() if s.peer_addr}
     sources = [
-        (reachable[n], e.tier) for n in holders if n in reachable for e in reachable[n].entries if e.artifact_id == aid
+        (reachable[n], e.tier)
+        for n in holders
+        if n in reachable
+        for e in reachable[n].entries
+        if e.artifact_id == aid and (e.tier == Tier.TORCH) == torch
     ]
-    wanting = [n for n in targets if n in reachable and not any(e.artifact_id == aid for e in reachable[n].entries)]
+    wanting = [
+        n
+        for n in targets
+        if n in reachable
+        and reachable[n].torch == torch
+        and not any(e.artifact_id == aid for e in reachable[n].entries)
+    ]
     if not sources or not wanting:
         return None
     tier = sources[0][1]
     addrs = tuple(s.peer_addr for s, t in sources if t == tier)
-    return Multicast(
+    multicast = Multicast(
         artifact=record.artifact,
         device=sources[0][0].device or reachable[wanting[0]].device,
         tier=Tier(tier),
@@ -67,6 +95,7 @@ def choose(
         plan_targets=tuple(reachable[n].peer_addr for n in wanting),
         fallbacks=(*addrs, STORE),
     )
+    return Order(multicast, tuple(wanting))
 
 
 async def send(bus: Bus, multicast: Multicast, target: str, timeout_s: float) -> MulticastDone | None:

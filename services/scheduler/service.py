@@ -494,13 +494,13 @@ class SchedulerService:
         running = [n for n, view in self.nodes.items() if record.name in view.instances and n not in node_ids]
         if not running:
             return
-        order = await multicast.order(self.bus, record, node_ids, running)
-        if order is None:
-            return
-        for node_id in node_ids:  # each target derives the same plan and carries out its part
-            task = asyncio.create_task(multicast.send(self.bus, order, node_id, self.settings.start_timeout_s))
-            self._multicasts.add(task)
-            task.add_done_callback(self._multicasts.discard)
+        for order in await multicast.order(self.bus, record, node_ids, running):
+            for node_id in order.nodes:  # each target derives the same plan and carries out its part
+                task = asyncio.create_task(
+                    multicast.send(self.bus, order.multicast, node_id, self.settings.start_timeout_s)
+                )
+                self._multicasts.add(task)
+                task.add_done_callback(self._multicasts.discard)
         await asyncio.sleep(0)  # its orders go out ahead of the starts
 
     # --- keep-alive ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from policy.multicast import STORE, pipecast
 from services.loader.blockset import BlockSet, bad_blocks, read_block
 from services.loader.hostcache import block_set
 from shared import subjects
+from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.bus import Bus
 from shared.messages import (
     Artifact,
@@ -332,3 +333,37 @@ def test_a_start_waiting_for_a_failed_multicast_reads_the_store(
     assert not answer.startswith("MulticastDone("), answer  # it failed, and said so
     assert staged.hit is False  # the store's copy
     wait_for(lambda: cached(loaders, "node-3").entries, 60, "node-3 to cache the model after the start")
+
+
+def test_a_torch_checkpoint_moves_along_the_same_plan(
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+) -> None:
+    """What a torch node's starts load (`Tier.TORCH`: the checkpoint's directory, several
+    files as one block set) is cached and multicast like a blob: every file arrives whole."""
+    torch = pytest.importorskip("torch", reason="writing a torch checkpoint needs torch")
+    from services.loader.torch_checkpoint import materialize_into
+
+    artifact, _, addr = model
+    if not has_torch_checkpoint(artifact):  # a torch node's registration writes it
+        materialize_into(default_model_path(), torch_checkpoint(artifact), torch.float32)
+    bs = block_set(artifact, DEVICE, Tier.TORCH)
+    assert len(bs.files) > 1 and bs.blocks > 8
+    targets = ["node-1", "node-2"]
+    evict(loaders, artifact, ["node-0", *targets])
+    try:
+        with_loaders(loaders, lambda c: c.cache_on("node-0", artifact, timeout_s=60, tier=Tier.TORCH))
+        plan = pipecast(["node-0"], targets, bs.blocks)
+        feeds = {t: [(s.block, addr[s.src]) for s in plan.feeds(t)] for t in targets}
+        _, done = with_loaders(
+            loaders, lambda c: c.multicast(artifact, feeds, (addr["node-0"], STORE), tier=Tier.TORCH)
+        )
+        store = {p.name: p.read_bytes() for p in torch_checkpoint(artifact).iterdir() if p.is_file()}
+        for t in targets:
+            d = done[t]
+            assert isinstance(d, MulticastDone) and d.blocks == bs.blocks and d.corrupt == 0, d
+            copy = loaders.host_cache / t / artifact.artifact_id / "torch"
+            assert {p.name: p.read_bytes() for p in copy.iterdir()} == store
+            assert [(e.artifact_id, e.tier) for e in cached(loaders, t).entries] == [(artifact.artifact_id, "torch")]
+    finally:  # the other tests expect node-0 to hold the blob
+        evict(loaders, artifact, ["node-0", *targets])
+        with_loaders(loaders, lambda c: c.cache_on("node-0", artifact, timeout_s=60))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +32,7 @@ from services.gateway.tokenizers import Tokenizers
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint, torch_tensor_bytes
 from shared.messages import Artifact
 from tests.conftest import start_cluster
-from tests.helpers.cluster import cold_starts, engine_workers, loaded_models, register, wait_for
+from tests.helpers.cluster import cold_starts, engine_workers, loaded_models, metric, register, wait_for
 
 NAME = "smollm-torch"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -126,6 +128,38 @@ def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restar
     assert again.choices[0].message.content == expected
     starts = wait_for(lambda: (s := cold_starts(torch_cluster, NAME)) and len(s) >= 2 and s, 30, "two cold starts")
     assert {str(s["source"]) for s in starts} >= {"store", "resident"}, starts
+
+
+def test_a_torch_start_after_its_worker_died_reads_the_checkpoint_from_the_host_cache(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI
+) -> None:
+    """A torch node stages the torch checkpoint through its loader like a blob (`Tier.TORCH`):
+    its first start read the store and the cache filled behind it; a start whose worker is
+    gone binds a new one from the host-cache copy."""
+    expected = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY).choices[0].message.content  # type: ignore[arg-type, call-overload]
+    wait_for(
+        lambda: metric(torch_cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1,
+        60,
+        "the loader to hold the torch checkpoint in host memory",
+    )
+    copy = torch_cluster.host_cache / "node-0" / artifact.artifact_id / "torch"
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == {
+        p.name: p.read_bytes() for p in torch_checkpoint(artifact).iterdir()
+    }
+    for pid in torch_workers(torch_cluster):  # the bound worker among them: its weights are gone
+        os.kill(pid, signal.SIGKILL)
+    before = len(cold_starts(torch_cluster, NAME))
+
+    def answered() -> str | None:
+        try:
+            reply = client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+        except openai.APIStatusError:
+            return None  # a request that met the dying worker: the node answers the next
+        return reply.choices[0].message.content
+
+    assert wait_for(answered, 120, "an answer after the workers died") == expected
+    starts = wait_for(lambda: (s := cold_starts(torch_cluster, NAME)) and len(s) > before and s, 30, "a new start")
+    assert starts[0]["source"] == "host", starts[0]  # newest first
 
 
 def test_a_crowd_on_a_torch_node_runs_in_one_batch_and_each_gets_its_own_answer(

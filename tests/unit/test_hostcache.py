@@ -14,7 +14,7 @@ from policy.eviction import choose_evictions, over_budget
 from services.loader.blockset import bad_blocks
 from services.loader.hostcache import HostCache, block_set, write_manifest
 from services.loader.peer import BlockServer, Holding, PeerSource, receive
-from shared.artifact import compiled_cache_dir
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS, compiled_cache_dir, torch_checkpoint
 from shared.messages import Artifact, Tier
 
 MB = 1024 * 1024
@@ -96,6 +96,46 @@ def test_a_hit_repairs_a_corrupted_block_from_the_store_and_a_new_tier_replaces_
     cache.stage(a, DEVICE, Tier.START)
     assert cache.used_bytes == MB and cache.tiers["a"] == Tier.START
     assert not blob.exists()  # one tier per artifact: the STEADY copy went
+
+
+def torch_artifact(store: Path, name: str, nbytes: int) -> Artifact:
+    """An artifact in the store with a torch checkpoint: small files and `nbytes` of weights."""
+    a = Artifact(
+        artifact_id=name,
+        path=str(store / name),
+        source_sha256=name,
+        context_length=2048,
+        kv_bytes_per_token=1,
+        weight_bytes=nbytes,
+    )
+    ckpt = torch_checkpoint(a)
+    ckpt.mkdir(parents=True)
+    (ckpt / TORCH_WEIGHTS).write_bytes(os.urandom(nbytes))
+    (ckpt / TORCH_MANIFEST).write_text('{"tensors": []}')
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+    return a
+
+
+def test_a_torch_checkpoint_is_cached_whole_and_a_corrupt_block_is_repaired(tmp_path: Path) -> None:
+    """On a torch node the host cache holds the checkpoint's directory (`Tier.TORCH`), every
+    file of it, checked by its block set's digests."""
+    store = tmp_path / "store"
+    a = torch_artifact(store, "t", 9 * MB)
+    cache = HostCache(tmp_path / "shm", budget_bytes=64 * MB)
+    miss = cache.stage(a, DEVICE, Tier.TORCH)
+    assert not miss.hit and cache.tiers["t"] == Tier.TORCH
+    files = {p.name: p.read_bytes() for p in torch_checkpoint(a).iterdir()}
+    assert {p.name: p.read_bytes() for p in miss.cache_dir.iterdir()} == files
+    assert cache.used_bytes == sum(len(b) for b in files.values())
+    bs = block_set(a, DEVICE, Tier.TORCH)
+    assert [f.path for f in bs.files][-1] == TORCH_WEIGHTS  # the small files first: read first
+    with (miss.cache_dir / TORCH_WEIGHTS).open("r+b") as f:
+        f.seek(5 * MB)  # in the second 4 MiB block
+        f.write(b"\xff" * 16)
+    hit = cache.stage(a, DEVICE, Tier.TORCH)
+    assert hit.hit and hit.repaired_blocks == 1
+    assert (hit.cache_dir / TORCH_WEIGHTS).read_bytes() == files[TORCH_WEIGHTS]
+    assert cache.verify(a, DEVICE, Tier.STEADY) is None  # a compiled tier is another form
 
 
 def test_a_multicast_into_a_full_cache_evicts_by_cost_and_completes(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from services.engine.torch_engine.batching import Step
 from services.engine.torch_engine.guides import GuideError
 from services.engine.torch_engine.worker import TorchWorker
 from services.engine.worker_wire import CancelRun, Chunks, Done, Failure, Run, Started, TieredUp, TierUpNow
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint
 from shared.messages import FinishReason, Guide, SamplingParams, Tier
 
 WORDS = {1: "one", 2: " two", 3: " three", 4: " four"}
@@ -226,7 +227,7 @@ def test_a_structured_output_request_runs_with_its_guide_and_one_that_does_not_c
 def test_a_tier_up_is_answered_on_the_one_tier(worker) -> None:
     w, engine, _ = worker
     w._handle(TierUpNow())
-    assert messages(engine) == [TieredUp(Tier.STEADY, 0.0, "")]
+    assert messages(engine) == [TieredUp(Tier.TORCH, 0.0, "")]
 
 
 def test_a_request_with_no_model_loaded_fails(worker) -> None:
@@ -244,7 +245,6 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
     the worker pinned to those cores; `TierUpNow` (the node is idle) gives them all back."""
     import torch
 
-    import services.engine.batch_worker as batch_worker
     import services.engine.torch_engine.worker as worker_module
     from services.engine.worker_wire import Load, Loaded
     from shared.messages import Artifact
@@ -264,8 +264,9 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
 
     monkeypatch.setattr(worker_module, "TorchEngine", Started)
     monkeypatch.setattr(worker_module, "ContinuousBatcher", lambda *_: FakeBatch())
-    monkeypatch.setattr(batch_worker, "has_torch_checkpoint", lambda _: True)
     artifact = Artifact("a", str(tmp_path), "s", 2048, 1, 1)
+    torch_checkpoint(artifact).mkdir()
+    (torch_checkpoint(artifact) / TORCH_MANIFEST).write_text("{}")  # what the worker checks is there
     all_cores, threads = w.all_cores, w.threads
     one = min(all_cores)
     try:
@@ -275,7 +276,7 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
         assert seen == {"threads": 1, "cores": {one}}
         assert w.batch is not None and w.batch.threads == 1  # type: ignore[attr-defined]  (its own thread's count)
         w._handle(TierUpNow())
-        assert messages(engine) == [TieredUp(Tier.STEADY, 0.0, "")]
+        assert messages(engine) == [TieredUp(Tier.TORCH, 0.0, "")]
         assert os.sched_getaffinity(0) == all_cores and torch.get_num_threads() == threads
         assert w.batch.threads == threads  # type: ignore[attr-defined]
     finally:
