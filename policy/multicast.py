@@ -90,14 +90,19 @@ class Plan:
         return frozenset(s.block for s in self.feeds(dst) if s.step <= step)
 
 
-def kway_orders(blocks: int, k: int) -> list[list[int]]:
+def kway_orders(blocks: int, k: int, lead: int = 0) -> list[list[int]]:
     """FaaScale Algorithm 1: blocks 0..b-1 in k chunks of ⌈b/k⌉; sub-group i's order is the
-    chunks circularly shifted by i (S_i, S_i+1, …, S_i-1)."""
+    chunks circularly shifted by i (S_i, S_i+1, …, S_i-1). The first `lead` blocks (what
+    every pipeline stage needs: a checkpoint's small files and header) go first in every
+    order, the chunks being cut from the rest."""
     if blocks < 1 or k < 1:
         raise ValueError("a plan needs at least one block and one sub-group")
-    size = math.ceil(blocks / k)
-    chunks = [list(range(size * i, min(size * (i + 1), blocks))) for i in range(k)]
-    return [[b for j in range(k) for b in chunks[(i + j) % k]] for i in range(k)]
+    if not 0 <= lead < blocks:
+        lead = 0
+    rest = blocks - lead
+    size = math.ceil(rest / k)
+    chunks = [list(range(lead + size * i, lead + min(size * (i + 1), rest))) for i in range(k)]
+    return [[*range(lead), *(b for j in range(k) for b in chunks[(i + j) % k])] for i in range(k)]
 
 
 def chunk_of(block: int, blocks: int, k: int) -> int:
@@ -185,13 +190,13 @@ def binomial_sends(source: str, targets: Sequence[str], order: Sequence[int], se
         step += 1
 
 
-def pipecast(sources: Sequence[str], targets: Sequence[str], blocks: int) -> Plan:
+def pipecast(sources: Sequence[str], targets: Sequence[str], blocks: int, lead: int = 0) -> Plan:
     """The PipeCast plan for a k → k + N scale-out: k = len(sources) sub-groups, each fed by
-    its source in Algorithm 1's order along a binomial pipeline."""
+    its source in Algorithm 1's order (`lead`: see `kway_orders`) along a binomial pipeline."""
     if set(sources) & set(targets):
         raise ValueError("a node is either a source or a target")
     groups = subgroups(sources, targets)
-    orders = kway_orders(blocks, len(sources))
+    orders = kway_orders(blocks, len(sources), lead)
     sends = [
         s
         for i, (src, group, order) in enumerate(zip(sources, groups, orders, strict=True))

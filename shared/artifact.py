@@ -30,6 +30,17 @@ TORCH_WEIGHTS = "model.safetensors"
 TORCH_MANIFEST = "manifest.json"
 """Every tensor of the torch checkpoint with its content digest, dtype and shape, in the order
 a forward pass reads them."""
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (`model.layers.<i>.…`), or None."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def compiled_cache_dir(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> Path:

@@ -236,8 +236,9 @@ class ColdStartRecorded(Message, frozen=True):
     source: str = "store"
     """Where the weights came from: "resident" (a worker kept them after scale-to-zero),
     "arena" (a torch worker idle with another model rebound to this one, its tensors shared by
-    content hash read from nowhere: Tangram §3.1), "host" (the loader's host cache) or "store"
-    (the model store on disk)."""
+    content hash read from nowhere: Tangram §3.1), "host" (the loader's host cache), "store"
+    (the model store on disk) or "pipeline" (no weights here: served through the stages of a
+    scale-out's execution pipeline while the replica arrives, FaaScale §4.3)."""
     stage_s: float = 0.0
     """Of Load: asking the loader for the blob (a host-cache hit verifies every block)."""
     worker_load_s: float = 0.0
@@ -510,6 +511,77 @@ class Multicast(Message, frozen=True):
     """Where a block comes from when its planned source fails, in order."""
     timeout_s: float = 30.0
     """Longest one block may take from one source before that source counts as failed."""
+    lead: int = 0
+    """The plan's first `lead` blocks go first in every sub-group's order (what every stage
+    of an execution pipeline needs: a torch checkpoint's small files and weights header)."""
+
+
+Span = tuple[int, int]
+"""Blocks [first, last] of a block set, both included."""
+
+
+class LayoutQuery(Message, frozen=True):
+    artifact: Artifact
+    device: str
+
+
+class StageLayout(Message, frozen=True):
+    """Where a torch checkpoint's parts lie among the blocks of its block set (`Tier.TORCH`):
+    what a stage running some of its layers needs before it can start."""
+
+    blocks: int
+    lead: int
+    """Blocks [0, lead) hold the small files and the weights' header: every stage needs them."""
+    units: tuple[tuple[Span, ...], ...]
+    """The blocks of each unit a stage runs, in order: every decoder layer, then the head
+    (the final norm and the output head; a tied head is the embedding)."""
+    first: tuple[Span, ...]
+    """What the stage running the first unit needs besides (the token embedding)."""
+
+
+class AwaitBlocks(Message, frozen=True):
+    artifact_id: str
+    blocks: tuple[int, ...]
+    timeout_s: float = 120.0
+
+
+class BlocksHeld(Message, frozen=True):
+    cache_dir: str
+    """Where the (partial) copy is: those blocks of its files are written and checked."""
+
+
+class StartStage(Message, frozen=True):
+    """→ an engine: serve layers [lo, hi) of the model over TCP once its loader holds
+    `blocks` (those layers' and what every stage needs)."""
+
+    model: ModelRecord
+    lo: int
+    hi: int
+    layers: int
+    blocks: tuple[int, ...]
+
+
+class StageReady(Message, frozen=True):
+    node_id: str
+    addr: str
+    """host:port of the stage's server (`services/engine/torch_engine/stage_wire.py`)."""
+
+
+class StartPipelined(Message, frozen=True):
+    """→ the engine of a pipeline's first stage: serve the model through `stages` (in layer
+    order) until this node's own start of it is done."""
+
+    model: ModelRecord
+    stages: tuple[str, ...]
+    stage_nodes: tuple[str, ...]
+    """The node of each stage (told `EndStage` when the pipeline retires)."""
+    blocks: tuple[int, ...]
+    """What the driver reads from the copy (the small files: tokenizer and config)."""
+
+
+class EndStage(Message, frozen=True):
+    artifact_id: str
+    addr: str
 
 
 class MulticastDone(Message, frozen=True):

@@ -65,6 +65,23 @@ def engine_cancel(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.cancel"
 
 
+def engine_stage(node_id: str) -> str:
+    """Scheduler → engine: run a layer range of a model whose blocks are arriving, for an
+    execution pipeline (`StartStage` → `StageReady`, request/reply; FaaScale §4.3)."""
+    return f"{_ROOT}.engine.{node_id}.stage"
+
+
+def engine_pipelined(node_id: str) -> str:
+    """Scheduler → engine: serve a model through the stages of an execution pipeline until
+    its own replica is whole (`StartPipelined` → `InstanceReady`, request/reply)."""
+    return f"{_ROOT}.engine.{node_id}.pipelined"
+
+
+def engine_end_stage(node_id: str) -> str:
+    """→ engine: the pipeline a stage served has retired (`EndStage`, published)."""
+    return f"{_ROOT}.engine.{node_id}.endstage"
+
+
 def token_stream(request_id: str) -> str:
     """Engine → gateway: the chunks of one request, ending in `Finished` or `Failed`."""
     return f"{_ROOT}.stream.{request_id}"
@@ -104,6 +121,18 @@ def loader_evict(node_id: str) -> str:
 def loader_multicast(node_id: str) -> str:
     """→ a loader: receive an artifact's blocks by a multicast plan (`Multicast`, request/reply)."""
     return f"{_ROOT}.loader.{node_id}.multicast"
+
+
+def loader_layout(node_id: str) -> str:
+    """→ a loader: which blocks of an artifact's torch checkpoint each layer needs
+    (`LayoutQuery` → `StageLayout`, request/reply)."""
+    return f"{_ROOT}.loader.{node_id}.layout"
+
+
+def loader_await_blocks(node_id: str) -> str:
+    """Engine → its loader: answer once these blocks of an artifact are here (`AwaitBlocks` →
+    `BlocksHeld`, request/reply): a stage starts before the multicast ends."""
+    return f"{_ROOT}.loader.{node_id}.awaitblocks"
 
 
 def memory_reserve(node_id: str) -> str:

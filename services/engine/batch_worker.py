@@ -16,13 +16,15 @@ is no other tier to build: `TierUpNow` is answered at once, on STEADY.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,10 +43,14 @@ from services.engine.worker_wire import (
     Load,
     Loaded,
     Run,
+    StageSpec,
     Started,
     TieredUp,
     TierUpNow,
 )
+
+if TYPE_CHECKING:
+    from services.engine.torch_engine.stage_wire import StageServer
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint
 from shared.messages import FinishReason, SamplingParams, Tier
 
@@ -112,6 +118,8 @@ class BatchWorker:
         self.tokenizer: Any = None
         """The bound model's tokenizer (its `decode` turns tokens into text); None: no model."""
         self.batch: Batch | None = None
+        self._stage: tuple[asyncio.AbstractEventLoop, threading.Thread, StageServer] | None = None
+        """The stage server this worker runs (`Load.stage`), on a loop of its own."""
         self.live: dict[str, _Live] = {}
         self.all_cores = os.sched_getaffinity(0)
         self.threads = torch.get_num_threads()
@@ -199,7 +207,59 @@ class BatchWorker:
             pin_all_threads(set(cmd.cores))
             threads = min(threads, len(cmd.cores))
         torch.set_num_threads(threads)
-        self.conn.send(self._open(checkpoint, threads, t0))
+        self._end_stage()
+        if cmd.stage is not None:
+            self.conn.send(self._serve_stage(checkpoint, cmd.stage, t0))
+        elif cmd.stages:
+            self.conn.send(self._open_pipeline(checkpoint, cmd.stages, t0))
+        else:
+            self.conn.send(self._open(checkpoint, threads, t0))
+
+    def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
+        """Run a layer range of the model at `checkpoint` (possibly a copy still arriving: only
+        the range's tensors are read) as a stage server for other nodes' pipelines; the worker
+        serves no request of its own meanwhile."""
+        from services.engine.torch_engine.stage_wire import StageServer
+        from services.engine.torch_engine.stages import LayerRange, Stage
+
+        stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True, name="stage-server")
+        thread.start()
+        server = StageServer(stage)
+        try:
+            addr = asyncio.run_coroutine_threadsafe(server.start(spec.host, 0), loop).result(30)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            raise
+        self._stage = (loop, thread, server)
+        return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
+
+    def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Loaded:
+        """Serve the model through the stages of an execution pipeline: the tokenizer and config
+        from `checkpoint` (their files come first in a multicast), the forward passes remote."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from services.engine.torch_engine.engine import ends_of_sequence
+        from services.engine.torch_engine.pipeline_batch import PipelineBatch
+
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        config = AutoConfig.from_pretrained(checkpoint)
+        eos = ends_of_sequence(self.tokenizer, config.eos_token_id)
+        self.batch = PipelineBatch(stages, self.tokenizer, config.vocab_size, eos, self.kv_tokens)
+        return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
+
+    def _end_stage(self) -> None:
+        """Stop the stage server this worker runs, if any (its sessions end with it)."""
+        if self._stage is None:
+            return
+        loop, thread, server = self._stage
+        self._stage = None
+        try:
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
 
     def _open(self, checkpoint: Path, threads: int, t0: float) -> Loaded:
         """Bind the model at `checkpoint`, setting `tokenizer` and `batch` (steps on `threads`

@@ -68,6 +68,7 @@ class Generation(KvMemory):
         inst.requests.add(req.request_id)
         inst.prompts[req.request_id] = req.prompt_tokens
         inst.active += 1
+        inst.drained.clear()
         inst.last_used = time.time()
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
@@ -90,6 +91,7 @@ class Generation(KvMemory):
             del self._cancels[req.request_id]
             self.beat_due.set()  # its room is free: tell the scheduler's line soon
             if inst.active == 0:
+                inst.drained.set()
                 self._went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
@@ -187,7 +189,8 @@ class Generation(KvMemory):
         pending = self._cold.pop(inst.model, None)
         if pending is None:
             return
-        inst.warm_since = first_token_at
+        if inst.bound.source != "pipeline":  # a pipeline's times are no measure of the model here
+            inst.warm_since = first_token_at
         self.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s

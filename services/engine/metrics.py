@@ -18,6 +18,10 @@ COLD_START_SECONDS = Histogram(
 DECODED_TOKENS = Counter("tessera_engine_decoded_tokens_total", "Tokens decoded by this engine")
 REQUESTS = Counter("tessera_engine_requests_total", "Generations ended", ["finish_reason"])
 INSTANCES = Gauge("tessera_engine_instances", "Model instances serving on this engine")
+PIPELINED = Gauge(
+    "tessera_engine_pipelined_instances", "Instances served through an execution pipeline until their replica is whole"
+)
+STAGE_WORKERS = Gauge("tessera_engine_stage_workers", "Workers running a pipeline stage for other nodes")
 RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Weight bytes of bound workers, in use or not")
 POOL_IDLE_BYTES = Gauge("tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)")
 POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")

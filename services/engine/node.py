@@ -28,11 +28,13 @@ from services.engine.core import CORE_MAX_SEQS
 from services.engine.metrics import (
     BOUND_BY_TIER,
     INSTANCES,
+    PIPELINED,
     POOL_EVICTIONS,
     POOL_IDLE_BYTES,
     PREWARMED,
     PREWARMED_BYTES,
     RESIDENT_BYTES,
+    STAGE_WORKERS,
     WORKER_RSS_BYTES,
     forget_kv_gauges,
 )
@@ -104,6 +106,8 @@ class Served:
     ttft_slo_per_token_s: float = 0.0
     """A request's TTFT SLO is max(ttft_slo_s, prompt tokens × this): `policy/slo.py`."""
     active: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+    """Clear while it has requests in flight (`active`), set when the last one ends."""
     requests: set[str] = field(default_factory=set)
     """Its requests in flight (ids)."""
     preempted: bool = False
@@ -198,6 +202,12 @@ class EngineNode:
         self._true_up_task: asyncio.Task[None] | None = None
         self._preemptions: set[asyncio.Task[None]] = set()
         """Preemptions the scheduler ordered, under way (kept from the collector)."""
+        self.stage_workers: dict[str, Worker] = {}
+        """Workers running a pipeline stage for other nodes (`pipelines.py`), by its address."""
+        self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
+        """Models served through a pipeline here: each stage's (node, address)."""
+        self._background: set[asyncio.Task[None]] = set()
+        """Retirements of pipelined instances under way (kept from the collector)."""
 
     async def _reserve_memory(self, owner: str, nbytes: int) -> ReserveResult:
         result = await self.bus.request(
@@ -260,7 +270,13 @@ class EngineNode:
         self._cold.pop(inst.model, None)
         inst.bound.worker.drop_session(inst.model)  # its KV cache
         await self._release_memory(f"{inst.model}:kv")
-        await self._release(inst.bound)
+        if inst.bound.source == "pipeline":  # it holds no weights: its worker and stages go
+            self.replaced(inst)
+        else:
+            await self._release(inst.bound)
+
+    def replaced(self, old: Served | None) -> None:
+        """`old` takes no more requests: a pipelined instance retires (`pipelines.py`)."""
 
     async def _lose_worker(self, bound: Bound) -> None:
         """A worker died: its instances are gone; the next request starts them again."""
@@ -357,6 +373,8 @@ class EngineNode:
 
     def _update_gauges(self) -> None:
         INSTANCES.set(len(self.instances))
+        PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
+        STAGE_WORKERS.set(len(self.stage_workers))
         RESIDENT_BYTES.set(sum(b.resident.nbytes for b in self.bound.values()))
         POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in self.bound.values() if b.resident.users == 0))
         PREWARMED.set(len(self.workers.idle))

@@ -26,6 +26,9 @@ class EngineService(Starts, Generation):
         await self.bus.subscribe(subjects.engine_generate(self.node), self.on_generate)
         await self.bus.subscribe(subjects.engine_cancel(self.node), self.on_cancel)
         await self.bus.subscribe(subjects.engine_evict(self.node), self.on_evict)
+        await self.bus.subscribe(subjects.engine_stage(self.node), self.on_start_stage)
+        await self.bus.subscribe(subjects.engine_pipelined(self.node), self.on_start_pipelined)
+        await self.bus.subscribe(subjects.engine_end_stage(self.node), self.on_end_stage)
         # A restarted engine holds nothing: drop whatever an earlier run had reserved.
         await self._release_memory("*")
         self.workers.refill()

@@ -26,6 +26,9 @@ class EngineSettings(CommonSettings):
     the start instead of faulting in on its path; ≈ 0.06 s of a start measured); counted in
     `tessera_engine_prewarmed_rss_bytes`. 0: none."""
     load_timeout_s: float = 300.0
+    stage_host: str = "127.0.0.1"
+    """Where a torch node's pipeline stages listen (FaaScale §4.3): an address the other nodes
+    reach, as the loader's `peer_host` for its blocks."""
     cpu_cores: str = ""
     """The node's cores (`0-1,3`), applied to the engine and so to its workers; empty: all.
     Nodes sharing a machine get their own core share this way."""

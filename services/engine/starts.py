@@ -21,7 +21,6 @@ from nats.aio.msg import Msg
 from policy.affinity import most_reused
 from policy.eviction import Resident
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
-from services.engine.memory import KvMemory
 from services.engine.metrics import (
     COLD_WORKERS,
     KV_RESERVED,
@@ -31,6 +30,7 @@ from services.engine.metrics import (
     TIER_UPS,
 )
 from services.engine.node import Bound, PendingColdStart, Served
+from services.engine.pipelines import Pipelines
 from services.engine.worker_pool import Worker
 from services.engine.worker_wire import Loaded, TieredUp
 from shared import subjects
@@ -61,7 +61,7 @@ from shared.messages import (
 log = logging.getLogger(__name__)
 
 
-class Starts(KvMemory):
+class Starts(Pipelines):
     async def _tier_ups(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
         `tier_up_idle_s`: the tier-up takes ≈ 1 core-second, which on a node with other
@@ -140,6 +140,7 @@ class Starts(KvMemory):
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         now = time.time()
+        replaced = self.instances.get(record.name)  # a pipelined instance bridging this start
         self.instances[record.name] = Served(
             record.name,
             bound,
@@ -152,6 +153,7 @@ class Starts(KvMemory):
             warm_since=float("inf"),
         )
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
+        self.replaced(replaced)
         self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
         self._update_gauges()
         log.info(

@@ -32,6 +32,7 @@ from services.engine.worker_wire import (
     Loaded,
     Ready,
     Run,
+    StageSpec,
     Started,
     TieredUp,
     TierUpNow,
@@ -197,9 +198,11 @@ class Worker:
         cache_dir: str | None,
         timeout_s: float,
         tier: Tier = Tier.STEADY,
+        stages: tuple[str, ...] = (),
+        stage: StageSpec | None = None,
     ) -> Loaded:
         self._waiter = self._loop.create_future()
-        self._conn.send(Load(artifact, cores, cache_dir, tier))
+        self._conn.send(Load(artifact, cores, cache_dir, tier, stages, stage))
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
         finally:

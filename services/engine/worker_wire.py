@@ -27,6 +27,21 @@ class Load:
     """Where the verified form is (the compiled blob, or the torch checkpoint's directory) in
     the loader's host cache; the store's when None."""
     tier: Tier = Tier.STEADY
+    stages: tuple[str, ...] = ()
+    """A torch worker: serve the model through these pipeline stages (host:port, in layer
+    order) rather than hold it (FaaScale §4.3; `cache_dir` may hold only part of it)."""
+    stage: StageSpec | None = None
+    """A torch worker: run this layer range as a stage server, not a model (`Loaded.addr`)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    lo: int
+    hi: int
+    layers: int
+    head: bool
+    host: str
+    """The address the stage's server binds (one other nodes reach)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class Loaded:
     resident: tuple[str, ...] = ()
     """Content hashes of every tensor in the worker's arena after the load (a torch worker):
     what a later start of another model on this worker would not read."""
+    addr: str = ""
+    """A stage's server (`Load.stage`): host:port."""
 
 
 @dataclass(frozen=True)

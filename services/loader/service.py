@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import openvino as ov
 from nats.aio.msg import Msg
@@ -14,26 +15,31 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from policy.multicast import STORE, pipecast
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
+from services.loader.layout import stage_layout
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
-from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
+from shared.artifact import TORCH_DIR, compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,
+    AwaitBlocks,
+    BlocksHeld,
     CachedArtifact,
     CacheStatus,
     ErrorCode,
     Evicted,
     EvictHostCache,
     ImportModel,
+    LayoutQuery,
     ModelImported,
     Multicast,
     MulticastDone,
     Rejected,
     StageArtifact,
     Staged,
+    StageLayout,
     Tier,
     VerifyStaged,
 )
@@ -89,6 +95,8 @@ class LoaderService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._stage_lock = asyncio.Lock()
         self._checks: dict[str, asyncio.Future[StageResult]] = {}
+        self._holdings: dict[str, Holding] = {}
+        """The copies arriving by multicast, by artifact: a pipeline stage waits on their blocks."""
         """Block checks of deferred-verify hits, by artifact, until the engine asks."""
         self._fills: dict[str, asyncio.Task[None]] = {}
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
@@ -115,6 +123,8 @@ class LoaderService:
         await self.bus.subscribe(subjects.loader_cache(node), self.on_cache)
         self.peer_addr = await self.peers.start(self.settings.peer_host, self.settings.peer_port)
         await self.bus.subscribe(subjects.loader_multicast(node), self.on_multicast)
+        await self.bus.subscribe(subjects.loader_layout(node), self.on_layout)
+        await self.bus.subscribe(subjects.loader_await_blocks(node), self.on_await_blocks)
 
     def _update_gauges(self) -> None:
         HOST_CACHE_BYTES.set(self.cache.used_bytes)
@@ -290,14 +300,14 @@ class LoaderService:
         bs = await asyncio.to_thread(block_set, req.artifact, req.device, req.tier)
         feeds = req.feeds
         if not feeds and req.plan_sources:  # the plan every target derives alike
-            plan = pipecast(req.plan_sources, req.plan_targets, bs.blocks)
+            plan = pipecast(req.plan_sources, req.plan_targets, bs.blocks, req.lead)
             feeds = tuple((s.block, s.src) for s in plan.feeds(self.peer_addr))
         feeds = feeds or tuple((i, STORE) for i in range(bs.blocks))
         async with self._stage_lock:
             if self.cache.tiers.get(aid) == req.tier:  # already here: nothing to move
                 return MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0)
             place = await asyncio.to_thread(self.cache.reserve, req.artifact, req.device, req.tier, bs.size)
-        holding = Holding(place, bs)
+        holding = self._holdings[aid] = Holding(place, bs)
         sources: dict[str, BlockSource] = {}
         try:
             self.peers.offer(holding)  # forward while receiving
@@ -320,6 +330,7 @@ class LoaderService:
                 raise RuntimeError(f"the copy of {aid} was evicted while it arrived") from e
             raise
         finally:
+            self._holdings.pop(aid, None)
             for source in sources.values():
                 await source.close()
         async with self._stage_lock:
@@ -350,6 +361,44 @@ class LoaderService:
             corrupt=got.corrupt,
             dead_sources=tuple(got.dead_sources),
         )
+
+    async def on_layout(self, msg: Msg) -> None:
+        """Where the torch checkpoint's layers lie among its blocks (a pipeline's planner asks)."""
+        req = decode(msg.data, LayoutQuery)
+
+        def layout() -> StageLayout:
+            bs = block_set(req.artifact, req.device, Tier.TORCH)
+            return stage_layout(compiled_cache_dir(req.artifact, req.device, Tier.TORCH), bs)
+
+        await self.bus.reply(msg, await asyncio.to_thread(layout))
+
+    async def on_await_blocks(self, msg: Msg) -> None:
+        """Answer once the given blocks of an artifact are here, checked: at once from a whole
+        cached copy; as they land from a multicast under way (a pipeline stage starts on part
+        of a replica); an error when neither, or when they do not come in time."""
+        req = decode(msg.data, AwaitBlocks)
+        aid = req.artifact_id
+        whole = self.cache.root / aid / TORCH_DIR
+        holding, ended = self._holdings.get(aid), self._receiving.get(aid)
+        if holding is None or ended is None:
+            if self.cache.tiers.get(aid) != Tier.TORCH:
+                raise LookupError(f"{aid} is neither cached nor arriving here")
+            await self.bus.reply(msg, BlocksHeld(cache_dir=str(whole)))
+            return
+        deadline = time.monotonic() + req.timeout_s
+        for index in req.blocks:
+            arrived = asyncio.ensure_future(holding.wait_for(index, max(0.0, deadline - time.monotonic())))
+            either: list[asyncio.Future[Any]] = [arrived, ended]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if arrived.done() and arrived.result():
+                continue
+            arrived.cancel()
+            if not ended.done():
+                raise TimeoutError(f"block {index} of {aid} did not arrive within {req.timeout_s:g}s")
+            if ended.cancelled() or ended.exception() is not None or self.cache.tiers.get(aid) != Tier.TORCH:
+                raise RuntimeError(f"the multicast of {aid} failed before block {index} arrived")
+            break  # the whole copy is here
+        await self.bus.reply(msg, BlocksHeld(cache_dir=str(holding.root)))
 
     async def on_cache(self, msg: Msg) -> None:
         entries = tuple(

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from cuda_ext import content_digests
-from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+from shared.artifact import NORM, TORCH_MANIFEST, TORCH_WEIGHTS
 
 
 def host_dtype() -> torch.dtype:
@@ -50,12 +50,52 @@ def materialize(gguf: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> 
     return write_checkpoint(dest, tensors, config, tokenizer, gguf.name)
 
 
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def save_in_order(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file with the tensors' bytes in `tensors`' order. `safetensors.save_file`
+    lays them out sorted by dtype and name ("layers.10" before "layers.2"); this keeps the
+    forward pass's order, so that the file's first bytes are its first layers: a multicast's
+    chunks (FaaScale Algorithm 1) are then layer ranges a pipeline stage can run, and a start
+    streaming layers reads the file front to back. Same format (header, then the data with no
+    gaps): every safetensors reader reads it."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as save_file pads it
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def write_checkpoint(dest: Path, tensors: dict[str, torch.Tensor], config: Any, tokenizer: Any, source: str) -> Path:
     """Write a checkpoint of `tensors` (in the order the forward pass reads them) to `dest`:
     weights, config, tokenizer and the manifest of digests; returns `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(tensors.values())).dtype
-    save_file(tensors, str(dest / TORCH_WEIGHTS), metadata={"format": "pt"})
+    # The final norm (a few KB) first: it lands in the blocks every pipeline stage reads
+    # first (`services/loader/layout.py`), so a tied head, the norm and the embedding, can run
+    # on the node holding the first layers before the last ones arrive. The rest: forward order.
+    in_file = {n: tensors[n] for n in sorted(tensors, key=lambda n: n != NORM)}
+    save_in_order(in_file, dest / TORCH_WEIGHTS, metadata={"format": "pt"})
     config.torch_dtype = dtype
     config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

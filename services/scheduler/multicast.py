@@ -3,10 +3,14 @@ model from other nodes' host memory over the network, not from the store, and se
 nodes receive it along one PipeCast plan).
 
 The scheduler asks the loaders of the nodes running the model what their host caches hold,
-and sends the new node's loader a `Multicast` naming the holders and the targets; each target
-derives the same plan (`policy.multicast.pipecast`) from them and the block count. The start
-itself goes on at once: the new node's loader makes its stage wait for the blocks, and falls
-back to the store if they fail.
+and sends the new node's loader a `Multicast` naming the sources (the holders, then the store)
+and the targets; each target derives the same plan (`policy.multicast.pipecast`) from them and
+the block count. The start itself goes on at once: the new node's loader makes its stage wait
+for the blocks, and falls back to the store if they fail.
+
+On torch nodes the targets also serve before the last block (§4.3, `pipeline`): once together
+they hold every layer (`policy.pipeline_stages`), each chosen one runs its layers as a stage
+and the first stage's node serves the model through them until its own replica is whole.
 """
 
 from __future__ import annotations
@@ -16,11 +20,27 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from policy.multicast import STORE
+from policy import pipeline_stages
+from policy.multicast import STORE, pipecast
 from shared import subjects
 from shared.bus import Bus
 from shared.errors import TesseraError
-from shared.messages import CacheQuery, CacheStatus, ModelRecord, Multicast, MulticastDone, Tier
+from shared.messages import (
+    CacheQuery,
+    CacheStatus,
+    EndStage,
+    InstanceReady,
+    LayoutQuery,
+    ModelRecord,
+    Multicast,
+    MulticastDone,
+    Rejected,
+    StageLayout,
+    StageReady,
+    StartPipelined,
+    StartStage,
+    Tier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +111,8 @@ def choose_form(
         artifact=record.artifact,
         device=sources[0][0].device or reachable[wanting[0]].device,
         tier=Tier(tier),
-        plan_sources=addrs,
+        # The store is a source too, with an uplink of its own (a sub-group of its own).
+        plan_sources=(*addrs, STORE),
         plan_targets=tuple(reachable[n].peer_addr for n in wanting),
         fallbacks=(*addrs, STORE),
     )
@@ -116,3 +137,91 @@ async def send(bus: Bus, multicast: Multicast, target: str, timeout_s: float) ->
         done.refetched,
     )
     return done
+
+
+async def layout(bus: Bus, node: str, order: Order) -> StageLayout | None:
+    """Where the layers of a torch checkpoint lie among its blocks (asked of a target's
+    loader); None where it cannot say."""
+    try:
+        return await bus.request(
+            subjects.loader_layout(node),
+            LayoutQuery(artifact=order.multicast.artifact, device=order.multicast.device),
+            StageLayout,
+            timeout=QUERY_TIMEOUT_S * 5,
+        )
+    except TesseraError as e:
+        log.warning("no layout of %s from %s: %s", order.multicast.artifact.artifact_id, node, e.message)
+        return None
+
+
+async def pipeline(
+    bus: Bus, record: ModelRecord, order: Order, shape: StageLayout, max_stages: int, timeout_s: float
+) -> InstanceReady | None:
+    """FaaScale §4.3 for one scale-out: the earliest set of its targets that together hold every
+    layer, by the plan the targets follow, each running its layers as a stage as soon as its
+    loader has them; then the first stage's node serves the model through them. Its
+    `InstanceReady`, or None where no pipeline would serve before a target's own replica (or
+    one failed: its stages are ended, and the starts go on as they would have)."""
+    m = order.multicast
+    plan = pipecast(m.plan_sources, m.plan_targets, shape.blocks, m.lead)
+    node_of = dict(zip(m.plan_targets, order.nodes, strict=True))
+    got = pipeline_stages.ready(
+        plan,
+        list(m.plan_targets),
+        pipeline_stages.Layout(shape.blocks, shape.lead, shape.units, shape.first),
+        max_stages,
+    )
+    if got is None or not got.early:
+        return None
+    layers = len(shape.units) - 1  # the last unit is the head
+    asked = [
+        bus.request(
+            subjects.engine_stage(node_of[s.node]),
+            StartStage(model=record, lo=s.lo, hi=s.hi, layers=layers, blocks=tuple(sorted(s.blocks))),
+            StageReady,
+            timeout=timeout_s,
+        )
+        for s in got.stages
+    ]
+    answers = await asyncio.gather(*asked, return_exceptions=True)
+    stages = [a for a in answers if isinstance(a, StageReady)]
+    failed = [a for a in answers if not isinstance(a, StageReady)]
+    ready: InstanceReady | Rejected | None = None
+    if not failed:
+        head = node_of[got.stages[0].node]
+        try:
+            ready = await bus.request(
+                subjects.engine_pipelined(head),
+                StartPipelined(
+                    model=record,
+                    stages=tuple(s.addr for s in stages),
+                    stage_nodes=tuple(s.node_id for s in stages),
+                    blocks=tuple(range(shape.lead)),
+                ),
+                InstanceReady | Rejected,
+                timeout=timeout_s,
+            )
+        except TesseraError as e:
+            ready = Rejected(code=e.code, message=e.message)
+    if isinstance(ready, InstanceReady):
+        log.info(
+            "%s served through a pipeline of %d stages on %s (step %d of the plan; a replica at step %d)",
+            record.name,
+            len(stages),
+            ", ".join(s.node_id for s in stages),
+            got.step,
+            got.whole_step,
+            extra={"model": record.name},
+        )
+        return ready
+    log.warning(
+        "no pipeline for %s: %s",
+        record.name,
+        ready.message if isinstance(ready, Rejected) else "; ".join(str(f) for f in failed),
+        extra={"model": record.name},
+    )
+    for s in stages:
+        await bus.publish(
+            subjects.engine_end_stage(s.node_id), EndStage(artifact_id=m.artifact.artifact_id, addr=s.addr)
+        )
+    return None

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -41,8 +42,10 @@ from shared.messages import (
     RelocateQuery,
     ScaledOut,
     ScaleOut,
+    StageLayout,
     StartInstance,
     StopInstance,
+    Tier,
 )
 from shared.registry import Registry
 
@@ -64,6 +67,10 @@ LINE_WAITING = Gauge(
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
+PIPELINES = Counter(
+    "tessera_scheduler_pipelines_total",
+    "Scale-outs whose targets served the model as an execution pipeline before a replica was whole",
+)
 
 
 class SchedulerService:
@@ -75,7 +82,7 @@ class SchedulerService:
         self._groups = Groups(self.settings.multicast_group_s)
         self._group_sent: dict[int, asyncio.Event] = {}
         """Per scale-out group not yet sent, set once its multicast is ordered."""
-        self._multicasts: set[asyncio.Task[object]] = set()
+        self._multicasts: set[asyncio.Task[Any]] = set()
         """Scale-outs' multicasts under way (`_multicast_to`)."""
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
         self._changed_at: dict[str, float] = {}
@@ -495,13 +502,43 @@ class SchedulerService:
         if not running:
             return
         for order in await multicast.order(self.bus, record, node_ids, running):
+            shape = None
+            if order.multicast.tier == Tier.TORCH and len(order.nodes) > 1 and self.settings.pipeline_max_stages:
+                # Every stage needs the checkpoint's small files and header: they go first.
+                shape = await multicast.layout(self.bus, order.nodes[0], order)
+                if shape is not None:
+                    order = dataclasses.replace(
+                        order, multicast=msgspec.structs.replace(order.multicast, lead=shape.lead)
+                    )
             for node_id in order.nodes:  # each target derives the same plan and carries out its part
                 task = asyncio.create_task(
                     multicast.send(self.bus, order.multicast, node_id, self.settings.start_timeout_s)
                 )
                 self._multicasts.add(task)
                 task.add_done_callback(self._multicasts.discard)
+            if shape is not None:
+                self._track(asyncio.create_task(self._pipeline(record, order, shape)))
         await asyncio.sleep(0)  # its orders go out ahead of the starts
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._multicasts.add(task)
+        task.add_done_callback(self._multicasts.discard)
+
+    async def _pipeline(self, record: ModelRecord, order: multicast.Order, shape: StageLayout) -> None:
+        """Serve the model from the scale-out's targets before any holds it whole (FaaScale
+        §4.3): the pipeline's first node then counts as running it."""
+        ready = await multicast.pipeline(
+            self.bus, record, order, shape, self.settings.pipeline_max_stages, self.settings.start_timeout_s
+        )
+        if ready is None:
+            return
+        view = self.nodes.get(ready.node_id)
+        if view is None or record.name not in view.instances:  # its heartbeat may have said so first
+            now = time.time()
+            PIPELINES.inc()
+            self._set_instance(
+                ready.node_id, record.name, InstanceView(model=record.name, active=0, last_used=now, loaded_at=now)
+            )
 
     # --- keep-alive ---------------------------------------------------------------------------
 

@@ -25,6 +25,10 @@ class SchedulerSettings(CommonSettings):
     the compiled blob from the loaders that hold it in host memory, by a PipeCast plan
     (FaaScale §4-5), instead of each start reading the model store: for nodes that reach the
     store over the network. Off where every node reads one local store (one machine)."""
+    pipeline_max_stages: int = 4
+    """With `multicast_scale_out`, on torch nodes: a scale-out's targets serve the model as an
+    execution pipeline of at most this many stages (a worker each) once together they hold
+    every layer, before any one of them holds it all (FaaScale §4.3); 0: no pipelines."""
     multicast_group_s: float = 0.05
     """With `multicast_scale_out`: scale-outs of a model that begin within this many seconds
     of the first (a burst's) share one plan (`policy.multicast_groups`); the first waits that

@@ -1,5 +1,6 @@
 """Which loaders a scale-out's multicast reads from and sends to (services/scheduler/multicast.py):
-the holders of the artifact, in the tier their starts cached; the targets that lack it."""
+the holders of the artifact, in the tier their starts cached, and the store; the targets that
+lack it."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_the_holders_feed_the_targets_that_lack_it_with_the_store_last() -> None
     )
     assert [o.nodes for o in got] == [("node-3",)]  # the order goes to its targets alone
     got = got[0].multicast
-    assert got.plan_sources == ("10.0.0.0:7000", "10.0.0.2:7000")
+    assert got.plan_sources == ("10.0.0.0:7000", "10.0.0.2:7000", STORE)  # the store feeds a sub-group too
     assert got.plan_targets == ("10.0.0.3:7000",)
     assert got.fallbacks == ("10.0.0.0:7000", "10.0.0.2:7000", STORE)
     assert got.tier == Tier.START and got.device == "CPU" and got.artifact == RECORD.artifact
@@ -81,7 +82,7 @@ def test_sources_are_the_holders_of_the_first_holders_tier() -> None:
         },
     )
     assert len(got) == 1 and got[0].multicast.tier == Tier.STEADY
-    assert got[0].multicast.plan_sources == ("10.0.0.0:7000",)
+    assert got[0].multicast.plan_sources == ("10.0.0.0:7000", STORE)
 
 
 def test_a_torch_checkpoint_goes_only_to_torch_nodes_and_a_blob_only_to_openvino_nodes() -> None:
@@ -97,9 +98,9 @@ def test_a_torch_checkpoint_goes_only_to_torch_nodes_and_a_blob_only_to_openvino
     targets = ["node-1", "node-2", "node-3"]
     blob, ckpt = choose(RECORD, ["node-0", "node-4"], targets, statuses)
     assert blob.multicast.tier == Tier.STEADY and blob.nodes == ("node-2",)
-    assert blob.multicast.plan_sources == ("10.0.0.4:7000",)
+    assert blob.multicast.plan_sources == ("10.0.0.4:7000", STORE)
     assert ckpt.multicast.tier == Tier.TORCH and ckpt.nodes == ("node-1", "node-3")
-    assert ckpt.multicast.plan_sources == ("10.0.0.0:7000",)
+    assert ckpt.multicast.plan_sources == ("10.0.0.0:7000", STORE)
     assert ckpt.multicast.plan_targets == ("10.0.0.1:7000", "10.0.0.3:7000")
     # No holder of a form: its targets read the store.
     (only,) = choose(RECORD, ["node-0"], targets, statuses)

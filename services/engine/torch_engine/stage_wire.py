@@ -135,7 +135,9 @@ class Pipeline:
             writer.close()
         self._conns.clear()
 
-    async def _step(self, session: str, x: torch.Tensor) -> torch.Tensor:
+    async def step(self, session: str, x: torch.Tensor) -> torch.Tensor:
+        """One forward pass of `session` through every stage: token ids [1, T] in, the last
+        position's logits [V] out (each stage keeps the session's KV cache)."""
         for (reader, writer), addr in zip(self._conns, self.addrs, strict=True):
             dtype, shape, data = _to_bytes(x)
             try:
@@ -161,7 +163,7 @@ class Pipeline:
         x = torch.tensor([context], dtype=torch.long)
         try:
             for _ in range(params.max_tokens):
-                logits = await self._step(session, x)
+                logits = await self.step(session, x)
                 token = sampler.pick(np.asarray(logits, dtype=np.float32), context)
                 if token in eos_ids and not params.ignore_eos:
                     return
@@ -169,9 +171,13 @@ class Pipeline:
                 yield token
                 x = torch.tensor([[token]], dtype=torch.long)
         finally:
-            for reader, writer in self._conns:
-                try:
-                    await _send(writer, StageFrame(session, "drop"))
-                    await asyncio.wait_for(_recv(reader), TIMEOUT_S)
-                except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-                    pass
+            await self.drop(session)
+
+    async def drop(self, session: str) -> None:
+        """End the session's KV caches on every stage (best effort: a stage gone has none)."""
+        for reader, writer in self._conns:
+            try:
+                await _send(writer, StageFrame(session, "drop"))
+                await asyncio.wait_for(_recv(reader), TIMEOUT_S)
+            except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+                pass

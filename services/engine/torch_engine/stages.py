@@ -27,11 +27,7 @@ from transformers import AutoConfig
 
 from services.engine.torch_engine.binding import materialize_buffers, skeleton
 from services.engine.torch_engine.engine import read_manifest
-from shared.artifact import TORCH_WEIGHTS
-
-EMBED = "model.embed_tokens.weight"
-NORM = "model.norm.weight"
-HEAD = "lm_head.weight"
+from shared.artifact import EMBED, HEAD, NORM, TORCH_WEIGHTS, layer_of
 
 
 @dataclass(frozen=True)
@@ -40,10 +36,21 @@ class LayerRange:
     hi: int
     layers: int
     """The model's decoder layers in all."""
+    head: bool | None = None
+    """Whether it applies the final norm and the head (None: when it runs the last layer). The
+    head alone (lo == hi == layers) is a stage of its own where the head is tied to the
+    embedding and a node other than the last layers' holds it (`policy.pipeline_stages`)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.lo < self.hi <= self.layers:
+        alone = self.lo == self.hi == self.layers and self.head
+        if not (0 <= self.lo <= self.hi <= self.layers and (self.lo < self.hi or alone)):
             raise ValueError(f"layers [{self.lo}, {self.hi}) are not a range of a {self.layers}-layer model")
+
+    @classmethod
+    def of_units(cls, lo: int, hi: int, layers: int) -> LayerRange:
+        """Units [lo, hi) as `policy.pipeline_stages` counts them: the layers, then the head
+        as unit `layers`."""
+        return cls(lo, min(hi, layers), layers, head=hi > layers)
 
     @property
     def first(self) -> bool:
@@ -51,7 +58,7 @@ class LayerRange:
 
     @property
     def last(self) -> bool:
-        return self.hi == self.layers
+        return self.hi == self.layers if self.head is None else self.head
 
 
 def split(layers: int, stages: int) -> list[LayerRange]:
@@ -62,19 +69,12 @@ def split(layers: int, stages: int) -> list[LayerRange]:
     return [LayerRange(lo, hi, layers) for lo, hi in itertools.pairwise(cuts)]
 
 
-def _layer(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
-        return int(parts[2])
-    return None
-
-
 def stage_tensors(names: Sequence[str], r: LayerRange, tied: bool) -> dict[str, str]:
     """The checkpoint tensors a stage needs, each with its name in the stage's model (its
     layers renumbered from 0)."""
     out: dict[str, str] = {}
     for name in names:
-        i = _layer(name)
+        i = layer_of(name)
         if i is not None:
             if r.lo <= i < r.hi:
                 out[name] = name.replace(f"model.layers.{i}.", f"model.layers.{i - r.lo}.", 1)
@@ -127,6 +127,8 @@ class Stage:
         position [V] (float32)."""
         cache = self.caches.get(session)
         with torch.inference_mode():
+            if self.range.lo == self.range.hi:  # the head alone: no layer, no KV cache
+                return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()[0]
             kwargs: dict[str, Any] = {"input_ids": x} if self.range.first else {"inputs_embeds": x}
             out = self.model.model(**kwargs, past_key_values=cache, use_cache=True)
             self.caches[session] = out.past_key_values

@@ -1,0 +1,186 @@
+"""Execution pipelines on torch nodes while a scale-out's blocks arrive (FaaScale §4.3).
+
+The scheduler, once a scale-out's targets together hold every layer of a model (planned by
+`policy.pipeline_stages`), has each chosen node run its layer range as a stage (`StartStage`):
+the node's loader answers when those blocks are in its copy, and a worker runs the range as
+a stage server over TCP. The first stage's node then serves the model through the stages
+(`StartPipelined`): an instance like any other to the scheduler and the gateway, whose worker
+picks each token over the last stage's logits (`torch_engine/pipeline_batch.py`).
+
+Mode switching (§4.3): when the node's own start of the model is done, its local instance
+takes the new requests; the pipelined one finishes those in flight, then its worker stops and
+each stage's node is told to stop its stage (`EndStage`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from policy.eviction import Resident
+from services.engine.memory import KvMemory
+from services.engine.node import Bound, PendingColdStart, Served
+from services.engine.worker_pool import Worker
+from services.engine.worker_wire import Loaded, StageSpec
+from shared import subjects
+from shared.bus import decode
+from shared.errors import TesseraError
+from shared.messages import (
+    AwaitBlocks,
+    BlocksHeld,
+    ColdStartPhases,
+    EndStage,
+    ErrorCode,
+    InstanceReady,
+    ModelRecord,
+    StageReady,
+    StartPipelined,
+    StartStage,
+    Tier,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Pipelines(KvMemory):
+    async def on_start_stage(self, msg: Msg) -> None:
+        await self.bus.reply(msg, await self.start_stage(decode(msg.data, StartStage)))
+
+    async def on_start_pipelined(self, msg: Msg) -> None:
+        await self.bus.reply(msg, await self.start_pipelined(decode(msg.data, StartPipelined)))
+
+    async def on_end_stage(self, msg: Msg) -> None:
+        req = decode(msg.data, EndStage)
+        worker = self.stage_workers.pop(req.addr, None)
+        if worker is not None:
+            await asyncio.to_thread(worker.stop)
+            self._update_gauges()
+            log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
+
+    def _torch_only(self, what: str) -> None:
+        if self.settings.engine_backend != "torch":
+            raise TesseraError(
+                ErrorCode.INVALID_REQUEST, f"{what} runs on torch nodes; this one runs {self.settings.engine_backend}"
+            )
+
+    async def _blocks(self, record: ModelRecord, blocks: tuple[int, ...]) -> str:
+        """The node's copy of the model once `blocks` of it are here (the loader waits)."""
+        timeout = self.settings.load_timeout_s
+        held = await self.bus.request(
+            subjects.loader_await_blocks(self.node),
+            AwaitBlocks(artifact_id=record.artifact.artifact_id, blocks=blocks, timeout_s=timeout),
+            BlocksHeld,
+            timeout=timeout + 5,
+        )
+        return held.cache_dir
+
+    async def _load_into_new_worker(
+        self, record: ModelRecord, cache_dir: str, stages: tuple[str, ...] = (), stage: StageSpec | None = None
+    ) -> tuple[Worker, Loaded]:
+        worker, _ = await self.workers.take()
+        try:
+            loaded = await worker.load(
+                record.artifact, None, cache_dir, self.settings.load_timeout_s, Tier.TORCH, stages=stages, stage=stage
+            )
+        except BaseException:
+            await asyncio.to_thread(worker.stop)
+            raise
+        return worker, loaded
+
+    async def start_stage(self, req: StartStage) -> StageReady:
+        """Run units [lo, hi) of the model (its layers, then its head as unit `layers`) as a
+        stage server, once this node's copy holds their blocks."""
+        self._torch_only("a pipeline stage")
+        cache_dir = await self._blocks(req.model, req.blocks)
+        spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
+        worker, loaded = await self._load_into_new_worker(req.model, cache_dir, stage=spec)
+        self.stage_workers[loaded.addr] = worker
+        self._update_gauges()
+        log.info(
+            "stage [%d, %d) of %s serving at %s",
+            req.lo,
+            req.hi,
+            req.model.name,
+            loaded.addr,
+            extra={"model": req.model.name, "load_s": loaded.load_s},
+        )
+        return StageReady(node_id=self.node, addr=loaded.addr)
+
+    async def start_pipelined(self, req: StartPipelined) -> InstanceReady:
+        """Serve the model through `req.stages` until this node's own start of it is done."""
+        self._torch_only("a pipelined instance")
+        record, name = req.model, req.model.name
+        t0 = time.monotonic()
+        if name not in self.instances:
+            cache_dir = await self._blocks(record, req.blocks)
+            t1 = time.monotonic()
+            worker, loaded = await self._load_into_new_worker(record, cache_dir, stages=req.stages)
+            if name in self.instances:  # the local start was done first: nothing to bridge
+                await asyncio.to_thread(worker.stop)
+                await self._end_stages(
+                    record.artifact.artifact_id, tuple(zip(req.stage_nodes, req.stages, strict=True))
+                )
+            else:
+                self._serve_pipelined(req, worker, loaded, t0, t1)
+        return InstanceReady(
+            node_id=self.node,
+            model=name,
+            phases=ColdStartPhases(init_s=0.0, load_s=time.monotonic() - t0, profile_s=0.0),
+            loaded_from_cache=True,
+        )
+
+    def _serve_pipelined(self, req: StartPipelined, worker: Worker, loaded: Loaded, t0: float, t1: float) -> None:
+        record = req.model
+        now = time.time()
+        # Not in `self.bound`: it holds no weights, and no start may take it as the model's
+        # resident worker.
+        bound = Bound(
+            worker, record.artifact, True, Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1), "pipeline"
+        )
+        bound.worker_load_s, bound.load_threads = loaded.load_s, loaded.threads
+        self.instances[record.name] = Served(
+            record.name,
+            bound,
+            now,
+            now,
+            self._kv_account(record.artifact),
+            record.ttft_slo_s,
+            record.tpot_slo_s,
+            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
+            warm_since=float("inf"),  # never measured: its times are the pipeline's, not the model's here
+        )
+        self.pipelined[record.name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
+        phases = ColdStartPhases(init_s=t1 - t0, load_s=time.monotonic() - t1, profile_s=0.0)
+        self._cold[record.name] = PendingColdStart(t0, phases, "pipeline")
+        self._update_gauges()
+        log.info(
+            "%s served through a pipeline of %d stages until its replica is here",
+            record.name,
+            len(req.stages),
+            extra={"model": record.name, "stages": list(req.stages)},
+        )
+
+    async def _end_stages(self, artifact_id: str, stages: tuple[tuple[str, str], ...]) -> None:
+        for node, addr in stages:
+            await self.bus.publish(subjects.engine_end_stage(node), EndStage(artifact_id=artifact_id, addr=addr))
+
+    def replaced(self, old: Served | None) -> None:
+        """`old` no longer takes requests (a local instance of its model took its place): if
+        it was a pipelined one, it retires once its requests in flight have ended."""
+        if old is None or old.bound.source != "pipeline":
+            return
+        task = asyncio.create_task(self._retire(old))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _retire(self, inst: Served) -> None:
+        stages = self.pipelined.pop(inst.model, ())
+        if inst.active > 0:
+            await inst.drained.wait()  # its last requests stream on from it meanwhile
+        await asyncio.to_thread(inst.bound.worker.stop)
+        self._update_gauges()
+        await self._end_stages(inst.bound.artifact.artifact_id, stages)
+        log.info("%s switched from its pipeline to local execution", inst.model, extra={"model": inst.model})
