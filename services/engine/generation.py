@@ -181,6 +181,11 @@ class Generation(KvMemory):
             log.exception("generation %s failed", req.request_id)
             REQUESTS.labels("error").inc()
             final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
+            if inst.bound.source == "pipeline" and self.instances.get(inst.model) is inst:
+                # A stage is gone (its node, or its worker): the pipeline serves nothing more.
+                # The scheduler hears of it now and sends the next requests to an instance.
+                await self._unload(inst)
+                await self.bus.publish(subjects.node_heartbeat(), self.status())
         await self.bus.publish(req.stream_subject, final)
         finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
         await self._kv_complete(inst, req.request_id, generated, finished)

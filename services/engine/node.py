@@ -284,6 +284,7 @@ class EngineNode:
             del self.instances[inst.model]
             forget_kv_gauges(inst.model)
             await self._release_memory(f"{inst.model}:kv")
+            self.replaced(inst)  # a pipelined one: its stages end too
         if self.bound.get(bound.artifact.artifact_id) is bound:
             del self.bound[bound.artifact.artifact_id]
             await self._release_memory(f"weights:{bound.artifact.artifact_id}")

@@ -94,10 +94,19 @@ class PipelineBatch:
         return list(out.values())
 
     def close(self) -> None:
-        for run in list(self._runs.values()):
-            run.cancel()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        """End every request (their stage sessions are dropped as they unwind) and the loop."""
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
 
     async def _run(self, request_id: str, context: list[int], params: SamplingParams, guided: Guided | None) -> None:
         try:

@@ -73,6 +73,8 @@ class StageServer:
         self.stage = stage
         self._lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
+        self._askers: set[asyncio.Task[object]] = set()
+        """One task per connection (asyncio's server runs each handler in a task)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._server = await asyncio.start_server(self._serve, host, port)
@@ -80,12 +82,20 @@ class StageServer:
         return f"{sock[0]}:{sock[1]}"
 
     async def close(self) -> None:
+        """Stop listening and end every connection (its sessions' caches go with it)."""
         if self._server is not None:
             self._server.close()
+            for task in list(self._askers):
+                task.cancel()
+            await asyncio.gather(*self._askers, return_exceptions=True)
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sessions: set[str] = set()  # dropped when the asker goes, whether it said so or not
+        task = asyncio.current_task()
+        if task is not None:
+            self._askers.add(task)
+            task.add_done_callback(self._askers.discard)
         try:
             while True:
                 try:
