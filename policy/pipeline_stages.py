@@ -73,15 +73,27 @@ def assign(layout: Layout, nodes: Sequence[str], holds: Callable[[str], frozense
     """The stages of a pipeline over `nodes` (in the pipeline's order), each node holding
     `holds(node)`: contiguous unit ranges covering every unit, fewest first; None where some
     unit is held whole by none of them."""
-    layers = len(layout.units)
-    held = {n: holds(n) for n in nodes}
+    units = len(layout.units)
+    lead = set(range(layout.lead))
+    first = _blocks(layout.first)
+    # What a node can run is known unit by unit: a range needs the lead, each of its units,
+    # and the embedding if it starts at unit 0.
+    can: dict[str, list[bool]] = {}
+    for node in nodes:
+        held = holds(node)
+        can[node] = [lead <= held and _blocks(u) <= held for u in layout.units]
+        if not first <= held:
+            can[node].append(False)  # a sentinel: no range from unit 0 on this node
     out: list[StagePlan] = []
     lo = 0
-    while lo < layers:
+    while lo < units:
         best: tuple[int, str] | None = None
         for node in nodes:
+            ok = can[node]
+            if lo == 0 and len(ok) > units:
+                continue
             hi = lo
-            while hi < layers and needs(layout, lo, hi + 1) <= held[node]:
+            while hi < units and ok[hi]:
                 hi += 1
             if hi > lo and (best is None or hi > best[0]):
                 best = (hi, node)
