@@ -1,29 +1,33 @@
-"""PipeCast against the store-for-everyone baseline, on real loaders over shaped links.
+"""PipeCast against the store-for-everyone baseline, on real nodes over shaped links.
 
-    python -m bench.multicast [--link-mbps 200] [--out bench/results]
+    python -m bench.multicast [--link-mbps 200] [--block-mib 2] [--pipelined-targets 8] [--out bench/results]
 
-A cluster of loaders alone (`LocalCluster(services=("loader",))`, real NATS, nine loader
-processes): node-0 holds the default model's compiled blob in its host cache (FaaScale's one
-replica in host memory, k = 1), nodes 1..8 are targets. Each loader runs in a network
-namespace of its own, its link shaped to `--link-mbps` each way by `tc` (`ops/netns.py`), so
-that moving the model is network-bound, as between hosts, and not the loopback's memory copy;
-where namespaces are not permitted (or with `--loopback`), the loaders share the loopback and
-each block server paces its uplink to the same rate (`TESSERA_LINK_BPS`). For N = 1, 2, 4, 8
-targets, their host caches emptied first, each scheme once:
+1. Transfers and first tokens. Nine nodes (loader, engine and memory manager each; real
+   NATS), each in a network namespace of its own, its link shaped to `--link-mbps` each way by
+   `tc` (`ops/netns.py`), so that moving the model is network-bound, as between hosts, and not
+   the loopback's memory copy; where namespaces are not permitted (or with `--loopback`), the
+   nodes share the loopback and each block server paces its uplink to the same rate
+   (`TESSERA_LINK_BPS`). node-0 holds the default model's compiled blob in its host cache
+   (FaaScale's one replica in host memory, k = 1), nodes 1..8 are targets. For N = 1, 2, 4, 8
+   targets, their host caches and engines emptied first, each scheme once:
 
-- baseline: every target reads every block from node-0 (the one copy, as from a store);
-- PipeCast: `policy.multicast.pipecast(["node-0"], targets, blocks)`: each target receives its
-  feeds from node-0 or from the targets ahead of it, and forwards as it receives.
+   - baseline: every target reads every block from node-0 (the one copy, as from a store);
+   - PipeCast: `policy.multicast.pipecast(["node-0"], targets, blocks)`: each target receives
+     its feeds from node-0 or from the targets ahead of it, and forwards as it receives.
 
-The time is from the `Multicast` requests to the last target's answer; every target checked
-every block's SHA-256. A fault run then sends PipeCast to 8 and kills one target's loader
-while blocks flow: the other seven must complete (their blocks from the dead one come from the
-fallback). The same plan code, priced by `policy.multicast.transfer_s` on the same block
-count and link, gives N = 1…1,024 (`sim_*`).
+   The transfer time is from the `Multicast` requests to the last target's answer; every
+   target checked every block's SHA-256. Each target's engine is told to start the model with
+   the multicast, as a scale-out's starts are (its stage waits for the blocks), then serves one
+   token: `first_token_s` is until the last target's. A fault run then sends PipeCast to 8 and
+   kills one target's loader while blocks flow: the other seven must complete. The same plan
+   code, priced by `policy.multicast.transfer_s` on the same block count and link, gives
+   N = 1…1,024 (`sim_*`).
 
-Not measured yet (null in the JSON): `first_token_s` (time until every node has served its
-first token) and `first_served_before_replica_s`: the engines do not start on partial
-replicas yet (FaaScale §4.3's pipelined execution).
+2. Serving before the last block (FaaScale §4.3), `bench/multicast_engines.py`: torch nodes,
+   the model running on node-0 scaled out by the scheduler to `--pipelined-targets` others,
+   from node-0 and from a store behind a link shaped like the nodes' (k = 2). Measured: the
+   first token served through an execution pipeline of targets against the moment the last
+   target holds a whole replica (`first_served_before_replica_s`).
 
 Writes `<out>/multicast.json` and `<out>/multicast.png`.
 """
@@ -46,6 +50,7 @@ if __package__ in (None, ""):  # `python bench/multicast.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, make_log
+from bench.multicast_engines import first_tokens, pipelined, record_of, unload
 from ops import netns
 from ops.loaders import LoaderClient
 from ops.localcluster import LocalCluster, default_model_path
@@ -77,8 +82,13 @@ async def run(link_bps: float, home: Path, namespaces: bool, block_bytes: int) -
     cluster = LocalCluster(
         home=home,
         nodes=nodes,
-        services=("loader",),
-        env={"TESSERA_FILL_DELAY_S": "0", **({} if spaces else {"TESSERA_LINK_BPS": str(link_bps)})},
+        services=("memory_manager", "loader", "engine"),
+        # Starts load the tier a multicast moves (STEADY), so a target's start waits for it.
+        env={
+            "TESSERA_FILL_DELAY_S": "0",
+            "TESSERA_START_TIER": "false",
+            **({} if spaces else {"TESSERA_LINK_BPS": str(link_bps)}),
+        },
         netns=spaces,
     )
     t = time.perf_counter()
@@ -89,6 +99,7 @@ async def run(link_bps: float, home: Path, namespaces: bool, block_bytes: int) -
     try:
         loaders = LoaderClient(bus, DEVICE)
         artifact = await loaders.import_model(str(default_model_path()))
+        record = record_of("bench-multicast", artifact, str(default_model_path()))
         bs = block_set(artifact, DEVICE, Tier.STEADY, block_bytes)  # before any loader reads it
         await loaders.cache_on(SOURCE, artifact)
         addr = {f"node-{i}": (await loaders.status(f"node-{i}")).peer_addr for i in range(nodes)}
@@ -97,6 +108,7 @@ async def run(link_bps: float, home: Path, namespaces: bool, block_bytes: int) -
         for n in NS:
             targets = [f"node-{i}" for i in range(1, n + 1)]
             for scheme in ("baseline", "pipecast"):
+                await unload(bus, targets, record)
                 await loaders.evict(targets, artifact)
                 plan = (
                     pipecast([SOURCE], targets, bs.blocks)
@@ -104,20 +116,34 @@ async def run(link_bps: float, home: Path, namespaces: bool, block_bytes: int) -
                     else naive(targets, bs.blocks, SOURCE)
                 )
                 # Fallback: the source node, then the store (only a failed source sends there).
-                wall, done = await loaders.multicast(artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE))
+                t0 = time.perf_counter()
+                moving = asyncio.create_task(
+                    loaders.multicast(artifact, feeds_of(plan, addr, targets), (addr[SOURCE], STORE))
+                )
+                await asyncio.sleep(0.05)  # sync-ok: the orders reach the loaders before the starts ask them
+                # The starts begin with the multicast, as a scale-out's do: each one's stage
+                # waits for the blocks; then it serves a token.
+                tokens = await first_tokens(bus, targets, record)
+                wall, done = await moving
                 failed = {k: v for k, v in done.items() if isinstance(v, str)}
                 ok = [v for v in done.values() if isinstance(v, MulticastDone)]
                 assert not failed, failed
                 results[scheme][n] = {
                     "seconds": wall,
+                    "first_token_s": max(tokens.values()) - t0,
+                    "first_token_per_node_s": {k: round(v - t0, 3) for k, v in sorted(tokens.items())},
                     "per_node_s": {v.node_id: round(v.seconds, 3) for v in ok},
                     "blocks_verified": sum(v.blocks for v in ok),
                     "refetched": sum(v.refetched for v in ok),
                     "plan_steps": plan.steps,
                 }
-                log(f"{scheme:8s} N={n}: every node has the model in {wall:.2f}s")
+                log(
+                    f"{scheme:8s} N={n}: every node has the model in {wall:.2f}s, "
+                    f"has served a token in {results[scheme][n]['first_token_s']:.2f}s"
+                )
         # The fault run: PipeCast to 8, one target's loader killed while blocks flow.
         targets = [f"node-{i}" for i in range(1, max(NS) + 1)]
+        await unload(bus, targets, record)
         await loaders.evict(targets, artifact)
         plan = pipecast([SOURCE], targets, bs.blocks)
         victim = "node-1"  # the first to receive: every other target was to get blocks from it
@@ -199,6 +225,9 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=200.0, help="every node's uplink, megabits per second")
     ap.add_argument("--loopback", action="store_true", help="no namespaces: pace the block servers instead")
     ap.add_argument("--block-mib", type=float, default=MULTICAST_BLOCK_BYTES / 2**20, help="multicast block size, MiB")
+    ap.add_argument(
+        "--pipelined-targets", type=int, default=max(NS), help="torch nodes the pipelined scale-out reaches; 0: none"
+    )
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args()
     # A kill ends the run through its `finally`s: the loaders stop and the namespaces go.
@@ -211,6 +240,10 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tessera-multicast-") as home:
         real = asyncio.run(run(link_bps, Path(home), namespaces=not why_not, block_bytes=int(args.block_mib * 2**20)))
+    piped: dict[str, Any] | None = None
+    if args.pipelined_targets:
+        with tempfile.TemporaryDirectory(prefix="tessera-pipelined-") as home:
+            piped = pipelined(link_bps, Path(home), args.pipelined_targets, namespaces=not why_not, log=log)
     sim = simulate(real["blocks"], real["block_bytes"], link_bps)
     pipe = {n: r["seconds"] for n, r in real["runs"]["pipecast"].items()}
     base = {n: r["seconds"] for n, r in real["runs"]["baseline"].items()}
@@ -218,9 +251,12 @@ def main() -> None:
     result = {
         "pipecast_s": pipe,
         "baseline_s": base,
-        "first_token_s": None,
-        "first_served_before_replica_s": None,
-        "not_measured": "first tokens: engines do not start on partial replicas yet (FaaScale §4.3)",
+        "first_token_s": {
+            scheme: {n: r["first_token_s"] for n, r in real["runs"][scheme].items()}
+            for scheme in ("pipecast", "baseline")
+        },
+        "first_served_before_replica_s": piped["first_served_before_replica_s"] if piped else None,
+        "pipelined": piped,
         "pipecast_growth_n8_over_n1": pipe[top] / pipe[1],
         "baseline_over_pipecast": {n: base[n] / pipe[n] for n in NS},
         "sim_s": sim,

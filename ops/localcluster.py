@@ -368,7 +368,8 @@ class LocalCluster:
                 inside: list[str] = []
                 if self.netns is not None and name in NODE_SERVICES:
                     inside = self.netns.prefix(node_id)
-                    env.update(TESSERA_HTTP_HOST=self.netns.ip(node_id), TESSERA_PEER_HOST=self.netns.ip(node_id))
+                    ip = self.netns.ip(node_id)
+                    env.update(TESSERA_HTTP_HOST=ip, TESSERA_PEER_HOST=ip, TESSERA_STAGE_HOST=ip)
                 self.procs[key] = Process(
                     key,
                     [*inside, sys.executable, "-m", f"services.{name}"],

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import msgspec
 
-MULTICAST_BLOCK_BYTES = 4 * 1024 * 1024
+MULTICAST_BLOCK_BYTES = 2 * 1024 * 1024
 """FaaScale §4.2 picks the block size offline: small enough that a pipeline of many nodes
-fills quickly (b + log2 N block times), large enough that per-block overheads vanish. 4 MiB
-cuts the default model's 270 MB blob into ~65 blocks; one block over a 1 Gb/s link is 34 ms."""
+fills quickly (b + log2 N block times), large enough that per-block overheads vanish. 2 MiB
+cuts the default model's 135 MB blob into 65 blocks (its float32 torch checkpoint into 258);
+one block over a 1 Gb/s link is 17 ms. Measured side by side on 9 loaders over 200 Mb/s links
+(`python -m bench.multicast --block-mib 2` and `4`): eight targets took 1.37× one with 2 MiB,
+1.60× with 4 MiB."""
 
 
 class FileEntry(msgspec.Struct, frozen=True):
