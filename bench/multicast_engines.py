@@ -185,9 +185,12 @@ def pipelined(
     """A scale-out of a running torch model from node-0 to `targets` nodes, through the whole
     stack; see the module's docstring."""
     names = [f"node-{i}" for i in range(1 + targets)]
-    spaces = netns.NetNamespaces(str(home), names, link_bps * 8 / 1e6) if namespaces else None
+    mbit = link_bps * 8 / 1e6
+    # The store serves from the root namespace: its link to the switch is shaped like a
+    # node's (in namespaces), or its server paces itself (on the loopback).
+    spaces = netns.NetNamespaces(str(home), names, mbit, root_mbit=mbit) if namespaces else None
     bg = Background()
-    store = StoreServer(link_bps)
+    store = StoreServer(0.0 if spaces else link_bps)
     store_addr = bg.call(store.start(spaces.host_ip if spaces else "127.0.0.1"))
     cluster = LocalCluster(
         home=home,
@@ -260,7 +263,7 @@ def pipelined(
             "first_served_s": (served_at - t0) if served_at is not None else None,
             "first_served_before_replica_s": (last - served_at) if served_at is not None else None,
             "head": head,
-            "stage_workers_at_the_end": stages,
+            "stage_workers_at_last_replica": stages,
         }
     finally:
         try:

@@ -45,6 +45,11 @@ def unavailable() -> str | None:
     return None
 
 
+def _shape(where: list[str], dev: str, rate: str) -> None:
+    """A token bucket at `rate` on what `dev` sends (`where`: the namespace's command prefix)."""
+    _run(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+
+
 @dataclass
 class NetNamespaces:
     """One namespace per node name, on a bridge of their own, links shaped to `link_mbit`."""
@@ -53,6 +58,9 @@ class NetNamespaces:
     """Makes the names and the subnet unique to one cluster (its home directory, say)."""
     nodes: list[str]
     link_mbit: float
+    root_mbit: float = 0.0
+    """The root namespace's uplink to the switch, shaped too where > 0: a server the root
+    runs (a model store in bench/multicast.py) then sends at a node's rate, not the host's."""
     made: list[tuple[str, ...]] = field(default_factory=list)
     """What `setup` created, to undo in reverse."""
 
@@ -100,6 +108,8 @@ class NetNamespaces:
             _run(*sw, "ip", "link", "set", root_port, "up")
             _run("ip", "addr", "add", f"{self.host_ip}/24", "dev", root_side)
             _run("ip", "link", "set", root_side, "up")
+            if self.root_mbit > 0:
+                _shape([], root_side, f"{self.root_mbit}mbit")
             for i, node in enumerate(self.nodes):
                 ns = self.namespace(node)
                 port, node_side = f"tsr{self.tag}h{i}", f"tsr{self.tag}v{i}"
@@ -119,22 +129,7 @@ class NetNamespaces:
                 # The node's uplink (what it sends) and downlink (what the switch sends it),
                 # each a token bucket at the link's rate.
                 for where, dev in ((inside, node_side), (sw, port)):
-                    _run(
-                        *where,
-                        "tc",
-                        "qdisc",
-                        "add",
-                        "dev",
-                        dev,
-                        "root",
-                        "tbf",
-                        "rate",
-                        rate,
-                        "burst",
-                        "256kb",
-                        "latency",
-                        "100ms",
-                    )
+                    _shape(where, dev, rate)
         except BaseException:
             self.teardown()
             raise

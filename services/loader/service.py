@@ -97,6 +97,8 @@ class LoaderService:
         self._checks: dict[str, asyncio.Future[StageResult]] = {}
         self._holdings: dict[str, Holding] = {}
         """The copies arriving by multicast, by artifact: a pipeline stage waits on their blocks."""
+        self._holding_made = asyncio.Condition()
+        """Notified as each arriving copy gets its place (a multicast's first moments)."""
         """Block checks of deferred-verify hits, by artifact, until the engine asks."""
         self._fills: dict[str, asyncio.Task[None]] = {}
         """Pending host-cache fills by artifact: an eviction cancels them, or it would be undone."""
@@ -293,6 +295,8 @@ class LoaderService:
             done.set_result(None)
         finally:
             del self._receiving[aid]
+            async with self._holding_made:  # a stage waiting for its place: it is over
+                self._holding_made.notify_all()
         await self.bus.reply(msg, reply)
 
     async def _multicast(self, req: Multicast) -> MulticastDone:
@@ -308,6 +312,8 @@ class LoaderService:
                 return MulticastDone(node_id=self.settings.node_id, blocks=0, nbytes=0, seconds=0.0)
             place = await asyncio.to_thread(self.cache.reserve, req.artifact, req.device, req.tier, bs.size)
         holding = self._holdings[aid] = Holding(place, bs)
+        async with self._holding_made:
+            self._holding_made.notify_all()
         sources: dict[str, BlockSource] = {}
         try:
             self.peers.offer(holding)  # forward while receiving
@@ -379,13 +385,19 @@ class LoaderService:
         req = decode(msg.data, AwaitBlocks)
         aid = req.artifact_id
         whole = self.cache.root / aid / TORCH_DIR
-        holding, ended = self._holdings.get(aid), self._receiving.get(aid)
-        if holding is None or ended is None:
+        deadline = time.monotonic() + req.timeout_s
+        ended = self._receiving.get(aid)
+        if ended is not None and aid not in self._holdings:  # it has only just begun
+            async with self._holding_made:
+                await asyncio.wait_for(
+                    self._holding_made.wait_for(lambda: aid in self._holdings or ended.done()), req.timeout_s
+                )
+        holding = self._holdings.get(aid)
+        if holding is None or ended is None or ended.done():
             if self.cache.tiers.get(aid) != Tier.TORCH:
                 raise LookupError(f"{aid} is neither cached nor arriving here")
             await self.bus.reply(msg, BlocksHeld(cache_dir=str(whole)))
             return
-        deadline = time.monotonic() + req.timeout_s
         for index in req.blocks:
             arrived = asyncio.ensure_future(holding.wait_for(index, max(0.0, deadline - time.monotonic())))
             either: list[asyncio.Future[Any]] = [arrived, ended]
