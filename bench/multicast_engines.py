@@ -96,13 +96,14 @@ async def one_token(bus: Bus, node: str, model: str, timeout_s: float = 600.0) -
         accepted = await bus.request(subjects.engine_generate(node), req, GenerateAccepted | Failed, timeout=30)
         if isinstance(accepted, Failed):
             raise RuntimeError(f"{node}: {accepted.message}")
-        while True:
+        first: float | None = None
+        while True:  # to its end: the instance is idle when this returns (an unload may follow)
             event = decode((await stream.next_msg(timeout=timeout_s)).data, StreamEvent)
-            if isinstance(event, TokenChunk):
-                return time.perf_counter()
             if isinstance(event, Failed):
                 raise RuntimeError(f"{node}: {event.message}")
-            return time.perf_counter()  # Finished with no text: the token was an end
+            first = first or time.perf_counter()
+            if not isinstance(event, TokenChunk):
+                return first
     finally:
         await stream.unsubscribe()
 
@@ -117,12 +118,14 @@ async def first_tokens(bus: Bus, nodes: Sequence[str], record: ModelRecord) -> d
 async def unload(bus: Bus, nodes: Sequence[str], record: ModelRecord) -> None:
     """Each node's instance and resident worker gone: the next start reads the host cache."""
     for n in nodes:
-        await bus.request(
+        stopped = await bus.request(
             subjects.engine_stop(n),
             StopInstance(model=record.name, idle_since=time.time()),
             InstanceStopped,
             timeout=30,
         )
+        if not stopped.stopped and stopped.reason != "not loaded":
+            raise RuntimeError(f"{n} did not unload {record.name}: {stopped.reason}")
         await bus.request(
             subjects.engine_evict(n), EvictResidents(artifact_id=record.artifact.artifact_id), Evicted, timeout=30
         )
