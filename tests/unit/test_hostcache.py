@@ -21,9 +21,8 @@ MB = 1024 * 1024
 DEVICE = "CPU"
 
 
-def artifact(store: Path, name: str, nbytes: int) -> Artifact:
-    """An artifact in the store with a materialized blob of `nbytes` random bytes."""
-    a = Artifact(
+def named(store: Path, name: str, nbytes: int) -> Artifact:
+    return Artifact(
         artifact_id=name,
         path=str(store / name),
         source_sha256=name,
@@ -31,6 +30,11 @@ def artifact(store: Path, name: str, nbytes: int) -> Artifact:
         kv_bytes_per_token=1,
         weight_bytes=nbytes,
     )
+
+
+def artifact(store: Path, name: str, nbytes: int) -> Artifact:
+    """An artifact in the store with a materialized blob of `nbytes` random bytes."""
+    a = named(store, name, nbytes)
     blob_dir = compiled_cache_dir(a, DEVICE)
     blob_dir.mkdir(parents=True)
     (blob_dir / "model.blob").write_bytes(os.urandom(nbytes))
@@ -100,14 +104,7 @@ def test_a_hit_repairs_a_corrupted_block_from_the_store_and_a_new_tier_replaces_
 
 def torch_artifact(store: Path, name: str, nbytes: int) -> Artifact:
     """An artifact in the store with a torch checkpoint: small files and `nbytes` of weights."""
-    a = Artifact(
-        artifact_id=name,
-        path=str(store / name),
-        source_sha256=name,
-        context_length=2048,
-        kv_bytes_per_token=1,
-        weight_bytes=nbytes,
-    )
+    a = named(store, name, nbytes)
     ckpt = torch_checkpoint(a)
     ckpt.mkdir(parents=True)
     (ckpt / TORCH_WEIGHTS).write_bytes(os.urandom(nbytes))
@@ -130,7 +127,7 @@ def test_a_torch_checkpoint_is_cached_whole_and_a_corrupt_block_is_repaired(tmp_
     bs = block_set(a, DEVICE, Tier.TORCH)
     assert [f.path for f in bs.files][-1] == TORCH_WEIGHTS  # the small files first: read first
     with (miss.cache_dir / TORCH_WEIGHTS).open("r+b") as f:
-        f.seek(5 * MB)  # in the second 4 MiB block
+        f.seek(5 * MB)  # inside one block
         f.write(b"\xff" * 16)
     hit = cache.stage(a, DEVICE, Tier.TORCH)
     assert hit.hit and hit.repaired_blocks == 1

@@ -71,6 +71,25 @@ class Step:
     error: str = ""
 
 
+def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
+    """The steps waiting in `steps` (waiting up to `timeout` for the first), by request, those
+    of one request merged in order into one; a request not `wanted` (cancelled) is skipped."""
+    out: dict[str, Step] = {}
+    wait: float | None = timeout
+    while True:
+        try:
+            step = steps.get(timeout=wait) if wait else steps.get_nowait()
+        except queue.Empty:
+            return out
+        wait = None
+        if not wanted(step.request_id):
+            continue
+        before = out.get(step.request_id)
+        if before is not None:
+            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+        out[step.request_id] = step
+
+
 @dataclass
 class _Sequence:
     """A request in the batch as the sampler sees it (touched by the library's thread only,

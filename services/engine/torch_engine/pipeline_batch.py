@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from services.engine.sampling import Sampler, token_logprob
-from services.engine.torch_engine.batching import Step, check_fits
+from services.engine.torch_engine.batching import Step, check_fits, drain
 from services.engine.torch_engine.guides import Guided, Guides
 from services.engine.torch_engine.stage_wire import Pipeline
 from shared.messages import FinishReason, SamplingParams
@@ -79,19 +79,7 @@ class PipelineBatch:
 
     def steps(self, timeout: float) -> list[Step]:
         """Every request's progress since the last call, waiting up to `timeout` for the first."""
-        out: dict[str, Step] = {}
-        wait: float | None = timeout
-        while True:
-            try:
-                step = self._out.get(timeout=wait) if wait else self._out.get_nowait()
-            except queue.Empty:
-                break
-            wait = None
-            before = out.get(step.request_id)
-            if before is not None:
-                step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
-            out[step.request_id] = step
-        return list(out.values())
+        return list(drain(self._out, timeout).values())
 
     def close(self) -> None:
         """End every request (their stage sessions are dropped as they unwind) and the loop."""

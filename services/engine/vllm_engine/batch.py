@@ -29,7 +29,7 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from services.engine.step_gate import StepGate
-from services.engine.torch_engine.batching import Step, check_fits
+from services.engine.torch_engine.batching import Step, check_fits, drain
 from services.engine.torch_engine.engine import ends_of_sequence
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -140,22 +140,10 @@ class VllmBatch:
 
     def steps(self, timeout: float) -> list[Step]:
         """Every request's progress since the last call, waiting up to `timeout` for the first."""
-        out: dict[str, Step] = {}
-        wait: float | None = timeout
-        while True:
-            try:
-                step = self._out.get(timeout=wait) if wait else self._out.get_nowait()
-            except queue.Empty:
-                break
-            wait = None
-            if step.request_id not in self._requests:  # cancelled
-                continue
-            before = out.get(step.request_id)
-            if before is not None:
-                step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
-            out[step.request_id] = step
+        out = drain(self._out, timeout, lambda rid: rid in self._requests)  # not the cancelled
+        for rid, step in out.items():
             if step.finish is not None or step.error:
-                self._requests.pop(step.request_id, None)
+                self._requests.pop(rid, None)
         if not self.alive:
             for rid in list(self._requests):
                 out[rid] = Step(rid, (), None, f"the vLLM batch stopped: {self._error}")
