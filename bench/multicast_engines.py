@@ -203,6 +203,8 @@ def pipelined(
             "TESSERA_MULTICAST_SCALE_OUT": "true",
             "TESSERA_FILL_DELAY_S": "0",
             "TESSERA_STORE_ADDR": store_addr,
+            # A warm worker for a stage beside the one the node's own start takes.
+            "TESSERA_WORKER_POOL_SIZE": "2",
             **({} if spaces else {"TESSERA_LINK_BPS": str(link_bps)}),
         },
         netns=spaces,

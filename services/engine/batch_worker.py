@@ -118,8 +118,9 @@ class BatchWorker:
         self.tokenizer: Any = None
         """The bound model's tokenizer (its `decode` turns tokens into text); None: no model."""
         self.batch: Batch | None = None
-        self._stage: tuple[asyncio.AbstractEventLoop, threading.Thread, StageServer] | None = None
-        """The stage server this worker runs (`Load.stage`), on a loop of its own."""
+        self._stages: list[StageServer] = []
+        """The stage servers this worker runs (`Load.stage`), on a loop of their own."""
+        self._stage_loop: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
         self.live: dict[str, _Live] = {}
         self.all_cores = os.sched_getaffinity(0)
         self.threads = torch.get_num_threads()
@@ -191,6 +192,9 @@ class BatchWorker:
                 f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: the node's loader "
                 "writes it before a model's first start here (its log says why it did not)"
             )
+        if cmd.stage is not None:  # one more stage beside what the worker runs (other stages, a pipeline)
+            self.conn.send(self._serve_stage(checkpoint, cmd.stage, t0))
+            return
         for rid in list(self.live):
             self.conn.send(Failure(rid, "the worker was bound to another model"))
         self.live.clear()
@@ -207,32 +211,28 @@ class BatchWorker:
             pin_all_threads(set(cmd.cores))
             threads = min(threads, len(cmd.cores))
         torch.set_num_threads(threads)
-        self._end_stage()
-        if cmd.stage is not None:
-            self.conn.send(self._serve_stage(checkpoint, cmd.stage, t0))
-        elif cmd.stages:
+        if cmd.stages:  # the stages this worker runs may be among them: they stay
             self.conn.send(self._open_pipeline(checkpoint, cmd.stages, t0))
         else:
+            self._end_stages()
             self.conn.send(self._open(checkpoint, threads, t0))
 
     def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
         """Run a layer range of the model at `checkpoint` (possibly a copy still arriving: only
-        the range's tensors are read) as a stage server for other nodes' pipelines; the worker
-        serves no request of its own meanwhile."""
+        the range's tensors are read) as a stage server for pipelines, beside the other stages
+        this worker runs and the pipeline it may drive (one worker a node, not one a stage)."""
         from services.engine.torch_engine.stage_wire import StageServer
         from services.engine.torch_engine.stages import LayerRange, Stage
 
         stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, daemon=True, name="stage-server")
-        thread.start()
+        if self._stage_loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, daemon=True, name="stage-servers")
+            thread.start()
+            self._stage_loop = (loop, thread)
         server = StageServer(stage)
-        try:
-            addr = asyncio.run_coroutine_threadsafe(server.start(spec.host, 0), loop).result(30)
-        except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            raise
-        self._stage = (loop, thread, server)
+        addr = asyncio.run_coroutine_threadsafe(server.start(spec.host, 0), self._stage_loop[0]).result(30)
+        self._stages.append(server)
         return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
 
     def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Loaded:
@@ -249,14 +249,15 @@ class BatchWorker:
         self.batch = PipelineBatch(stages, self.tokenizer, config.vocab_size, eos, self.kv_tokens)
         return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
 
-    def _end_stage(self) -> None:
-        """Stop the stage server this worker runs, if any (its sessions end with it)."""
-        if self._stage is None:
+    def _end_stages(self) -> None:
+        """Stop the stage servers this worker runs (their sessions end with them)."""
+        if self._stage_loop is None:
             return
-        loop, thread, server = self._stage
-        self._stage = None
+        (loop, thread), self._stage_loop = self._stage_loop, None
+        servers, self._stages = self._stages, []
         try:
-            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+            for server in servers:
+                asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)

@@ -202,8 +202,9 @@ class EngineNode:
         self._true_up_task: asyncio.Task[None] | None = None
         self._preemptions: set[asyncio.Task[None]] = set()
         """Preemptions the scheduler ordered, under way (kept from the collector)."""
-        self.stage_workers: dict[str, Worker] = {}
-        """Workers running a pipeline stage for other nodes (`pipelines.py`), by its address."""
+        self.stage_workers: dict[str, tuple[Worker, str]] = {}
+        """Workers running pipeline stages (`pipelines.py`) and their artifact, by stage address
+        (a worker runs every stage of one artifact on this node)."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
@@ -375,7 +376,7 @@ class EngineNode:
     def _update_gauges(self) -> None:
         INSTANCES.set(len(self.instances))
         PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
-        STAGE_WORKERS.set(len(self.stage_workers))
+        STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
         RESIDENT_BYTES.set(sum(b.resident.nbytes for b in self.bound.values()))
         POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in self.bound.values() if b.resident.users == 0))
         PREWARMED.set(len(self.workers.idle))

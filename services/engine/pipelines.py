@@ -54,11 +54,23 @@ class Pipelines(KvMemory):
 
     async def on_end_stage(self, msg: Msg) -> None:
         req = decode(msg.data, EndStage)
-        worker = self.stage_workers.pop(req.addr, None)
-        if worker is not None:
+        entry = self.stage_workers.pop(req.addr, None)
+        if entry is None:
+            return
+        worker = entry[0]
+        still = any(w is worker for w, _ in self.stage_workers.values())
+        drives = any(i.bound.worker is worker for i in self.instances.values())
+        if not still and not drives:  # its last stage, and no pipeline of its own
             await asyncio.to_thread(worker.stop)
-            self._update_gauges()
-            log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
+        self._update_gauges()
+        log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
+
+    def _stage_worker(self, artifact_id: str) -> Worker | None:
+        """The worker running this node's stages of the artifact, if any (alive)."""
+        return next((w for w, a in self.stage_workers.values() if a == artifact_id and not w.dead), None)
+
+    def _runs_stages(self, worker: Worker) -> bool:
+        return any(w is worker for w, _ in self.stage_workers.values())
 
     def _torch_only(self, what: str) -> None:
         if self.settings.engine_backend != "torch":
@@ -77,35 +89,55 @@ class Pipelines(KvMemory):
         )
         return held.cache_dir
 
-    async def _load_into_new_worker(
+    async def _load_into_worker(
         self, record: ModelRecord, cache_dir: str, stages: tuple[str, ...] = (), stage: StageSpec | None = None
     ) -> tuple[Worker, Loaded]:
-        worker, _ = await self.workers.take()
-        try:
-            loaded = await worker.load(
-                record.artifact, None, cache_dir, self.settings.load_timeout_s, Tier.TORCH, stages=stages, stage=stage
-            )
-        except BaseException:
-            await asyncio.to_thread(worker.stop)
-            raise
+        """Into the worker running this node's stages of the model (one process a node: its
+        warm workers are few), else into a warm one."""
+        aid = record.artifact.artifact_id
+        async with self._artifact_locks.setdefault(f"stages:{aid}", asyncio.Lock()):
+            worker = self._stage_worker(aid)
+            fresh = worker is None
+            if worker is None:
+                worker, _ = await self.workers.take()
+            try:
+                loaded = await worker.load(
+                    record.artifact,
+                    None,
+                    cache_dir,
+                    self.settings.load_timeout_s,
+                    Tier.TORCH,
+                    stages=stages,
+                    stage=stage,
+                )
+            except BaseException:
+                if fresh:
+                    await asyncio.to_thread(worker.stop)
+                raise
+            if stage is not None:
+                self.stage_workers[loaded.addr] = (worker, aid)
         return worker, loaded
 
     async def start_stage(self, req: StartStage) -> StageReady:
         """Run units [lo, hi) of the model (its layers, then its head as unit `layers`) as a
         stage server, once this node's copy holds their blocks."""
         self._torch_only("a pipeline stage")
+        t0 = time.monotonic()
         cache_dir = await self._blocks(req.model, req.blocks)
+        waited = time.monotonic() - t0
         spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
-        worker, loaded = await self._load_into_new_worker(req.model, cache_dir, stage=spec)
-        self.stage_workers[loaded.addr] = worker
+        _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
         self._update_gauges()
         log.info(
-            "stage [%d, %d) of %s serving at %s",
+            "stage [%d, %d) of %s serving at %s (%.2fs for its %d blocks, %.2fs to load)",
             req.lo,
             req.hi,
             req.model.name,
             loaded.addr,
-            extra={"model": req.model.name, "load_s": loaded.load_s},
+            waited,
+            len(req.blocks),
+            time.monotonic() - t0 - waited,
+            extra={"model": req.model.name, "load_s": loaded.load_s, "waited_s": waited},
         )
         return StageReady(node_id=self.node, addr=loaded.addr)
 
@@ -117,9 +149,10 @@ class Pipelines(KvMemory):
         if name not in self.instances:
             cache_dir = await self._blocks(record, req.blocks)
             t1 = time.monotonic()
-            worker, loaded = await self._load_into_new_worker(record, cache_dir, stages=req.stages)
+            worker, loaded = await self._load_into_worker(record, cache_dir, stages=req.stages)
             if name in self.instances:  # the local start was done first: nothing to bridge
-                await asyncio.to_thread(worker.stop)
+                if not self._runs_stages(worker):  # else it goes with its last stage's end
+                    await asyncio.to_thread(worker.stop)
                 await self._end_stages(
                     record.artifact.artifact_id, tuple(zip(req.stage_nodes, req.stages, strict=True))
                 )
@@ -180,7 +213,8 @@ class Pipelines(KvMemory):
         stages = self.pipelined.pop(inst.model, ())
         if inst.active > 0:
             await inst.drained.wait()  # its last requests stream on from it meanwhile
-        await asyncio.to_thread(inst.bound.worker.stop)
+        if not self._runs_stages(inst.bound.worker):  # else it goes with its last stage's end
+            await asyncio.to_thread(inst.bound.worker.stop)
         self._update_gauges()
         await self._end_stages(inst.bound.artifact.artifact_id, stages)
         log.info("%s switched from its pipeline to local execution", inst.model, extra={"model": inst.model})

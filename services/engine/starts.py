@@ -221,13 +221,16 @@ class Starts(Pipelines):
             weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
             await self._reserve(f"weights:{aid}", weights)
             try:
+                t_load = time.monotonic()
+                tier = self._start_tier(artifact)
+                # The blob first, then the worker: a stage that waits for a scale-out's
+                # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
+                # answers at once otherwise, and taking a warm worker is instant).
+                staged = await self._stage(artifact, tier)
+                stage_s = time.monotonic() - t_load
                 worker, warm = await self.workers.take()
                 if not warm:
                     COLD_WORKERS.inc()
-                t_load = time.monotonic()
-                tier = self._start_tier(artifact)
-                staged = await self._stage(artifact, tier)
-                stage_s = time.monotonic() - t_load
                 worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
                 try:
                     loaded, waited_s = await self._load(worker, artifact, tier, staged)

@@ -172,8 +172,24 @@ async def pipeline(
         max_stages,
     )
     if got is None or not got.early:
+        log.info(
+            "no pipeline for %s: %s",
+            record.name,
+            "its targets never hold every layer together"
+            if got is None
+            else f"one target holds it whole (step {got.whole_step}) before the stages are there (step {got.step})",
+            extra={"model": record.name},
+        )
         return None
     layers = len(shape.units) - 1  # the last unit is the head
+    log.info(
+        "pipeline for %s: stages %s from plan step %d (a replica at %d)",
+        record.name,
+        ", ".join(f"[{s.lo}, {s.hi}) on {node_of[s.node]}" for s in got.stages),
+        got.step,
+        got.whole_step,
+        extra={"model": record.name},
+    )
     asked = [
         bus.request(
             subjects.engine_stage(node_of[s.node]),

@@ -527,9 +527,13 @@ class SchedulerService:
     async def _pipeline(self, record: ModelRecord, order: multicast.Order, shape: StageLayout) -> None:
         """Serve the model from the scale-out's targets before any holds it whole (FaaScale
         §4.3): the pipeline's first node then counts as running it."""
-        ready = await multicast.pipeline(
-            self.bus, record, order, shape, self.settings.pipeline_max_stages, self.settings.start_timeout_s
-        )
+        try:
+            ready = await multicast.pipeline(
+                self.bus, record, order, shape, self.settings.pipeline_max_stages, self.settings.start_timeout_s
+            )
+        except Exception:  # the starts go on as they would have; the operator's log says why
+            log.exception("the pipeline of %s's scale-out failed", record.name, extra={"model": record.name})
+            return
         if ready is None:
             return
         view = self.nodes.get(ready.node_id)

@@ -115,7 +115,8 @@ def test_new_nodes_serve_through_a_pipeline_before_their_replicas_are_whole(torc
         "a new node serving the model through a pipeline",
     )
     assert head in targets
-    assert sum(engines(c, "tessera_engine_stage_workers").values()) >= 2, "a pipeline of one node is no pipeline"
+    staging = [n for n, v in engines(c, "tessera_engine_stage_workers").items() if v >= 1]
+    assert len(staging) >= 2, f"a pipeline of one node is no pipeline: {staging}"
     text, end = on_engine(c, head, sent)
     assert isinstance(end, Finished), end
     assert text == expected  # the stages together are the whole model
