@@ -200,6 +200,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for scheme, marker, color in (("pipecast", "o", "C0"), ("baseline", "s", "C1")):
         xs = [int(n) for n in result[f"{scheme}_s"]]
         axes[0].plot(xs, list(result[f"{scheme}_s"].values()), marker=marker, color=color, label=f"{scheme} (measured)")
+        tokens = (result.get("first_token_s") or {}).get(scheme)
+        if tokens:
+            axes[0].plot(
+                [int(n) for n in tokens],
+                list(tokens.values()),
+                marker=marker,
+                linestyle="--",
+                fillstyle="none",
+                color=color,
+                label=f"{scheme}: every node's first token",
+            )
         sim = result["sim_s"][scheme]
         axes[0].plot(
             [int(n) for n in sim][:4], list(sim.values())[:4], linestyle=":", color=color, label=f"{scheme} (model)"
@@ -207,7 +218,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1].plot([int(n) for n in sim], list(sim.values()), marker=marker, color=color, label=scheme)
     axes[0].set_xlabel("target nodes N")
     axes[0].set_ylabel("seconds until every node has the model")
-    axes[0].set_title(f"9 loaders, links of {result['link_mbps']:g} Mb/s", fontsize=10)
+    title = f"9 nodes, links of {result['link_mbps']:g} Mb/s"
+    piped = result.get("pipelined") or {}
+    if piped.get("first_served_before_replica_s") is not None:
+        title += (
+            f"\npipelined (torch, N={piped['targets']}): first token {piped['first_served_s']:.1f} s,"
+            f" last replica {piped['last_replica_s']:.1f} s"
+        )
+    axes[0].set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
     axes[1].set_xscale("log", base=2)
     axes[1].set_yscale("log")
