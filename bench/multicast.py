@@ -200,7 +200,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for scheme, marker, color in (("pipecast", "o", "C0"), ("baseline", "s", "C1")):
         xs = [int(n) for n in result[f"{scheme}_s"]]
         axes[0].plot(xs, list(result[f"{scheme}_s"].values()), marker=marker, color=color, label=f"{scheme} (measured)")
-        tokens = (result.get("first_token_s") or {}).get(scheme)
+        tokens = result.get("first_token_s" if scheme == "pipecast" else "baseline_first_token_s")
         if tokens:
             axes[0].plot(
                 [int(n) for n in tokens],
@@ -269,10 +269,8 @@ def main() -> None:
     result = {
         "pipecast_s": pipe,
         "baseline_s": base,
-        "first_token_s": {
-            scheme: {n: r["first_token_s"] for n, r in real["runs"][scheme].items()}
-            for scheme in ("pipecast", "baseline")
-        },
+        "first_token_s": {n: r["first_token_s"] for n, r in real["runs"]["pipecast"].items()},
+        "baseline_first_token_s": {n: r["first_token_s"] for n, r in real["runs"]["baseline"].items()},
         "first_served_before_replica_s": piped["first_served_before_replica_s"] if piped else None,
         "pipelined": piped,
         "pipecast_growth_n8_over_n1": pipe[top] / pipe[1],
