@@ -24,8 +24,11 @@ from services.loader.hostcache import block_set
 from shared import subjects
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.bus import Bus
+from shared.errors import TesseraError
 from shared.messages import (
     Artifact,
+    AwaitBlocks,
+    BlocksHeld,
     CacheStatus,
     MulticastDone,
     StageArtifact,
@@ -316,21 +319,35 @@ def test_a_start_waiting_for_a_failed_multicast_reads_the_store(
     threading.Thread(target=listen, daemon=True).start()
     host, port = silent.getsockname()
 
-    async def work(client: LoaderClient) -> tuple[str, Staged]:
+    async def work(client: LoaderClient) -> tuple[str, Staged, str]:
         feeds = {"node-3": [(i, f"{host}:{port}") for i in range(bs.blocks)]}
         under_way = asyncio.create_task(client.multicast(artifact, feeds, (), block_timeout_s=3))
         assert await asyncio.to_thread(asked.wait, 60), "the multicast never asked its source"
+        # A pipeline stage waiting for blocks of it (FaaScale §4.3) hears of the failure.
+        stage = asyncio.create_task(
+            client.bus.request(
+                subjects.loader_await_blocks("node-3"),
+                AwaitBlocks(artifact_id=artifact.artifact_id, blocks=(0, 1), timeout_s=120),
+                BlocksHeld,
+                timeout=120,
+            )
+        )
         staged = await client.bus.request(
             subjects.loader_stage("node-3"), StageArtifact(artifact=artifact, device=DEVICE), Staged, timeout=120
         )
         _, answers = await under_way
-        return str(answers["node-3"]), staged
+        try:
+            held = f"held: {await stage}"
+        except TesseraError as e:
+            held = e.message
+        return str(answers["node-3"]), staged, held
 
     try:
-        answer, staged = with_loaders(loaders, work)
+        answer, staged, held = with_loaders(loaders, work)
     finally:
         silent.close()
     assert not answer.startswith("MulticastDone("), answer  # it failed, and said so
+    assert "failed before block 0" in held, held  # an answer, not a wait to its timeout
     assert staged.hit is False  # the store's copy
     wait_for(lambda: cached(loaders, "node-3").entries, 60, "node-3 to cache the model after the start")
 
