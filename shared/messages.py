@@ -530,6 +530,7 @@ class StageLayout(Message, frozen=True):
     what a stage running some of its layers needs before it can start."""
 
     blocks: int
+    block_bytes: int
     lead: int
     """Blocks [0, lead) hold the small files and the weights' header: every stage needs them."""
     units: tuple[tuple[Span, ...], ...]
@@ -559,6 +560,9 @@ class StartStage(Message, frozen=True):
     hi: int
     layers: int
     blocks: tuple[int, ...]
+    nbytes: int = 0
+    """What the stage holds, about (its blocks' bytes): reserved with the node's memory
+    manager before it loads, as a start's weights are."""
 
 
 class StageReady(Message, frozen=True):

@@ -205,6 +205,8 @@ class EngineNode:
         self.stage_workers: dict[str, tuple[Worker, str]] = {}
         """Workers running pipeline stages (`pipelines.py`) and their artifact, by stage address
         (a worker runs every stage of one artifact on this node)."""
+        self._stage_memory: dict[str, str] = {}
+        """Each stage's reservation with the node's memory manager (its owner), by address."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()

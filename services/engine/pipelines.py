@@ -57,6 +57,9 @@ class Pipelines(KvMemory):
         entry = self.stage_workers.pop(req.addr, None)
         if entry is None:
             return
+        owner = self._stage_memory.pop(req.addr, None)
+        if owner is not None:
+            await self._release_memory(owner)
         worker = entry[0]
         still = any(w is worker for w, _ in self.stage_workers.values())
         drives = any(i.bound.worker is worker for i in self.instances.values())
@@ -126,7 +129,15 @@ class Pipelines(KvMemory):
         cache_dir = await self._blocks(req.model, req.blocks)
         waited = time.monotonic() - t0
         spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
-        _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
+        owner = f"stage:{req.model.artifact.artifact_id}:{req.lo}-{req.hi}"
+        await self._reserve(owner, req.nbytes)  # refused when the node has no room: no pipeline
+        try:
+            _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
+            await self._memory_done(owner)
+        except BaseException:
+            await self._release_memory(owner)
+            raise
+        self._stage_memory[loaded.addr] = owner
         self._update_gauges()
         log.info(
             "stage [%d, %d) of %s serving at %s (%.2fs for its %d blocks, %.2fs to load)",

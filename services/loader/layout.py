@@ -71,6 +71,7 @@ def stage_layout(root: Path, bs: BlockSet) -> StageLayout:
         head += first
     return StageLayout(
         blocks=bs.blocks,
+        block_bytes=bs.block_bytes,
         lead=-(-data // bs.block_bytes),
         units=(*(_merge(v) for _, v in sorted(layers.items())), _merge(head)),
         first=_merge(first),

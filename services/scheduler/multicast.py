@@ -193,7 +193,14 @@ async def pipeline(
     asked = [
         bus.request(
             subjects.engine_stage(node_of[s.node]),
-            StartStage(model=record, lo=s.lo, hi=s.hi, layers=layers, blocks=tuple(sorted(s.blocks))),
+            StartStage(
+                model=record,
+                lo=s.lo,
+                hi=s.hi,
+                layers=layers,
+                blocks=tuple(sorted(s.blocks)),
+                nbytes=len(s.blocks) * shape.block_bytes,
+            ),
             StageReady,
             timeout=timeout_s,
         )
