@@ -36,6 +36,7 @@ from shared.messages import (
     ErrorCode,
     InstanceReady,
     ModelRecord,
+    Rejected,
     StageReady,
     StartPipelined,
     StartStage,
@@ -152,23 +153,23 @@ class Pipelines(KvMemory):
         )
         return StageReady(node_id=self.node, addr=loaded.addr)
 
-    async def start_pipelined(self, req: StartPipelined) -> InstanceReady:
-        """Serve the model through `req.stages` until this node's own start of it is done."""
+    async def start_pipelined(self, req: StartPipelined) -> InstanceReady | Rejected:
+        """Serve the model through `req.stages` until this node's own start of it is done;
+        refused when that start was done first (the asker then ends the stages)."""
         self._torch_only("a pipelined instance")
         record, name = req.model, req.model.name
+        done_first = Rejected(code=ErrorCode.UNAVAILABLE, message=f"{name} runs here already: nothing to bridge")
+        if name in self.instances:
+            return done_first
         t0 = time.monotonic()
-        if name not in self.instances:
-            cache_dir = await self._blocks(record, req.blocks)
-            t1 = time.monotonic()
-            worker, loaded = await self._load_into_worker(record, cache_dir, stages=req.stages)
-            if name in self.instances:  # the local start was done first: nothing to bridge
-                if not self._runs_stages(worker):  # else it goes with its last stage's end
-                    await asyncio.to_thread(worker.stop)
-                await self._end_stages(
-                    record.artifact.artifact_id, tuple(zip(req.stage_nodes, req.stages, strict=True))
-                )
-            else:
-                self._serve_pipelined(req, worker, loaded, t0, t1)
+        cache_dir = await self._blocks(record, req.blocks)
+        t1 = time.monotonic()
+        worker, loaded = await self._load_into_worker(record, cache_dir, stages=req.stages)
+        if name in self.instances:  # its own start was done meanwhile
+            if not self._runs_stages(worker):  # else it goes with its last stage's end
+                await asyncio.to_thread(worker.stop)
+            return done_first
+        self._serve_pipelined(req, worker, loaded, t0, t1)
         return InstanceReady(
             node_id=self.node,
             model=name,
