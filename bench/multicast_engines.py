@@ -26,6 +26,7 @@ import httpx
 import msgspec
 
 from ops import netns
+from ops.cli import unlabelled_samples
 from ops.localcluster import LocalCluster
 from services.loader.hostcache import block_set
 from services.loader.peer import BlockServer, Holding, Link
@@ -154,12 +155,7 @@ class StoreServer:
 
 def _metric(c: LocalCluster, process: str, name: str) -> float:
     port = c.procs[process].http_port
-    text = httpx.get(f"http://{c.host_of(process)}:{port}/metrics", timeout=5).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
+    return unlabelled_samples(f"http://{c.host_of(process)}:{port}").get(name, 0.0)
 
 
 class Background:

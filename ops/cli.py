@@ -328,7 +328,7 @@ def status(
         node, _, base = spec.partition("=")
         if not base:
             raise typer.BadParameter(f"{spec!r}: expected NODE=URL", param_hint="--metrics")
-        gauges.setdefault(node, {}).update(_gauges(base))
+        gauges.setdefault(node, {}).update(unlabelled_samples(base))
     now = time.time()
 
     nodes = Table("node", "memory used", "memory budget", "host cache", "instances", "starting", title="nodes")
@@ -396,7 +396,7 @@ def status(
     console.print(colds)
 
 
-def _gauges(base: str) -> dict[str, float]:
+def unlabelled_samples(base: str) -> dict[str, float]:
     """Every unlabelled sample of one service's /metrics, by name."""
     text = httpx.get(f"{base.rstrip('/')}/metrics", timeout=10).raise_for_status().text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}

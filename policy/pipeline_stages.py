@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policy.multicast import Plan
-from shared.messages import Span
+
+Span = tuple[int, int]
+"""Blocks [first, last], both included (as a `shared.pipeline_messages.StageLayout` gives them)."""
 
 
 @dataclass(frozen=True)

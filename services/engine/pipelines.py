@@ -28,20 +28,8 @@ from services.engine.worker_wire import Loaded, StageSpec
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError
-from shared.messages import (
-    AwaitBlocks,
-    BlocksHeld,
-    ColdStartPhases,
-    EndStage,
-    ErrorCode,
-    InstanceReady,
-    ModelRecord,
-    Rejected,
-    StageReady,
-    StartPipelined,
-    StartStage,
-    Tier,
-)
+from shared.messages import ColdStartPhases, ErrorCode, InstanceReady, ModelRecord, Rejected, Tier
+from shared.pipeline_messages import AwaitBlocks, BlocksHeld, EndStage, StageReady, StartPipelined, StartStage
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +75,7 @@ class Pipelines(KvMemory):
         timeout = self.settings.load_timeout_s
         held = await self.bus.request(
             subjects.loader_await_blocks(self.node),
-            AwaitBlocks(artifact_id=record.artifact.artifact_id, blocks=blocks, timeout_s=timeout),
+            AwaitBlocks(artifact=record.artifact, blocks=blocks, timeout_s=timeout),
             BlocksHeld,
             timeout=timeout + 5,
         )

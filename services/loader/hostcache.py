@@ -73,9 +73,9 @@ def read_manifest(artifact: Artifact, device: str, tier: Tier = Tier.STEADY) -> 
 def block_set(
     artifact: Artifact, device: str, tier: Tier = Tier.STEADY, block_bytes: int = MULTICAST_BLOCK_BYTES
 ) -> BlockSet:
-    """The compiled blob as a multicast's block set (SHA-256 per block), written beside it in
-    the store the first time it is asked for: every node that moves it reads this one (so
-    `block_bytes` counts only on that first call)."""
+    """The form's files (`form_files`) as a multicast's block set (SHA-256 per block), written
+    beside them in the store the first time it is asked for: every node that moves it reads
+    this one (so `block_bytes` counts only on that first call)."""
     cache = compiled_cache_dir(artifact, device, tier)
     path = cache.parent / f"{cache.name}.blocks"
     if path.exists():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.loader.blockset import BlockSet
 from shared.artifact import EMBED, HEAD, TORCH_WEIGHTS, layer_of
-from shared.messages import Span, StageLayout
+from shared.pipeline_messages import Span, StageLayout
 
 
 def _header(path: Path) -> tuple[int, dict[str, dict[str, object]]]:

@@ -20,29 +20,26 @@ from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holdi
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
 from shared import subjects
-from shared.artifact import TORCH_DIR, compiled_cache_dir, is_materialized, reads_torch_checkpoint
+from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
 from shared.messages import (
     Artifact,
-    AwaitBlocks,
-    BlocksHeld,
     CachedArtifact,
     CacheStatus,
     ErrorCode,
     Evicted,
     EvictHostCache,
     ImportModel,
-    LayoutQuery,
     ModelImported,
     Multicast,
     MulticastDone,
     Rejected,
     StageArtifact,
     Staged,
-    StageLayout,
     Tier,
     VerifyStaged,
 )
+from shared.pipeline_messages import AwaitBlocks, BlocksHeld, LayoutQuery, StageLayout
 
 log = logging.getLogger(__name__)
 
@@ -383,8 +380,7 @@ class LoaderService:
         cached copy; as they land from a multicast under way (a pipeline stage starts on part
         of a replica); an error when neither, or when they do not come in time."""
         req = decode(msg.data, AwaitBlocks)
-        aid = req.artifact_id
-        whole = self.cache.root / aid / TORCH_DIR
+        aid = req.artifact.artifact_id
         deadline = time.monotonic() + req.timeout_s
         ended = self._receiving.get(aid)
         if ended is not None and aid not in self._holdings:  # it has only just begun
@@ -396,9 +392,13 @@ class LoaderService:
         if holding is None or ended is None or ended.done():
             if self.cache.tiers.get(aid) != Tier.TORCH:
                 raise LookupError(f"{aid} is neither cached nor arriving here")
-            await self.bus.reply(msg, BlocksHeld(cache_dir=str(whole)))
+            await self.bus.reply(
+                msg, BlocksHeld(cache_dir=str(self.cache.place(req.artifact, self.settings.device, Tier.TORCH)))
+            )
             return
         for index in req.blocks:
+            if index in holding.have:
+                continue
             arrived = asyncio.ensure_future(holding.wait_for(index, max(0.0, deadline - time.monotonic())))
             either: list[asyncio.Future[Any]] = [arrived, ended]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

@@ -28,19 +28,14 @@ from shared.errors import TesseraError
 from shared.messages import (
     CacheQuery,
     CacheStatus,
-    EndStage,
     InstanceReady,
-    LayoutQuery,
     ModelRecord,
     Multicast,
     MulticastDone,
     Rejected,
-    StageLayout,
-    StageReady,
-    StartPipelined,
-    StartStage,
     Tier,
 )
+from shared.pipeline_messages import EndStage, LayoutQuery, StageLayout, StageReady, StartPipelined, StartStage
 
 log = logging.getLogger(__name__)
 

@@ -42,11 +42,11 @@ from shared.messages import (
     RelocateQuery,
     ScaledOut,
     ScaleOut,
-    StageLayout,
     StartInstance,
     StopInstance,
     Tier,
 )
+from shared.pipeline_messages import StageLayout
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -511,16 +511,17 @@ class SchedulerService:
                         order, multicast=msgspec.structs.replace(order.multicast, lead=shape.lead)
                     )
             for node_id in order.nodes:  # each target derives the same plan and carries out its part
-                task = asyncio.create_task(
-                    multicast.send(self.bus, order.multicast, node_id, self.settings.start_timeout_s)
+                self._track(
+                    asyncio.create_task(
+                        multicast.send(self.bus, order.multicast, node_id, self.settings.start_timeout_s)
+                    )
                 )
-                self._multicasts.add(task)
-                task.add_done_callback(self._multicasts.discard)
             if shape is not None:
                 self._track(asyncio.create_task(self._pipeline(record, order, shape)))
         await asyncio.sleep(0)  # its orders go out ahead of the starts
 
-    def _track(self, task: asyncio.Task[None]) -> None:
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        """Keep a multicast's task from the collector until it is done."""
         self._multicasts.add(task)
         task.add_done_callback(self._multicasts.discard)
 
@@ -536,10 +537,10 @@ class SchedulerService:
             return
         if ready is None:
             return
+        PIPELINES.inc()
         view = self.nodes.get(ready.node_id)
         if view is None or record.name not in view.instances:  # its heartbeat may have said so first
             now = time.time()
-            PIPELINES.inc()
             self._set_instance(
                 ready.node_id, record.name, InstanceView(model=record.name, active=0, last_used=now, loaded_at=now)
             )

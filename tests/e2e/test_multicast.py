@@ -25,16 +25,8 @@ from shared import subjects
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.bus import Bus
 from shared.errors import TesseraError
-from shared.messages import (
-    Artifact,
-    AwaitBlocks,
-    BlocksHeld,
-    CacheStatus,
-    MulticastDone,
-    StageArtifact,
-    Staged,
-    Tier,
-)
+from shared.messages import Artifact, CacheStatus, MulticastDone, StageArtifact, Staged, Tier
+from shared.pipeline_messages import AwaitBlocks, BlocksHeld
 from tests.conftest import TEST_ENV
 from tests.helpers.cluster import wait_for
 
@@ -327,7 +319,7 @@ def test_a_start_waiting_for_a_failed_multicast_reads_the_store(
         stage = asyncio.create_task(
             client.bus.request(
                 subjects.loader_await_blocks("node-3"),
-                AwaitBlocks(artifact_id=artifact.artifact_id, blocks=(0, 1), timeout_s=120),
+                AwaitBlocks(artifact=artifact, blocks=(0, 1), timeout_s=120),
                 BlocksHeld,
                 timeout=120,
             )
