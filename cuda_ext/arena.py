@@ -1,39 +1,38 @@
 """The tensor arena: one allocation per device, sub-allocated into typed tensor views (Tangram §4).
 
-An engine process makes one `TensorArena` per device at start-up (a pre-warmed worker makes it
-before any model is bound, TIDAL §5). Weights are loaded into it by content: every tensor has a
-digest (`cuda_ext.digest`), a digest already resident is not copied again, and what is missing
-is copied in one batched transfer (`cuda_ext.copies`). A model scaled to zero releases its
-tensors; they stay resident, idle, so starting it or any model sharing its tensors again copies
-only the rest (§3.1). What to reuse and what to evict is policy's, not the arena's: the node's
-tensor pool (`policy.tensor_pool`, the one the simulator runs) decides it, and when a load or a
-KV range needs room it evicts idle tensors the cheapest first by Tangram's eq. 2 cost (§3.2.2,
-§3.3: KV allocated on demand, from the same memory). The arena carries those decisions out on
-addresses. Without CUDA the arena is host memory and copies are plain copies: the same API, so
-the engine and its tests run anywhere.
+A node keeps one arena per device: the process that owns it (the engine's) holds the memory and
+its book (`cuda_ext.ledger`) and hands the memory to each engine worker (`share` / `attach`: CUDA
+IPC, or a shared mapping on the host), so weights outlive the worker that loaded them. An arena
+made in one process for itself (the benchmark's, a test's) keeps its book too. Weights are loaded
+into it by content: every tensor has a digest (`cuda_ext.digest`), a digest already resident is
+not copied again, and what is missing is copied in one batched transfer (`cuda_ext.copies`). A
+model scaled to zero releases its tensors; they stay resident, idle, so starting it or any model
+sharing its tensors again copies only the rest (§3.1). What to reuse and what to evict is
+policy's, not the arena's: the node's tensor pool (`policy.tensor_pool`, the one the simulator
+runs) decides it, and when a load or a KV range needs room it evicts idle tensors the cheapest
+first by Tangram's eq. 2 cost (§3.2.2, §3.3: KV allocated on demand, from the same memory). The
+arena carries those decisions out on addresses. Without CUDA the arena is host memory and copies
+are plain copies: the same API, so the engine and its tests run anywhere.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from cuda_ext.allocator import ArenaFull, Block, RangeAllocator, align_up
-from cuda_ext.copies import CopyEngine, Span, byte_view
+from cuda_ext.allocator import ArenaFull, Block, align_up
+from cuda_ext.copies import CopyEngine, Event, Span, byte_view
 from cuda_ext.host import HostImage, TensorSpec
-from policy.tensor_pool import Tensor, TensorPool
+from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
+from cuda_ext.memory import ArenaHandle, SharedMemory, attach
+from policy.tensor_pool import TensorPool
 
 # 256 bytes: what cudaMalloc guarantees, and a multiple of every dtype's size and of the 16-byte
 # alignment that vectorized kernels want.
 ALIGNMENT = 256
-RELOAD_BPS = 25e9
-"""Bytes per second a reload of an evicted tensor is priced at (eq. 2's s / b_m) where the
-caller has measured nothing: about pinned PCIe 4 host-to-device (the H200 measured 55 GB/s:
-`bench/results/gpu_coldstart.json`); pass the node's measured bandwidth instead."""
 
 
 def default_device() -> torch.device:
@@ -48,7 +47,7 @@ class Resident:
     digest: str
     block: Block
     nbytes: int
-    pending: list[torch.cuda.Event] = field(default_factory=list)
+    pending: list[Event] = field(default_factory=list)
     """Events of the copy that fills it, for a load that reuses it while it is still copying."""
 
 
@@ -66,14 +65,14 @@ class Loaded:
     copied_bytes: int
     transfers: int
     """Copies issued for `copied_bytes`, after coalescing and chunking."""
-    waits: list[list[torch.cuda.Event]]
+    waits: list[list[Event]]
     """Per group, the events to wait on before its tensors are read (empty on the host)."""
     released: bool = False
 
     def wait(self, group: int) -> None:
         """Make the current CUDA stream wait, on the device, until `group`'s tensors are in."""
         for event in self.waits[group]:
-            torch.cuda.current_stream().wait_event(event)
+            event.wait(torch.cuda.current_stream())
 
     def synchronize(self) -> None:
         """Block until every tensor is in."""
@@ -83,7 +82,8 @@ class Loaded:
 
 
 class TensorArena:
-    """One allocation of `capacity_bytes` on `device` (default: CUDA where present, else host)."""
+    """One allocation of `capacity_bytes` on `device` (default: CUDA where present, else host);
+    `shared` makes it one that other processes can `attach` (`share()` gives the handle)."""
 
     def __init__(
         self,
@@ -93,52 +93,73 @@ class TensorArena:
         streams: int = 4,
         reload_bps: float = RELOAD_BPS,
         clock: Callable[[], float] = time.monotonic,
+        shared: bool = False,
     ) -> None:
         self.device = torch.device(device) if device is not None else default_device()
-        self._allocator = RangeAllocator(capacity_bytes, alignment)
-        self.storage = torch.empty(self._allocator.capacity, dtype=torch.uint8, device=self.device)
+        self.ledger: ArenaLedger | None = ArenaLedger(capacity_bytes, alignment, reload_bps, clock)
+        """The book of what is where; None in a worker attached to another process's arena,
+        whose loads come with their placement."""
+        self.alignment = alignment
+        self.capacity_bytes = self.ledger.allocator.capacity
+        self.memory: SharedMemory | None = None
+        if shared:
+            self.memory = SharedMemory(self.capacity_bytes, _name(self.device))
+            self.storage = self.memory.view()
+        else:
+            self.storage = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
         self._copier = CopyEngine(self.device, streams)
-        self._residents: dict[str, Resident] = {}
-        self.pool = TensorPool(self._allocator.capacity, reload_bps)
-        """The policy: who holds which tensor, and what goes when room is needed."""
-        self._clock = clock
-        self._loads = itertools.count()
+        self._pending: dict[str, list[Event]] = {}
+        """Events of the copy that fills a digest this process copied, for a load that reuses
+        it while it is still copying."""
+
+    @classmethod
+    def attach(cls, handle: ArenaHandle, alignment: int = ALIGNMENT, streams: int = 4) -> TensorArena:
+        """The arena another process owns (`share()`), mapped here. Its loads take the owner's
+        `Placement`; what is resident, and eviction, are the owner's."""
+        arena = cls.__new__(cls)
+        arena.device = torch.device(handle.device)
+        arena.ledger = None
+        arena.alignment = alignment
+        arena.capacity_bytes = handle.nbytes
+        arena.memory = None
+        arena.storage = attach(handle)
+        arena._copier = CopyEngine(arena.device, streams)
+        arena._pending = {}
+        return arena
+
+    def share(self) -> ArenaHandle:
+        if self.memory is None:
+            raise ValueError("not a shared arena: make it with shared=True")
+        return self.memory.handle
+
+    def _book(self) -> ArenaLedger:
+        if self.ledger is None:
+            raise ValueError("an attached arena's book is its owner's: pass the owner's placement")
+        return self.ledger
 
     @property
-    def capacity_bytes(self) -> int:
-        return self._allocator.capacity
+    def pool(self) -> TensorPool:
+        return self._book().pool
 
     @property
     def used_bytes(self) -> int:
-        return self._allocator.used_bytes
+        return self._book().allocator.used_bytes
 
     @property
     def free_bytes(self) -> int:
-        return self._allocator.free_bytes
-
-    @property
-    def alignment(self) -> int:
-        return self._allocator.alignment
+        return self._book().allocator.free_bytes
 
     # Raw ranges: KV cache blocks and scratch, outside the content index.
 
     def allocate(self, nbytes: int, owner: str = "kv") -> Block:
         """A raw range for `owner` (a KV cache: allocated on demand, §3.3), idle tensors evicted
         by cost to make room for it."""
-        size = align_up(nbytes, self.alignment)
-        evicted = self.pool.grow_kv(owner, size, self._clock())
-        if evicted is None:
-            raise ArenaFull(f"{nbytes} bytes do not fit beside the tensors in use")
-        self._drop(evicted)
-        try:
-            return self._allocator.allocate(nbytes)
-        except ArenaFull:
-            self.pool.shrink_kv(owner, size)
-            raise
+        block, evicted = self._book().allocate(nbytes, owner)
+        self._settle(evicted)
+        return block
 
     def free(self, block: Block, owner: str = "kv") -> None:
-        self._allocator.free(block)
-        self.pool.shrink_kv(owner, block.nbytes)
+        self._book().free(block, owner)
 
     def view(self, block: Block, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A typed tensor over the start of `block` (the arena's memory: no copy)."""
@@ -152,125 +173,120 @@ class TensorArena:
     # Content-addressed weights.
 
     def resident(self, digest: str) -> Resident | None:
-        return self._residents.get(digest)
+        book = self._book()
+        block = book.blocks.get(digest)
+        if block is None:
+            return None
+        return Resident(digest, block, book.sizes[digest], self._pending.get(digest, []))
 
     def digests(self) -> frozenset[str]:
         """Every tensor resident (in use or idle), by content hash."""
-        return frozenset(self._residents)
+        return self._book().digests()
 
     def resident_bytes(self) -> int:
-        return sum(r.nbytes for r in self._residents.values())
+        return self._book().resident_bytes()
 
     def idle(self) -> list[Resident]:
         """Residents no load holds: what a model scaled to zero left behind."""
-        return [r for d, r in self._residents.items() if self.pool.residents[d].users == 0]
+        return [r for d in self._book().idle() if (r := self.resident(d)) is not None]
 
     def evict(self, digest: str) -> None:
         """Free an idle resident's range (the caller's choice; loads evict by cost themselves)."""
-        self.pool.drop(digest)  # refuses one in use
-        self._drop([digest])
+        self._book().evict(digest)
+        self._settle([digest])
 
     def make_room(self, nbytes: int) -> tuple[str, ...]:
         """Evict idle tensors, the cheapest first by eq. 2, until `nbytes` are free (for memory
         the arena does not hand out: a worker's own); raises ArenaFull where evicting every
         idle one would not do."""
-        evicted = self.pool.make_room(nbytes, self._clock())
-        if evicted is None:
-            raise ArenaFull(f"{nbytes} bytes cannot be freed: too little is idle")
-        self._drop(evicted)
+        evicted = self._book().make_room(nbytes)
+        self._settle(evicted)
         return evicted
 
-    def _drop(self, digests: Iterable[str]) -> None:
-        """Free the ranges of residents the pool no longer holds."""
+    def _settle(self, digests: Iterable[str]) -> None:
+        """Ranges about to be reused: wait for copies still filling them."""
         for digest in digests:
-            resident = self._residents.pop(digest)
-            for event in resident.pending:
+            for event in self._pending.pop(digest, []):
                 event.synchronize()
-            self._allocator.free(resident.block)
 
     def missing_bytes(self, specs: Iterable[TensorSpec]) -> int:
         """Bytes a load of `specs` would copy (each distinct digest that is not resident, once)."""
-        seen: dict[str, int] = {}
-        for spec in specs:
-            if spec.digest not in self._residents:
-                seen.setdefault(spec.digest, spec.nbytes)
-        return sum(seen.values())
+        return self._book().missing_bytes((s.digest, s.nbytes) for s in specs)
+
+    def place(self, groups: Sequence[Sequence[TensorSpec]]) -> Placement:
+        """Hold ranges for a load of `groups` (see `ArenaLedger.place`)."""
+        return self._book().place([(s.digest, s.nbytes) for group in groups for s in group])
 
     def load(
         self,
         groups: Sequence[Sequence[TensorSpec]],
         source: HostImage | Mapping[str, torch.Tensor],
+        placement: Placement | None = None,
     ) -> Loaded:
         """Bind every spec, group by group in access order: a resident digest is reused, the rest
         is allocated (back to back where it fits) and copied from `source`; where room is short
         the pool evicts idle tensors, the cheapest first (eq. 2). All or nothing: on `ArenaFull`
-        nothing was allocated (though what was evicted for it stays evicted)."""
-        owner = f"load-{next(self._loads)}"
-        sizes: dict[str, int] = {}
-        misses: dict[str, TensorSpec] = {}
-        for group in groups:
-            for spec in group:
-                sizes.setdefault(spec.digest, align_up(spec.nbytes, self.alignment))
-                if spec.digest not in self._residents:
-                    misses.setdefault(spec.digest, spec)
-        acquired = self.pool.acquire(owner, [Tensor(d, n) for d, n in sizes.items()], self._clock())
-        if acquired is None:
-            raise ArenaFull(f"{sum(sizes[d] for d in misses)} bytes do not fit beside the tensors in use")
-        self._drop(acquired.evicted)
-        try:
-            blocks = self._allocator.allocate_many([s.nbytes for s in misses.values()])
-        except ArenaFull:  # the bytes fit, but no range is long enough
-            self.pool.abandon(owner, misses)
-            raise
-        new = {d: Resident(d, b, s.nbytes) for (d, s), b in zip(misses.items(), blocks, strict=True)}
-        self._residents.update(new)
-
+        nothing was allocated (though what was evicted for it stays evicted). An attached arena
+        takes its owner's `placement` (which `source` needs to hold only the copied digests of)."""
+        if placement is None:
+            placement = self.place(groups)
+        self._settle(placement.evicted)
+        copied: set[str] = set()
         spans: list[list[Span]] = []
         for group in groups:
             group_spans: list[Span] = []
             for spec in group:
-                resident = new.get(spec.digest)
-                if resident is not None and misses[spec.digest] is spec:
-                    block = resident.block
-                    if isinstance(source, HostImage) and source.alignment == self.alignment:
-                        # Whole slots, padding included, so that back-to-back tensors coalesce.
-                        src = source.slot(spec.name)
-                        dst = self.storage[block.offset : block.end]
-                    else:
-                        src = (
-                            source.bytes_of(spec.name)
-                            if isinstance(source, HostImage)
-                            else byte_view(source[spec.name])
-                        )
-                        dst = self.storage[block.offset : block.offset + spec.nbytes]
-                    group_spans.append(Span(src, dst))
+                if spec.digest not in placement.copy or spec.digest in copied:
+                    continue
+                copied.add(spec.digest)
+                offset = placement.offsets[spec.digest]
+                if isinstance(source, HostImage) and source.alignment == self.alignment:
+                    # Whole slots, padding included, so that back-to-back tensors coalesce.
+                    src = source.slot(spec.name)
+                    dst = self.storage[offset : offset + align_up(spec.nbytes, self.alignment)]
+                else:
+                    src = source.bytes_of(spec.name) if isinstance(source, HostImage) else byte_view(source[spec.name])
+                    dst = self.storage[offset : offset + spec.nbytes]
+                group_spans.append(Span(src, dst))
             spans.append(group_spans)
         transfer = self._copier.copy(spans)
 
-        waits: list[list[torch.cuda.Event]] = []
+        waits: list[list[Event]] = []
         tensors: dict[str, torch.Tensor] = {}
+        filled: set[str] = set()
+        reused: dict[str, int] = {}
         for g, group in enumerate(groups):
             group_waits = list(transfer.events[g])
             for spec in group:
-                resident = self._residents[spec.digest]
-                if spec.digest in new:
-                    if misses[spec.digest] is spec:
-                        resident.pending = list(transfer.events[g])
-                elif resident.pending:
-                    group_waits.extend(resident.pending)
-                tensors[spec.name] = self.view(resident.block, spec.dtype, spec.shape)
+                if spec.digest in placement.copy:
+                    if spec.digest not in filled:
+                        filled.add(spec.digest)
+                        self._pending[spec.digest] = list(transfer.events[g])
+                else:
+                    reused[spec.digest] = spec.nbytes
+                    group_waits.extend(self._pending.get(spec.digest, []))
+                block = Block(placement.offsets[spec.digest], align_up(spec.nbytes, self.alignment))
+                tensors[spec.name] = self.view(block, spec.dtype, spec.shape)
             waits.append(group_waits)
-
-        digests = tuple(sizes)
-        reused = sum(self._residents[d].nbytes for d in digests if d not in new)
-        return Loaded(tensors, owner, digests, reused, transfer.nbytes, transfer.transfers, waits)
+        digests = tuple(placement.offsets)
+        return Loaded(
+            tensors, placement.owner, digests, sum(reused.values()), transfer.nbytes, transfer.transfers, waits
+        )
 
     def release(self, loaded: Loaded) -> None:
-        """The model is gone (scaled to zero): its tensors stay resident, idle, until evicted."""
+        """The model is gone (scaled to zero): its tensors stay resident, idle, until evicted.
+        On an attached arena the owner's book releases it (`ArenaLedger.release`)."""
         if loaded.released:
             raise ValueError("released twice")
         loaded.released = True
-        self.pool.release(loaded.owner, self._clock())
+        if self.ledger is not None:
+            self.ledger.release(loaded.owner)
 
 
-__all__ = ["ArenaFull", "Block", "Loaded", "Resident", "TensorArena", "default_device"]
+def _name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
+
+
+__all__ = ["ArenaFull", "ArenaHandle", "Block", "Loaded", "Placement", "Resident", "TensorArena", "default_device"]

@@ -7,18 +7,33 @@ host cache and in the arena merges into a few transfers), the merged spans are c
 and the chunks go round-robin onto `streams` CUDA streams. Groups (TIDAL §5: the layers in
 access order) each get events, so that compute can wait on the GPU for exactly the group it
 needs while later groups are still copying. Without CUDA the same calls copy synchronously.
+
+Where the CUDA extension is built (`cuda_ext.build`), one call into it issues every chunk of a
+load with no interpreter between copies (`cuda_ext.native`); elsewhere torch's `copy_` does, one
+at a time, to the same effect.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from cuda_ext.native import Native, NativeUnavailable
 
 # Large enough that a chunk runs at the link's bandwidth (a copy's fixed cost is ≈ 10 µs, and
 # 16 MiB take ≈ 300 µs at 50 GB/s), small enough that several streams share a big tensor.
 CHUNK_BYTES = 16 << 20
+
+
+class Event(Protocol):
+    """A copy's completion: `torch.cuda.Event`, or the extension's `NativeEvent`."""
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ def _chunks(span: Span, chunk_bytes: int) -> list[Span]:
 class Transfer:
     """Copies under way: per group, the events that mark it copied (none without CUDA)."""
 
-    def __init__(self, events: list[list[torch.cuda.Event]], nbytes: int, transfers: int) -> None:
+    def __init__(self, events: list[list[Event]], nbytes: int, transfers: int) -> None:
         self.events = events
         self.nbytes = nbytes
         """Bytes copied."""
@@ -82,7 +97,7 @@ class Transfer:
     def wait(self, group: int) -> None:
         """Make the current stream wait (on the GPU, the host goes on) until `group` is copied."""
         for event in self.events[group]:
-            torch.cuda.current_stream().wait_event(event)
+            event.wait(torch.cuda.current_stream())
 
     def synchronize(self) -> None:
         """Block the host until every group is copied."""
@@ -94,16 +109,29 @@ class Transfer:
 class CopyEngine:
     """Issues batched copies for one device; keeps its streams for the life of the process."""
 
-    def __init__(self, device: torch.device, streams: int = 4, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, device: torch.device, streams: int = 4, chunk_bytes: int = CHUNK_BYTES, native: bool | None = None
+    ) -> None:
+        """`native`: issue the copies through the CUDA extension (True: required; None: where
+        it is built and a driver is present; False: torch's copies)."""
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.cuda = device.type == "cuda"
         self._streams = [torch.cuda.Stream(device=device) for _ in range(streams)] if self.cuda else []
+        self.native: Native | None = None
+        if self.cuda and native is not False:
+            try:
+                self.native = Native(device.index if device.index is not None else torch.cuda.current_device())
+            except NativeUnavailable:
+                if native:
+                    raise
 
     def copy(self, groups: Sequence[Sequence[Span]]) -> Transfer:
         """Copy every group's spans, group after group; on CUDA asynchronously (sources in pinned
         host memory copy without staging), else right away."""
-        events: list[list[torch.cuda.Event]] = []
+        if self.native is not None:
+            return self._copy_native(self.native, groups)
+        events: list[list[Event]] = []
         nbytes = transfers = 0
         if self.cuda:
             # The copies must not start before whatever the current stream was doing with the
@@ -126,4 +154,20 @@ class CopyEngine:
                     else:
                         chunk.dst.copy_(chunk.src)
             events.append([self._streams[i].record_event() for i in sorted(used)])
+        return Transfer(events, nbytes, transfers)
+
+    def _copy_native(self, native: Native, groups: Sequence[Sequence[Span]]) -> Transfer:
+        spans: list[tuple[int, int, int, int]] = []
+        nbytes = transfers = 0
+        for g, group in enumerate(groups):
+            for span in coalesce(group):
+                n = span.src.numel()
+                spans.append((span.src.data_ptr(), span.dst.data_ptr(), n, g))
+                nbytes += n
+                transfers += -(-n // self.chunk_bytes)
+        after = torch.cuda.current_stream(self.device).cuda_stream
+        streams = [s.cuda_stream for s in self._streams]
+        events: list[list[Event]] = [
+            list(group) for group in native.copy_batch(spans, len(groups), streams, after, self.chunk_bytes)
+        ]
         return Transfer(events, nbytes, transfers)

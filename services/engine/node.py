@@ -38,6 +38,7 @@ from services.engine.metrics import (
     WORKER_RSS_BYTES,
     forget_kv_gauges,
 )
+from services.engine.node_arena import NodeArena
 from services.engine.settings import EngineSettings
 from services.engine.step_gate import StepGate
 from services.engine.worker_pool import Cancelled, Worker, WorkerPool
@@ -60,6 +61,8 @@ from shared.messages import (
 )
 
 log = logging.getLogger(__name__)
+NODE_ARENA = "node-arena"
+"""The node's one tensor arena among the idle holders of tensors (`idle_tensors`)."""
 
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
@@ -174,6 +177,11 @@ class EngineNode:
             backend=settings.engine_backend,
             arena_bytes=settings.torch_arena_bytes,
             kv_tokens=settings.torch_kv_tokens,
+            arena=(
+                NodeArena.make(settings.torch_arena_bytes, settings.device)
+                if settings.engine_backend == "torch" and settings.torch_shared_arena
+                else None
+            ),
         )
         self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self._artifact_locks: dict[str, asyncio.Lock] = {}
@@ -260,6 +268,8 @@ class EngineNode:
             if bound is None:  # gone while an earlier one stopped (rebound to another model)
                 continue
             await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
+            if self.workers.arena is not None:  # and the weights it alone held in the node's arena
+                self.workers.arena.evict_idle(self.tensor_bytes.get(key, {}))
             freed += bound.resident.nbytes
             await self._release_memory(f"weights:{key}")
             POOL_EVICTIONS.inc()
@@ -305,8 +315,14 @@ class EngineNode:
 
     def idle_tensors(self) -> dict[str, frozenset[str]]:
         """Each idle bound worker (by its artifact) with what its tensor arena holds (nothing on
-        an OpenVINO worker)."""
-        return {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        an OpenVINO worker); on a node with one arena, what that arena holds, whoever loaded it."""
+        idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        if self.workers.arena is not None:
+            held = self.workers.arena.digests()
+            idle = {aid: held for aid in idle}
+            if held:
+                idle[NODE_ARENA] = held
+        return idle
 
     def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
         """Artifacts a start here would read nothing of, and those it would read part of (with
@@ -320,7 +336,7 @@ class EngineNode:
         shares = (
             reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
         )
-        resident = set(idle) | {aid for aid, share in shares.items() if share >= 1.0}
+        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
         partial = tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0))
         return tuple(sorted(resident)), partial
 

@@ -47,6 +47,8 @@ class EngineService(Starts, Generation):
         self.workers.close()
         for bound in self.bound.values():
             bound.worker.stop()
+        if self.workers.arena is not None:
+            self.workers.arena.close()
 
     async def _heartbeat(self) -> None:
         while True:

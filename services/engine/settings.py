@@ -62,10 +62,15 @@ class EngineSettings(CommonSettings):
     (the tier-up takes ≈ 1 core-second; doing it while nothing runs keeps it off every
     request's path, the neighbours' included)."""
     torch_arena_bytes: int = 4 * 1024**3
-    """With `engine_backend` torch: the tensor arena each torch worker makes at its pre-warm
-    (`cuda_ext.TensorArena`, on CUDA where present, else host memory whose pages are touched
-    only as tensors land), holding the weights of the models it serves and, idle, of those it
-    served (Tangram §3.1). SmolLM2-135M in float32 takes 0.54 GB of it."""
+    """With `engine_backend` torch: the node's tensor arena (`services/engine/node_arena.py`:
+    one per device, owned by the engine and mapped by every torch worker, by CUDA IPC on a
+    GPU; host memory whose pages are taken only as tensors land elsewhere), holding the
+    weights of the models its workers serve and, idle, of those they served (Tangram §3.1).
+    SmolLM2-135M in float32 takes 0.54 GB of it."""
+    torch_shared_arena: bool = True
+    """With `engine_backend` torch: one arena for the node rather than one per worker, so
+    weights outlive the worker that loaded them (a CUDA node needs the CUDA extension built,
+    `python -m cuda_ext.build`; without it each worker makes its own)."""
     torch_kv_tokens: int = 8192
     """With `engine_backend` torch or vllm: tokens of the paged KV cache each worker's
     continuous batch allocates when it binds a model (`torch_engine/batching.py`: 32-token

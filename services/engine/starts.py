@@ -214,10 +214,15 @@ class Starts(Pipelines):
                 r.last_used = now
                 POOL_HITS.inc()
                 return bound, True, time.monotonic()
-            if self.settings.engine_backend == "torch":
+            arena = self.workers.arena
+            if self.settings.engine_backend == "torch" and arena is None:
+                # Without the node's one arena, reuse is only in an idle worker's own. With
+                # it, any worker's load reuses what the node holds, and idle instances stay.
                 rebound = await self._rebind(artifact)
                 if rebound is not None:
                     return rebound, False, time.monotonic()
+            tensors = await self._tensors(artifact) if arena is not None else {}
+            in_arena = arena is not None and bool(tensors) and arena.missing_bytes(tensors) == 0
             weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
             await self._reserve(f"weights:{aid}", weights)
             try:
@@ -226,7 +231,9 @@ class Starts(Pipelines):
                 # The blob first, then the worker: a stage that waits for a scale-out's
                 # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
                 # answers at once otherwise, and taking a warm worker is instant).
-                staged = await self._stage(artifact, tier)
+                # Every tensor in the node's arena: the checkpoint's small files are read
+                # where they are, and no copy of it is staged.
+                staged = None if in_arena else await self._stage(artifact, tier)
                 stage_s = time.monotonic() - t_load
                 worker, warm = await self.workers.take()
                 if not warm:
@@ -242,7 +249,7 @@ class Starts(Pipelines):
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
-            source = "host" if staged and staged.hit else "store"
+            source = "arena" if in_arena else "host" if staged and staged.hit else "store"
             return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
 
     def _bind(
@@ -272,9 +279,7 @@ class Starts(Pipelines):
         resident (its tensors stay in that arena, idle, until evicted). None where no idle
         worker shares any tensor: a pre-warmed one loads it."""
         aid = artifact.artifact_id
-        tensors = self.tensor_bytes.get(aid)
-        if tensors is None:  # read once: an artifact never changes
-            tensors = self.tensor_bytes[aid] = await asyncio.to_thread(torch_tensor_bytes, artifact)
+        tensors = await self._tensors(artifact)
         choice = most_reused(self.idle_tensors(), tensors)
         if choice is None:
             return None
@@ -302,6 +307,16 @@ class Starts(Pipelines):
         self._update_gauges()
         return bound
 
+    async def _tensors(self, artifact: Artifact) -> dict[str, int]:
+        """The artifact's torch tensors, digest → bytes in access order (read once: an
+        artifact never changes)."""
+        tensors = self.tensor_bytes.get(artifact.artifact_id)
+        if not tensors:  # none yet: its checkpoint may be written since
+            tensors = await asyncio.to_thread(torch_tensor_bytes, artifact)
+            if tensors:
+                self.tensor_bytes[artifact.artifact_id] = tensors
+        return tensors
+
     async def _load(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
     ) -> tuple[Loaded, float]:
@@ -311,11 +326,13 @@ class Starts(Pipelines):
         Returns the load and how long it then waited for the check."""
         cores = self._start_cores()
         timeout = self.settings.load_timeout_s
+        tensors = await self._tensors(artifact) if worker.arena is not None else None
         if staged is None or staged.verified:
-            return await worker.load(artifact, cores, staged.cache_dir if staged else None, timeout, tier), 0.0
+            cache_dir = staged.cache_dir if staged else None
+            return await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors), 0.0
         check = asyncio.ensure_future(self._verified(artifact))
         try:
-            loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier)
+            loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier, tensors=tensors)
         except BaseException:
             check.cancel()
             raise
@@ -330,7 +347,9 @@ class Starts(Pipelines):
             artifact.artifact_id,
             f"{checked.repaired_blocks} block(s) repaired" if checked else "unconfirmed",
         )
-        again = await worker.load(artifact, cores, checked.cache_dir if checked else None, timeout, tier)
+        # What the first load copied into the node's arena came from the failed copy: copied again.
+        cache_dir = checked.cache_dir if checked else None
+        again = await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors, discard=True)
         return again, waited
 
     async def _verified(self, artifact: Artifact) -> Staged | None:

@@ -14,9 +14,10 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
 
+from services.engine.node_arena import NodeArena
 from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
@@ -75,11 +76,16 @@ class Worker:
         backend: str = "openvino",
         arena_bytes: int = 0,
         kv_tokens: int = 8192,
+        arena: NodeArena | None = None,
     ) -> None:
         """`backend`: the process it runs, OpenVINO's (`worker_process.py`), the torch
-        engine's (`torch_engine/worker.py`, its weights in an arena of `arena_bytes`, its
-        continuous batch's paged KV cache `kv_tokens` long) or vLLM's (`vllm_engine/worker.py`,
-        its cache as long); all speak `worker_wire`."""
+        engine's (`torch_engine/worker.py`, its weights in the node's `arena`, or without one
+        in an arena of its own of `arena_bytes`; its continuous batch's paged KV cache
+        `kv_tokens` long) or vLLM's (`vllm_engine/worker.py`, its cache as long); all speak
+        `worker_wire`."""
+        self.arena = arena if backend == "torch" else None
+        self.owner = NodeArena.owner()
+        """Its holdings' name in the node arena's book."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
@@ -88,7 +94,7 @@ class Worker:
         if backend == "torch":
             self.process = ctx.Process(
                 target=torch_worker_main,
-                args=(child, threads, arena_bytes, gate, self._slot, max_batch, kv_tokens),
+                args=(child, threads, arena.handle if arena else arena_bytes, gate, self._slot, max_batch, kv_tokens),
                 daemon=True,
                 name="tessera-torch-worker",
             )
@@ -181,6 +187,8 @@ class Worker:
     def _on_death(self) -> None:
         self.dead = True
         self._free_slot()
+        if self.arena is not None:
+            self.arena.release(self.owner)
         died = WorkerDied(f"worker {self.pid} exited")
         for fut in (self._ready, self._waiter):
             if fut is not None and not fut.done():
@@ -200,11 +208,23 @@ class Worker:
         tier: Tier = Tier.STEADY,
         stages: tuple[str, ...] = (),
         stage: StageSpec | None = None,
+        tensors: Mapping[str, int] | None = None,
+        discard: bool = False,
     ) -> Loaded:
+        """`tensors` (a torch model's, digest → bytes in access order): where the node has one
+        arena, the worker binds the model where its book places them (`NodeArena.place`, with
+        `discard`)."""
+        placement = None
+        if self.arena is not None and tensors and not stages and stage is None:
+            placement = self.arena.place(self.owner, tensors, discard)
         self._waiter = self._loop.create_future()
-        self._conn.send(Load(artifact, cores, cache_dir, tier, stages, stage))
+        self._conn.send(Load(artifact, cores, cache_dir, tier, stages, stage, placement))
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
+        except BaseException:
+            if placement is not None:
+                self.arena.release(self.owner)  # type: ignore[union-attr]
+            raise
         finally:
             self._waiter = None
         self.tier = tier
@@ -280,6 +300,8 @@ class Worker:
                 self.process.join()
         self._conn.close()
         self._free_slot()
+        if self.arena is not None:
+            self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
 
 
 class Cancelled:
@@ -312,6 +334,7 @@ class WorkerPool:
         backend: str = "openvino",
         arena_bytes: int = 0,
         kv_tokens: int = 8192,
+        arena: NodeArena | None = None,
     ) -> None:
         """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
         the node's headroom gate, shared by every worker it spawns. `backend`, `arena_bytes`:
@@ -319,9 +342,20 @@ class WorkerPool:
         self.size = size
         self._spawn = spawn or (
             lambda: Worker(
-                device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, backend, arena_bytes, kv_tokens
+                device,
+                threads,
+                prefault_bytes,
+                max_batch,
+                join_recompute_tokens,
+                gate,
+                backend,
+                arena_bytes,
+                kv_tokens,
+                arena,
             )
         )
+        self.arena = arena
+        """The node's tensor arena its torch workers share (None: each makes its own)."""
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.device = device

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cuda_ext.ledger import Placement
 from services.engine.streams import Chunk
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
@@ -32,6 +33,9 @@ class Load:
     order) rather than hold it (FaaScale §4.3; `cache_dir` may hold only part of it)."""
     stage: StageSpec | None = None
     """A torch worker: run this layer range as a stage server, not a model (`Loaded.addr`)."""
+    placement: Placement | None = None
+    """A torch worker on a node with one arena: where the node's book put the model's tensors
+    (which of them to copy, the rest resident already)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from cuda_ext import Loaded, TensorArena, TensorSpec
+from cuda_ext.ledger import Placement
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
@@ -58,17 +59,27 @@ class TorchEngine:
         return self.bound.loaded
 
     @classmethod
-    def start(cls, checkpoint: Path, arena: TensorArena) -> TorchEngine:
+    def start(cls, checkpoint: Path, arena: TensorArena, placement: Placement | None = None) -> TorchEngine:
+        """Bind the checkpoint's model to `arena`: where `placement` (the node arena's book)
+        puts it, reading from the file only what it says to copy; else where the arena's own
+        book does, reading only what it does not hold."""
         specs = read_manifest(checkpoint)
-        resident = {s.name for s in specs if arena.resident(s.digest) is not None}
+        if placement is not None:
+            resident = {s.name for s in specs if s.digest not in placement.copy}
+        else:
+            resident = {s.name for s in specs if arena.resident(s.digest) is not None}
         with safe_open(str(checkpoint / TORCH_WEIGHTS), framework="pt") as f:
             source = {s.name: f.get_tensor(s.name) for s in specs if s.name not in resident}
         units = units_in_order([s.name for s in specs])
         by_name = {s.name: s for s in specs}
-        loaded = arena.load([[by_name[n] for n in names] for _, names in units], source)
+        loaded = arena.load([[by_name[n] for n in names] for _, names in units], source, placement)
         config = AutoConfig.from_pretrained(checkpoint)
         bound = bind(skeleton(config, specs[0].dtype), loaded, arena.device, [u for u, _ in units])
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        if arena.ledger is None:
+            # Another worker may bind these tensors as soon as the engine hears of this load:
+            # they must be in by then (the copies overlapped the binding and the tokenizer).
+            loaded.synchronize()
         return cls(bound, tokenizer, arena, sum(t.numel() * t.element_size() for t in source.values()))
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 from multiprocessing.connection import Connection
 
+from cuda_ext.memory import ArenaHandle
 from services.engine.step_gate import StepGate
 from services.engine.worker_wire import Ready
 from shared.process import die_with_parent
@@ -16,7 +17,7 @@ from shared.process import die_with_parent
 def worker_main(
     conn: Connection,
     threads: int,
-    arena_bytes: int,
+    arena: ArenaHandle | int,
     gate: StepGate | None = None,
     slot: int = -1,
     max_batch: int = 16,
@@ -33,6 +34,7 @@ def worker_main(
 
     torch.set_num_threads(max(1, threads))
     prewarm()
-    arena = TensorArena(arena_bytes)  # CUDA where present, else host memory
+    # The node's arena (mapped: CUDA IPC on a GPU), or one of its own of that many bytes.
+    tensors = TensorArena.attach(arena) if isinstance(arena, ArenaHandle) else TensorArena(arena)
     conn.send(Ready(pid=os.getpid()))
-    TorchWorker(conn, arena, gate, slot, max_batch, kv_tokens).serve()
+    TorchWorker(conn, tensors, gate, slot, max_batch, kv_tokens).serve()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from cuda_ext import TensorArena
+from cuda_ext.ledger import Placement
 from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.batching import ContinuousBatcher
@@ -47,8 +48,8 @@ class TorchWorker(BatchWorker):
         self.arena = arena
         self.engine: TorchEngine | None = None
 
-    def _open(self, checkpoint: Path, threads: int, t0: float) -> Loaded:
-        self.engine = TorchEngine.start(checkpoint, self.arena)
+    def _open(self, checkpoint: Path, threads: int, t0: float, placement: Placement | None = None) -> Loaded:
+        self.engine = TorchEngine.start(checkpoint, self.arena, placement)
         self.tokenizer = self.engine.tokenizer
         self.batch = self._reopen(threads)
         return Loaded(
@@ -57,7 +58,8 @@ class TorchWorker(BatchWorker):
             load_s=time.monotonic() - t0,
             threads=torch.get_num_threads(),
             reused_bytes=self.engine.loaded.reused_bytes,
-            resident=tuple(sorted(self.arena.digests())),
+            # The node's arena's book is the engine's: it knows what is resident.
+            resident=tuple(sorted(self.arena.digests())) if self.arena.ledger is not None else (),
         )
 
     def _reopen(self, threads: int) -> Batch:

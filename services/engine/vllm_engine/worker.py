@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from cuda_ext.ledger import Placement
 from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.vllm_engine.batch import VllmBatch
 from services.engine.worker_wire import Loaded
@@ -21,7 +22,7 @@ from services.engine.worker_wire import Loaded
 class VllmWorker(BatchWorker):
     checkpoint: Path | None = None
 
-    def _open(self, checkpoint: Path, threads: int, t0: float) -> Loaded:
+    def _open(self, checkpoint: Path, threads: int, t0: float, placement: Placement | None = None) -> Loaded:
         self.checkpoint = checkpoint
         self.batch = self._reopen(threads)
         return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())

@@ -1,0 +1,137 @@
+"""The arena's memory, shareable between processes: one allocation a node's arena owner makes
+and each engine worker maps (Tangram §4: one pool per device that outlives the instances).
+
+On CUDA the owner allocates with the extension (`cuda_ext.native`: cuMemAlloc) and hands out its
+CUDA IPC handle; a worker opens the handle and sees the same device memory. On the host the
+memory is a memfd the owner keeps open, mapped by each worker through the owner's
+/proc/<pid>/fd entry: the same API, so the engine runs one arena per node on either. This module
+imports no torch (the owner needs none); `view` makes a torch tensor of a mapping for a worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cuda_ext.native import Native
+
+if TYPE_CHECKING:
+    import torch
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01
+
+
+@dataclass(frozen=True)
+class ArenaHandle:
+    """What a worker needs to map an arena another process owns."""
+
+    device: str
+    """"cuda:N" or "cpu"."""
+    nbytes: int
+    ipc: bytes = b""
+    """The CUDA IPC handle of the allocation (CUDA)."""
+    path: str = ""
+    """The owner's memfd, as /proc/<pid>/fd/<n> (host)."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def index(self) -> int:
+        return int(self.device.partition(":")[2] or 0)
+
+
+class SharedMemory:
+    """The owner's side: `nbytes` on `device`, kept until `close()` (or the owner's exit)."""
+
+    def __init__(self, nbytes: int, device: str = "cpu") -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self._native: Native | None = None
+        self._closer: weakref.finalize[..., Any]
+        self.address = 0
+        self._fd = -1
+        if device.startswith("cuda"):
+            handle = ArenaHandle(device, nbytes)
+            self._native = Native(handle.index)
+            self.address = self._native.alloc(nbytes)
+            self.handle = ArenaHandle(device, nbytes, ipc=self._native.ipc_export(self.address))
+            self._closer = weakref.finalize(self, self._native.free, self.address)
+        else:
+            # Pages are taken as they are first written: an arena's size is a bound, not a cost.
+            self._fd = os.memfd_create("tessera-arena", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, nbytes)
+            self.handle = ArenaHandle("cpu", nbytes, path=f"/proc/{os.getpid()}/fd/{self._fd}")
+            self._closer = weakref.finalize(self, os.close, self._fd)
+
+    def close(self) -> None:
+        """Free the memory (on CUDA) or drop the owner's reference (host: the pages go with the
+        last worker's mapping)."""
+        self._closer()
+
+    def discard(self, offset: int, nbytes: int) -> None:
+        """Give a range's pages back to the host (they read as zeros after): what an evicted
+        range of a host arena costs otherwise stays taken. Device memory is the arena's for
+        good; on CUDA this does nothing."""
+        if self._fd < 0 or nbytes <= 0:
+            return
+        if _libc.fallocate(self._fd, _PUNCH_HOLE | _KEEP_SIZE, ctypes.c_long(offset), ctypes.c_long(nbytes)) != 0:
+            raise OSError(ctypes.get_errno(), f"fallocate(PUNCH_HOLE) of {nbytes} bytes at {offset}")
+
+    def view(self) -> torch.Tensor:
+        """The owner's own mapping, as a uint8 tensor (CUDA IPC cannot open a handle in the
+        process that made it)."""
+        if self._native is not None:
+            return _cuda_tensor(self.address, self.nbytes, self.handle.index, keep=self)
+        return _host_tensor(self.handle.path, self.nbytes)
+
+
+class _CudaArray:
+    """A device range as `__cuda_array_interface__`, which torch maps without a copy; the tensor
+    keeps this object, so `on_free` runs once no tensor uses the range."""
+
+    def __init__(self, address: int, nbytes: int, keep: Any = None) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+        self.keep = keep
+
+
+def _cuda_tensor(address: int, nbytes: int, index: int, keep: Any = None) -> torch.Tensor:
+    import torch
+
+    return torch.as_tensor(_CudaArray(address, nbytes, keep), device=torch.device("cuda", index))
+
+
+def _host_tensor(path: str, nbytes: int) -> torch.Tensor:
+    import torch
+
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED)
+    # The tensor keeps the mapping alive (frombuffer holds the buffer); unmapped when both go.
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
+
+
+def attach(handle: ArenaHandle) -> torch.Tensor:
+    """A worker's mapping of an arena another process owns, as a uint8 tensor: the same memory
+    (on CUDA by IPC, the handle closed once no tensor uses it)."""
+    if handle.cuda:
+        native = Native(handle.index)
+        address = native.ipc_open(handle.ipc)
+        opened = _CudaArray(address, handle.nbytes)
+        weakref.finalize(opened, native.ipc_close, address)
+        import torch
+
+        return torch.as_tensor(opened, device=torch.device("cuda", handle.index))
+    return _host_tensor(handle.path, handle.nbytes)

@@ -1,0 +1,116 @@
+"""A torch node's one tensor arena per device (Tangram §4), owned by the engine's main process.
+
+The engine makes the memory (`cuda_ext.memory`: cuMemAlloc through the CUDA extension, or a
+shared host mapping) and keeps its book (`cuda_ext.ledger`); every torch worker maps the same
+memory at its pre-warm (CUDA IPC on a GPU) and binds models where the book places them. So the
+weights of a model whose worker stopped (scaled to zero, stopped for memory, crashed) stay
+resident, idle, until evicted by cost, and a start of that model, or of any model sharing its
+tensors, on any worker copies only what is missing (§3.1); the scheduler's affinity counts the
+arena's bytes (`NodeStatus.resident`, `reusable`). The main process imports no torch for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Mapping
+
+from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
+from cuda_ext.memory import ArenaHandle, SharedMemory
+from cuda_ext.native import NativeUnavailable
+
+log = logging.getLogger(__name__)
+_owners = itertools.count()
+
+
+def arena_device(device: str) -> str:
+    """The arena's device for a node's `TESSERA_DEVICE` (CUDA, CUDA:1, or a CPU's)."""
+    name = device.lower()
+    if name == "cuda":
+        return "cuda:0"
+    return name if name.startswith("cuda:") else "cpu"
+
+
+class NodeArena:
+    def __init__(self, capacity_bytes: int, device: str, reload_bps: float | None = None) -> None:
+        self.ledger = ArenaLedger(capacity_bytes, reload_bps=reload_bps or RELOAD_BPS)
+        self.memory = SharedMemory(self.ledger.allocator.capacity, arena_device(device))
+        self._lock = threading.Lock()  # a worker's death is reported on its reader thread
+        self._copied: dict[str, frozenset[str]] = {}
+        """Per owner, the digests its last placement had it copy (what a reload discards)."""
+
+    @classmethod
+    def make(cls, capacity_bytes: int, device: str) -> NodeArena | None:
+        """The node's arena, or None (each worker then makes its own, as before) where this
+        machine cannot share one: a CUDA node without the extension built."""
+        try:
+            return cls(capacity_bytes, device)
+        except NativeUnavailable as e:
+            log.warning("no shared tensor arena on this node (%s): each torch worker makes its own", e)
+            return None
+
+    @property
+    def handle(self) -> ArenaHandle:
+        return self.memory.handle
+
+    @staticmethod
+    def owner() -> str:
+        """A new name for a worker's holdings in the book."""
+        return f"worker-{next(_owners)}"
+
+    def place(self, owner: str, tensors: Mapping[str, int], discard: bool = False) -> Placement:
+        """Where a worker's next model goes (its tensors as digest → bytes, in access order).
+        What `owner` held before is released first (a worker holds one model). `discard`: the
+        tensors its last placement copied are evicted first where nobody else holds them (the
+        copy they came from failed its check)."""
+        with self._lock:
+            self._release(owner)
+            if discard:
+                idle = set(self.ledger.idle())
+                for digest in self._copied.pop(owner, frozenset()) & idle:
+                    self.ledger.evict(digest)
+            placement = self.ledger.place(list(tensors.items()), owner)
+            self._copied[owner] = placement.copy
+            return placement
+
+    def release(self, owner: str) -> None:
+        """The worker's model is gone (it stopped, died, or was bound to another): its tensors
+        stay resident, idle."""
+        with self._lock:
+            self._release(owner)
+
+    def _release(self, owner: str) -> None:
+        if self.ledger.holds(owner):
+            self.ledger.release(owner)
+
+    def evict_idle(self, tensors: Mapping[str, int]) -> int:
+        """Evict those of `tensors` that nobody holds, and give their memory back (a model
+        stopped to make room: its weights go too, unless another model shares them); the
+        bytes freed."""
+        with self._lock:
+            freed = 0
+            for digest in set(tensors) & set(self.ledger.idle()):
+                block = self.ledger.blocks[digest]
+                self.ledger.evict(digest)
+                self.memory.discard(block.offset, block.nbytes)
+                freed += block.nbytes
+            return freed
+
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes of tensors some worker holds, and of idle ones."""
+        with self._lock:
+            idle = set(self.ledger.idle())
+            held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
+            return held, sum(self.ledger.sizes[d] for d in idle)
+
+    def digests(self) -> frozenset[str]:
+        with self._lock:
+            return self.ledger.digests()
+
+    def missing_bytes(self, tensors: Mapping[str, int]) -> int:
+        with self._lock:
+            return self.ledger.missing_bytes(tensors.items())
+
+    def close(self) -> None:
+        self.memory.close()

@@ -1,0 +1,271 @@
+"""One arena per node, shared by processes (Tangram §4): the book (`cuda_ext.ledger`) in the
+owner, the memory mapped by each worker (`cuda_ext.memory`: a host mapping here, CUDA IPC on a
+GPU), the CUDA extension that makes and shares device memory (`cuda_ext.native`, built by
+`cuda_ext.build`), and the engine's node arena over them (`services/engine/node_arena.py`).
+The `gpu` tests at the end run the same checks on CUDA memory."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the arena's views are torch tensors (the `test` extra installs it)")
+
+import torch
+
+from cuda_ext import ArenaFull, HostImage, TensorArena, TensorSpec
+from cuda_ext.build import build, driver_present, ensure
+from cuda_ext.build import main as build_main
+from cuda_ext.ledger import ArenaLedger, Placement
+from cuda_ext.memory import ArenaHandle, SharedMemory, attach
+from cuda_ext.native import Native, NativeUnavailable
+from services.engine.node_arena import NodeArena, arena_device
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
+
+
+def model(seed: int, layers: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"embed": torch.randn(10, 8, generator=g)}
+    for i in range(layers):
+        out[f"layer{i}.w"] = torch.randn(8, 8, generator=g)
+        out[f"layer{i}.b"] = torch.randn(3, generator=g)
+    return out
+
+
+def pairs(image: HostImage) -> list[tuple[str, int]]:
+    return [(s.digest, s.nbytes) for s in image.specs]
+
+
+# The book.
+
+
+def test_a_placement_packs_new_tensors_back_to_back_and_reuses_resident_ones() -> None:
+    ledger = ArenaLedger(1 << 16, alignment=256)
+    first = ledger.place([("a", 300), ("b", 100), ("a", 300)], "w1")
+    assert first.offsets == {"a": 0, "b": 512} and first.copy == {"a", "b"}
+    ledger.release("w1")
+    assert set(ledger.idle()) == {"a", "b"} and ledger.resident_bytes() == 400
+    second = ledger.place([("b", 100), ("c", 8)], "w2")
+    assert second.offsets["b"] == 512 and second.copy == {"c"}  # b is where it was: not copied
+    assert ledger.holds("w2") and not ledger.holds("w1")
+    assert ledger.idle() == ["a"] and ledger.missing_bytes([("a", 300), ("d", 5)]) == 5
+
+
+def test_a_placement_that_does_not_fit_takes_nothing() -> None:
+    ledger = ArenaLedger(1024, alignment=256)
+    ledger.place([("held", 512)], "w1")
+    with pytest.raises(ArenaFull):
+        ledger.place([("x", 256), ("y", 512)], "w2")
+    assert ledger.digests() == {"held"} and ledger.allocator.used_bytes == 512 and not ledger.holds("w2")
+
+
+# The memory, mapped by another process.
+
+
+def _write_in_child(handle: ArenaHandle, conn: Connection) -> None:
+    view = attach(handle)
+    view[100:104] = torch.tensor([7, 8, 9, 10], dtype=torch.uint8, device=view.device)
+    conn.send(view[:4].cpu().tolist())
+
+
+def test_shared_memory_is_the_same_bytes_in_another_process() -> None:
+    memory = SharedMemory(1 << 20)
+    mine = memory.view()
+    mine[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_write_in_child, args=(memory.handle, child))
+    p.start()
+    assert parent.recv() == [1, 2, 3, 4]  # what the owner wrote, seen by the other process
+    p.join(30)
+    assert p.exitcode == 0
+    assert mine[100:104].tolist() == [7, 8, 9, 10]  # and what it wrote, seen by the owner
+    memory.close()
+
+
+def test_a_discarded_range_gives_its_pages_back_and_reads_zeros() -> None:
+    memory = SharedMemory(1 << 22)
+    view = memory.view()
+    view.fill_(5)
+    memory.discard(1 << 20, 1 << 20)
+    assert int(view[(1 << 20) : (2 << 20)].sum()) == 0
+    assert int(view[: 1 << 20].sum()) == 5 << 20  # the rest is untouched
+
+
+def _load_in_child(handle: ArenaHandle, specs: list[TensorSpec], placement: Placement, conn: Connection) -> None:
+    arena = TensorArena.attach(handle)
+    tensors = model(0)
+    loaded = arena.load([specs], {s.name: tensors[s.name] for s in specs if s.digest in placement.copy}, placement)
+    loaded.synchronize()
+    conn.send((loaded.copied_bytes, loaded.reused_bytes, float(loaded.tensors["layer1.w"].sum())))
+
+
+def test_a_worker_loads_into_the_owners_arena_and_the_weights_outlive_it() -> None:
+    """Tangram across processes: a worker binds a model where the owner's book places it and
+    exits; the weights stay, so the next load (here, the owner's) copies nothing."""
+    image = HostImage.of(model(0))
+    owner = TensorArena(1 << 16, device="cpu", shared=True)
+    placement = owner.place([image.specs])
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_load_in_child, args=(owner.share(), image.specs, placement, child))
+    p.start()
+    copied, reused, total = parent.recv()
+    p.join(30)
+    assert p.exitcode == 0
+    assert copied == sum(s.nbytes for s in image.specs) and reused == 0
+    assert total == pytest.approx(float(image.tensor("layer1.w").sum()))
+    owner.ledger.release(placement.owner)  # type: ignore[union-attr]  (the worker is gone)
+
+    again = owner.load([image.specs], image)
+    assert again.copied_bytes == 0 and again.reused_bytes == sum(s.nbytes for s in image.specs)
+    for spec in image.specs:  # the bytes the other process copied
+        assert torch.equal(again.tensors[spec.name], image.tensor(spec.name))
+
+
+def test_an_attached_arena_loads_only_where_its_owner_places() -> None:
+    owner = TensorArena(1 << 16, device="cpu", shared=True)
+    attached = TensorArena.attach(owner.share())
+    image = HostImage.of(model(1))
+    with pytest.raises(ValueError, match="owner"):
+        attached.load([image.specs], image)
+    with pytest.raises(ValueError, match="shared=True"):
+        TensorArena(1 << 16, device="cpu").share()
+
+
+# The node's arena (the engine's).
+
+
+def test_the_node_arena_holds_one_model_per_worker_and_keeps_what_a_stopped_one_held() -> None:
+    base, other = HostImage.of(model(0)), HostImage.of(model(1))
+    tensors = dict(pairs(base))
+    arena = NodeArena(1 << 16, "CPU")
+    first = arena.place("w1", tensors)
+    assert first.copy == set(tensors)
+    again = arena.place("w1", dict(pairs(other)))  # the worker bound another model: the first is idle
+    assert not again.copy & set(tensors)
+    arena.release("w1")
+    assert arena.held_bytes() == (0, sum(tensors.values()) + sum(dict(pairs(other)).values()))
+    assert arena.missing_bytes(tensors) == 0  # a worker that starts the first model copies nothing
+    assert arena.place("w2", tensors).copy == frozenset()
+
+
+def test_a_reload_after_a_failed_check_copies_again_what_the_first_load_copied() -> None:
+    tensors = dict(pairs(HostImage.of(model(0))))
+    arena = NodeArena(1 << 16, "CPU")
+    arena.place("w1", tensors)
+    assert arena.place("w1", tensors, discard=True).copy == set(tensors)
+    assert arena.place("w1", tensors).copy == frozenset()  # an ordinary reload reuses them
+
+
+def test_evicting_a_stopped_models_tensors_spares_those_another_model_holds() -> None:
+    base = model(0)
+    tune = dict(base)
+    tune["layer2.w"] = base["layer2.w"] + 1
+    base_t, tune_t = dict(pairs(HostImage.of(base))), dict(pairs(HostImage.of(tune)))
+    arena = NodeArena(1 << 16, "CPU")
+    arena.place("w1", base_t)
+    arena.place("w2", tune_t)
+    arena.release("w1")
+    freed = arena.evict_idle(base_t)
+    only_base = set(base_t) - set(tune_t)
+    assert len(only_base) == 1 and freed == 256  # the base's own layer2.w: 8 × 8 float32
+    assert arena.digests() == set(tune_t)
+
+
+def test_a_node_device_names_its_arena() -> None:
+    assert [arena_device(d) for d in ("CPU", "CUDA", "CUDA:1", "cuda:0")] == ["cpu", "cuda:0", "cuda:1", "cuda:0"]
+
+
+# The CUDA extension.
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.skipif(driver_present(), reason="this machine has a CUDA driver: the gpu tests run the extension")
+def test_the_extension_builds_without_a_toolkit_and_says_why_it_cannot_run_here(tmp_path: Path) -> None:
+    library = build(tmp_path / "ext.so")
+    with pytest.raises(NativeUnavailable, match="no CUDA driver"):
+        Native(0, library)
+    with pytest.raises(NativeUnavailable, match="not built"):
+        Native(0, tmp_path / "missing.so")
+    assert build_main(["--if-cuda", "--out", str(tmp_path / "skipped.so")]) == 0
+    assert not (tmp_path / "skipped.so").exists()  # built only where a driver is
+
+
+# On CUDA.
+
+
+def _open_in_child(handle: ArenaHandle, conn: Connection) -> None:
+    native = Native(handle.index)
+    address = native.ipc_open(handle.ipc)
+    conn.send(native.read(address, 4))
+    native.ipc_close(address)
+    view = attach(handle)
+    view[8:12] = torch.tensor([5, 6, 7, 8], dtype=torch.uint8, device=view.device)
+    torch.cuda.synchronize()
+    conn.send(bytes(view[:4].cpu().tolist()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_memory_is_shared_with_another_process_by_cuda_ipc() -> None:
+    ensure()
+    memory = SharedMemory(1 << 24, "cuda:0")
+    mine = memory.view()
+    assert mine.device.type == "cuda" and mine.data_ptr() == memory.address
+    mine[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_open_in_child, args=(memory.handle, child))
+    p.start()
+    assert parent.recv() == bytes([1, 2, 3, 4])  # read through the extension
+    assert parent.recv() == bytes([1, 2, 3, 4])  # and through torch's view of the opened handle
+    p.join(60)
+    assert p.exitcode == 0
+    assert mine[8:12].tolist() == [5, 6, 7, 8]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_extensions_batched_copies_match_torchs_group_by_group() -> None:
+    ensure()
+    image = HostImage.of(model(3, layers=6))
+    groups = [[s] for s in image.specs]
+    for native in (True, False):
+        arena = TensorArena(1 << 20, device="cuda")
+        arena._copier = arena._copier.__class__(arena.device, streams=3, chunk_bytes=1024, native=native)
+        assert (arena._copier.native is not None) == native
+        loaded = arena.load(groups, image)
+        for g, spec in enumerate(image.specs):
+            loaded.wait(g)
+            assert torch.equal(loaded.tensors[spec.name].cpu(), image.tensor(spec.name)), (native, spec.name)
+        assert loaded.transfers == len(image.specs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_worker_loads_into_a_cuda_arena_it_opened_by_ipc() -> None:
+    ensure()
+    image = HostImage.of(model(0))
+    owner = TensorArena(1 << 16, device="cuda", shared=True)
+    placement = owner.place([image.specs])
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_load_in_child, args=(owner.share(), image.specs, placement, child))
+    p.start()
+    copied, _, _ = parent.recv()
+    p.join(60)
+    assert p.exitcode == 0 and copied == sum(s.nbytes for s in image.specs)
+    owner.ledger.release(placement.owner)  # type: ignore[union-attr]
+    again = owner.load([image.specs], image)
+    assert again.copied_bytes == 0
+    for spec in image.specs:
+        assert torch.equal(again.tensors[spec.name].cpu(), image.tensor(spec.name))
+    assert os.getpid() != p.pid
