@@ -4,6 +4,7 @@ TIDAL §5), against an arena per worker.
     python3 -m bench.gpu_arena                        # the default model, this machine's device
     python3 -m bench.gpu_arena --skeleton DIR         # its architecture with random weights (a GPU
                                                       # machine: no model travels), DIR = config + tokenizer
+    python3 -m bench.gpu_arena --skeleton DIR --shapes smol,llama3-8b   # and an 8B-shaped Llama
 
 It drives the engine's worker processes (`services/engine/worker_pool.Worker`, backend torch:
 the pre-warmed process a torch node runs) over their pipe, as the engine does:
@@ -15,6 +16,9 @@ the pre-warmed process a torch node runs) over their pipe, as the engine does:
   again: the weights are still in the arena, so nothing is read or copied.
 - `own_arena`: the same, each worker with an arena of its own (before this change): B reads
   and copies everything again.
+- `llama3-8b` (with `--skeleton`): the same with Llama-3-8B's architecture, random bf16
+  weights, and the vocabulary of the skeleton's tokenizer (so that its tokens decode): about
+  15 GB, where the weights, not the worker's other set-up, are most of a start.
 - `copies` (CUDA only): a load's batched host-to-device copies through the extension (one call
   issues every chunk) against torch's `copy_` per chunk, many spans that do not coalesce: time
   to issue and GB/s.
@@ -44,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = tuple(range(100, 116))
 
 
-def checkpoint(work: Path, skeleton: str | None, device: str) -> tuple[Any, dict[str, int]]:
+def checkpoint(work: Path, skeleton: str | None, device: str, shape: str) -> tuple[Any, dict[str, int]]:
     """The model's artifact with its torch checkpoint (what registration writes), and its
     tensors as digest → bytes (what the engine reads from the manifest)."""
     import torch
@@ -53,7 +57,7 @@ def checkpoint(work: Path, skeleton: str | None, device: str) -> tuple[Any, dict
     from shared.artifact import torch_checkpoint, torch_tensor_bytes
     from shared.messages import Artifact
 
-    artifact = Artifact("bench-arena", str(work), "0" * 64, 2048, 0, 0)
+    artifact = Artifact(f"bench-arena-{shape}", str(work / shape), "0" * 64, 2048, 0, 0)
     dest = torch_checkpoint(artifact)
     dtype = torch.bfloat16 if device.startswith("cuda") else host_dtype()
     if skeleton is None:
@@ -61,14 +65,22 @@ def checkpoint(work: Path, skeleton: str | None, device: str) -> tuple[Any, dict
 
         materialize(default_model_path(), dest, dtype)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+        from bench.gpu_coldstart import LLAMA3_8B
 
         config = AutoConfig.from_pretrained(skeleton)
+        if shape == "llama3-8b":
+            keep = {k: getattr(config, k) for k in ("vocab_size", "bos_token_id", "eos_token_id")}
+            config = LlamaConfig(**{**LLAMA3_8B, **keep})
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         # A tied head is the embedding: the checkpoint holds it once, as registration writes it.
         tensors = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the workers need the device's memory
         write_checkpoint(dest, tensors, config, AutoTokenizer.from_pretrained(skeleton), "random")
     return artifact, torch_tensor_bytes(artifact)
 
@@ -180,19 +192,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device.lower().startswith("cuda")
     r: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
-        "model": "SmolLM2-135M-Instruct" + (" (random weights)" if args.skeleton else ""),
+        "model": "SmolLM2-135M-Instruct's tokenizer" + (", random weights" if args.skeleton else ""),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }
     work = Path(tempfile.mkdtemp(prefix="gpu_arena."))
+    r["models"] = {}
     try:
-        t = time.perf_counter()
-        artifact, tensors = checkpoint(work, args.skeleton, "cuda" if cuda else "cpu")
-        r["checkpoint_s"] = time.perf_counter() - t
-        r["own_arena"] = await scenario(False, args, artifact, tensors)
-        r["node_arena"] = await scenario(True, args, artifact, tensors)
-        own, node = r["own_arena"]["restart"], r["node_arena"]["restart"]
-        r["restart_speedup"] = own["start_to_first_token_s"] / node["start_to_first_token_s"]
-        r["restart_start_speedup"] = own["start_s"] / node["start_s"]
+        for shape in args.shapes.split(","):
+            m: dict[str, Any] = {}
+            t = time.perf_counter()
+            artifact, tensors = checkpoint(work, args.skeleton, "cuda" if cuda else "cpu", shape)
+            m["checkpoint_s"] = time.perf_counter() - t
+            m["own_arena"] = await scenario(False, args, artifact, tensors)
+            m["node_arena"] = await scenario(True, args, artifact, tensors)
+            own, node = m["own_arena"]["restart"], m["node_arena"]["restart"]
+            m["restart_speedup"] = own["start_to_first_token_s"] / node["start_to_first_token_s"]
+            m["restart_start_speedup"] = own["start_s"] / node["start_s"]
+            r["models"][shape] = m
+            shutil.rmtree(work / shape, ignore_errors=True)
         if cuda:
             r["copies"] = copies(args)
     finally:
@@ -208,21 +225,24 @@ def plot(r: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    panels = 2 if "copies" in r else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
-    ax = axes[0][0]
-    labels, values, colors = [], [], []
-    for key, name, color in (("own_arena", "arena per worker", "#999"), ("node_arena", "node's arena", "#27a")):
-        for when in ("first", "restart"):
-            labels.append(f"{name}\n{when}")
-            values.append(r[key][when]["start_to_first_token_s"])
-            colors.append(color)
-    ax.bar(labels, values, color=colors)
-    ax.set_ylabel("start → first token (s)")
-    ax.set_title(f"{r['model']}, {r['device']}\nrestart on a new worker: {r['restart_speedup']:.1f}x")
-    ax.tick_params(axis="x", labelsize=8)
+    shapes = list(r["models"])
+    panels = len(shapes) + ("copies" in r)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    for i, shape in enumerate(shapes):
+        m = r["models"][shape]
+        ax = axes[0][i]
+        labels, values, colors = [], [], []
+        for key, name, color in (("own_arena", "arena per worker", "#999"), ("node_arena", "node's arena", "#27a")):
+            for when in ("first", "restart"):
+                labels.append(f"{name}\n{when}")
+                values.append(m[key][when]["start_to_first_token_s"])
+                colors.append(color)
+        ax.bar(labels, values, color=colors)
+        ax.set_ylabel("start → first token (s)")
+        ax.set_title(f"{shape}, {r['device']}\nrestart on a new worker: {m['restart_speedup']:.1f}x")
+        ax.tick_params(axis="x", labelsize=8)
     if "copies" in r:
-        ax = axes[0][1]
+        ax = axes[0][-1]
         rows = r["copies"]
         names = list(rows)
         x = range(len(names))
@@ -240,12 +260,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--device", default=None, help="CUDA or CPU (default: CUDA where present)")
     ap.add_argument("--skeleton", default=None, help="a config + tokenizer directory: random weights of it")
-    ap.add_argument("--arena-bytes", type=int, default=2 << 30)
+    ap.add_argument("--arena-bytes", type=int, default=None, help="default: 2 GiB, 20 GiB with llama3-8b")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--restarts", type=int, default=2)
+    ap.add_argument("--shapes", default="smol", help="smol, llama3-8b (needs --skeleton), comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_arena.json"))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.arena_bytes is None:
+        args.arena_bytes = (20 << 30) if "llama3-8b" in args.shapes else (2 << 30)
+    if "llama3-8b" in args.shapes and not args.skeleton:
+        ap.error("llama3-8b needs --skeleton (its tokenizer)")
     if args.device is None:
         import torch
 
