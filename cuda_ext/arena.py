@@ -263,7 +263,8 @@ class TensorArena:
                         filled.add(spec.digest)
                         self._pending[spec.digest] = list(transfer.events[g])
                 else:
-                    reused[spec.digest] = spec.nbytes
+                    if spec.digest not in placement.filled:
+                        reused[spec.digest] = spec.nbytes
                     group_waits.extend(self._pending.get(spec.digest, []))
                 block = Block(placement.offsets[spec.digest], align_up(spec.nbytes, self.alignment))
                 tensors[spec.name] = self.view(block, spec.dtype, spec.shape)

@@ -35,6 +35,9 @@ class Placement:
     copy: frozenset[str]
     evicted: tuple[str, ...]
     """Idle digests evicted to make room (their ranges may now be part of this load's)."""
+    filled: frozenset[str] = frozenset()
+    """Digests the arena's owner has already copied in for this load (from the host cache's
+    file): the worker reads none of them."""
 
 
 class ArenaLedger:

@@ -14,8 +14,12 @@ import ctypes
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from cuda_ext.native import Native
 
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01
+HOST_PIECE = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class SharedMemory:
         self._closer: weakref.finalize[..., Any]
         self.address = 0
         self._fd = -1
+        self._map: mmap.mmap | None = None
+        """The owner's own mapping of a host arena, made when it first writes to it."""
         if device.startswith("cuda"):
             handle = ArenaHandle(device, nbytes)
             self._native = Native(handle.index)
@@ -75,6 +82,32 @@ class SharedMemory:
         """Free the memory (on CUDA) or drop the owner's reference (host: the pages go with the
         last worker's mapping)."""
         self._closer()
+
+    def copy_from_file(self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 4) -> None:
+        """Copy (file offset, arena offset, bytes) spans of `path` into the arena, synchronously:
+        on CUDA through the extension's pinned staging on `threads` threads (the file's pages are
+        pageable), on the host with memcpy."""
+        with open(path, "rb") as f:
+            source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            if self._native is not None:
+                base = np.frombuffer(source, dtype=np.uint8)
+                start = base.ctypes.data
+                self._native.copy_pageable([(start + s, self.address + d, n) for s, d, n in spans], threads)
+                del base
+            else:
+                if self._map is None:
+                    self._map = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED)
+                view = memoryview(source)
+                for s, d, n in spans:
+                    # In pieces: a copy holds the interpreter's lock, which the caller's other
+                    # threads (the engine's event loop) get back between pieces.
+                    for at in range(0, n, HOST_PIECE):
+                        k = min(HOST_PIECE, n - at)
+                        self._map[d + at : d + at + k] = view[s + at : s + at + k]
+                view.release()
+        finally:
+            source.close()
 
     def discard(self, offset: int, nbytes: int) -> None:
         """Give a range's pages back to the host (they read as zeros after): what an evicted

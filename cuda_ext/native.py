@@ -53,6 +53,7 @@ def _load(path: Path) -> ctypes.CDLL:
             "tsr_event_synchronize": [i, _u64],
             "tsr_event_destroy": [i, _u64],
             "tsr_read": [i, _u64, ctypes.c_void_p, sz],
+            "tsr_copy_pageable": [i, i, p(_u64), p(_u64), p(_u64), i, _u64],
         }
         for name, args in signatures.items():
             fn = getattr(lib, name)
@@ -134,6 +135,19 @@ class Native:
         buf = ctypes.create_string_buffer(nbytes)
         self.check("tsr_read", self.lib.tsr_read(self.device, ptr, buf, nbytes))
         return buf.raw
+
+    def copy_pageable(
+        self, spans: Sequence[tuple[int, int, int]], threads: int = 4, chunk_bytes: int = 16 << 20
+    ) -> None:
+        """Copy (host address, device address, bytes) spans from pageable memory, synchronously,
+        through pinned staging buffers on `threads` threads and streams."""
+        n = len(spans)
+        src, dst, size = (_u64 * n)(), (_u64 * n)(), (_u64 * n)()
+        for j, (s, d, b) in enumerate(spans):
+            src[j], dst[j], size[j] = s, d, b
+        self.check(
+            "tsr_copy_pageable", self.lib.tsr_copy_pageable(self.device, n, src, dst, size, threads, chunk_bytes)
+        )
 
     def copy_batch(
         self,

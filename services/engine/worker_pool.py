@@ -15,8 +15,11 @@ import multiprocessing
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 
+from cuda_ext.ledger import Placement
 from services.engine.node_arena import NodeArena
 from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
@@ -38,6 +41,7 @@ from services.engine.worker_wire import (
     TieredUp,
     TierUpNow,
 )
+from shared.artifact import torch_checkpoint
 from shared.messages import Artifact, Tier
 
 log = logging.getLogger(__name__)
@@ -215,13 +219,25 @@ class Worker:
         arena, the worker binds the model where its book places them (`NodeArena.place`, with
         `discard`)."""
         placement = None
+        fill: asyncio.Future[Placement] | None = None
         if self.arena is not None and tensors and not stages and stage is None:
             placement = self.arena.place(self.owner, tensors, discard)
+            if placement.copy:
+                # The engine copies what is missing while the worker binds the model (which
+                # reads no weight): the start is done when both are.
+                checkpoint = Path(cache_dir) if cache_dir else torch_checkpoint(artifact)
+                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, checkpoint))
+                placement = replace(placement, copy=frozenset(), filled=placement.copy)
         self._waiter = self._loop.create_future()
         self._conn.send(Load(artifact, cores, cache_dir, tier, stages, stage, placement))
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
+            if fill is not None:
+                await fill
         except BaseException:
+            if fill is not None:
+                with contextlib.suppress(BaseException):
+                    await fill  # the copy ends before its ranges may go to another load
             if placement is not None:
                 self.arena.release(self.owner)  # type: ignore[union-attr]
             raise

@@ -269,3 +269,71 @@ def test_a_worker_loads_into_a_cuda_arena_it_opened_by_ipc() -> None:
     for spec in image.specs:
         assert torch.equal(again.tensors[spec.name].cpu(), image.tensor(spec.name))
     assert os.getpid() != p.pid
+
+
+def checkpoint(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[Path, dict[str, int]]:
+    """A torch checkpoint as registration writes it: the safetensors file and the manifest."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from cuda_ext import content_digests
+    from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+
+    save_file(tensors, str(tmp_path / TORCH_WEIGHTS))
+    digests = content_digests(tensors)
+    manifest = [
+        {"name": n, "digest": digests[n], "dtype": "float32", "shape": list(t.shape)} for n, t in tensors.items()
+    ]
+    (tmp_path / TORCH_MANIFEST).write_text(json.dumps({"tensors": manifest}))
+    return tmp_path, {digests[n]: t.numel() * 4 for n, t in tensors.items()}
+
+
+def test_the_owner_fills_the_arena_from_the_checkpoint_file_and_the_worker_reads_nothing(tmp_path: Path) -> None:
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    filled = arena.fill(placement, path)
+    assert filled.copy == frozenset() and filled.filled == placement.copy == set(sizes)
+    from cuda_ext import content_digests
+
+    digests = content_digests(tensors)
+    specs = [TensorSpec(n, digests[n], t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    worker = TensorArena.attach(arena.handle)  # as a worker maps it
+    loaded = worker.load([specs], {}, filled)  # no source: nothing is read
+    assert loaded.copied_bytes == 0 and loaded.reused_bytes == 0
+    for name, t in tensors.items():
+        assert torch.equal(loaded.tensors[name], t), name
+    assert arena.fill(arena.place("w2", sizes), path).filled == frozenset()  # resident: nothing to copy
+
+
+def test_a_checkpoint_whose_file_disagrees_with_its_manifest_is_refused(tmp_path: Path) -> None:
+    path, sizes = checkpoint(tmp_path, model(4))
+    arena = NodeArena(1 << 16, "CPU")
+    wrong = {d: n * 2 for d, n in sizes.items()}
+    with pytest.raises(ValueError, match="in its manifest"):
+        arena.fill(arena.place("w1", wrong), path)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_owner_fills_a_cuda_arena_through_pinned_staging_and_a_worker_binds_it(tmp_path: Path) -> None:
+    ensure()
+    tensors = model(0)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 20, "CUDA")
+    filled = arena.fill(arena.place("w1", sizes), path)
+    assert filled.filled == set(sizes)
+    from cuda_ext import content_digests
+
+    digests = content_digests(tensors)
+    specs = [TensorSpec(n, digests[n], t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_load_in_child, args=(arena.handle, specs, filled, child))
+    p.start()
+    copied, reused, total = parent.recv()
+    p.join(60)
+    assert p.exitcode == 0 and copied == 0 and reused == 0
+    assert total == pytest.approx(float(tensors["layer1.w"].sum()), rel=1e-5)
