@@ -83,16 +83,17 @@ class SharedMemory:
         last worker's mapping)."""
         self._closer()
 
-    def copy_from_file(self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 4) -> None:
+    def copy_from_file(self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
         """Copy (file offset, arena offset, bytes) spans of `path` into the arena, synchronously:
-        on CUDA through the extension's pinned staging on `threads` threads (the file's pages are
-        pageable), on the host with memcpy."""
+        on CUDA through the extension's pinned staging on `threads` threads (default: up to 8;
+        the file's pages are pageable), on the host with memcpy."""
         with open(path, "rb") as f:
             source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             if self._native is not None:
                 base = np.frombuffer(source, dtype=np.uint8)
                 start = base.ctypes.data
+                threads = threads or min(8, os.cpu_count() or 1)
                 self._native.copy_pageable([(start + s, self.address + d, n) for s, d, n in spans], threads)
                 del base
             else:
