@@ -11,11 +11,13 @@ the pre-warmed process a torch node runs) over their pipe, as the engine does:
 
 - `node_arena`: the engine's main process owns the node's arena (`NodeArena`: the CUDA
   extension's device allocation, shared by CUDA IPC; a shared host mapping on a CPU) and its
-  book; worker A starts the model (its weights copied in), serves a first token, and stops (a
-  model scaled to zero whose worker went, or a crash); pre-warmed worker B then starts it
-  again: the weights are still in the arena, so nothing is read or copied.
-- `own_arena`: the same, each worker with an arena of its own (before this change): B reads
-  and copies everything again.
+  book; worker A starts the model (the engine copies its weights into the arena from the
+  checkpoint file, through the extension's pinned staging on a GPU, while the worker binds it),
+  serves a first token, and stops (a model scaled to zero whose worker went, or a crash);
+  pre-warmed worker B then starts it again: the weights are still in the arena, so nothing is
+  read or copied.
+- `own_arena`: the same, each worker with an arena of its own (before this change): each
+  worker reads the checkpoint and copies it itself (pageable memory), B everything again.
 - `llama3-8b` (with `--skeleton`): the same with Llama-3-8B's architecture, random bf16
   weights, and the vocabulary of the skeleton's tokenizer (so that its tokens decode): about
   15 GB, where the weights, not the worker's other set-up, are most of a start.
