@@ -26,6 +26,11 @@ RESIDENT_BYTES = Gauge("tessera_engine_resident_model_bytes", "Weight bytes of b
 POOL_IDLE_BYTES = Gauge("tessera_engine_pool_idle_bytes", "Weight bytes kept resident with no instance (reusable)")
 POOL_HITS = Counter("tessera_engine_pool_hits_total", "Starts that found their model resident")
 POOL_EVICTIONS = Counter("tessera_engine_pool_evictions_total", "Resident models evicted")
+ARENA_BYTES = Gauge(
+    "tessera_engine_arena_bytes",
+    "Tensor bytes in the node's one arena (torch nodes): held by a worker's model, or idle (resident, reusable)",
+    ["state"],
+)
 PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 UNACCOUNTED_BYTES = Gauge(

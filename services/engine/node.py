@@ -26,6 +26,7 @@ from policy.kv_account import KvAccount
 from policy.kv_watermark import floor_tokens
 from services.engine.core import CORE_MAX_SEQS
 from services.engine.metrics import (
+    ARENA_BYTES,
     BOUND_BY_TIER,
     INSTANCES,
     PIPELINED,
@@ -399,6 +400,10 @@ class EngineNode:
         POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in self.bound.values() if b.resident.users == 0))
         PREWARMED.set(len(self.workers.idle))
         PREWARMED_BYTES.set(self.workers.idle_rss_bytes())
+        if self.workers.arena is not None:
+            held, idle = self.workers.arena.held_bytes()
+            ARENA_BYTES.labels("held").set(held)
+            ARENA_BYTES.labels("idle").set(idle)
         WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in self.bound.values()))
         for tier in Tier:
             BOUND_BY_TIER.labels(tier).set(sum(1 for b in self.bound.values() if b.worker.tier == tier))

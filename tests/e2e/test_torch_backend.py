@@ -149,6 +149,12 @@ def test_a_torch_start_after_its_worker_died_finds_the_weights_in_the_node_arena
     }
     for pid in torch_workers(torch_cluster):  # the bound worker among them
         os.kill(pid, signal.SIGKILL)
+    weights = sum(torch_tensor_bytes(artifact).values())
+    wait_for(
+        lambda: metric(torch_cluster, "engine@node-0", "tessera_engine_arena_bytes", state="idle") >= weights,
+        30,
+        "the dead worker's weights reported idle in the node's arena",
+    )
     before = len(cold_starts(torch_cluster, NAME))
 
     def answered() -> str | None:
