@@ -7,8 +7,8 @@ The `gpu` tests at the end run the same checks on CUDA memory."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -36,6 +36,18 @@ def model(seed: int, layers: int = 3) -> dict[str, torch.Tensor]:
         out[f"layer{i}.w"] = torch.randn(8, 8, generator=g)
         out[f"layer{i}.b"] = torch.randn(3, generator=g)
     return out
+
+
+def in_child(target: Callable[..., None], *args: object, replies: int = 1) -> list[object]:
+    """Run `target(*args, conn)` in a spawned process: what it sent on `conn`, once it exited cleanly."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(*args, child))
+    p.start()
+    got = [parent.recv() for _ in range(replies)]
+    p.join(60)
+    assert p.exitcode == 0
+    return got
 
 
 def pairs(image: HostImage) -> list[tuple[str, int]]:
@@ -78,13 +90,8 @@ def test_shared_memory_is_the_same_bytes_in_another_process() -> None:
     memory = SharedMemory(1 << 20)
     mine = memory.view()
     mine[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_write_in_child, args=(memory.handle, child))
-    p.start()
-    assert parent.recv() == [1, 2, 3, 4]  # what the owner wrote, seen by the other process
-    p.join(30)
-    assert p.exitcode == 0
+    (seen,) = in_child(_write_in_child, memory.handle)
+    assert seen == [1, 2, 3, 4]  # what the owner wrote, seen by the other process
     assert mine[100:104].tolist() == [7, 8, 9, 10]  # and what it wrote, seen by the owner
     memory.close()
 
@@ -112,13 +119,7 @@ def test_a_worker_loads_into_the_owners_arena_and_the_weights_outlive_it() -> No
     image = HostImage.of(model(0))
     owner = TensorArena(1 << 16, device="cpu", shared=True)
     placement = owner.place([image.specs])
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_load_in_child, args=(owner.share(), image.specs, placement, child))
-    p.start()
-    copied, reused, total = parent.recv()
-    p.join(30)
-    assert p.exitcode == 0
+    copied, reused, total = in_child(_load_in_child, owner.share(), image.specs, placement)[0]
     assert copied == sum(s.nbytes for s in image.specs) and reused == 0
     assert total == pytest.approx(float(image.tensor("layer1.w").sum()))
     owner.ledger.release(placement.owner)  # type: ignore[union-attr]  (the worker is gone)
@@ -221,14 +222,9 @@ def test_device_memory_is_shared_with_another_process_by_cuda_ipc() -> None:
     assert mine.device.type == "cuda" and mine.data_ptr() == memory.address
     mine[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_open_in_child, args=(memory.handle, child))
-    p.start()
-    assert parent.recv() == bytes([1, 2, 3, 4])  # read through the extension
-    assert parent.recv() == bytes([1, 2, 3, 4])  # and through torch's view of the opened handle
-    p.join(60)
-    assert p.exitcode == 0
+    replies = in_child(_open_in_child, memory.handle, replies=2)
+    assert replies[0] == bytes([1, 2, 3, 4])  # read through the extension
+    assert replies[1] == bytes([1, 2, 3, 4])  # and through torch's view of the opened handle
     assert mine[8:12].tolist() == [5, 6, 7, 8]
 
 
@@ -256,19 +252,13 @@ def test_a_worker_loads_into_a_cuda_arena_it_opened_by_ipc() -> None:
     image = HostImage.of(model(0))
     owner = TensorArena(1 << 16, device="cuda", shared=True)
     placement = owner.place([image.specs])
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_load_in_child, args=(owner.share(), image.specs, placement, child))
-    p.start()
-    copied, _, _ = parent.recv()
-    p.join(60)
-    assert p.exitcode == 0 and copied == sum(s.nbytes for s in image.specs)
+    copied, _, _ = in_child(_load_in_child, owner.share(), image.specs, placement)[0]
+    assert copied == sum(s.nbytes for s in image.specs)
     owner.ledger.release(placement.owner)  # type: ignore[union-attr]
     again = owner.load([image.specs], image)
     assert again.copied_bytes == 0
     for spec in image.specs:
         assert torch.equal(again.tensors[spec.name].cpu(), image.tensor(spec.name))
-    assert os.getpid() != p.pid
 
 
 def checkpoint(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[Path, dict[str, int]]:
@@ -329,11 +319,6 @@ def test_the_owner_fills_a_cuda_arena_through_pinned_staging_and_a_worker_binds_
 
     digests = content_digests(tensors)
     specs = [TensorSpec(n, digests[n], t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_load_in_child, args=(arena.handle, specs, filled, child))
-    p.start()
-    copied, reused, total = parent.recv()
-    p.join(60)
-    assert p.exitcode == 0 and copied == 0 and reused == 0
+    copied, reused, total = in_child(_load_in_child, arena.handle, specs, filled)[0]
+    assert copied == 0 and reused == 0
     assert total == pytest.approx(float(tensors["layer1.w"].sum()), rel=1e-5)
