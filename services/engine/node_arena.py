@@ -86,9 +86,7 @@ class NodeArena:
         with self._lock:
             self._release(owner)
             if discard:
-                idle = set(self.ledger.idle())
-                for digest in self._copied.pop(owner, frozenset()) & idle:
-                    self.ledger.evict(digest)
+                self._evict_copied(owner)
             placement = self.ledger.place(list(tensors.items()), owner)
             self._copied[owner] = placement.copy
             return placement
@@ -115,6 +113,18 @@ class NodeArena:
         spans.sort(key=lambda s: s[1])
         self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans)
         return replace(placement, copy=frozenset(), filled=placement.copy)
+
+    def forget_copied(self, owner: str) -> None:
+        """Evict what `owner`'s last placement was to copy, where nobody holds it (its copy
+        failed: the bytes there are not the digests')."""
+        with self._lock:
+            self._release(owner)
+            self._evict_copied(owner)
+
+    def _evict_copied(self, owner: str) -> None:
+        idle = set(self.ledger.idle())
+        for digest in self._copied.pop(owner, frozenset()) & idle:
+            self.ledger.evict(digest)
 
     def release(self, owner: str) -> None:
         """The worker's model is gone (it stopped, died, or was bound to another): its tensors

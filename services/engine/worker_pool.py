@@ -235,11 +235,17 @@ class Worker:
             if fill is not None:
                 await fill
         except BaseException:
+            copied = True
             if fill is not None:
-                with contextlib.suppress(BaseException):
+                try:
                     await fill  # the copy ends before its ranges may go to another load
+                except BaseException:
+                    copied = False
             if placement is not None:
-                self.arena.release(self.owner)  # type: ignore[union-attr]
+                assert self.arena is not None
+                self.arena.release(self.owner)
+                if not copied:  # what it was to copy is not whole: no later load may find it
+                    self.arena.forget_copied(self.owner)
             raise
         finally:
             self._waiter = None

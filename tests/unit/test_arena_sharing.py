@@ -165,6 +165,17 @@ def test_a_reload_after_a_failed_check_copies_again_what_the_first_load_copied()
     assert arena.place("w1", tensors).copy == frozenset()  # an ordinary reload reuses them
 
 
+def test_a_load_whose_copy_failed_leaves_nothing_a_later_load_would_trust(tmp_path: Path) -> None:
+    path, sizes = checkpoint(tmp_path, model(4))
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    (path / "model.safetensors").unlink()  # the copy it came from went
+    with pytest.raises(OSError):
+        arena.fill(placement, path)
+    arena.forget_copied("w1")
+    assert arena.digests() == frozenset() and arena.missing_bytes(sizes) == sum(sizes.values())
+
+
 def test_evicting_a_stopped_models_tensors_spares_those_another_model_holds() -> None:
     base = model(0)
     tune = dict(base)
