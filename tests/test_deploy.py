@@ -234,6 +234,8 @@ def test_prometheus_and_grafana_are_optional_and_nothing_else_is(compose: dict[s
         if name in OBSERVABILITY:
             assert service.get("profiles") == ["observability"], f"{name} is not in the observability profile"
             assert service.get("image", "").startswith(("prom/prometheus:", "grafana/grafana:"))
+        elif name.endswith("-gpu"):  # the GPU node's services (compose.yaml: `--profile gpu`)
+            assert service.get("profiles") == ["gpu"], f"{name} is not in the gpu profile"
         else:
             assert not service.get("profiles"), f"{name} would no longer start with a plain `docker compose up`"
 

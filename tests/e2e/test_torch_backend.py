@@ -248,6 +248,9 @@ def test_a_model_sharing_a_resident_models_tensors_binds_them_from_the_node_aren
     assert worker_of("smollm-torch-variant") != pid  # the first model's worker stays bound to it
     (start,) = wait_for(lambda: cold_starts(torch_cluster, "smollm-torch-variant"), 30, "the variant's cold start")
     assert start["source"] == "arena", start
+    # Both workers hold the same tensors (the first model's worker is still bound): once.
+    weights = sum(torch_tensor_bytes(artifact).values())
+    assert metric(torch_cluster, "engine@node-0", "tessera_engine_arena_bytes", state="held") == weights
 
     # Both idle now: the node says either would start here reading nothing (the scheduler's
     # affinity), and the first model comes back on its own worker.
