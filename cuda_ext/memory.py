@@ -81,6 +81,9 @@ class SharedMemory:
     def close(self) -> None:
         """Free the memory (on CUDA) or drop the owner's reference (host: the pages go with the
         last worker's mapping)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         self._closer()
 
     def copy_from_file(self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
@@ -92,10 +95,12 @@ class SharedMemory:
         try:
             if self._native is not None:
                 base = np.frombuffer(source, dtype=np.uint8)
-                start = base.ctypes.data
-                threads = threads or min(8, os.cpu_count() or 1)
-                self._native.copy_pageable([(start + s, self.address + d, n) for s, d, n in spans], threads)
-                del base
+                try:
+                    start = base.ctypes.data
+                    threads = threads or min(8, os.cpu_count() or 1)
+                    self._native.copy_pageable([(start + s, self.address + d, n) for s, d, n in spans], threads)
+                finally:
+                    del base  # the mapping closes only once nothing points into it
             else:
                 if self._map is None:
                     self._map = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED)

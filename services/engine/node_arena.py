@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
-from cuda_ext.native import NativeUnavailable
+from cuda_ext.native import CudaError, NativeUnavailable
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,11 @@ class NodeArena:
     @classmethod
     def make(cls, capacity_bytes: int, device: str) -> NodeArena | None:
         """The node's arena, or None (each worker then makes its own, as before) where this
-        machine cannot share one: a CUDA node without the extension built."""
+        machine cannot share one: a CUDA node without the extension built, or a device that
+        refuses the allocation."""
         try:
             return cls(capacity_bytes, device)
-        except NativeUnavailable as e:
+        except (NativeUnavailable, CudaError) as e:
             log.warning("no shared tensor arena on this node (%s): each torch worker makes its own", e)
             return None
 
