@@ -284,7 +284,11 @@ int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* ds
   int workers = std::max(1, std::min<int>(threads, static_cast<int>(pieces.size())));
   std::atomic<size_t> next{0};
   std::atomic<int> failure{0};
-  CUcontext ctx = contexts[device];
+  CUcontext ctx;
+  {
+    std::lock_guard<std::mutex> guard(contexts_lock);  // another device's first use may grow the table
+    ctx = contexts[device];
+  }
   auto work = [&]() {
     CUresult rr = driver.CtxSetCurrent(ctx);
     CUstream stream = nullptr;
