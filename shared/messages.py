@@ -299,8 +299,9 @@ class NodeStatus(Message, frozen=True):
     resident: tuple[str, ...] = ()
     """Artifacts whose weights stay loaded here with no instance (Tangram: reusable)."""
     reusable: tuple[tuple[str, float], ...] = ()
-    """Artifacts part of whose tensors an idle worker's arena here holds (a fine-tune beside
-    its base, Tangram §3.1), with that share of their bytes: a start here reads only the rest."""
+    """Artifacts part of whose tensors this node's tensor arena (or an idle worker's own)
+    holds (a fine-tune beside its base, Tangram §3.1), with that share of their bytes: a start
+    here reads only the rest."""
     perf: tuple[PerfReport, ...] = ()
     max_batch: int = 1
     """Requests one worker here decodes together (queued ones join the next batch)."""

@@ -92,8 +92,9 @@ class Bound:
     """The worker's KV cache as its core last reported it (inside its RSS; the instances' KV
     reservations count it)."""
     tensors: frozenset[str] = frozenset()
-    """Content hashes of what its worker's tensor arena holds (a torch worker; empty on
-    OpenVINO's): another model sharing them may be bound to this worker once it is idle."""
+    """Content hashes of what its worker's own tensor arena holds (a torch worker without the
+    node's arena; empty on OpenVINO's): another model sharing them may be bound to this worker
+    once it is idle."""
 
 
 @dataclass
@@ -328,11 +329,11 @@ class EngineNode:
     def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
         """Artifacts a start here would read nothing of, and those it would read part of (with
         the share of their bytes it would not read). The first: those of idle bound workers,
-        and on a torch node those whose every tensor an idle worker's arena holds (a model
-        whose worker was rebound to another with the same weights: a start binds it back,
-        Tangram §3.1). The second: a torch node's artifacts (those of the store too,
-        `learn_artifacts`) part of whose tensors an idle arena holds, such as a fine-tune
-        beside its base."""
+        and on a torch node those whose every tensor the node's arena (or an idle worker's own)
+        holds (a model whose worker stopped, or one with another's weights: a start binds
+        them, Tangram §3.1). The second: a torch node's artifacts (those of the store too,
+        `learn_artifacts`) part of whose tensors it holds, such as a fine-tune beside its
+        base."""
         idle = self.idle_tensors()
         shares = (
             reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}

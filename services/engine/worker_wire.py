@@ -59,8 +59,9 @@ class Loaded:
     """Weights the load found resident in the worker's tensor arena, by content hash, and did
     not read (a torch worker; Tangram §3.1's S')."""
     resident: tuple[str, ...] = ()
-    """Content hashes of every tensor in the worker's arena after the load (a torch worker):
-    what a later start of another model on this worker would not read."""
+    """Content hashes of every tensor in the worker's arena after the load (a torch worker
+    with an arena of its own; empty on the node's arena, whose book the engine keeps): what a
+    later start of another model on this worker would not read."""
     addr: str = ""
     """A stage's server (`Load.stage`): host:port."""
 

@@ -1,9 +1,10 @@
 """A torch worker: the torch engine behind the engine's pipe protocol (`batch_worker.py`).
 
 One model at a time, bound from the artifact's torch checkpoint (materialized by the loader at
-registration) into the worker's tensor arena; a `Load` of another model (or of the same one
-again) releases the first to the arena, where its tensors stay resident, idle, so the next
-start copies only what is missing (Tangram §3.1).
+registration) into the node's tensor arena (`node_arena.py`: mapped from the engine, which
+places the model and copies what is missing; or, without it, an arena of the worker's own); a
+`Load` of another model (or of the same one again) releases the first to the arena, where its
+tensors stay resident, idle, so the next start copies only what is missing (Tangram §3.1).
 
 Requests run in one continuous batch (`batching.py`: transformers' paged-KV continuous
 batching, every token picked by the engine's seeded sampler). Each step passes the node's
