@@ -95,37 +95,42 @@ class TensorArena:
         clock: Callable[[], float] = time.monotonic,
         shared: bool = False,
     ) -> None:
-        self.device = torch.device(device) if device is not None else default_device()
-        self.ledger: ArenaLedger | None = ArenaLedger(capacity_bytes, alignment, reload_bps, clock)
-        """The book of what is where; None in a worker attached to another process's arena,
-        whose loads come with their placement."""
-        self.alignment = alignment
-        self.capacity_bytes = self.ledger.allocator.capacity
-        self.memory: SharedMemory | None = None
-        if shared:
-            self.memory = SharedMemory(self.capacity_bytes, _name(self.device))
-            self.storage = self.memory.view()
-        else:
-            self.storage = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
-        self._copier = CopyEngine(self.device, streams)
-        self._pending: dict[str, list[Event]] = {}
-        """Events of the copy that fills a digest this process copied, for a load that reuses
-        it while it is still copying."""
+        device = torch.device(device) if device is not None else default_device()
+        ledger = ArenaLedger(capacity_bytes, alignment, reload_bps, clock)
+        capacity = ledger.allocator.capacity
+        memory = SharedMemory(capacity, _name(device)) if shared else None
+        storage = memory.view() if memory else torch.empty(capacity, dtype=torch.uint8, device=device)
+        self._setup(device, ledger, memory, storage, alignment, streams)
 
     @classmethod
     def attach(cls, handle: ArenaHandle, alignment: int = ALIGNMENT, streams: int = 4) -> TensorArena:
         """The arena another process owns (`share()`), mapped here. Its loads take the owner's
         `Placement`; what is resident, and eviction, are the owner's."""
         arena = cls.__new__(cls)
-        arena.device = torch.device(handle.device)
-        arena.ledger = None
-        arena.alignment = alignment
-        arena.capacity_bytes = handle.nbytes
-        arena.memory = None
-        arena.storage = attach(handle)
-        arena._copier = CopyEngine(arena.device, streams)
-        arena._pending = {}
+        arena._setup(torch.device(handle.device), None, None, attach(handle), alignment, streams)
         return arena
+
+    def _setup(
+        self,
+        device: torch.device,
+        ledger: ArenaLedger | None,
+        memory: SharedMemory | None,
+        storage: torch.Tensor,
+        alignment: int,
+        streams: int,
+    ) -> None:
+        self.device = device
+        self.ledger = ledger
+        """The book of what is where; None in a worker attached to another process's arena,
+        whose loads come with their placement."""
+        self.memory = memory
+        self.storage = storage
+        self.alignment = alignment
+        self.capacity_bytes = storage.numel()
+        self._copier = CopyEngine(device, streams)
+        self._pending: dict[str, list[Event]] = {}
+        """Events of the copy that fills a digest this process copied, for a load that reuses
+        it while it is still copying."""
 
     def share(self) -> ArenaHandle:
         if self.memory is None:
