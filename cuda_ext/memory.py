@@ -128,7 +128,7 @@ class SharedMemory:
         """The owner's own mapping, as a uint8 tensor (CUDA IPC cannot open a handle in the
         process that made it)."""
         if self._native is not None:
-            return _cuda_tensor(self.address, self.nbytes, self.handle.index, keep=self)
+            return _cuda_tensor(_CudaArray(self.address, self.nbytes, keep=self), self.handle.index)
         return _host_tensor(self.handle.path, self.nbytes)
 
 
@@ -147,10 +147,10 @@ class _CudaArray:
         self.keep = keep
 
 
-def _cuda_tensor(address: int, nbytes: int, index: int, keep: Any = None) -> torch.Tensor:
+def _cuda_tensor(array: _CudaArray, index: int) -> torch.Tensor:
     import torch
 
-    return torch.as_tensor(_CudaArray(address, nbytes, keep), device=torch.device("cuda", index))
+    return torch.as_tensor(array, device=torch.device("cuda", index))
 
 
 def _host_tensor(path: str, nbytes: int) -> torch.Tensor:
@@ -170,7 +170,5 @@ def attach(handle: ArenaHandle) -> torch.Tensor:
         address = native.ipc_open(handle.ipc)
         opened = _CudaArray(address, handle.nbytes)
         weakref.finalize(opened, native.ipc_close, address)
-        import torch
-
-        return torch.as_tensor(opened, device=torch.device("cuda", handle.index))
+        return _cuda_tensor(opened, handle.index)
     return _host_tensor(handle.path, handle.nbytes)
