@@ -52,7 +52,7 @@ from services.engine.worker_wire import (
 
 if TYPE_CHECKING:
     from services.engine.torch_engine.stage_wire import StageServer
-from shared.artifact import TORCH_MANIFEST, torch_checkpoint
+from shared.artifact import TORCH_MANIFEST
 from shared.messages import FinishReason, SamplingParams, Tier
 
 POLL_S = 0.005
@@ -186,8 +186,7 @@ class BatchWorker:
 
     def _load(self, cmd: Load) -> None:
         t0 = time.monotonic()
-        # The loader's host-cache copy where it staged one, else the store's.
-        checkpoint = Path(cmd.cache_dir) if cmd.cache_dir else torch_checkpoint(cmd.artifact)
+        checkpoint = cmd.checkpoint
         if not (checkpoint / TORCH_MANIFEST).is_file():
             raise FileNotFoundError(
                 f"{cmd.artifact.artifact_id} has no torch checkpoint in {checkpoint}: the node's loader "

@@ -17,7 +17,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from cuda_ext.ledger import Placement
 from services.engine.node_arena import NodeArena
@@ -41,7 +40,6 @@ from services.engine.worker_wire import (
     TieredUp,
     TierUpNow,
 )
-from shared.artifact import torch_checkpoint
 from shared.messages import Artifact, Tier
 
 log = logging.getLogger(__name__)
@@ -218,6 +216,7 @@ class Worker:
         """`tensors` (a torch model's, digest → bytes in access order): where the node has one
         arena, the worker binds the model where its book places them (`NodeArena.place`, with
         `discard`)."""
+        load = Load(artifact, cores, cache_dir, tier, stages, stage)
         placement = None
         fill: asyncio.Future[Placement] | None = None
         if self.arena is not None and tensors and not stages and stage is None:
@@ -225,11 +224,11 @@ class Worker:
             if placement.copy:
                 # The engine copies what is missing while the worker binds the model (which
                 # reads no weight): the start is done when both are.
-                checkpoint = Path(cache_dir) if cache_dir else torch_checkpoint(artifact)
-                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, checkpoint))
+                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
                 placement = replace(placement, copy=frozenset(), filled=placement.copy)
+            load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
-        self._conn.send(Load(artifact, cores, cache_dir, tier, stages, stage, placement))
+        self._conn.send(load)
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
             if fill is not None:

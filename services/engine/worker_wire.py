@@ -5,9 +5,11 @@ is `worker_pool.py`, the worker's `worker_process.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from cuda_ext.ledger import Placement
 from services.engine.streams import Chunk
+from shared.artifact import torch_checkpoint
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
 
 NO_SLO_S = 3600.0
@@ -36,6 +38,12 @@ class Load:
     placement: Placement | None = None
     """A torch worker on a node with one arena: where the node's book put the model's tensors
     (which of them to copy, the rest resident already)."""
+
+    @property
+    def checkpoint(self) -> Path:
+        """The torch checkpoint it reads: the loader's host-cache copy where it staged one,
+        else the store's."""
+        return Path(self.cache_dir) if self.cache_dir else torch_checkpoint(self.artifact)
 
 
 @dataclass(frozen=True)
