@@ -264,9 +264,14 @@ class LocalCluster:
             save_admin_key(self.home, self.admin_key)
         else:
             self.admin_key = None
+        if self.gateway_port:
+            # Promised to the gateway by whoever chose it: never drawn for another service of
+            # this cluster before the gateway binds it (CI saw the gateway refused its port so).
+            _HANDED_OUT.add(self.gateway_port)
+        else:
+            self.gateway_port = free_port()
         self.nats_port = free_port()
         self.valkey_port = free_port()
-        self.gateway_port = self.gateway_port or free_port()
         self.store = (self.store or self.home / "store").resolve()
         # The loaders' host cache lives in tmpfs (host memory), one directory per cluster so
         # that clusters side by side never share or wipe each other's.

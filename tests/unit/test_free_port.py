@@ -5,6 +5,7 @@ port between its choice and its bind, in CI)."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,20 @@ def test_no_port_is_handed_out_twice_even_when_the_random_module_is_reseeded() -
         random.seed(0)
         ports.append(free_port())
     assert len(set(ports)) == len(ports)
+
+
+def test_a_gateway_port_chosen_by_the_caller_is_never_drawn_for_another_service(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # `tessera up --port P`: P was chosen in another process, free until the gateway binds it.
+    # The cluster's own draws (NATS, Valkey, the services' HTTP ports) must not land on it: CI
+    # saw the gateway refused its port, taken by a service of its own cluster that bound first.
+    eph = ephemeral_ports()
+    below = [p for p in range(20000, 20200) if p not in eph]
+    chosen = below[0]
+    draws = iter([chosen, *below[1:]])
+    monkeypatch.setattr(localcluster._PORTS, "choice", lambda _: next(draws))
+    monkeypatch.setattr(localcluster, "_HANDED_OUT", set())
+    cluster = localcluster.LocalCluster(home=tmp_path, gateway_port=chosen)
+    assert cluster.gateway_port == chosen
+    assert chosen not in {cluster.nats_port, cluster.valkey_port, free_port()}
