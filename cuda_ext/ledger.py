@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cuda_ext.allocator import ArenaFull, Block, RangeAllocator, align_up
+from policy.eviction import choose_evictions
 from policy.tensor_pool import Tensor, TensorPool
 
 RELOAD_BPS = 25e9
@@ -117,6 +118,15 @@ class ArenaLedger:
         """Free an idle resident's range (refused for one in use)."""
         self.pool.drop(digest)
         self._drop([digest])
+
+    def evict_cheapest(self, nbytes: int) -> tuple[str, ...]:
+        """Evict idle tensors, the cheapest first by eq. 2, until they free `nbytes` of the
+        memory the arena has taken (for a budget this ledger does not keep: the node's memory
+        manager's). () where evicting every idle one would not free that much."""
+        chosen = choose_evictions(list(self.pool.residents.values()), nbytes, self._clock())
+        for digest in chosen:
+            self.evict(digest)
+        return tuple(chosen)
 
     def make_room(self, nbytes: int) -> tuple[str, ...]:
         """Evict idle tensors, the cheapest first by eq. 2, until `nbytes` are free."""

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from policy.defrag import Neighbour, choose_preemption
 from policy.eviction import Resident, choose_evictions
@@ -66,14 +67,17 @@ class KvMemory(EngineNode):
                 await self._unload(inst)
         return True
 
-    async def _reserve(self, owner: str, nbytes: int, preemptor: Served | None = None) -> None:
-        """Reserve; if the node is full, evict idle residents at the lowest cost, then idle
-        instances (whose memory then turns into residents, evicted in turn if need be). For
-        the KV growth of a busy instance (`preemptor`), then preempt smaller neighbours whose
-        requests validate elsewhere (LLM-Mesh §7.1). Else wait for an instance to go idle."""
+    async def _reserve(self, owner: str, size: int | Callable[[], int], preemptor: Served | None = None) -> None:
+        """Reserve; if the node is full, evict idle tensors of the node's arena and idle
+        residents at the lowest cost, then idle instances (whose memory then turns into
+        residents, evicted in turn if need be). For the KV growth of a busy instance
+        (`preemptor`), then preempt smaller neighbours whose requests validate elsewhere
+        (LLM-Mesh §7.1). Else wait for an instance to go idle. `size` may be a function: the
+        reservation's size after what the evictions changed (the node arena's)."""
         deadline = time.monotonic() + self.settings.memory_wait_s
         while True:
             self._went_idle.clear()
+            nbytes = size() if callable(size) else size
             result = await self._reserve_memory(owner, nbytes)
             if not result.granted and nbytes > result.budget_bytes:
                 # More than the node's whole budget: no eviction, preemption or wait makes room.
@@ -83,10 +87,16 @@ class KvMemory(EngineNode):
                     f"of {result.budget_bytes} bytes",
                     retry_after_s=2,
                 )
-            for make_room in (self._evict_idle_residents, self._evict_idle_instances, self._evict_idle_residents):
+            for make_room in (
+                self._evict_idle_tensors,
+                self._evict_idle_residents,
+                self._evict_idle_instances,
+                self._evict_idle_residents,
+            ):
                 if result.granted:
                     return
                 if await make_room(nbytes - (result.budget_bytes - result.used_bytes)):
+                    nbytes = size() if callable(size) else size
                     result = await self._reserve_memory(owner, nbytes)
             if result.granted:
                 return
@@ -272,9 +282,9 @@ class KvMemory(EngineNode):
         for aid, bound in list(self.bound.items()):
             if bound.worker.dead:
                 continue
-            target = true_up(
-                bound.weights_reserved, bound.artifact.weight_bytes, bound.worker.rss_bytes(), bound.kv_allocated_bytes
-            )
+            # A model in the node's arena: its weights are the arena's reservation.
+            floor = 0 if bound.worker.arena is not None else bound.artifact.weight_bytes
+            target = true_up(bound.weights_reserved, floor, bound.worker.rss_bytes(), bound.kv_allocated_bytes)
             lock = self._artifact_locks.setdefault(aid, asyncio.Lock())
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue
@@ -294,6 +304,16 @@ class KvMemory(EngineNode):
                     continue
                 bound.weights_reserved = self._footprints[aid] = target
         UNACCOUNTED_BYTES.set(unaccounted)
+
+    async def _evict_idle_tensors(self, need: int) -> bool:
+        """Make room by evicting tensors of the node's arena that no model holds (a model's
+        whose worker died, or that another model shared), the cheapest to reload first
+        (Tangram eq. 2); the arena's reservation shrinks with them."""
+        arena = self.workers.arena
+        if arena is None or not arena.evict_cheapest(need):
+            return False
+        await self._sync_arena()
+        return True
 
     async def _evict_idle_residents(self, need: int) -> bool:
         keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())

@@ -31,6 +31,11 @@ ARENA_BYTES = Gauge(
     "Tensor bytes in the node's one arena (torch nodes): held by a worker's model, or idle (resident, reusable)",
     ["state"],
 )
+ARENA_LOADS = Counter(
+    "tessera_engine_arena_load_bytes_total",
+    "Tensor bytes of the models bound in the node's arena: copied in, or reused (resident already, by content hash)",
+    ["how"],
+)
 PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 UNACCOUNTED_BYTES = Gauge(

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from policy.affinity import reusable_shares
@@ -63,6 +64,9 @@ from shared.messages import (
 
 log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
+ARENA_REGION = "arena"
+"""The node arena's reservation with the memory manager: what its tensors take, held or
+idle (a model's own reservation, `weights:<artifact>`, is then its worker's memory alone)."""
 """The node's one tensor arena among the idle holders of tensors (`idle_tensors`)."""
 
 PERF_SAMPLES = 16
@@ -191,6 +195,8 @@ class EngineNode:
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self._perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
+        self._arena_pending = 0
+        """Bytes the starts under way have reserved to copy into the node's arena."""
         self._footprints: dict[str, int] = {}
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
@@ -263,7 +269,25 @@ class EngineNode:
         budget, used = self._memory_seen
         return max(0, budget - used) if budget else 0
 
-    async def _evict(self, keys: list[str]) -> int:
+    async def _sync_arena(self) -> None:
+        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with the
+        bytes starts under way are about to copy into it: shrunk after an eviction or a
+        start's end (what it placed may have evicted idle tensors, or its load failed)."""
+        arena = self.workers.arena
+        if arena is None:
+            return
+        target = arena.committed_bytes(self._arena_pending)
+        if target == 0:
+            await self._release_memory(ARENA_REGION)
+            return
+        result = await self._reserve_memory(ARENA_REGION, target)
+        await self._memory_done(ARENA_REGION)
+        if not result.granted:
+            log.warning("the node arena takes %d bytes, more than the memory manager grants it", target)
+
+    async def _evict(self, keys: list[str], keep: Collection[str] = ()) -> int:
+        """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
+        another model holds or `keep` names (the model a start makes room for needs them)."""
         freed = 0
         for key in keys:
             bound = self.bound.pop(key, None)
@@ -271,7 +295,10 @@ class EngineNode:
                 continue
             await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
             if self.workers.arena is not None:  # and the weights it alone held in the node's arena
-                self.workers.arena.evict_idle(self.tensor_bytes.get(key, {}))
+                self.workers.arena.evict_idle(
+                    {d: n for d, n in self.tensor_bytes.get(key, {}).items() if d not in keep}
+                )
+                await self._sync_arena()
             freed += bound.resident.nbytes
             await self._release_memory(f"weights:{key}")
             POOL_EVICTIONS.inc()

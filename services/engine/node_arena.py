@@ -20,9 +20,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from cuda_ext.allocator import Block
 from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import CudaError, NativeUnavailable
+from services.engine.metrics import ARENA_LOADS
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,8 @@ class NodeArena:
                 self._evict_copied(owner)
             placement = self.ledger.place(list(tensors.items()), owner)
             self._copied[owner] = placement.copy
-            return placement
+        ARENA_LOADS.labels("reused").inc(sum(n for d, n in tensors.items() if d not in placement.copy))
+        return placement
 
     def fill(self, placement: Placement, checkpoint: Path) -> Placement:
         """Copy what `placement` says to copy from the checkpoint's file (the loader's host-cache
@@ -113,6 +116,7 @@ class NodeArena:
             spans.append((start, placement.offsets[digest], end - start))
         spans.sort(key=lambda s: s[1])
         self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans)
+        ARENA_LOADS.labels("copied").inc(sum(sizes.values()))
         return replace(placement, copy=frozenset(), filled=placement.copy)
 
     def forget_copied(self, owner: str) -> None:
@@ -142,13 +146,39 @@ class NodeArena:
         stopped to make room: its weights go too, unless another model shares them); the
         bytes freed."""
         with self._lock:
-            freed = 0
+            blocks = [self.ledger.blocks[d] for d in set(tensors) & set(self.ledger.idle())]
             for digest in set(tensors) & set(self.ledger.idle()):
-                block = self.ledger.blocks[digest]
                 self.ledger.evict(digest)
-                self.memory.discard(block.offset, block.nbytes)
-                freed += block.nbytes
-            return freed
+            return self._discard(blocks)
+
+    def evict_cheapest(self, nbytes: int) -> int:
+        """Evict idle tensors, the cheapest to reload first (Tangram eq. 2), until `nbytes` are
+        freed (for the node's memory budget: the arena's own room is `place`'s to make); the
+        bytes freed, 0 where evicting every idle tensor would not free that much."""
+        with self._lock:
+            blocks = dict(self.ledger.blocks)
+            return self._discard([blocks[d] for d in self.ledger.evict_cheapest(nbytes)])
+
+    def _discard(self, blocks: list[Block]) -> int:
+        for block in blocks:
+            self.memory.discard(block.offset, block.nbytes)
+        return sum(b.nbytes for b in blocks)
+
+    def committed_bytes(self, pending: int = 0) -> int:
+        """The node memory the arena takes, with `pending` bytes about to be copied in: on CUDA
+        its whole allocation (made at once, whatever it holds); on the host the pages its
+        tensors fill (a page is taken when written and given back when discarded)."""
+        capacity = self.ledger.allocator.capacity
+        if self.handle.cuda:
+            return capacity
+        with self._lock:
+            return min(capacity, sum(b.nbytes for b in self.ledger.blocks.values()) + pending)
+
+    def room_bytes(self) -> int:
+        """Bytes a load could have in the arena: all but what loads hold (idle tensors are
+        evicted for it)."""
+        held, _ = self.held_bytes()
+        return self.ledger.allocator.capacity - held
 
     def held_bytes(self) -> tuple[int, int]:
         """Bytes of tensors some worker holds, and of idle ones."""

@@ -11,6 +11,7 @@ and its reservation), Prefill (the first token of the request that caused the st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -18,8 +19,9 @@ import time
 
 from nats.aio.msg import Msg
 
+from cuda_ext.allocator import ArenaFull
 from policy.affinity import most_reused
-from policy.eviction import Resident
+from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from services.engine.metrics import (
     COLD_WORKERS,
@@ -29,7 +31,7 @@ from services.engine.metrics import (
     TIER_UP_SECONDS,
     TIER_UPS,
 )
-from services.engine.node import Bound, PendingColdStart, Served
+from services.engine.node import ARENA_REGION, Bound, PendingColdStart, Served
 from services.engine.pipelines import Pipelines
 from services.engine.worker_pool import Worker
 from services.engine.worker_wire import Loaded, TieredUp
@@ -222,10 +224,20 @@ class Starts(Pipelines):
                 if rebound is not None:
                     return rebound, False, time.monotonic()
             tensors = await self._tensors(artifact) if arena is not None else {}
-            in_arena = arena is not None and bool(tensors) and arena.missing_bytes(tensors) == 0
-            weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
+            missing = await self._arena_room(aid, tensors) if tensors else 0
+            in_arena = bool(tensors) and missing == 0
+            if tensors:
+                # Its weights are the arena's reservation; its own is its worker's memory.
+                weights = self._footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
+            else:
+                weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
             await self._reserve(f"weights:{aid}", weights)
+            self._arena_pending += missing
             try:
+                if missing:
+                    assert arena is not None
+                    await self._reserve(ARENA_REGION, lambda: arena.committed_bytes(self._arena_pending))
+                    await self._memory_done(ARENA_REGION)
                 t_load = time.monotonic()
                 tier = self._start_tier(artifact)
                 # The blob first, then the worker: a stage that waits for a scale-out's
@@ -246,11 +258,61 @@ class Starts(Pipelines):
                     raise
                 stage_s += waited_s
                 await self._memory_done(f"weights:{aid}")
+            except ArenaFull as e:  # room for its bytes, but no range long enough
+                await self._release_memory(f"weights:{aid}")
+                raise TesseraError(
+                    ErrorCode.NO_CAPACITY,
+                    f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
+                    retry_after_s=2,
+                ) from e
             except BaseException:
                 await self._release_memory(f"weights:{aid}")
                 raise
+            finally:
+                self._arena_pending -= missing
+                if missing:
+                    await self._sync_arena()
             source = "arena" if in_arena else "host" if staged and staged.hit else "store"
             return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
+
+    async def _arena_room(self, aid: str, tensors: dict[str, int]) -> int:
+        """Room in the node's arena for the bytes of `tensors` it lacks, which it returns.
+        Where what loads hold leaves too little: idle residents are stopped, the cheapest
+        first (their tensors then make way as the load is placed, but for those it shares),
+        then idle instances; else it waits for an instance to go idle, as a start waits for
+        memory (`_reserve`). NO_CAPACITY once the models in use still leave too little."""
+        arena = self.workers.arena
+        assert arena is not None
+        deadline = time.monotonic() + self.settings.memory_wait_s
+        # Again after each eviction: the evicted model's tensors may have been this one's too.
+        while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes()):
+            self._went_idle.clear()
+            # Priced by what each holds in the arena (its weights there), not by its worker.
+            residents = [
+                dataclasses.replace(b.resident, nbytes=sum(self.tensor_bytes.get(k, {}).values()))
+                for k, b in self.bound.items()
+            ]
+            keys = choose_evictions(residents, missing - room, time.time())
+            if keys:
+                await self._evict(keys, keep=tensors)
+                continue
+            if await self._evict_idle_instances(missing - room):
+                continue
+            try:
+                await asyncio.wait_for(self._went_idle.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TesseraError(
+                    ErrorCode.NO_CAPACITY,
+                    f"artifact {aid} needs {missing} bytes of node {self.node}'s tensor arena; the "
+                    f"models in use there leave {room}",
+                    retry_after_s=2,
+                ) from None
+        return missing
+
+    def _warm_worker_bytes(self) -> int:
+        """A pre-warmed worker's own memory (its runtime, no model): what a worker bound to a
+        model in the node's arena holds before its first true-up measures it."""
+        return max((w.rss_bytes() for w in self.workers.idle), default=0)
 
     def _bind(
         self, worker: Worker, artifact: Artifact, loaded: Loaded, source: str, stage_s: float, weights: int, now: float

@@ -62,6 +62,16 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _shmem_bytes(pid: int) -> int:
+    """Resident shared memory (shmem and memfd pages) of a process: /proc/<pid>/status's
+    RssShmem, in kB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class WorkerDied(Exception):
     pass
 
@@ -139,9 +149,12 @@ class Worker:
         return int(self.process.pid or 0)
 
     def rss_bytes(self) -> int:
+        """Its resident memory; with the node's arena mapped, less the arena's pages it has
+        touched (shared memory the arena's own reservation counts, once for every worker)."""
         try:
             with open(f"/proc/{self.pid}/statm") as f:
-                return int(f.read().split()[1]) * _PAGE
+                rss = int(f.read().split()[1]) * _PAGE
+            return rss - (_shmem_bytes(self.pid) if self.arena is not None else 0)
         except (OSError, ValueError, IndexError):
             return 0
 

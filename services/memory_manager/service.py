@@ -33,6 +33,11 @@ PHYSICAL = Gauge("tessera_memory_physical_bytes", "Bytes that may be held right 
 BUDGET = Gauge("tessera_memory_budget_bytes", "Bytes this node may reserve")
 DENIED = Counter("tessera_memory_denied_total", "Reservations refused for lack of memory")
 OPS = Counter("tessera_memory_operations_total", "Operations through the reservation station", ["kind"])
+REGION = Gauge(
+    "tessera_memory_region_bytes",
+    "Bytes reserved per region (optimistic): a model's weights:<artifact> and <model>:kv, the node arena's arena",
+    ["region"],
+)
 WAITING = Gauge("tessera_memory_waiting_operations", "Accepted operations waiting on a hazard or on memory")
 
 
@@ -50,6 +55,8 @@ class MemoryManagerService:
         self._started: dict[int, asyncio.Event] = {}
         self._running: dict[str, int] = {}
         """Region → the granted load/resize the engine has not reported done yet."""
+        self._shown: set[str] = set()
+        """Regions the per-region gauge shows."""
         BUDGET.set(settings.memory_budget_bytes)
 
     async def start(self) -> None:
@@ -59,6 +66,12 @@ class MemoryManagerService:
 
     def _update_gauges(self) -> None:
         USED.set(self.station.optimistic_bytes)
+        regions = {r: n for r, n in self.station.target.items() if n}
+        for gone in self._shown - set(regions):
+            REGION.remove(gone)
+        for region, nbytes in regions.items():
+            REGION.labels(region).set(nbytes)
+        self._shown = set(regions)
         PHYSICAL.set(self.station.pessimistic_bytes)
         WAITING.set(len(self.station.waiting))
 

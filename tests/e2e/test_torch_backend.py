@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("torch", reason="the torch engine needs torch (the `test` extra installs it)")
 
 import torch
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ops.localcluster import LocalCluster, default_model_path
@@ -41,9 +42,29 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"repetiti
 """Plain greedy decoding (the platform's default repetition penalty of 1.1 off)."""
 
 
+def float32_bytes() -> tuple[int, int]:
+    """The default model's weights in float32 (as its torch checkpoint holds them), and its
+    embedding's share of them."""
+    tensors = GGUFReader(default_model_path()).tensors
+    embedding = next(int(t.n_elements) for t in tensors if t.name == EMBEDDING)
+    return 4 * sum(int(t.n_elements) for t in tensors), 4 * embedding
+
+
+EMBEDDING = "token_embd.weight"
+WEIGHTS, EMBEDDING_BYTES = float32_bytes()
+ARENA_BYTES = WEIGHTS + EMBEDDING_BYTES // 2
+"""The node's arena: room for one model's weights, not for a second embedding beside them."""
+
+
 @pytest.fixture(scope="module")
 def torch_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("torch-node"), model_store, TESSERA_ENGINE_BACKEND="torch")
+    c = start_cluster(
+        tmp_path_factory.mktemp("torch-node"),
+        model_store,
+        TESSERA_ENGINE_BACKEND="torch",
+        TESSERA_TORCH_ARENA_BYTES=str(ARENA_BYTES),
+        TESSERA_MEMORY_WAIT_S="2",  # a start the arena cannot take is refused soon
+    )
     try:
         yield c
     finally:
@@ -87,6 +108,15 @@ def transformers_greedy(checkpoint: Path, prompt: list[int]) -> tuple[str, int, 
             ids, finish = ids[:i], "stop"
             break
     return tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish
+
+
+def arena_reserved(cluster: LocalCluster) -> float:
+    """What the node's memory manager has reserved for the node's arena."""
+    return metric(cluster, "memory_manager@node-0", "tessera_memory_region_bytes", region="arena")
+
+
+ALIGNMENT_SLACK = 256 * 300
+"""The arena aligns each of the model's 272 tensors to 256 bytes."""
 
 
 def torch_workers(cluster: LocalCluster) -> list[int]:
@@ -155,6 +185,8 @@ def test_a_torch_start_after_its_worker_died_finds_the_weights_in_the_node_arena
         30,
         "the dead worker's weights reported idle in the node's arena",
     )
+    # Idle, they still take the node's memory until evicted: the memory manager counts them.
+    assert arena_reserved(torch_cluster) >= weights
     before = len(cold_starts(torch_cluster, NAME))
 
     def answered() -> str | None:
@@ -251,6 +283,7 @@ def test_a_model_sharing_a_resident_models_tensors_binds_them_from_the_node_aren
     # Both workers hold the same tensors (the first model's worker is still bound): once.
     weights = sum(torch_tensor_bytes(artifact).values())
     assert metric(torch_cluster, "engine@node-0", "tessera_engine_arena_bytes", state="held") == weights
+    assert weights <= arena_reserved(torch_cluster) < weights + ALIGNMENT_SLACK  # reserved once too
 
     # Both idle now: the node says either would start here reading nothing (the scheduler's
     # affinity), and the first model comes back on its own worker.
@@ -298,3 +331,60 @@ def test_a_fine_tune_beside_an_idle_base_is_reported_partly_resident(
         assert artifact.artifact_id not in shares  # whole: reported resident, not partly
     finally:
         shutil.rmtree(tune)
+
+
+def test_a_model_the_arena_has_no_room_for_stops_idle_ones_and_copies_only_its_own_tensors(
+    torch_cluster: LocalCluster, artifact: Artifact, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """Tangram §3.1-3.2 in a full arena: a model whose embedding differs (the GGUF's first
+    embedding block changed: a fine-tune of it) finds room for only half an embedding beside
+    the idle models. The idle ones are stopped; their shared tensors stay for it and only the
+    embedding is copied; the old embedding is evicted for it, and the memory manager's
+    reservation for the arena follows. While it serves, the first model, needing its own
+    embedding back, is refused with a clear 503: the models in use leave no room."""
+    weights = sum(torch_tensor_bytes(artifact).values())
+    assert weights + ALIGNMENT_SLACK < ARENA_BYTES < weights + EMBEDDING_BYTES  # the premise
+    client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    wait_for(lambda: NAME not in loaded_models(torch_cluster), 30, f"{NAME} to scale to zero")
+
+    tune = tmp_path / "tune.gguf"
+    shutil.copyfile(default_model_path(), tune)
+    embedding = next(t for t in GGUFReader(tune).tensors if t.name == EMBEDDING)
+    with tune.open("r+b") as f:  # the first Q8_0 block's values (after its 2-byte scale), each +1
+        f.seek(int(embedding.data_offset) + 2)
+        values = f.read(32)
+        f.seek(int(embedding.data_offset) + 2)
+        f.write(bytes((v + 1) % 256 for v in values))
+    record = register(torch_cluster, "smollm-torch-tune", keep_alive_s=1.0, source=str(tune))
+    tuned = torch_tensor_bytes(msgspec.convert(record["artifact"], Artifact))
+    own = {d: n for d, n in tuned.items() if d not in torch_tensor_bytes(artifact)}
+    assert 0 < sum(own.values()) <= EMBEDDING_BYTES  # the embedding alone differs
+
+    def loads(how: str) -> float:
+        return metric(torch_cluster, "engine@node-0", "tessera_engine_arena_load_bytes_total", how=how)
+
+    copied, reused = loads("copied"), loads("reused")
+    reply = client.chat.completions.create(model="smollm-torch-tune", messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert reply.choices[0].message.content
+    assert loads("copied") - copied == sum(own.values())
+    assert loads("reused") - reused == weights - sum(own.values())
+    (node,) = httpx.get(f"{torch_cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+    assert artifact.artifact_id not in node["resident"]  # stopped, and its embedding evicted
+    assert metric(torch_cluster, "engine@node-0", "tessera_engine_arena_bytes", state="idle") == 0
+    assert weights <= arena_reserved(torch_cluster) < weights + ALIGNMENT_SLACK
+
+    busy = client.chat.completions.create(
+        model="smollm-torch-tune",
+        messages=QUESTION,
+        stream=True,
+        max_tokens=4000,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(c for c in busy if c.choices and c.choices[0].delta.content)  # serving now
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model=NAME, messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
+        assert refused.value.status_code == 503, refused.value
+        assert "tensor arena" in str(refused.value.message), refused.value.message
+    finally:
+        busy.close()

@@ -191,6 +191,57 @@ def test_evicting_a_stopped_models_tensors_spares_those_another_model_holds() ->
     assert arena.digests() == set(tune_t)
 
 
+def test_the_host_arena_takes_from_the_node_budget_what_its_tensors_fill_idle_or_held() -> None:
+    # Its reservation with the memory manager: the pages its tensors fill (a host arena's
+    # pages are taken only when written), with what starts under way will copy; two models
+    # sharing tensors count them once.
+    base = model(0)
+    tune = dict(base)
+    tune["layer2.w"] = base["layer2.w"] + 1
+    base_t, tune_t = dict(pairs(HostImage.of(base))), dict(pairs(HostImage.of(tune)))
+    arena = NodeArena(1 << 16, "CPU")
+    assert arena.committed_bytes() == 0 and arena.committed_bytes(pending=1000) == 1000
+    arena.place("w1", base_t)
+    alone = arena.committed_bytes()
+    assert alone >= sum(base_t.values())  # its ranges, aligned
+    arena.place("w2", tune_t)
+    placed = arena.committed_bytes()
+    assert placed == alone + 256  # the tune's own layer2.w (8 × 8 float32): the rest is shared
+    arena.release("w1")  # idle, still taking its pages until evicted
+    assert arena.committed_bytes() == placed
+    assert arena.committed_bytes(pending=1 << 20) == 1 << 16  # never past the arena
+
+
+def test_idle_tensors_go_for_the_node_budget_the_cheapest_first_and_held_ones_never() -> None:
+    small, big = model(0, layers=1), {"big": torch.randn(64, 64)}
+    small_t, big_t = dict(pairs(HostImage.of(small))), dict(pairs(HostImage.of(big)))
+    arena = NodeArena(1 << 16, "CPU")
+    arena.place("w1", small_t)
+    arena.place("w2", big_t)
+    arena.release("w1")
+    arena.release("w2")
+    before = arena.committed_bytes()
+    # Used alike: eq. 2 prices a small tensor's reload lower, and one alone frees enough.
+    freed = arena.evict_cheapest(100)
+    assert freed == 256
+    assert set(big_t) <= arena.digests() and len(arena.digests()) == len(small_t) + len(big_t) - 1
+    assert arena.committed_bytes() == before - freed
+    arena.place("w3", big_t)  # held again: never evicted
+    assert arena.evict_cheapest(1 << 16) == 0  # the idle ones cannot free that: none go
+    while arena.evict_cheapest(1):
+        pass
+    assert arena.digests() == set(big_t)
+
+
+def test_a_load_has_the_room_the_models_in_use_leave() -> None:
+    tensors = dict(pairs(HostImage.of(model(0))))
+    arena = NodeArena(1 << 16, "CPU")
+    arena.place("w1", tensors)
+    assert arena.room_bytes() == (1 << 16) - sum(tensors.values())
+    arena.release("w1")  # idle tensors make way for a load
+    assert arena.room_bytes() == 1 << 16
+
+
 def test_a_node_device_names_its_arena() -> None:
     assert [arena_device(d) for d in ("CPU", "CUDA", "CUDA:1", "cuda:0")] == ["cpu", "cuda:0", "cuda:1", "cuda:0"]
 
