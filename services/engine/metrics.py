@@ -36,6 +36,11 @@ ARENA_LOADS = Counter(
     "Tensor bytes of the models bound in the node's arena: copied in, or reused (resident already, by content hash)",
     ["how"],
 )
+ARENA_STREAMED = Counter(
+    "tessera_engine_arena_streamed_bytes_total",
+    "Of the bytes starts copied into the node's arena, those copied after the start was admitted "
+    "(TIDAL: streamed in behind the first forward pass)",
+)
 PREWARMED = Gauge("tessera_engine_prewarmed_workers", "Worker processes warm and bound to no model")
 PREWARMED_BYTES = Gauge("tessera_engine_prewarmed_rss_bytes", "Resident memory of the pre-warmed workers")
 UNACCOUNTED_BYTES = Gauge(

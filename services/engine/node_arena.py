@@ -16,7 +16,8 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from cuda_ext.allocator import Block
 from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import CudaError, NativeUnavailable
-from services.engine.metrics import ARENA_LOADS
+from cuda_ext.progress import FillProgress
+from services.engine.metrics import ARENA_LOADS, ARENA_STREAMED
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,45 @@ def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+FILL_BATCH_BYTES = 32 << 20
+"""What a fill copies between two counts of its progress: a transformer layer of a small model
+is a few MiB, of an 8B one ≈ 400 MiB (counted on its own)."""
+
+
+class Fill:
+    """One load's copy into the arena, as other loads that reuse its tensors wait for it."""
+
+    def __init__(self) -> None:
+        self._ended = threading.Event()
+        self.ok = False
+
+    def end(self, ok: bool) -> None:
+        self.ok = ok
+        self._ended.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether it ended with every tensor in (False: it failed, or is still going)."""
+        return self._ended.wait(timeout_s) and self.ok
+
+
+def _fill_owner(owner: str) -> str:
+    return f"{owner}/fill"
+
+
+def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
+    """[first, last) index ranges of `sizes`, in order, each at least `batch_bytes` (but the
+    last) or a single item."""
+    out, first, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= batch_bytes:
+            out.append((first, i + 1))
+            first, acc = i + 1, 0
+    if first < len(sizes):
+        out.append((first, len(sizes)))
+    return out
+
+
 def arena_device(device: str) -> str:
     """The arena's device for a node's `TESSERA_DEVICE` (CUDA, CUDA:1, or a CPU's)."""
     name = device.lower()
@@ -60,6 +101,14 @@ class NodeArena:
         self._lock = threading.Lock()  # a worker's death is reported on its reader thread
         self._copied: dict[str, frozenset[str]] = {}
         """Per owner, the digests its last placement had it copy (what a reload discards)."""
+        self._filling: dict[str, Fill] = {}
+        """Digests being copied in, each by its fill: a load that finds one resident waits for
+        it, and its range is held by the fill (no eviction reuses it) until the copy ends."""
+        self._broken: set[str] = set()
+        """Digests whose copy failed: never reused, evicted once nobody holds them."""
+        self.fill_bps = 0.0
+        """Bytes per second the last fills copied at (0: none measured yet): the node's B_h2d
+        of TIDAL Eq. 1, measured, not assumed."""
 
     @classmethod
     def make(cls, capacity_bytes: int, device: str) -> NodeArena | None:
@@ -90,33 +139,109 @@ class NodeArena:
             self._release(owner)
             if discard:
                 self._evict_copied(owner)
+            for digest in self._broken & set(self.ledger.idle()):
+                self.ledger.evict(digest)
+                self._broken.discard(digest)
             placement = self.ledger.place(list(tensors.items()), owner)
             self._copied[owner] = placement.copy
+            self._broken -= placement.copy  # evicted meanwhile, and copied afresh now
         ARENA_LOADS.labels("reused").inc(sum(n for d, n in tensors.items() if d not in placement.copy))
         return placement
 
-    def fill(self, placement: Placement, checkpoint: Path) -> Placement:
+    def begin_fill(self, placement: Placement) -> None:
+        """What `placement` copies is being filled from now until its `fill` ends: held by the
+        fill, whatever becomes of the worker meanwhile (no eviction hands its ranges to another
+        load mid-copy), and waited for by loads that find it resident (`pending`)."""
+        if not placement.copy:
+            return
+        with self._lock:
+            self.ledger.place([(d, self.ledger.sizes[d]) for d in placement.copy], _fill_owner(placement.owner))
+            fill = Fill()
+            for digest in placement.copy:
+                self._filling[digest] = fill
+
+    def pending(self, placement: Placement) -> list[Fill]:
+        """The fills of other loads still copying tensors `placement` found resident: its
+        worker may read them once these end well."""
+        with self._lock:
+            fills = {id(f): f for d in placement.offsets if d not in placement.copy and (f := self._filling.get(d))}
+            broken = bool(self._broken & (set(placement.offsets) - placement.copy))
+        if broken:  # held by a load whose copy failed, not evicted yet: never to be read
+            failed = Fill()
+            failed.end(False)
+            return [failed]
+        return list(fills.values())
+
+    def fill(
+        self,
+        placement: Placement,
+        checkpoint: Path,
+        order: Sequence[str] = (),
+        progress: FillProgress | None = None,
+        load: int = 0,
+        admit_bytes: int | None = None,
+        on_admit: Callable[[], None] | None = None,
+    ) -> Placement:
         """Copy what `placement` says to copy from the checkpoint's file (the loader's host-cache
         copy, or the store's) into the arena, here: on CUDA through the extension's pinned
         staging, at the link's speed rather than the driver's pageable path; a worker's load
-        then reads nothing. The placement to send it (those digests `filled`)."""
+        then reads nothing. In `order` (the digests to copy, in access order; by offset
+        otherwise), a batch at a time, each counted on `progress` once it is in (the worker's
+        forward pass waits for its units there), and `on_admit()` called once `admit_bytes` are
+        in (TIDAL §5: the first request runs while the rest streams in behind it). The
+        placement to send the worker (those digests `filled`)."""
         if not placement.copy:
             return placement
-        names = {t["digest"]: t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]}
-        ranges = tensor_ranges(checkpoint / TORCH_WEIGHTS)
-        with self._lock:
-            sizes = {d: self.ledger.sizes[d] for d in placement.copy}
-        spans = []
-        for digest in placement.copy:
-            start, end = ranges[names[digest]]
-            if end - start != sizes[digest]:
-                raise ValueError(
-                    f"{names[digest]} is {end - start} bytes in {checkpoint}, {sizes[digest]} in its manifest"
-                )
-            spans.append((start, placement.offsets[digest], end - start))
-        spans.sort(key=lambda s: s[1])
-        self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans)
-        ARENA_LOADS.labels("copied").inc(sum(sizes.values()))
+        ok = False
+        try:
+            names = {t["digest"]: t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]}
+            ranges = tensor_ranges(checkpoint / TORCH_WEIGHTS)
+            with self._lock:
+                sizes = {d: self.ledger.sizes[d] for d in placement.copy}
+            digests = list(order) or sorted(placement.copy, key=placement.offsets.__getitem__)
+            if set(digests) != placement.copy:
+                raise ValueError("a fill's order names other digests than its placement copies")
+            spans = []
+            for digest in digests:
+                start, end = ranges[names[digest]]
+                if end - start != sizes[digest]:
+                    raise ValueError(
+                        f"{names[digest]} is {end - start} bytes in {checkpoint}, {sizes[digest]} in its manifest"
+                    )
+                spans.append((start, placement.offsets[digest], end - start))
+            t0 = time.monotonic()
+            done_bytes = 0
+            admitted = admit_bytes is None
+            streamed_from = done_bytes
+            for first, last in _batches([n for _, _, n in spans], FILL_BATCH_BYTES):
+                if not admitted and done_bytes >= (admit_bytes or 0):
+                    admitted, streamed_from = True, done_bytes
+                    if on_admit is not None:
+                        on_admit()
+                self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans[first:last])
+                done_bytes += sum(n for _, _, n in spans[first:last])
+                if progress is not None:
+                    progress.advance(load, last)
+            elapsed = time.monotonic() - t0
+            if done_bytes >= FILL_BATCH_BYTES and elapsed > 0:
+                self.fill_bps = done_bytes / elapsed
+            ARENA_LOADS.labels("copied").inc(done_bytes)
+            if admit_bytes is not None and admitted:
+                ARENA_STREAMED.inc(done_bytes - streamed_from)
+            ok = True
+        finally:
+            if not ok and progress is not None:
+                progress.fail(load)
+            with self._lock:
+                fill = self._filling.get(next(iter(placement.copy)))
+                for digest in placement.copy:
+                    self._filling.pop(digest, None)
+                if not ok:
+                    self._broken |= placement.copy
+                if self.ledger.holds(_fill_owner(placement.owner)):
+                    self.ledger.release(_fill_owner(placement.owner))
+            if fill is not None:
+                fill.end(ok)
         return replace(placement, copy=frozenset(), filled=placement.copy)
 
     def forget_copied(self, owner: str) -> None:

@@ -23,6 +23,7 @@ from cuda_ext.allocator import ArenaFull
 from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
+from policy.prefetch import prefetch_bytes
 from services.engine.metrics import (
     COLD_WORKERS,
     KV_RESERVED,
@@ -389,11 +390,13 @@ class Starts(Pipelines):
         cores = self._start_cores()
         timeout = self.settings.load_timeout_s
         tensors = await self._tensors(artifact) if worker.arena is not None else None
+        admit = self._admit_bytes(artifact, tensors)
         if staged is None or staged.verified:
             cache_dir = staged.cache_dir if staged else None
-            return await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors), 0.0
+            return await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors, admit_bytes=admit), 0.0
         check = asyncio.ensure_future(self._verified(artifact))
         try:
+            # Not streamed: nothing is served from the copy before its check.
             loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier, tensors=tensors)
         except BaseException:
             check.cancel()
@@ -413,6 +416,22 @@ class Starts(Pipelines):
         cache_dir = checked.cache_dir if checked else None
         again = await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors, discard=True)
         return again, waited
+
+    def _admit_bytes(self, artifact: Artifact, tensors: dict[str, int] | None) -> int | None:
+        """TIDAL Eq. 1 for a start into the node's arena: of the bytes it copies, those to be in
+        before its first request runs, M_prefetch = max(M − T_TTFT × B_h2d, 0), the rest
+        streaming in behind the forward pass. B_h2d is the node's measured fill bandwidth and
+        T_TTFT the quickest prefill measured for the model here (else for any model here: the
+        smaller, the more copied ahead). None (all of it first) until both are measured."""
+        arena = self.workers.arena
+        if arena is None or not tensors or arena.fill_bps <= 0:
+            return None
+        own = self._perf.get(artifact.artifact_id)
+        samples = own.prefill if own and own.prefill else [s for p in self._perf.values() for s in p.prefill]
+        if not samples:
+            return None
+        ttft = min(seconds for _, seconds in samples)
+        return prefetch_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps)
 
     async def _verified(self, artifact: Artifact) -> Staged | None:
         try:

@@ -19,7 +19,8 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cuda_ext.ledger import Placement
-from services.engine.node_arena import NodeArena
+from cuda_ext.progress import FillFailed, FillProgress, FillSignal
+from services.engine.node_arena import Fill, NodeArena
 from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
@@ -98,6 +99,11 @@ class Worker:
         self.arena = arena if backend == "torch" else None
         self.owner = NodeArena.owner()
         """Its holdings' name in the node arena's book."""
+        self.progress = FillProgress() if self.arena is not None else None
+        """How far the engine's copy of its model's tensors has come (its forward pass waits
+        there for each unit's tensors while the rest streams in)."""
+        self._fill: asyncio.Future[Placement] | None = None
+        """Its model's copy, still streaming in behind the first requests."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
@@ -225,44 +231,78 @@ class Worker:
         stage: StageSpec | None = None,
         tensors: Mapping[str, int] | None = None,
         discard: bool = False,
+        admit_bytes: int | None = None,
     ) -> Loaded:
         """`tensors` (a torch model's, digest → bytes in access order): where the node has one
         arena, the worker binds the model where its book places them (`NodeArena.place`, with
-        `discard`)."""
+        `discard`), and the engine copies what is missing meanwhile. The load is done once the
+        worker has bound it and the first `admit_bytes` of the copy are in (TIDAL Eq. 1's
+        M_prefetch; None: all of it): the rest streams in behind the first requests, each unit
+        of the worker's forward pass waiting for its own tensors."""
         load = Load(artifact, cores, cache_dir, tier, stages, stage)
         placement = None
         fill: asyncio.Future[Placement] | None = None
-        if self.arena is not None and tensors and not stages and stage is None:
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        others: list[Fill] = []
+        if self.arena is not None and self.progress is not None and tensors and not stages and stage is None:
+            if self._fill is not None:  # the last load's copy first (a reload after a failed check)
+                await asyncio.wait([self._fill])
             placement = self.arena.place(self.owner, tensors, discard)
+            self.arena.begin_fill(placement)  # no await since the placement: nothing came between
+            others = self.arena.pending(placement)
             if placement.copy:
-                # The engine copies what is missing while the worker binds the model (which
-                # reads no weight): the start is done when both are.
-                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
+                order = tuple(d for d in tensors if d in placement.copy)
+                number = self.progress.begin()
+
+                def admit() -> None:  # on the fill's thread
+                    self._loop.call_soon_threadsafe(admitted.set_result, None)
+
+                fill = asyncio.ensure_future(
+                    asyncio.to_thread(
+                        self.arena.fill, placement, load.checkpoint, order, self.progress, number, admit_bytes, admit
+                    )
+                )
+                load = replace(load, fill=FillSignal(self.progress.path, number, order))
                 placement = replace(placement, copy=frozenset(), filled=placement.copy)
             load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
         self._conn.send(load)
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
+            for other in others:  # tensors another load is copying in: whole before any is read
+                if not await asyncio.to_thread(other.wait, timeout_s):
+                    raise FillFailed("tensors this model shares with another load did not arrive")
             if fill is not None:
-                await fill
+                await asyncio.wait((fill, admitted), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                if fill.done():
+                    fill.result()  # its error, where it failed
+                elif not admitted.done():
+                    raise TimeoutError(f"the copy of {artifact.artifact_id}'s first tensors took over {timeout_s} s")
         except BaseException:
-            copied = True
-            if fill is not None:
-                try:
-                    await fill  # the copy ends before its ranges may go to another load
-                except BaseException:
-                    copied = False
             if placement is not None:
                 assert self.arena is not None
-                self.arena.release(self.owner)
-                if not copied:  # what it was to copy is not whole: no later load may find it
-                    self.arena.forget_copied(self.owner)
+                self.arena.release(self.owner)  # a failed copy's tensors are evicted once idle
+            if fill is not None:  # it ends on its own (holding its tensors till then); what failed is raised here
+                fill.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         finally:
             self._waiter = None
+        if fill is not None and not fill.done():
+            self._fill = fill
+            fill.add_done_callback(self._streamed)
         self.tier = tier
         return loaded
+
+    def _streamed(self, fill: asyncio.Future[Placement]) -> None:
+        """The rest of a load's copy, streamed behind its first requests, ended. If it failed,
+        the model this worker serves lacks tensors: the worker is stopped (its requests fail
+        and the next start loads the model anew)."""
+        if self._fill is fill:
+            self._fill = None
+        if fill.cancelled() or fill.exception() is None:
+            return
+        log.error("worker %s: the streamed copy of its model failed (%s): stopping it", self.pid, fill.exception())
+        self._loop.run_in_executor(None, self.stop)
 
     async def generate(
         self, run: Run, is_cancelled: Cancelled, on_start: Callable[[int], None] | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cuda_ext.ledger import Placement
+from cuda_ext.progress import FillSignal
 from services.engine.streams import Chunk
 from shared.artifact import torch_checkpoint
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
@@ -38,6 +39,9 @@ class Load:
     placement: Placement | None = None
     """A torch worker on a node with one arena: where the node's book put the model's tensors
     (which of them to copy, the rest resident already)."""
+    fill: FillSignal | None = None
+    """With `placement`: where to follow the engine's copy of its `filled` tensors, which may
+    still be streaming in when the first request runs."""
 
     @property
     def checkpoint(self) -> Path:

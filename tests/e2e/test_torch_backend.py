@@ -365,7 +365,11 @@ def test_a_model_the_arena_has_no_room_for_stops_idle_ones_and_copies_only_its_o
 
     copied, reused = loads("copied"), loads("reused")
     reply = client.chat.completions.create(model="smollm-torch-tune", messages=QUESTION, **GREEDY)  # type: ignore[arg-type, call-overload]
-    assert reply.choices[0].message.content
+    # Its own embedding, copied in (or streamed in behind its first forward pass): its text is
+    # transformers' for the tune's weights.
+    tune_artifact = msgspec.convert(record["artifact"], Artifact)
+    expected, _, _ = transformers_greedy(torch_checkpoint(tune_artifact), gateway_prompt_ids(tune_artifact))
+    assert reply.choices[0].message.content == expected
     assert loads("copied") - copied == sum(own.values())
     assert loads("reused") - reused == weights - sum(own.values())
     (node,) = httpx.get(f"{torch_cluster.base_url}/admin/instances", timeout=10).json()["nodes"]

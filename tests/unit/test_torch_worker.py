@@ -258,7 +258,7 @@ def test_a_start_runs_on_its_core_share_until_the_idle_node_gives_every_core_bac
         loaded = type("Loaded", (), {"reused_bytes": 0})()
 
         @staticmethod
-        def start(checkpoint: object, arena: object, placement: object) -> Started:
+        def start(checkpoint: object, arena: object, placement: object, fill: object) -> Started:
             seen["threads"], seen["cores"] = torch.get_num_threads(), os.sched_getaffinity(0)
             return Started()
 

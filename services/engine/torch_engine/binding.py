@@ -11,7 +11,7 @@ layers run while the last ones are still on the link (TIDAL §5).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +91,12 @@ def bind(
     loaded: Loaded,
     device: torch.device,
     units: Sequence[str] | None = None,
+    fill_wait: Callable[[int], None] | None = None,
 ) -> BoundModel:
     """Point `model`'s parameters at `loaded`'s views. With `units` (the load's groups, in
-    order), each unit's forward first waits on the device for its group's copy."""
+    order), each unit's forward first waits on the device for its group's copy, and with
+    `fill_wait` for another process's copy of its tensors (`fill_wait(unit's index)` returns
+    once they are in: the engine's fill of the node's arena)."""
     for name, tensor in loaded.tensors.items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -110,14 +113,17 @@ def bind(
     if left:
         raise ValueError(f"no tensor for {left[:5]} ({len(left)} in all)")
     waits: list[RemovableHandle] = []
-    if units is not None and device.type == "cuda":
+    cuda = device.type == "cuda"
+    if units is not None and (cuda or fill_wait is not None):
         for g, unit in enumerate(units):
 
             def wait(_m: torch.nn.Module, _args: object, g: int = g) -> None:
+                if fill_wait is not None:
+                    fill_wait(g)
                 # A CUDA graph may not wait on another stream's work; one is captured only after
                 # an eager pass on the same stream waited (the batch's library warms up so), and
                 # replays after it.
-                if not torch.cuda.is_current_stream_capturing():
+                if cuda and not torch.cuda.is_current_stream_capturing():
                     loaded.wait(g)
 
             waits.append(model.get_submodule(unit).register_forward_pre_hook(wait))

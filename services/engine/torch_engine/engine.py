@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from cuda_ext import Loaded, TensorArena, TensorSpec
 from cuda_ext.ledger import Placement
+from cuda_ext.progress import FillSignal, FillWaiter
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
@@ -59,10 +60,14 @@ class TorchEngine:
         return self.bound.loaded
 
     @classmethod
-    def start(cls, checkpoint: Path, arena: TensorArena, placement: Placement | None = None) -> TorchEngine:
+    def start(
+        cls, checkpoint: Path, arena: TensorArena, placement: Placement | None = None, fill: FillSignal | None = None
+    ) -> TorchEngine:
         """Bind the checkpoint's model to `arena`: where `placement` (the node arena's book)
         puts it, reading from the file only what it says to copy; else where the arena's own
-        book does, reading only what it does not hold."""
+        book does, reading only what it does not hold. `fill`: the engine is still copying
+        the tensors `placement` says it filled; each unit of the forward pass waits for its
+        own (TIDAL §5)."""
         specs = read_manifest(checkpoint)
         if placement is not None:
             resident = {s.name for s in specs if s.digest not in placement.copy}
@@ -74,7 +79,16 @@ class TorchEngine:
         by_name = {s.name: s for s in specs}
         loaded = arena.load([[by_name[n] for n in names] for _, names in units], source, placement)
         config = AutoConfig.from_pretrained(checkpoint)
-        bound = bind(skeleton(config, specs[0].dtype), loaded, arena.device, [u for u, _ in units])
+        waiter = None
+        if fill is not None:
+            waiter = FillWaiter(fill, [[by_name[n].digest for n in names] for _, names in units])
+        bound = bind(
+            skeleton(config, specs[0].dtype),
+            loaded,
+            arena.device,
+            [u for u, _ in units],
+            waiter.wait if waiter is not None else None,
+        )
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         if arena.ledger is None:
             # Another worker may bind these tensors as soon as the engine hears of this load:

@@ -21,6 +21,7 @@ import torch
 
 from cuda_ext import TensorArena
 from cuda_ext.ledger import Placement
+from cuda_ext.progress import FillSignal
 from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.batching import ContinuousBatcher
@@ -49,8 +50,15 @@ class TorchWorker(BatchWorker):
         self.arena = arena
         self.engine: TorchEngine | None = None
 
-    def _open(self, checkpoint: Path, threads: int, t0: float, placement: Placement | None = None) -> Loaded:
-        self.engine = TorchEngine.start(checkpoint, self.arena, placement)
+    def _open(
+        self,
+        checkpoint: Path,
+        threads: int,
+        t0: float,
+        placement: Placement | None = None,
+        fill: FillSignal | None = None,
+    ) -> Loaded:
+        self.engine = TorchEngine.start(checkpoint, self.arena, placement, fill)
         self.tokenizer = self.engine.tokenizer
         self.batch = self._reopen(threads)
         return Loaded(

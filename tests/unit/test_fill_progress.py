@@ -1,0 +1,207 @@
+"""TIDAL §5 across processes: the engine copies a model's tensors into the node's arena in
+access order, counting each batch on a shared progress (`cuda_ext.progress`), and admits the
+first request once M_prefetch bytes are in; the worker's forward pass waits, unit by unit, for
+its own tensors. Real processes and a real host arena; no torch in the progress itself."""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from cuda_ext.progress import FAILED, FillFailed, FillProgress, FillSignal, FillWaiter
+from services.engine import node_arena
+from services.engine.node_arena import NodeArena
+
+pytest.importorskip("torch", reason="the checkpoints here are written with torch")
+
+import torch
+
+from tests.unit.test_arena_sharing import checkpoint, model
+
+
+def _wait_in_child(signal: FillSignal, units: list[list[str]], unit: int, conn: Connection) -> None:
+    waiter = FillWaiter(signal, units, timeout_s=60)
+    conn.send("waiting")
+    try:
+        waiter.wait(unit)
+        conn.send(waiter.done())
+    except FillFailed as e:
+        conn.send(f"failed: {e}")
+
+
+def child(
+    signal: FillSignal, units: list[list[str]], unit: int
+) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, end = ctx.Pipe()
+    p = ctx.Process(target=_wait_in_child, args=(signal, units, unit, end))
+    p.start()
+    assert parent.recv() == "waiting"
+    return p, parent
+
+
+def test_a_unit_waits_in_another_process_until_its_tensors_and_those_before_it_are_counted() -> None:
+    progress = FillProgress()
+    load = progress.begin()
+    signal = FillSignal(progress.path, load, ("a", "b", "c", "d"))
+    units = [["a"], ["x", "c"], ["b", "d"]]  # x is resident: not waited for
+    progress.advance(load, 2)  # a and b are in; unit 1 needs c
+    p, conn = child(signal, units, 1)
+    assert not conn.poll(0.2)  # still waiting (nothing to wait for would have answered)
+    progress.advance(load, 3)
+    assert conn.recv() >= 3
+    p.join(30)
+
+
+def test_a_unit_of_another_load_does_not_take_an_earlier_loads_count() -> None:
+    progress = FillProgress()
+    first = progress.begin()
+    progress.advance(first, 4)
+    second = progress.begin()  # the worker's next load: its count starts again
+    p, conn = child(FillSignal(progress.path, second, ("a",)), [["a"]], 0)
+    assert not conn.poll(0.2)
+    progress.advance(second, 1)
+    assert conn.recv() == 1
+    p.join(30)
+
+
+def test_a_failed_fill_fails_the_waiting_unit_instead_of_hanging_it() -> None:
+    progress = FillProgress()
+    load = progress.begin()
+    p, conn = child(FillSignal(progress.path, load, ("a", "b")), [["a"], ["b"]], 1)
+    progress.fail(load)
+    assert str(conn.recv()).startswith("failed")
+    p.join(30)
+
+
+def test_the_units_needs_are_the_running_maximum_of_their_tensors_ranks(tmp_path: Path) -> None:
+    progress = FillProgress()
+    waiter = FillWaiter(FillSignal(progress.path, progress.begin(), ("a", "b", "c")), [["c"], ["a"], ["z"], ["b"]])
+    assert waiter.needed == [3, 3, 3, 3]  # c is copied last: every unit after the first waits for it
+    waiter = FillWaiter(FillSignal(progress.path, progress.begin(), ("a", "b")), [["z"], ["a"], ["b"]])
+    assert waiter.needed == [0, 1, 2] and not waiter.complete
+    waiter.wait(0)  # needs nothing: no wait at all
+
+
+def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 300)  # a batch per tensor or two
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    order = list(sizes)  # the manifest's: access order
+    progress = FillProgress()
+    load = progress.begin()
+    counts: list[int] = []
+    advance = progress.advance
+    monkeypatch.setattr(progress, "advance", lambda n, done: (counts.append(done), advance(n, done)))
+    admitted_at: list[int] = []
+    prefix = sizes[order[0]] + sizes[order[1]]
+    arena.fill(placement, path, order, progress, load, prefix, lambda: admitted_at.append(counts[-1]))
+    assert counts == sorted(counts) and counts[-1] == len(order) and len(counts) > 2
+    assert admitted_at and admitted_at[0] >= 2  # not before the prefix was in
+    assert admitted_at[0] < len(order)  # and before the rest: it streamed
+    assert arena.held_bytes() == (sum(sizes.values()), 0)  # the fill's hold ended with it
+
+
+def test_a_fills_tensors_are_held_until_it_ends_even_when_its_worker_dies(tmp_path: Path) -> None:
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    arena.release("w1")  # its worker died mid-copy
+    assert arena.held_bytes() == (sum(sizes.values()), 0)  # no eviction may take the ranges yet
+    other = arena.place("w2", sizes)  # another load of the same model finds them resident ...
+    (pending,) = arena.pending(other)
+    assert not pending.wait(0)  # ... and waits for the copy
+    arena.fill(placement, path)
+    assert pending.wait(0)
+    arena.release("w2")
+    assert arena.held_bytes() == (0, sum(sizes.values()))
+
+
+def test_a_failed_fill_fails_the_loads_sharing_it_and_its_tensors_are_copied_afresh(tmp_path: Path) -> None:
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    other = arena.place("w2", sizes)
+    (pending,) = arena.pending(other)
+    progress = FillProgress()
+    load = progress.begin()
+    (path / "model.safetensors").unlink()  # the copy it came from went
+    with pytest.raises(OSError):
+        arena.fill(placement, path, (), progress, load)
+    assert not pending.wait(0)  # the sharing load fails rather than read them
+    waiter = FillWaiter(FillSignal(progress.path, load, tuple(sizes)), [list(sizes)])
+    assert waiter.done() == FAILED
+    with pytest.raises(FillFailed):
+        waiter.wait(0)
+    assert arena.pending(arena.place("w3", sizes))[0].wait(0) is False  # held still by w2: never read
+    for owner in ("w1", "w2", "w3"):  # their loads failed
+        arena.release(owner)
+    path, _ = checkpoint(tmp_path, tensors)
+    again = arena.place("w4", sizes)  # idle now: evicted, and copied again
+    assert again.copy == set(sizes) and arena.pending(again) == []
+
+
+def test_torch_views_see_the_streamed_bytes(tmp_path: Path) -> None:
+    from cuda_ext import TensorArena, TensorSpec, content_digests
+
+    tensors = model(5)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    filled = arena.fill(placement, path, list(sizes), None, 0, 0, None)
+    digests = content_digests(tensors)
+    specs = [TensorSpec(n, digests[n], t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    loaded = TensorArena.attach(arena.handle).load([specs], {}, filled)
+    assert all(torch.equal(loaded.tensors[n], t) for n, t in tensors.items())
+
+
+def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(tmp_path: Path) -> None:
+    """The worker's side for real: a tiny Llama bound in the node's arena before the engine has
+    copied anything; its first forward pass waits at its first unit, and once the fill has run
+    the greedy tokens are those of the same model loaded whole."""
+    import threading
+
+    from cuda_ext import TensorArena
+    from services.engine.torch_engine.engine import TorchEngine
+    from shared.artifact import checkpoint_tensor_bytes
+    from shared.messages import SamplingParams
+    from tests.unit.test_torch_batch_tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    whole = TorchEngine.start(ckpt, TensorArena(16 << 20, device="cpu"))
+    prompt = list(b"hello")
+    expected = whole.generate(prompt, params).token_ids
+
+    sizes = checkpoint_tensor_bytes(ckpt)
+    arena = NodeArena(16 << 20, "CPU")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    progress = FillProgress()
+    load = progress.begin()
+    order = tuple(sizes)
+    from dataclasses import replace
+
+    sent = replace(placement, copy=frozenset(), filled=placement.copy)
+    engine = TorchEngine.start(ckpt, TensorArena.attach(arena.handle), sent, FillSignal(progress.path, load, order))
+    got: list[list[int]] = []
+    forward = threading.Thread(target=lambda: got.append(engine.generate(prompt, params).token_ids))
+    forward.start()
+    forward.join(0.3)
+    assert forward.is_alive() and not got  # waiting for its first unit's tensors
+    arena.fill(placement, ckpt, order, progress, load)
+    forward.join(60)
+    assert got == [expected]
