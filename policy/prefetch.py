@@ -27,6 +27,19 @@ def prefetch_bytes(model_bytes: int, ttft_s: float, h2d_bytes_per_s: float) -> i
     return max(model_bytes - int(ttft_s * h2d_bytes_per_s), 0)
 
 
+def admission_bytes(copy_bytes: int, ttft_s: float | None, h2d_bytes_per_s: float, dma: bool) -> int | None:
+    """Of the bytes a start copies into the node's arena, those to be in before its first
+    request runs; None: all of them (nothing streams). Eq. 1 where the copy runs on a GPU's
+    copy engines beside the compute. Not on the host, where the copy is a memcpy on the very
+    cores the forward pass needs: streaming there only moves the copy into the forward pass
+    (measured on 2 cores, SmolLM2-135M: start to first token 0.67 s streamed against 0.57 s
+    admitted whole, `python -m bench.gpu_arena --device CPU`). Nor before the bandwidth and a
+    TTFT have been measured on the node."""
+    if not dma or ttft_s is None or h2d_bytes_per_s <= 0:
+        return None
+    return prefetch_bytes(copy_bytes, ttft_s, h2d_bytes_per_s)
+
+
 @dataclass(frozen=True)
 class Layer:
     """A unit the forward pass reads at once (a decoder layer, the embedding, the head)."""

@@ -23,7 +23,7 @@ from cuda_ext.allocator import ArenaFull
 from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
-from policy.prefetch import prefetch_bytes
+from policy.prefetch import admission_bytes
 from services.engine.metrics import (
     COLD_WORKERS,
     KV_RESERVED,
@@ -419,19 +419,17 @@ class Starts(Pipelines):
 
     def _admit_bytes(self, artifact: Artifact, tensors: dict[str, int] | None) -> int | None:
         """TIDAL Eq. 1 for a start into the node's arena: of the bytes it copies, those to be in
-        before its first request runs, M_prefetch = max(M − T_TTFT × B_h2d, 0), the rest
-        streaming in behind the forward pass. B_h2d is the node's measured fill bandwidth and
-        T_TTFT the quickest prefill measured for the model here (else for any model here: the
-        smaller, the more copied ahead). None (all of it first) until both are measured."""
+        before its first request runs (`policy.prefetch.admission_bytes`: M_prefetch on a GPU),
+        the rest streaming in behind the forward pass. B_h2d is the node's measured fill
+        bandwidth and T_TTFT the quickest prefill measured for the model here (else for any
+        model here: the smaller, the more copied ahead)."""
         arena = self.workers.arena
-        if arena is None or not tensors or arena.fill_bps <= 0:
+        if arena is None or not tensors:
             return None
         own = self._perf.get(artifact.artifact_id)
         samples = own.prefill if own and own.prefill else [s for p in self._perf.values() for s in p.prefill]
-        if not samples:
-            return None
-        ttft = min(seconds for _, seconds in samples)
-        return prefetch_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps)
+        ttft = min((seconds for _, seconds in samples), default=None)
+        return admission_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps, arena.handle.cuda)
 
     async def _verified(self, artifact: Artifact) -> Staged | None:
         try:

@@ -5,9 +5,12 @@ its own tensors. Real processes and a real host arena; no torch in the progress 
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -20,6 +23,10 @@ pytest.importorskip("torch", reason="the checkpoints here are written with torch
 import torch
 
 from tests.unit.test_arena_sharing import checkpoint, model
+
+if TYPE_CHECKING:
+    from services.engine.worker_pool import Worker
+    from shared.messages import Artifact
 
 
 def _wait_in_child(signal: FillSignal, units: list[list[str]], unit: int, conn: Connection) -> None:
@@ -205,3 +212,106 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     arena.fill(placement, ckpt, order, progress, load)
     forward.join(60)
     assert got == [expected]
+
+
+# The engine's side for real: a pre-warmed torch worker process (`Worker`), its pipe, the node's arena.
+
+
+def _artifact(ckpt: Path) -> Artifact:
+    from shared.messages import Artifact
+
+    return Artifact("tiny", str(ckpt), "s", 2048, 1, 1)
+
+
+async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
+    """A greedy completion's text and token count."""
+    from services.engine.streams import Chunk
+    from services.engine.worker_pool import Cancelled
+    from services.engine.worker_wire import Run
+    from shared.messages import SamplingParams
+
+    run = Run("r", "s", tuple(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), 0.0)
+    text, tokens = "", 0
+    async for msg in worker.generate(run, Cancelled()):
+        if isinstance(msg, Chunk):
+            text, tokens = text + msg.text, tokens + msg.tokens
+    return text, tokens
+
+
+def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(tmp_path: Path) -> None:
+    from services.engine.worker_pool import Worker
+    from shared.artifact import checkpoint_tensor_bytes
+    from tests.unit.test_torch_batch_tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path)
+    sizes = checkpoint_tensor_bytes(ckpt)
+
+    async def main() -> tuple[tuple[str, int], tuple[str, int], int]:
+        arena = NodeArena(16 << 20, "CPU")
+        worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+        await worker.ready(300)
+        try:
+            await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
+            streamed = await _tokens(worker, list(b"hello"))
+            await asyncio.to_thread(worker.stop)
+            arena.evict_idle(sizes)
+            worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+            await worker.ready(300)
+            await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes)  # whole first
+            return streamed, await _tokens(worker, list(b"hello")), arena.held_bytes()[0]
+        finally:
+            worker.stop()
+
+    streamed, whole, held = asyncio.run(main())
+    assert whole[1] == 6 and streamed == whole
+    assert held == sum(sizes.values())
+
+
+def test_a_copy_that_fails_after_admission_fails_the_request_and_stops_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cuda_ext.memory import SharedMemory
+    from services.engine import worker_pool
+    from services.engine.worker_pool import Worker
+    from shared.artifact import checkpoint_tensor_bytes
+    from tests.helpers.cluster import wait_for
+    from tests.unit.test_torch_batch_tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path)
+    sizes = checkpoint_tensor_bytes(ckpt)
+    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 1)  # a batch per tensor
+    copy = SharedMemory.copy_from_file
+    batches = iter(range(1000))
+    go = threading.Event()
+
+    def failing(self: SharedMemory, path: Path, spans: list[tuple[int, int, int]], threads: int = 0) -> None:
+        if next(batches) == 2:  # the third batch: after admission (at 0 bytes), once the load is done
+            go.wait(60)
+            raise OSError("the host cache's copy went")
+        copy(self, path, spans, threads)
+
+    monkeypatch.setattr(SharedMemory, "copy_from_file", failing)
+
+    async def main() -> tuple[str, bool, bool]:
+        arena = NodeArena(16 << 20, "CPU")
+        worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+        await worker.ready(300)
+        try:
+            await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
+            request = asyncio.ensure_future(_tokens(worker, list(b"hello")))
+            await asyncio.sleep(0)  # sync-ok: the request is sent (no time passes)
+            go.set()
+            try:
+                await request
+                error = ""
+            except (RuntimeError, worker_pool.WorkerDied) as e:
+                error = str(e)
+            await asyncio.to_thread(wait_for, lambda: worker.dead, 60, "the worker stopped on its fill's failure")
+            again = arena.place("next", sizes)
+            return error, worker.dead, again.copy == set(sizes)
+        finally:
+            worker.stop()
+
+    error, dead, copied_afresh = asyncio.run(main())
+    assert error  # the request failed rather than compute on missing weights
+    assert dead and copied_afresh  # the next load copies every tensor again

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy.prefetch import Layer, plan_prefetch, prefetch_bytes
+from policy.prefetch import Layer, admission_bytes, plan_prefetch, prefetch_bytes
 
 GB = 10**9
 
@@ -55,3 +55,15 @@ def test_a_fast_link_streams_everything_and_a_dead_one_streams_nothing() -> None
     assert fast.before_admit == () and fast.streamed_bytes == 500
     dead = plan_prefetch(layers(3, 100), ttft_s=1.0, h2d_bytes_per_s=0)
     assert dead.streamed == () and dead.before_admit_bytes == 500
+
+
+def test_a_gpu_start_is_admitted_at_m_prefetch_once_bandwidth_and_ttft_are_measured() -> None:
+    # TIDAL's testbed figures again, through the copy engines beside the compute.
+    assert admission_bytes(16 * GB, 0.25, 32 * GB, dma=True) == 8 * GB
+    assert admission_bytes(16 * GB, None, 32 * GB, dma=True) is None  # no TTFT measured: all first
+    assert admission_bytes(16 * GB, 0.25, 0.0, dma=True) is None  # no bandwidth measured
+
+
+def test_a_host_arena_never_streams_its_copy_into_the_forward_pass() -> None:
+    # The copy would take the forward pass's own cores: admitted whole, however fast.
+    assert admission_bytes(16 * GB, 10.0, 32 * GB, dma=False) is None
