@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from cuda_ext.allocator import ArenaFull, Block, RangeAllocator, align_up
@@ -119,11 +120,12 @@ class ArenaLedger:
         self.pool.drop(digest)
         self._drop([digest])
 
-    def evict_cheapest(self, nbytes: int) -> tuple[str, ...]:
-        """Evict idle tensors, the cheapest first by eq. 2, until they free `nbytes` of the
-        memory the arena has taken (for a budget this ledger does not keep: the node's memory
-        manager's). () where evicting every idle one would not free that much."""
-        chosen = choose_evictions(list(self.pool.residents.values()), nbytes, self._clock())
+    def evict_cheapest(self, nbytes: int, keep: AbstractSet[str] = frozenset()) -> tuple[str, ...]:
+        """Evict idle tensors but `keep`, the cheapest first by eq. 2, until they free `nbytes`
+        of the memory the arena has taken (for a budget this ledger does not keep: the node's
+        memory manager's). () where evicting every such one would not free that much."""
+        candidates = [r for d, r in self.pool.residents.items() if d not in keep]
+        chosen = choose_evictions(candidates, nbytes, self._clock())
         for digest in chosen:
             self.evict(digest)
         return tuple(chosen)

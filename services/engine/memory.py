@@ -310,7 +310,7 @@ class KvMemory(EngineNode):
         whose worker died, or that another model shared), the cheapest to reload first
         (Tangram eq. 2); the arena's reservation shrinks with them."""
         arena = self.workers.arena
-        if arena is None or not arena.evict_cheapest(need):
+        if arena is None or not arena.evict_cheapest(need, keep=self._arena_wanted.keys()):
             return False
         await self._sync_arena()
         return True

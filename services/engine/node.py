@@ -17,7 +17,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -197,6 +197,9 @@ class EngineNode:
         """Recent measurements per artifact, sent with every heartbeat."""
         self._arena_pending = 0
         """Bytes the starts under way have reserved to copy into the node's arena."""
+        self._arena_wanted: Counter[str] = Counter()
+        """Digests the starts under way will bind in the node's arena: never evicted for memory
+        meanwhile (one start's tensors for another's reservation)."""
         self._footprints: dict[str, int] = {}
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""

@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 
@@ -276,13 +277,14 @@ class NodeArena:
                 self.ledger.evict(digest)
             return self._discard(blocks)
 
-    def evict_cheapest(self, nbytes: int) -> int:
-        """Evict idle tensors, the cheapest to reload first (Tangram eq. 2), until `nbytes` are
-        freed (for the node's memory budget: the arena's own room is `place`'s to make); the
-        bytes freed, 0 where evicting every idle tensor would not free that much."""
+    def evict_cheapest(self, nbytes: int, keep: AbstractSet[str] = frozenset()) -> int:
+        """Evict idle tensors but `keep` (those starts under way will bind), the cheapest to
+        reload first (Tangram eq. 2), until `nbytes` are freed (for the node's memory budget:
+        the arena's own room is `place`'s to make); the bytes freed, 0 where evicting every
+        such tensor would not free that much."""
         with self._lock:
             blocks = dict(self.ledger.blocks)
-            return self._discard([blocks[d] for d in self.ledger.evict_cheapest(nbytes)])
+            return self._discard([blocks[d] for d in self.ledger.evict_cheapest(nbytes, keep)])
 
     def _discard(self, blocks: list[Block]) -> int:
         for block in blocks:

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 
 from nats.aio.msg import Msg
 
@@ -225,56 +226,67 @@ class Starts(Pipelines):
                 if rebound is not None:
                     return rebound, False, time.monotonic()
             tensors = await self._tensors(artifact) if arena is not None else {}
-            missing = await self._arena_room(aid, tensors) if tensors else 0
-            in_arena = bool(tensors) and missing == 0
-            if tensors:
-                # Its weights are the arena's reservation; its own is its worker's memory.
-                weights = self._footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
-            else:
-                weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
-            await self._reserve(f"weights:{aid}", weights)
-            self._arena_pending += missing
+            self._arena_wanted.update(tensors.keys())
             try:
-                if missing:
-                    assert arena is not None
-                    await self._reserve(ARENA_REGION, lambda: arena.committed_bytes(self._arena_pending))
-                    await self._memory_done(ARENA_REGION)
-                t_load = time.monotonic()
-                tier = self._start_tier(artifact)
-                # The blob first, then the worker: a stage that waits for a scale-out's
-                # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
-                # answers at once otherwise, and taking a warm worker is instant).
-                # Every tensor in the node's arena: the checkpoint's small files are read
-                # where they are, and no copy of it is staged.
-                staged = None if in_arena else await self._stage(artifact, tier)
-                stage_s = time.monotonic() - t_load
-                worker, warm = await self.workers.take()
-                if not warm:
-                    COLD_WORKERS.inc()
-                worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-                try:
-                    loaded, waited_s = await self._load(worker, artifact, tier, staged)
-                except BaseException:
-                    await asyncio.to_thread(worker.stop)
-                    raise
-                stage_s += waited_s
-                await self._memory_done(f"weights:{aid}")
-            except ArenaFull as e:  # room for its bytes, but no range long enough
-                await self._release_memory(f"weights:{aid}")
-                raise TesseraError(
-                    ErrorCode.NO_CAPACITY,
-                    f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
-                    retry_after_s=2,
-                ) from e
-            except BaseException:
-                await self._release_memory(f"weights:{aid}")
-                raise
+                return await self._acquire_new(artifact, tensors, now)
             finally:
-                self._arena_pending -= missing
-                if missing:
-                    await self._sync_arena()
-            source = "arena" if in_arena else "host" if staged and staged.hit else "store"
-            return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
+                self._arena_wanted.subtract(tensors.keys())
+                self._arena_wanted += Counter()  # drops the digests no start wants now
+
+    async def _acquire_new(self, artifact: Artifact, tensors: dict[str, int], now: float) -> tuple[Bound, bool, float]:
+        """`_acquire` of a model not bound here: a pre-warmed worker loads it."""
+        aid = artifact.artifact_id
+        arena = self.workers.arena
+        missing = await self._arena_room(aid, tensors) if tensors else 0
+        in_arena = bool(tensors) and missing == 0
+        if tensors:
+            # Its weights are the arena's reservation; its own is its worker's memory.
+            weights = self._footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
+        else:
+            weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
+        await self._reserve(f"weights:{aid}", weights)
+        self._arena_pending += missing
+        try:
+            if missing:
+                assert arena is not None
+                await self._reserve(ARENA_REGION, lambda: arena.committed_bytes(self._arena_pending))
+                await self._memory_done(ARENA_REGION)
+            t_load = time.monotonic()
+            tier = self._start_tier(artifact)
+            # The blob first, then the worker: a stage that waits for a scale-out's
+            # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
+            # answers at once otherwise, and taking a warm worker is instant).
+            # Every tensor in the node's arena: the checkpoint's small files are read
+            # where they are, and no copy of it is staged.
+            staged = None if in_arena else await self._stage(artifact, tier)
+            stage_s = time.monotonic() - t_load
+            worker, warm = await self.workers.take()
+            if not warm:
+                COLD_WORKERS.inc()
+            worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+            try:
+                loaded, waited_s = await self._load(worker, artifact, tier, staged)
+            except BaseException:
+                await asyncio.to_thread(worker.stop)
+                raise
+            stage_s += waited_s
+            await self._memory_done(f"weights:{aid}")
+        except ArenaFull as e:  # room for its bytes, but no range long enough
+            await self._release_memory(f"weights:{aid}")
+            raise TesseraError(
+                ErrorCode.NO_CAPACITY,
+                f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
+                retry_after_s=2,
+            ) from e
+        except BaseException:
+            await self._release_memory(f"weights:{aid}")
+            raise
+        finally:
+            self._arena_pending -= missing
+            if missing:
+                await self._sync_arena()
+        source = "arena" if in_arena else "host" if staged and staged.hit else "store"
+        return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
 
     async def _arena_room(self, aid: str, tensors: dict[str, int]) -> int:
         """Room in the node's arena for the bytes of `tensors` it lacks, which it returns.

@@ -221,12 +221,15 @@ def test_idle_tensors_go_for_the_node_budget_the_cheapest_first_and_held_ones_ne
     arena.release("w1")
     arena.release("w2")
     before = arena.committed_bytes()
+    # What a start under way will bind is spared, however cheap.
+    assert arena.evict_cheapest(1, keep=set(small_t) | set(big_t)) == 0
     # Used alike: eq. 2 prices a small tensor's reload lower, and one alone frees enough.
     freed = arena.evict_cheapest(100)
     assert freed == 256
     assert set(big_t) <= arena.digests() and len(arena.digests()) == len(small_t) + len(big_t) - 1
     assert arena.committed_bytes() == before - freed
-    arena.place("w3", big_t)  # held again: never evicted
+    assert arena.evict_cheapest(100, keep=set(small_t)) == 16384  # spared the small ones: the big one
+    arena.place("w3", big_t)  # copied again, and held: never evicted
     assert arena.evict_cheapest(1 << 16) == 0  # the idle ones cannot free that: none go
     while arena.evict_cheapest(1):
         pass
