@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster
+from ops.localcluster import DEFAULT_MODEL_NAME, SERVICES, LocalCluster
 
 # The suite calls the API as any OpenAI client would, with api_key="unused": clusters run with
 # auth off unless a test asks for it (tests/e2e/test_auth.py). The environment default also
@@ -34,10 +36,40 @@ def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("store")
 
 
-def start_cluster(home: Path, store: Path, auth: bool = False, **env: str) -> LocalCluster:
-    cluster = LocalCluster(home=home, env={**TEST_ENV, **env}, store=store, auth=auth)
-    cluster.start(timeout_s=90)
+def start_cluster(
+    home: Path,
+    store: Path,
+    auth: bool = False,
+    *,
+    nodes: int = 1,
+    node_env: Mapping[str, Mapping[str, str]] | None = None,
+    services: tuple[str, ...] = SERVICES,
+    timeout_s: float = 90,
+    **env: str,
+) -> LocalCluster:
+    """A started cluster with the suite's short timings (`TEST_ENV`) and `env` over them for
+    every service; `node_env`: settings of one node's services (`node-0`, …)."""
+    cluster = LocalCluster(
+        home=home,
+        env={**TEST_ENV, **env},
+        store=store,
+        auth=auth,
+        nodes=nodes,
+        node_env=node_env or {},
+        services=services,
+    )
+    cluster.start(timeout_s=timeout_s)
     return cluster
+
+
+@contextmanager
+def running_cluster(home: Path, store: Path, **kwargs: Any) -> Iterator[LocalCluster]:
+    """`start_cluster`'s cluster, stopped on the way out."""
+    cluster = start_cluster(home, store, **kwargs)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

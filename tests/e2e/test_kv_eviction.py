@@ -17,7 +17,7 @@ import pytest
 
 from ops.localcluster import LocalCluster
 from shared.messages import Artifact
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.cluster import metric, on_the_core, register
 
 MIN_TOKENS = 24
@@ -39,24 +39,17 @@ def tight_node(
     # tokens fit while they are short, not once both have generated a few dozen tokens.
     budget = artifact.weight_bytes + (MIN_TOKENS + 100) * artifact.kv_bytes_per_token
     # A request the node cannot hold waits 2 s for room (not the default 30 s) before its 503.
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("evict"),
-        store=model_store,
+    with running_cluster(
+        tmp_path_factory.mktemp("evict"),
+        model_store,
         nodes=2,
-        env={
-            **TEST_ENV,
-            "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
-            "TESSERA_MEMORY_WAIT_S": "2",
-        },
         node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}},
-    )
-    c.budget = budget  # type: ignore[attr-defined]
-    c.start(timeout_s=90)
-    try:
+        TESSERA_KV_MIN_TOKENS=str(MIN_TOKENS),
+        TESSERA_MEMORY_WAIT_S="2",
+    ) as c:
+        c.budget = budget  # type: ignore[attr-defined]
         register(c, "grow", keep_alive_s=600.0, ttft_slo_s=60.0, tpot_slo_s=5.0)
         yield c
-    finally:
-        c.stop()
 
 
 def nodes_of(c: LocalCluster, model: str) -> set[str]:

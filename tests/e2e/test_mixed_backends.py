@@ -18,7 +18,7 @@ pytest.importorskip("torch", reason="the torch engine needs torch (the `test` ex
 from ops.localcluster import LocalCluster, default_model_path
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.messages import Artifact
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.cluster import engine_workers, nodes_running, register, wait_for
 
 NAME = "mixed"
@@ -26,18 +26,14 @@ NAME = "mixed"
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("mixed"),
-        env=TEST_ENV,
-        store=model_store,
+    with running_cluster(
+        tmp_path_factory.mktemp("mixed"),
+        model_store,
         nodes=2,
         node_env={"node-1": {"TESSERA_ENGINE_BACKEND": "torch"}},
-    )
-    c.start(timeout_s=180)
-    try:
+        timeout_s=180,
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_model_registered_by_an_openvino_loader_starts_on_a_torch_node(mixed: LocalCluster, tmp_path: Path) -> None:

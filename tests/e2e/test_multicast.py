@@ -27,7 +27,7 @@ from shared.bus import Bus
 from shared.errors import TesseraError
 from shared.messages import Artifact, CacheStatus, MulticastDone, StageArtifact, Staged, Tier
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld
-from tests.conftest import TEST_ENV
+from tests.conftest import TEST_ENV, running_cluster
 from tests.helpers.cluster import wait_for
 
 DEVICE = "CPU"
@@ -38,18 +38,16 @@ T = TypeVar("T")
 def loaders(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     """Four loaders and nothing else; uplinks shaped so a transfer lasts long enough to kill
     a peer in the middle of it (≈ 1 s a hop for the default model's blob)."""
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("loaders"),
+    with running_cluster(
+        tmp_path_factory.mktemp("loaders"),
+        model_store,
         nodes=4,
-        store=model_store,
         services=("loader",),
-        env={**TEST_ENV, "TESSERA_FILL_DELAY_S": "0", "TESSERA_LINK_BPS": str(300e6)},
-    )
-    c.start(timeout_s=120)
-    try:
+        timeout_s=120,
+        TESSERA_FILL_DELAY_S="0",
+        TESSERA_LINK_BPS=str(300e6),
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def with_loaders(c: LocalCluster, work: Callable[[LoaderClient], Awaitable[T]]) -> T:

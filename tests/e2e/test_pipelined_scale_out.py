@@ -25,7 +25,7 @@ from ops.localcluster import LocalCluster
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.messages import Failed, Finished, Generate, GenerateAccepted, StreamEvent, TokenChunk
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.bus_watch import Watch
 from tests.helpers.cluster import cold_starts, metric, nodes_running, register, wait_for
 
@@ -38,23 +38,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def torch_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("pipelined"),
-        env={
-            **TEST_ENV,
-            "TESSERA_ENGINE_BACKEND": "torch",
-            "TESSERA_MULTICAST_SCALE_OUT": "true",
-            "TESSERA_FILL_DELAY_S": "0",
-            "TESSERA_LINK_BPS": str(LINK_BPS),
-        },
-        store=model_store,
+    with running_cluster(
+        tmp_path_factory.mktemp("pipelined"),
+        model_store,
         nodes=len(NODES),
-    )
-    c.start(timeout_s=240)
-    try:
+        timeout_s=240,
+        TESSERA_ENGINE_BACKEND="torch",
+        TESSERA_MULTICAST_SCALE_OUT="true",
+        TESSERA_FILL_DELAY_S="0",
+        TESSERA_LINK_BPS=str(LINK_BPS),
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def on_engine(c: LocalCluster, node: str, like: Generate) -> tuple[str, Finished | Failed]:

@@ -19,7 +19,7 @@ from ops.localcluster import LocalCluster, default_model_path
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Artifact, InstanceStopped, PreemptInstance
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.cluster import metric, on_the_core, wait_for
 
 MIN_TOKENS = 24
@@ -55,18 +55,13 @@ def tight_pair(
             f.write(f"\x00tessera-test-{name}".encode())
         sources[name] = copy
     sources["other"] = default_model_path()
-    c = LocalCluster(
-        home=home,
-        store=model_store,
+    with running_cluster(
+        home,
+        model_store,
         nodes=2,
-        env={
-            **TEST_ENV,
-            "TESSERA_KV_MIN_TOKENS": str(MIN_TOKENS),
-        },
         node_env={"node-0": {"TESSERA_MEMORY_BUDGET_BYTES": str(budget)}},
-    )
-    c.start(timeout_s=90)
-    try:
+        TESSERA_KV_MIN_TOKENS=str(MIN_TOKENS),
+    ) as c:
         for name in ("victim", "other", "big"):
             r = httpx.post(
                 f"{c.base_url}/admin/models",
@@ -81,8 +76,6 @@ def tight_pair(
             )
             assert r.status_code == 201, r.text
         yield c
-    finally:
-        c.stop()
 
 
 async def test_a_bigger_batch_preempts_a_smaller_neighbour_whose_request_finishes_elsewhere(

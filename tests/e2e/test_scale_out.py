@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ops.localcluster import LocalCluster
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.cluster import metric, nodes_running, on_the_core, register, wait_for
 
 NAME = "tight-ttft"
@@ -25,26 +25,20 @@ NODE1_BUDGET = 3 * 1024**3
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
     # node-1 is its own share of the machine: one core, a smaller memory budget.
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("two"),
-        # A scale-out fetches the blob from node-0's loader (FaaScale's multicast), which
-        # caches it as soon as node-0's start is done.
-        env={
-            **TEST_ENV,
-            "TESSERA_MAX_INFLIGHT": "16",
-            "TESSERA_MULTICAST_SCALE_OUT": "true",
-            "TESSERA_FILL_DELAY_S": "0",
-        },
-        store=model_store,
+    # A scale-out fetches the blob from node-0's loader (FaaScale's multicast), which caches
+    # it as soon as node-0's start is done.
+    with running_cluster(
+        tmp_path_factory.mktemp("two"),
+        model_store,
         nodes=2,
         node_env={"node-1": {"TESSERA_CPU_CORES": "1", "TESSERA_MEMORY_BUDGET_BYTES": str(NODE1_BUDGET)}},
-    )
-    c.start(timeout_s=120)
-    try:
+        timeout_s=120,
+        TESSERA_MAX_INFLIGHT="16",
+        TESSERA_MULTICAST_SCALE_OUT="true",
+        TESSERA_FILL_DELAY_S="0",
+    ) as c:
         register(c, NAME, keep_alive_s=600.0, ttft_slo_s=60.0, tpot_slo_s=1.0)
         yield c
-    finally:
-        c.stop()
 
 
 # About a thousand tokens: a prefill that dominates a request's first token on any machine.

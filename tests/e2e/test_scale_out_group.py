@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ops.localcluster import LocalCluster
-from tests.conftest import TEST_ENV
+from tests.conftest import running_cluster
 from tests.helpers.cluster import metric, nodes_running, register, wait_for
 
 NAME = "burst"
@@ -20,18 +20,16 @@ NAME = "burst"
 
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        home=tmp_path_factory.mktemp("three"),
-        env={**TEST_ENV, "TESSERA_MULTICAST_SCALE_OUT": "true", "TESSERA_FILL_DELAY_S": "0"},
-        store=model_store,
+    with running_cluster(
+        tmp_path_factory.mktemp("three"),
+        model_store,
         nodes=3,
-    )
-    c.start(timeout_s=180)
-    try:
+        timeout_s=180,
+        TESSERA_MULTICAST_SCALE_OUT="true",
+        TESSERA_FILL_DELAY_S="0",
+    ) as c:
         register(c, NAME, keep_alive_s=600.0)
         yield c
-    finally:
-        c.stop()
 
 
 def scale(cluster: LocalCluster, name: str, body: object) -> httpx.Response:
