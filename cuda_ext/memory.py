@@ -86,10 +86,19 @@ class SharedMemory:
             self._map = None
         self._closer()
 
-    def copy_from_file(self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 0) -> None:
+    @property
+    def counts_progress(self) -> bool:
+        """Whether `copy_from_file` counts its spans as they land (`progress`): on CUDA, where
+        the extension copies them all in one call."""
+        return self._native is not None
+
+    def copy_from_file(
+        self, path: Path, spans: Sequence[tuple[int, int, int]], threads: int = 0, progress: int | None = None
+    ) -> None:
         """Copy (file offset, arena offset, bytes) spans of `path` into the arena, synchronously:
         on CUDA through the extension's pinned staging on `threads` threads (default: up to 8;
-        the file's pages are pageable), on the host with memcpy."""
+        the file's pages are pageable), storing at address `progress` how many leading spans
+        are in as they land; on the host with memcpy."""
         with open(path, "rb") as f:
             source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
@@ -98,7 +107,9 @@ class SharedMemory:
                 try:
                     start = base.ctypes.data
                     threads = threads or min(8, os.cpu_count() or 1)
-                    self._native.copy_pageable([(start + s, self.address + d, n) for s, d, n in spans], threads)
+                    self._native.copy_pageable(
+                        [(start + s, self.address + d, n) for s, d, n in spans], threads, progress=progress
+                    )
                 finally:
                     del base  # the mapping closes only once nothing points into it
             else:

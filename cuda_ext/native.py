@@ -54,6 +54,7 @@ def _load(path: Path) -> ctypes.CDLL:
             "tsr_event_destroy": [i, _u64],
             "tsr_read": [i, _u64, ctypes.c_void_p, sz],
             "tsr_copy_pageable": [i, i, p(_u64), p(_u64), p(_u64), i, _u64],
+            "tsr_copy_pageable_counted": [i, i, p(_u64), p(_u64), p(_u64), i, _u64, ctypes.c_void_p],
         }
         for name, args in signatures.items():
             fn = getattr(lib, name)
@@ -137,17 +138,24 @@ class Native:
         return buf.raw
 
     def copy_pageable(
-        self, spans: Sequence[tuple[int, int, int]], threads: int = 4, chunk_bytes: int = 16 << 20
+        self,
+        spans: Sequence[tuple[int, int, int]],
+        threads: int = 4,
+        chunk_bytes: int = 16 << 20,
+        progress: int | None = None,
     ) -> None:
         """Copy (host address, device address, bytes) spans from pageable memory, synchronously,
-        through pinned staging buffers on `threads` threads and streams."""
+        through pinned staging buffers on `threads` threads and streams. `progress`: the address
+        of a 64-bit word where the count of leading spans already in is stored as they land."""
         n = len(spans)
         src, dst, size = (_u64 * n)(), (_u64 * n)(), (_u64 * n)()
         for j, (s, d, b) in enumerate(spans):
             src[j], dst[j], size[j] = s, d, b
-        self.check(
-            "tsr_copy_pageable", self.lib.tsr_copy_pageable(self.device, n, src, dst, size, threads, chunk_bytes)
-        )
+        if progress is None:
+            code = self.lib.tsr_copy_pageable(self.device, n, src, dst, size, threads, chunk_bytes)
+        else:
+            code = self.lib.tsr_copy_pageable_counted(self.device, n, src, dst, size, threads, chunk_bytes, progress)
+        self.check("tsr_copy_pageable", code)
 
     def copy_batch(
         self,

@@ -13,6 +13,7 @@ gives (or `FAILED`). The engine writes it with `pwrite` after each batch's copy 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -51,6 +52,11 @@ class FillProgress:
         self._fd = os.memfd_create("tessera-fill", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, _WORDS.size)
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self._map: Any = mmap.mmap(self._fd, _WORDS.size, mmap.MAP_SHARED)
+        self._word = ctypes.c_int64.from_buffer(self._map, 8)
+        self.done_address = ctypes.addressof(self._word)
+        """Where the count lives in this process: the CUDA extension stores it there itself as
+        a copy's spans land (`Native.copy_pageable(progress=)`)."""
         self._closer = weakref.finalize(self, os.close, self._fd)
         self._loads = 0
 
@@ -62,6 +68,11 @@ class FillProgress:
 
     def advance(self, load: int, done: int) -> None:
         self._write(load, done)
+
+    def done(self, load: int) -> int:
+        """The count of `load` (0 while another load's count is there)."""
+        current, done = _WORDS.unpack(self._map[: _WORDS.size])
+        return int(done) if current == load else 0
 
     def fail(self, load: int) -> None:
         self._write(load, FAILED)

@@ -264,8 +264,14 @@ int tsr_event_destroy(int device, uint64_t event) {
 // the device on their own stream as soon as it is full. The driver's own path for pageable
 // memory stages through one small buffer, one copy at a time (≈ 7 GB/s on an H100 host); this
 // keeps the link busy while the CPUs fill the next buffers (ServerlessLLM's loader does the same).
-int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* dst, const uint64_t* size,
-                      int threads, uint64_t chunk) {
+//
+// With `progress` (else null), spans are counted as they land, in order: once every chunk of
+// spans 0..k-1 is known copied (its buffer's event passed), k is stored there, so that another
+// process mapping that word (the worker computing with these tensors: TIDAL's streaming) may read
+// them. Chunks are handed out in span order, so the count trails the copy by the few chunks in
+// flight.
+int tsr_copy_pageable_counted(int device, int n, const uint64_t* src, const uint64_t* dst, const uint64_t* size,
+                              int threads, uint64_t chunk, int64_t* progress) {
   CUresult r = use(device);
   if (r != 0) return r;
   if (threads <= 0 || chunk == 0) return 1;
@@ -273,13 +279,30 @@ int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* ds
     const char* src;
     CUdeviceptr dst;
     size_t len;
+    int span;
   };
   std::vector<Piece> pieces;
+  std::vector<std::atomic<int64_t>> left(static_cast<size_t>(std::max(n, 0)));
   for (int i = 0; i < n; ++i) {
-    for (uint64_t at = 0; at < size[i]; at += chunk) {
+    int64_t count = 0;
+    for (uint64_t at = 0; at < size[i]; at += chunk, ++count) {
       pieces.push_back({reinterpret_cast<const char*>(src[i]) + at, dst[i] + at,
-                        static_cast<size_t>(std::min<uint64_t>(chunk, size[i] - at))});
+                        static_cast<size_t>(std::min<uint64_t>(chunk, size[i] - at)), i});
     }
+    left[i].store(count);
+  }
+  std::mutex counting;
+  int counted = 0;  // spans 0..counted-1 are in (guarded by `counting`)
+  auto landed = [&](int span) {
+    if (progress == nullptr || left[span].fetch_sub(1) != 1) return;
+    std::lock_guard<std::mutex> guard(counting);
+    while (counted < n && left[counted].load() == 0) ++counted;
+    __atomic_store_n(progress, static_cast<int64_t>(counted), __ATOMIC_RELEASE);
+  };
+  if (progress != nullptr) {
+    std::lock_guard<std::mutex> guard(counting);  // empty spans are in already
+    while (counted < n && left[counted].load() == 0) ++counted;
+    __atomic_store_n(progress, static_cast<int64_t>(counted), __ATOMIC_RELEASE);
   }
   int workers = std::max(1, std::min<int>(threads, static_cast<int>(pieces.size())));
   std::atomic<size_t> next{0};
@@ -299,21 +322,28 @@ int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* ds
       rr = driver.MemHostAlloc(&buffers[b], chunk, 0);
       if (rr == 0) rr = driver.EventCreate(&done[b], CU_EVENT_DISABLE_TIMING);
     }
-    bool used[2] = {false, false};
+    int held[2] = {-1, -1};  // the span of the chunk each buffer last sent (-1: none in flight)
     for (int turn = 0; rr == 0 && failure.load() == 0; turn ^= 1) {
       size_t i = next.fetch_add(1);
       if (i >= pieces.size()) break;
       // The buffer's last copy must be done before it is written again.
-      if (used[turn] && (rr = driver.EventSynchronize(done[turn])) != 0) break;
+      if (held[turn] >= 0) {
+        if ((rr = driver.EventSynchronize(done[turn])) != 0) break;
+        landed(held[turn]);
+        held[turn] = -1;
+      }
       std::memcpy(buffers[turn], pieces[i].src, pieces[i].len);
       if ((rr = driver.MemcpyHtoDAsync(pieces[i].dst, buffers[turn], pieces[i].len, stream)) != 0) break;
       if ((rr = driver.EventRecord(done[turn], stream)) != 0) break;
-      used[turn] = true;
+      held[turn] = pieces[i].span;
     }
     if (stream != nullptr) {
       CUresult s2 = driver.StreamSynchronize(stream);
       if (rr == 0) rr = s2;
       driver.StreamDestroy(stream);
+      for (int b = 0; b < 2 && rr == 0; ++b) {
+        if (held[b] >= 0) landed(held[b]);
+      }
     }
     for (int b = 0; b < 2; ++b) {
       if (done[b] != nullptr) driver.EventDestroy(done[b]);
@@ -329,6 +359,11 @@ int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* ds
   work();
   for (auto& t : pool) t.join();
   return failure.load();
+}
+
+int tsr_copy_pageable(int device, int n, const uint64_t* src, const uint64_t* dst, const uint64_t* size,
+                      int threads, uint64_t chunk) {
+  return tsr_copy_pageable_counted(device, n, src, dst, size, threads, chunk, nullptr);
 }
 
 // Device to host, synchronous: for checks (a process that opened the arena reads what another wrote).

@@ -69,6 +69,10 @@ class Fill:
         return self._ended.wait(timeout_s) and self.ok
 
 
+_WATCH_S = 0.0005
+"""How often a CUDA fill's admission watcher reads the count the extension stores."""
+
+
 def _fill_owner(owner: str) -> str:
     return f"{owner}/fill"
 
@@ -211,24 +215,16 @@ class NodeArena:
                     )
                 spans.append((start, placement.offsets[digest], end - start))
             t0 = time.monotonic()
-            done_bytes = 0
-            admitted = admit_bytes is None
-            streamed_from = done_bytes
-            for first, last in _batches([n for _, _, n in spans], FILL_BATCH_BYTES):
-                if not admitted and done_bytes >= (admit_bytes or 0):
-                    admitted, streamed_from = True, done_bytes
-                    if on_admit is not None:
-                        on_admit()
-                self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans[first:last])
-                done_bytes += sum(n for _, _, n in spans[first:last])
-                if progress is not None:
-                    progress.advance(load, last)
+            if self.memory.counts_progress and progress is not None:
+                streamed = self._fill_counted(checkpoint, spans, progress, load, admit_bytes, on_admit)
+            else:
+                streamed = self._fill_in_batches(checkpoint, spans, progress, load, admit_bytes, on_admit)
             elapsed = time.monotonic() - t0
-            if done_bytes >= FILL_BATCH_BYTES and elapsed > 0:
-                self.fill_bps = done_bytes / elapsed
-            ARENA_LOADS.labels("copied").inc(done_bytes)
-            if admit_bytes is not None and admitted:
-                ARENA_STREAMED.inc(done_bytes - streamed_from)
+            total = sum(n for _, _, n in spans)
+            if total >= FILL_BATCH_BYTES and elapsed > 0:
+                self.fill_bps = total / elapsed
+            ARENA_LOADS.labels("copied").inc(total)
+            ARENA_STREAMED.inc(streamed)
             ok = True
         finally:
             if not ok and progress is not None:
@@ -244,6 +240,68 @@ class NodeArena:
             if fill is not None:
                 fill.end(ok)
         return replace(placement, copy=frozenset(), filled=placement.copy)
+
+    def _fill_in_batches(
+        self,
+        checkpoint: Path,
+        spans: list[tuple[int, int, int]],
+        progress: FillProgress | None,
+        load: int,
+        admit_bytes: int | None,
+        on_admit: Callable[[], None] | None,
+    ) -> int:
+        """The host's fill: a batch of spans at a time, each counted once copied; admitted
+        before the first batch that starts at or past `admit_bytes`. The bytes copied after."""
+        done_bytes, streamed_from = 0, None
+        for first, last in _batches([n for _, _, n in spans], FILL_BATCH_BYTES):
+            if admit_bytes is not None and streamed_from is None and done_bytes >= admit_bytes:
+                streamed_from = done_bytes
+                if on_admit is not None:
+                    on_admit()
+            self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans[first:last])
+            done_bytes += sum(n for _, _, n in spans[first:last])
+            if progress is not None:
+                progress.advance(load, last)
+        return 0 if streamed_from is None else done_bytes - streamed_from
+
+    def _fill_counted(
+        self,
+        checkpoint: Path,
+        spans: list[tuple[int, int, int]],
+        progress: FillProgress,
+        load: int,
+        admit_bytes: int | None,
+        on_admit: Callable[[], None] | None,
+    ) -> int:
+        """CUDA's fill: every span in one call to the extension, which counts them on `progress`
+        as they land; admitted, from a watcher thread, once the first `admit_bytes` are in.
+        The bytes copied after."""
+        need, ahead = 0, 0
+        if admit_bytes is not None:
+            while need < len(spans) and ahead < admit_bytes:
+                ahead += spans[need][2]
+                need += 1
+        finished = threading.Event()
+        admitted = threading.Event()
+
+        def watch() -> None:
+            while not finished.is_set() and progress.done(load) < need:
+                finished.wait(_WATCH_S)
+            if not finished.is_set():
+                admitted.set()
+                if on_admit is not None:
+                    on_admit()
+
+        watcher = threading.Thread(target=watch, name="tessera-fill-admit", daemon=True)
+        if admit_bytes is not None:
+            watcher.start()
+        try:
+            self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans, progress=progress.done_address)
+        finally:
+            finished.set()
+            if watcher.is_alive():
+                watcher.join()
+        return sum(n for _, _, n in spans) - ahead if admitted.is_set() else 0
 
     def forget_copied(self, owner: str) -> None:
         """Evict what `owner`'s last placement was to copy, where nobody holds it (its copy

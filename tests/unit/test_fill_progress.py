@@ -315,3 +315,68 @@ def test_a_copy_that_fails_after_admission_fails_the_request_and_stops_the_worke
     error, dead, copied_afresh = asyncio.run(main())
     assert error  # the request failed rather than compute on missing weights
     assert dead and copied_afresh  # the next load copies every tensor again
+
+
+def test_a_counted_fill_admits_from_the_count_its_copy_stores_while_the_copy_goes_on(tmp_path: Path) -> None:
+    """CUDA's fill path (the extension counts spans as they land, at an address) with the copy
+    stood in for by one that stores the counts itself: admission comes from the count, in the
+    middle of the one call."""
+    import ctypes
+
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    arena = NodeArena(1 << 16, "CPU")
+    placement = arena.place("w1", sizes)
+    progress = FillProgress()
+    load = progress.begin()
+    order = list(sizes)
+    admitted = threading.Event()
+    seen: list[int] = []
+
+    class CountingCopy:
+        counts_progress = True
+
+        def copy_from_file(self, _path: Path, spans: list[tuple[int, int, int]], progress: int) -> None:
+            word = ctypes.c_int64.from_address(progress)
+            for k in range(1, len(spans) + 1):
+                word.value = k
+                if k == 2:  # the first two in: the prefix asked for
+                    assert admitted.wait(30), "not admitted from the count"
+                    seen.append(word.value)
+
+        def discard(self, offset: int, nbytes: int) -> None: ...
+
+    arena.memory = CountingCopy()  # type: ignore[assignment]
+    prefix = sizes[order[0]] + sizes[order[1]]
+    arena.fill(placement, path, order, progress, load, prefix, admitted.set)
+    assert seen == [2] and progress.done(load) == len(order)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
+def test_the_extension_counts_a_cuda_fill_as_it_lands_and_admits_before_its_end(tmp_path: Path) -> None:
+    from cuda_ext.build import ensure
+
+    ensure()
+    big = {f"layer{i}.w": torch.randn(1024, 1024) for i in range(24)}  # 4 MiB each: chunks of many spans
+    path, sizes = checkpoint(tmp_path, big)
+    arena = NodeArena(256 << 20, "CUDA")
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    progress = FillProgress()
+    load = progress.begin()
+    order = list(sizes)
+    counts: list[int] = []
+    filled = arena.fill(placement, path, order, progress, load, 0, lambda: counts.append(progress.done(load)))
+    assert counts and counts[0] < len(order)  # admitted from the count, before the copy ended
+    assert progress.done(load) == len(order)
+    assert arena.fill_bps > 0
+    digests = {d: n for n, d in zip(big, sizes, strict=True)}
+    from cuda_ext import TensorSpec
+
+    specs = [TensorSpec(n, d, torch.float32, (1024, 1024)) for d, n in digests.items()]
+    from tests.unit.test_arena_sharing import _load_in_child, in_child
+
+    copied, reused, total = in_child(_load_in_child, arena.handle, specs, filled)[0]
+    assert copied == 0 and reused == 0
+    assert total == pytest.approx(float(big["layer1.w"].sum()), rel=1e-4)
