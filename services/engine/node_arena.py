@@ -191,10 +191,11 @@ class NodeArena:
         copy, or the store's) into the arena, here: on CUDA through the extension's pinned
         staging, at the link's speed rather than the driver's pageable path; a worker's load
         then reads nothing. In `order` (the digests to copy, in access order; by offset
-        otherwise), a batch at a time, each counted on `progress` once it is in (the worker's
-        forward pass waits for its units there), and `on_admit()` called once `admit_bytes` are
-        in (TIDAL §5: the first request runs while the rest streams in behind it). The
-        placement to send the worker (those digests `filled`)."""
+        otherwise), each counted on `progress` once it is in (the worker's forward pass waits
+        for its units there: on CUDA the extension counts them as they land, on the host they
+        are copied a batch at a time), and `on_admit()` called once `admit_bytes` are in (TIDAL
+        §5: the first request runs while the rest streams in behind it). The placement to send
+        the worker (those digests `filled`)."""
         if not placement.copy:
             return placement
         ok = False
@@ -217,6 +218,9 @@ class NodeArena:
             t0 = time.monotonic()
             if self.memory.counts_progress and progress is not None:
                 streamed = self._fill_counted(checkpoint, spans, progress, load, admit_bytes, on_admit)
+            elif progress is None and admit_bytes is None:  # nobody follows it: one call
+                self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans)
+                streamed = 0
             else:
                 streamed = self._fill_in_batches(checkpoint, spans, progress, load, admit_bytes, on_admit)
             elapsed = time.monotonic() - t0
