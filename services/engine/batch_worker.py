@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from cuda_ext.ledger import Placement
-from cuda_ext.progress import FillSignal
 from services.engine.cpu_share import pin_all_threads
 from services.engine.step_gate import StepGate
 from services.engine.stops import StopMatcher
@@ -216,7 +214,7 @@ class BatchWorker:
             self.conn.send(self._open_pipeline(checkpoint, cmd.stages, t0))
         else:
             self._end_stages()
-            self.conn.send(self._open(checkpoint, threads, t0, cmd.placement, cmd.fill))
+            self.conn.send(self._open(checkpoint, threads, t0, cmd))
 
     def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
         """Run a layer range of the model at `checkpoint` (possibly a copy still arriving: only
@@ -263,18 +261,12 @@ class BatchWorker:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
 
-    def _open(
-        self,
-        checkpoint: Path,
-        threads: int,
-        t0: float,
-        placement: Placement | None = None,
-        fill: FillSignal | None = None,
-    ) -> Loaded:
+    def _open(self, checkpoint: Path, threads: int, t0: float, load: Load) -> Loaded:
         """Bind the model at `checkpoint`, setting `tokenizer` and `batch` (steps on `threads`
-        threads); what the engine is told of the load (begun at `t0`). `placement`: where the
-        node's arena book put its tensors (a torch worker on the node's shared arena); `fill`:
-        where to follow the engine's copy of those it fills, streaming in behind the start."""
+        threads); what the engine is told of the load (begun at `t0`). `load.placement`: where
+        the node's arena book put its tensors (a torch worker on the node's shared arena);
+        `load.fill`: where to follow the engine's copy of those it fills, streaming in behind
+        the start."""
         raise NotImplementedError
 
     def _reopen(self, threads: int) -> Batch:

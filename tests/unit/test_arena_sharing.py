@@ -50,6 +50,14 @@ def in_child(target: Callable[..., None], *args: object, replies: int = 1) -> li
     return got
 
 
+def base_and_tune() -> tuple[dict[str, int], dict[str, int]]:
+    """A model's tensors and a fine-tune's that changed one (layer2.w), as digest → bytes."""
+    base = model(0)
+    tune = dict(base)
+    tune["layer2.w"] = base["layer2.w"] + 1
+    return dict(pairs(HostImage.of(base))), dict(pairs(HostImage.of(tune)))
+
+
 def pairs(image: HostImage) -> list[tuple[str, int]]:
     return [(s.digest, s.nbytes) for s in image.specs]
 
@@ -177,10 +185,7 @@ def test_a_load_whose_copy_failed_leaves_nothing_a_later_load_would_trust(tmp_pa
 
 
 def test_evicting_a_stopped_models_tensors_spares_those_another_model_holds() -> None:
-    base = model(0)
-    tune = dict(base)
-    tune["layer2.w"] = base["layer2.w"] + 1
-    base_t, tune_t = dict(pairs(HostImage.of(base))), dict(pairs(HostImage.of(tune)))
+    base_t, tune_t = base_and_tune()
     arena = NodeArena(1 << 16, "CPU")
     arena.place("w1", base_t)
     arena.place("w2", tune_t)
@@ -195,10 +200,7 @@ def test_the_host_arena_takes_from_the_node_budget_what_its_tensors_fill_idle_or
     # Its reservation with the memory manager: the pages its tensors fill (a host arena's
     # pages are taken only when written), with what starts under way will copy; two models
     # sharing tensors count them once.
-    base = model(0)
-    tune = dict(base)
-    tune["layer2.w"] = base["layer2.w"] + 1
-    base_t, tune_t = dict(pairs(HostImage.of(base))), dict(pairs(HostImage.of(tune)))
+    base_t, tune_t = base_and_tune()
     arena = NodeArena(1 << 16, "CPU")
     assert arena.committed_bytes() == 0 and arena.committed_bytes(pending=1000) == 1000
     arena.place("w1", base_t)

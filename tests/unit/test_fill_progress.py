@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from cuda_ext.ledger import Placement
 from cuda_ext.progress import FAILED, FillFailed, FillProgress, FillSignal, FillWaiter
 from services.engine import node_arena
 from services.engine.node_arena import NodeArena
@@ -27,6 +28,22 @@ from tests.unit.test_arena_sharing import checkpoint, model
 if TYPE_CHECKING:
     from services.engine.worker_pool import Worker
     from shared.messages import Artifact
+
+
+def filling(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path, dict[str, int], NodeArena, Placement]:
+    """A small model, its checkpoint and its tensors' sizes, and a node arena where worker w1's
+    load of it is placed and its fill begun."""
+    tensors = model(4)
+    path, sizes = checkpoint(tmp_path, tensors)
+    return (tensors, path, sizes, *begun(sizes))
+
+
+def begun(sizes: dict[str, int], capacity: int = 1 << 16, device: str = "CPU") -> tuple[NodeArena, Placement]:
+    """A node arena where worker w1's load of `sizes` is placed and its fill begun."""
+    arena = NodeArena(capacity, device)
+    placement = arena.place("w1", sizes)
+    arena.begin_fill(placement)
+    return arena, placement
 
 
 def _wait_in_child(signal: FillSignal, units: list[list[str]], unit: int, conn: Connection) -> None:
@@ -97,11 +114,7 @@ def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 300)  # a batch per tensor or two
-    tensors = model(4)
-    path, sizes = checkpoint(tmp_path, tensors)
-    arena = NodeArena(1 << 16, "CPU")
-    placement = arena.place("w1", sizes)
-    arena.begin_fill(placement)
+    _tensors, path, sizes, arena, placement = filling(tmp_path)
     order = list(sizes)  # the manifest's: access order
     progress = FillProgress()
     load = progress.begin()
@@ -118,11 +131,7 @@ def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix
 
 
 def test_a_fills_tensors_are_held_until_it_ends_even_when_its_worker_dies(tmp_path: Path) -> None:
-    tensors = model(4)
-    path, sizes = checkpoint(tmp_path, tensors)
-    arena = NodeArena(1 << 16, "CPU")
-    placement = arena.place("w1", sizes)
-    arena.begin_fill(placement)
+    _tensors, path, sizes, arena, placement = filling(tmp_path)
     arena.release("w1")  # its worker died mid-copy
     assert arena.held_bytes() == (sum(sizes.values()), 0)  # no eviction may take the ranges yet
     other = arena.place("w2", sizes)  # another load of the same model finds them resident ...
@@ -135,11 +144,7 @@ def test_a_fills_tensors_are_held_until_it_ends_even_when_its_worker_dies(tmp_pa
 
 
 def test_a_failed_fill_fails_the_loads_sharing_it_and_its_tensors_are_copied_afresh(tmp_path: Path) -> None:
-    tensors = model(4)
-    path, sizes = checkpoint(tmp_path, tensors)
-    arena = NodeArena(1 << 16, "CPU")
-    placement = arena.place("w1", sizes)
-    arena.begin_fill(placement)
+    tensors, path, sizes, arena, placement = filling(tmp_path)
     other = arena.place("w2", sizes)
     (pending,) = arena.pending(other)
     progress = FillProgress()
@@ -194,9 +199,7 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     expected = whole.generate(prompt, params).token_ids
 
     sizes = checkpoint_tensor_bytes(ckpt)
-    arena = NodeArena(16 << 20, "CPU")
-    placement = arena.place("w1", sizes)
-    arena.begin_fill(placement)
+    arena, placement = begun(sizes, 16 << 20)
     progress = FillProgress()
     load = progress.begin()
     order = tuple(sizes)
@@ -360,9 +363,7 @@ def test_the_extension_counts_a_cuda_fill_as_it_lands_and_admits_before_its_end(
     ensure()
     big = {f"layer{i}.w": torch.randn(1024, 1024) for i in range(24)}  # 4 MiB each: chunks of many spans
     path, sizes = checkpoint(tmp_path, big)
-    arena = NodeArena(256 << 20, "CUDA")
-    placement = arena.place("w1", sizes)
-    arena.begin_fill(placement)
+    arena, placement = begun(sizes, 256 << 20, "CUDA")
     progress = FillProgress()
     load = progress.begin()
     order = list(sizes)

@@ -20,13 +20,11 @@ from pathlib import Path
 import torch
 
 from cuda_ext import TensorArena
-from cuda_ext.ledger import Placement
-from cuda_ext.progress import FillSignal
 from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.worker_wire import Loaded
+from services.engine.worker_wire import Load, Loaded
 
 
 def prewarm() -> None:
@@ -50,15 +48,8 @@ class TorchWorker(BatchWorker):
         self.arena = arena
         self.engine: TorchEngine | None = None
 
-    def _open(
-        self,
-        checkpoint: Path,
-        threads: int,
-        t0: float,
-        placement: Placement | None = None,
-        fill: FillSignal | None = None,
-    ) -> Loaded:
-        self.engine = TorchEngine.start(checkpoint, self.arena, placement, fill)
+    def _open(self, checkpoint: Path, threads: int, t0: float, load: Load) -> Loaded:
+        self.engine = TorchEngine.start(checkpoint, self.arena, load.placement, load.fill)
         self.tokenizer = self.engine.tokenizer
         self.batch = self._reopen(threads)
         return Loaded(

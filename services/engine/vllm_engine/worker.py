@@ -13,24 +13,15 @@ from pathlib import Path
 
 import torch
 
-from cuda_ext.ledger import Placement
-from cuda_ext.progress import FillSignal
 from services.engine.batch_worker import Batch, BatchWorker
 from services.engine.vllm_engine.batch import VllmBatch
-from services.engine.worker_wire import Loaded
+from services.engine.worker_wire import Load, Loaded
 
 
 class VllmWorker(BatchWorker):
     checkpoint: Path | None = None
 
-    def _open(
-        self,
-        checkpoint: Path,
-        threads: int,
-        t0: float,
-        placement: Placement | None = None,
-        fill: FillSignal | None = None,
-    ) -> Loaded:
+    def _open(self, checkpoint: Path, threads: int, t0: float, load: Load) -> Loaded:
         self.checkpoint = checkpoint
         self.batch = self._reopen(threads)
         return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
