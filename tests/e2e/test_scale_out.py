@@ -62,7 +62,9 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
         )
         first = None
         async for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].text:
+            # The first chunk, text or not: a sampled token may have none (an end-of-text token
+            # under ignore_eos is skipped from the text), and CI once saw both of two so.
+            if first is None and chunk.choices:
                 first = time.perf_counter() - t0
         assert first is not None
         return first
