@@ -7,8 +7,10 @@ engine copies in access order behind it.
 The progress is two 64-bit words in a memfd the engine keeps open and the worker maps through
 the engine's /proc/<pid>/fd entry (as the host arena is mapped, `cuda_ext.memory`): the load it
 counts, and how many of that load's copied tensors are in, in the order `FillSignal.digests`
-gives (or `FAILED`). The engine writes it with `pwrite` after each batch's copy has finished
-(synchronously, on CUDA too), so a count is only ever seen after the bytes it counts. No torch.
+gives (or `FAILED`). On the host the engine writes it with `pwrite` after each batch's copy;
+on CUDA the extension stores the count itself (a release store, through the engine's own
+mapping, `done_address`) once each span's last chunk is known landed. Either way a count is
+only ever seen after the bytes it counts. No torch.
 """
 
 from __future__ import annotations

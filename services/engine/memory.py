@@ -67,13 +67,20 @@ class KvMemory(EngineNode):
                 await self._unload(inst)
         return True
 
-    async def _reserve(self, owner: str, size: int | Callable[[], int], preemptor: Served | None = None) -> None:
+    async def _reserve(
+        self,
+        owner: str,
+        size: int | Callable[[], int],
+        preemptor: Served | None = None,
+        held: Callable[[], int] | None = None,
+    ) -> int:
         """Reserve; if the node is full, evict idle tensors of the node's arena and idle
         residents at the lowest cost, then idle instances (whose memory then turns into
         residents, evicted in turn if need be). For the KV growth of a busy instance
         (`preemptor`), then preempt smaller neighbours whose requests validate elsewhere
         (LLM-Mesh §7.1). Else wait for an instance to go idle. `size` may be a function: the
-        reservation's size after what the evictions changed (the node arena's)."""
+        reservation's size after what the evictions changed (the node arena's), and `held` what
+        `owner` holds granted already (the room to make is only the growth). The bytes granted."""
         deadline = time.monotonic() + self.settings.memory_wait_s
         while True:
             self._went_idle.clear()
@@ -94,13 +101,13 @@ class KvMemory(EngineNode):
                 self._evict_idle_residents,
             ):
                 if result.granted:
-                    return
-                if await make_room(nbytes - (result.budget_bytes - result.used_bytes)):
+                    return nbytes
+                if await make_room(nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)):
                     nbytes = size() if callable(size) else size
                     result = await self._reserve_memory(owner, nbytes)
             if result.granted:
-                return
-            short = nbytes - (result.budget_bytes - result.used_bytes)
+                return nbytes
+            short = nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)
             if preemptor is not None and await self._preempt_for(preemptor, short):
                 continue  # the preempted instances are idle now: the next pass evicts them
             # Everything that could go is busy: wait (up to a deadline) for an instance to
@@ -308,9 +315,10 @@ class KvMemory(EngineNode):
     async def _evict_idle_tensors(self, need: int) -> bool:
         """Make room by evicting tensors of the node's arena that no model holds (a model's
         whose worker died, or that another model shared), the cheapest to reload first
-        (Tangram eq. 2); the arena's reservation shrinks with them."""
+        (Tangram eq. 2); the arena's reservation shrinks with them. Not on CUDA, where the
+        arena's allocation is made whole at once: evicting frees no memory there."""
         arena = self.workers.arena
-        if arena is None or not arena.evict_cheapest(need, keep=self._arena_wanted.keys()):
+        if arena is None or arena.handle.cuda or not arena.evict_cheapest(need, keep=self._arena_wanted.keys()):
             return False
         await self._sync_arena()
         return True

@@ -64,10 +64,10 @@ from shared.messages import (
 
 log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
-ARENA_REGION = "arena"
+"""The node's one tensor arena among the idle holders of tensors (`idle_tensors`)."""
+ARENA_REGION = "weights:node-arena"
 """The node arena's reservation with the memory manager: what its tensors take, held or
 idle (a model's own reservation, `weights:<artifact>`, is then its worker's memory alone)."""
-"""The node's one tensor arena among the idle holders of tensors (`idle_tensors`)."""
 
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
@@ -195,11 +195,14 @@ class EngineNode:
         self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self._perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
-        self._arena_pending = 0
-        """Bytes the starts under way have reserved to copy into the node's arena."""
         self._arena_wanted: Counter[str] = Counter()
-        """Digests the starts under way will bind in the node's arena: never evicted for memory
-        meanwhile (one start's tensors for another's reservation)."""
+        """Digests the starts under way will bind in the node's arena: counted in its
+        reservation until they are in (once, however many starts want them), and never evicted
+        for memory meanwhile (one start's tensors for another's reservation)."""
+        self._arena_sizes: dict[str, int] = {}
+        """Bytes of each digest a start has wanted (a digest's size never changes)."""
+        self._arena_granted = 0
+        """The arena's reservation as the memory manager last granted it."""
         self._footprints: dict[str, int] = {}
         """Per artifact, the weights reservation its last worker was trued up to: what the
         next start reserves."""
@@ -273,24 +276,36 @@ class EngineNode:
         return max(0, budget - used) if budget else 0
 
     async def _sync_arena(self) -> None:
-        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with the
-        bytes starts under way are about to copy into it: shrunk after an eviction or a
-        start's end (what it placed may have evicted idle tensors, or its load failed)."""
+        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with what
+        starts under way are about to copy into it: shrunk after an eviction or a start's end
+        (what it placed may have evicted idle tensors, or its load failed)."""
         arena = self.workers.arena
         if arena is None:
             return
-        target = arena.committed_bytes(self._arena_pending)
+        target = self._arena_target()
         if target == 0:
             await self._release_memory(ARENA_REGION)
+            self._arena_granted = 0
             return
         result = await self._reserve_memory(ARENA_REGION, target)
         await self._memory_done(ARENA_REGION)
-        if not result.granted:
+        if result.granted:
+            self._arena_granted = target
+        else:
             log.warning("the node arena takes %d bytes, more than the memory manager grants it", target)
+
+    def _arena_target(self) -> int:
+        """What the node's arena reservation should be: what it takes, with what the starts
+        under way will copy into it."""
+        arena = self.workers.arena
+        if arena is None:
+            return 0
+        return arena.committed_bytes({d: self._arena_sizes[d] for d in self._arena_wanted})
 
     async def _evict(self, keys: list[str], keep: Collection[str] = ()) -> int:
         """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
         another model holds or `keep` names (the model a start makes room for needs them)."""
+        keep = {*keep, *self._arena_wanted}  # starts under way will bind these
         freed = 0
         for key in keys:
             bound = self.bound.pop(key, None)

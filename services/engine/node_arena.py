@@ -11,6 +11,7 @@ arena's bytes (`NodeStatus.resident`, `reusable`). The main process imports no t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -58,15 +59,36 @@ class Fill:
 
     def __init__(self) -> None:
         self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = []
         self.ok = False
 
-    def end(self, ok: bool) -> None:
-        self.ok = ok
-        self._ended.set()
+    def end(self, ok: bool) -> None:  # on the fill's thread
+        with self._lock:
+            self.ok = ok
+            self._ended.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_settle, future, ok)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Whether it ended with every tensor in (False: it failed, or is still going)."""
         return self._ended.wait(timeout_s) and self.ok
+
+    async def ended(self) -> bool:
+        """Whether it ended with every tensor in, once it has ended (no thread waits for it)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._ended.is_set():
+                return self.ok
+            future: asyncio.Future[bool] = loop.create_future()
+            self._waiters.append((loop, future))
+        return await future
+
+
+def _settle(future: asyncio.Future[bool], ok: bool) -> None:
+    if not future.done():
+        future.set_result(ok)
 
 
 _WATCH_S = 0.0005
@@ -144,10 +166,18 @@ class NodeArena:
             self._release(owner)
             if discard:
                 self._evict_copied(owner)
-            for digest in self._broken & set(self.ledger.idle()):
+            broken = self._broken & set(self.ledger.idle())
+            self._discard([self.ledger.blocks[d] for d in broken])
+            for digest in broken:
                 self.ledger.evict(digest)
-                self._broken.discard(digest)
-            placement = self.ledger.place(list(tensors.items()), owner)
+            self._broken -= broken
+            blocks = dict(self.ledger.blocks)
+            try:
+                placement = self.ledger.place(list(tensors.items()), owner)
+            finally:
+                # What it evicted (even for a placement that then failed) gives its pages back
+                # now, before any copy writes its range again.
+                self._discard([b for d, b in blocks.items() if d not in self.ledger.blocks])
             self._copied[owner] = placement.copy
             self._broken -= placement.copy  # evicted meanwhile, and copied afresh now
         ARENA_LOADS.labels("reused").inc(sum(n for d, n in tensors.items() if d not in placement.copy))
@@ -160,6 +190,8 @@ class NodeArena:
         if not placement.copy:
             return
         with self._lock:
+            if self.ledger.holds(_fill_owner(placement.owner)):
+                raise RuntimeError(f"{placement.owner}'s last fill has not ended")  # its hold is one name
             self.ledger.place([(d, self.ledger.sizes[d]) for d in placement.copy], _fill_owner(placement.owner))
             fill = Fill()
             for digest in placement.copy:
@@ -315,8 +347,9 @@ class NodeArena:
             self._evict_copied(owner)
 
     def _evict_copied(self, owner: str) -> None:
-        idle = set(self.ledger.idle())
-        for digest in self._copied.pop(owner, frozenset()) & idle:
+        gone = self._copied.pop(owner, frozenset()) & set(self.ledger.idle())
+        self._discard([self.ledger.blocks[d] for d in gone])
+        for digest in gone:
             self.ledger.evict(digest)
 
     def release(self, owner: str) -> None:
@@ -353,21 +386,29 @@ class NodeArena:
             self.memory.discard(block.offset, block.nbytes)
         return sum(b.nbytes for b in blocks)
 
-    def committed_bytes(self, pending: int = 0) -> int:
-        """The node memory the arena takes, with `pending` bytes about to be copied in: on CUDA
-        its whole allocation (made at once, whatever it holds); on the host the pages its
-        tensors fill (a page is taken when written and given back when discarded)."""
+    def committed_bytes(self, wanted: Mapping[str, int] | None = None) -> int:
+        """The node memory the arena takes, with the `wanted` tensors (digest → bytes: those
+        starts under way will bind) that are not in it yet, about to be copied in: on CUDA its
+        whole allocation (made at once, whatever it holds); on the host the pages its tensors
+        fill (a page is taken when written and given back when discarded). A wanted tensor
+        counts once, placed or not."""
         capacity = self.ledger.allocator.capacity
         if self.handle.cuda:
             return capacity
         with self._lock:
-            return min(capacity, sum(b.nbytes for b in self.ledger.blocks.values()) + pending)
+            blocks = self.ledger.blocks
+            coming = sum(n for d, n in (wanted or {}).items() if d not in blocks)
+            return min(capacity, sum(b.nbytes for b in blocks.values()) + coming)
 
-    def room_bytes(self) -> int:
-        """Bytes a load could have in the arena: all but what loads hold (idle tensors are
-        evicted for it)."""
-        held, _ = self.held_bytes()
-        return self.ledger.allocator.capacity - held
+    def room_bytes(self, tensors: Mapping[str, int]) -> int:
+        """Bytes a load of `tensors` could copy into the arena: all but what loads hold and
+        what it will hold itself of what is resident (idle tensors of others are evicted for
+        it; its own are not)."""
+        with self._lock:
+            idle = set(self.ledger.idle())
+            held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
+            own = sum(self.ledger.sizes[d] for d in tensors if d in idle)
+        return self.ledger.allocator.capacity - held - own
 
     def held_bytes(self) -> tuple[int, int]:
         """Bytes of tensors some worker holds, and of idle ones."""

@@ -227,6 +227,7 @@ class Starts(Pipelines):
                     return rebound, False, time.monotonic()
             tensors = await self._tensors(artifact) if arena is not None else {}
             self._arena_wanted.update(tensors.keys())
+            self._arena_sizes.update(tensors)
             try:
                 return await self._acquire_new(artifact, tensors, now)
             finally:
@@ -236,7 +237,6 @@ class Starts(Pipelines):
     async def _acquire_new(self, artifact: Artifact, tensors: dict[str, int], now: float) -> tuple[Bound, bool, float]:
         """`_acquire` of a model not bound here: a pre-warmed worker loads it."""
         aid = artifact.artifact_id
-        arena = self.workers.arena
         missing = await self._arena_room(aid, tensors) if tensors else 0
         in_arena = bool(tensors) and missing == 0
         if tensors:
@@ -245,11 +245,11 @@ class Starts(Pipelines):
         else:
             weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
         await self._reserve(f"weights:{aid}", weights)
-        self._arena_pending += missing
         try:
             if missing:
-                assert arena is not None
-                await self._reserve(ARENA_REGION, lambda: arena.committed_bytes(self._arena_pending))
+                self._arena_granted = await self._reserve(
+                    ARENA_REGION, self._arena_target, held=lambda: self._arena_granted
+                )
                 await self._memory_done(ARENA_REGION)
             t_load = time.monotonic()
             tier = self._start_tier(artifact)
@@ -282,8 +282,7 @@ class Starts(Pipelines):
             await self._release_memory(f"weights:{aid}")
             raise
         finally:
-            self._arena_pending -= missing
-            if missing:
+            if tensors:  # what it placed (or, failing, left) there; a concurrent load may have evicted
                 await self._sync_arena()
         source = "arena" if in_arena else "host" if staged and staged.hit else "store"
         return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
@@ -298,11 +297,13 @@ class Starts(Pipelines):
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
         # Again after each eviction: the evicted model's tensors may have been this one's too.
-        while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes()):
+        while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes(tensors)):
             self._went_idle.clear()
-            # Priced by what each holds in the arena (its weights there), not by its worker.
+            # Priced by what each holds in the arena that this start will not (not its worker).
             residents = [
-                dataclasses.replace(b.resident, nbytes=sum(self.tensor_bytes.get(k, {}).values()))
+                dataclasses.replace(
+                    b.resident, nbytes=sum(n for d, n in self.tensor_bytes.get(k, {}).items() if d not in tensors)
+                )
                 for k, b in self.bound.items()
             ]
             keys = choose_evictions(residents, missing - room, time.time())

@@ -250,7 +250,7 @@ class Worker:
             placement = self.arena.place(self.owner, tensors, discard)
             self.arena.begin_fill(placement)  # no await since the placement: nothing came between
             others = self.arena.pending(placement)
-            if placement.copy:
+            if placement.copy and admit_bytes is not None:  # streamed: the worker follows the count
                 order = tuple(d for d in tensors if d in placement.copy)
                 number = self.progress.begin()
 
@@ -264,13 +264,16 @@ class Worker:
                 )
                 load = replace(load, fill=FillSignal(self.progress.path, number, order))
                 placement = replace(placement, copy=frozenset(), filled=placement.copy)
+            elif placement.copy:  # whole before the load is done: one copy, nobody follows it
+                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
+                placement = replace(placement, copy=frozenset(), filled=placement.copy)
             load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
         self._conn.send(load)
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
             for other in others:  # tensors another load is copying in: whole before any is read
-                if not await asyncio.to_thread(other.wait, timeout_s):
+                if not await asyncio.wait_for(other.ended(), timeout_s):
                     raise FillFailed("tensors this model shares with another load did not arrive")
             if fill is not None:
                 await asyncio.wait((fill, admitted), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)

@@ -35,7 +35,7 @@ DENIED = Counter("tessera_memory_denied_total", "Reservations refused for lack o
 OPS = Counter("tessera_memory_operations_total", "Operations through the reservation station", ["kind"])
 REGION = Gauge(
     "tessera_memory_region_bytes",
-    "Bytes reserved per region (optimistic): a model's weights:<artifact> and <model>:kv, the node arena's arena",
+    "Bytes reserved per region (optimistic): weights:<artifact>, <model>:kv, a torch node's arena weights:node-arena",
     ["region"],
 )
 WAITING = Gauge("tessera_memory_waiting_operations", "Accepted operations waiting on a hazard or on memory")

@@ -112,7 +112,7 @@ def transformers_greedy(checkpoint: Path, prompt: list[int]) -> tuple[str, int, 
 
 def arena_reserved(cluster: LocalCluster) -> float:
     """What the node's memory manager has reserved for the node's arena."""
-    return metric(cluster, "memory_manager@node-0", "tessera_memory_region_bytes", region="arena")
+    return metric(cluster, "memory_manager@node-0", "tessera_memory_region_bytes", region="weights:node-arena")
 
 
 ALIGNMENT_SLACK = 256 * 300

@@ -202,16 +202,18 @@ def test_the_host_arena_takes_from_the_node_budget_what_its_tensors_fill_idle_or
     # sharing tensors count them once.
     base_t, tune_t = base_and_tune()
     arena = NodeArena(1 << 16, "CPU")
-    assert arena.committed_bytes() == 0 and arena.committed_bytes(pending=1000) == 1000
+    assert arena.committed_bytes() == 0 and arena.committed_bytes(base_t) == sum(base_t.values())
     arena.place("w1", base_t)
     alone = arena.committed_bytes()
     assert alone >= sum(base_t.values())  # its ranges, aligned
+    # A start of the tune under way: only its own tensor is still to come.
+    assert arena.committed_bytes(tune_t) == alone + 256  # its layer2.w, 8 × 8 float32
     arena.place("w2", tune_t)
-    placed = arena.committed_bytes()
-    assert placed == alone + 256  # the tune's own layer2.w (8 × 8 float32): the rest is shared
+    placed = arena.committed_bytes(tune_t)  # placed: counted once, not again as still to come
+    assert placed == alone + 256
     arena.release("w1")  # idle, still taking its pages until evicted
     assert arena.committed_bytes() == placed
-    assert arena.committed_bytes(pending=1 << 20) == 1 << 16  # never past the arena
+    assert arena.committed_bytes({"another": 1 << 20}) == 1 << 16  # never past the arena
 
 
 def test_idle_tensors_go_for_the_node_budget_the_cheapest_first_and_held_ones_never() -> None:
@@ -239,12 +241,14 @@ def test_idle_tensors_go_for_the_node_budget_the_cheapest_first_and_held_ones_ne
 
 
 def test_a_load_has_the_room_the_models_in_use_leave() -> None:
-    tensors = dict(pairs(HostImage.of(model(0))))
+    tensors, other = dict(pairs(HostImage.of(model(0)))), dict(pairs(HostImage.of(model(1))))
     arena = NodeArena(1 << 16, "CPU")
     arena.place("w1", tensors)
-    assert arena.room_bytes() == (1 << 16) - sum(tensors.values())
-    arena.release("w1")  # idle tensors make way for a load
-    assert arena.room_bytes() == 1 << 16
+    assert arena.room_bytes(other) == (1 << 16) - sum(tensors.values())
+    arena.release("w1")  # idle tensors make way for another model's load ...
+    assert arena.room_bytes(other) == 1 << 16
+    # ... but not for their own model's, which will hold them.
+    assert arena.room_bytes(tensors) == (1 << 16) - sum(tensors.values())
 
 
 def test_a_node_device_names_its_arena() -> None:

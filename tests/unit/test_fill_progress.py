@@ -241,13 +241,29 @@ async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
     return text, tokens
 
 
-def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(tmp_path: Path) -> None:
+def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cuda_ext.memory import SharedMemory
     from services.engine.worker_pool import Worker
     from shared.artifact import checkpoint_tensor_bytes
     from tests.unit.test_torch_batch_tiny import tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path)
     sizes = checkpoint_tensor_bytes(ckpt)
+    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 1)  # a batch per tensor
+    copy = SharedMemory.copy_from_file
+    batches = iter(range(1000))
+    go = threading.Event()
+
+    def held_back(self: SharedMemory, path: Path, spans: list[tuple[int, int, int]], threads: int = 0) -> None:
+        # The third batch waits until the load is done and a request runs: a load that waited
+        # for the whole copy would never be done, and the copy fails after 60 s.
+        if next(batches) == 2 and not go.wait(60):
+            raise OSError("the load was not admitted before its copy ended")
+        copy(self, path, spans, threads)
+
+    monkeypatch.setattr(SharedMemory, "copy_from_file", held_back)
 
     async def main() -> tuple[tuple[str, int], tuple[str, int], int]:
         arena = NodeArena(16 << 20, "CPU")
@@ -255,7 +271,10 @@ def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(tm
         await worker.ready(300)
         try:
             await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
-            streamed = await _tokens(worker, list(b"hello"))
+            request = asyncio.ensure_future(_tokens(worker, list(b"hello")))
+            await asyncio.sleep(0)  # sync-ok: the request is sent (no time passes)
+            go.set()
+            streamed = await request
             await asyncio.to_thread(worker.stop)
             arena.evict_idle(sizes)
             worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
@@ -351,8 +370,15 @@ def test_a_counted_fill_admits_from_the_count_its_copy_stores_while_the_copy_goe
 
     arena.memory = CountingCopy()  # type: ignore[assignment]
     prefix = sizes[order[0]] + sizes[order[1]]
-    arena.fill(placement, path, order, progress, load, prefix, admitted.set)
-    assert seen == [2] and progress.done(load) == len(order)
+    at: list[int] = []
+
+    def admit() -> None:
+        at.append(progress.done(load))
+        admitted.set()
+
+    arena.fill(placement, path, order, progress, load, prefix, admit)
+    assert at == [2] and seen == [2]  # admitted once the prefix was counted, not before
+    assert progress.done(load) == len(order)
 
 
 @pytest.mark.gpu
