@@ -241,39 +241,69 @@ async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
     return text, tokens
 
 
-def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from cuda_ext.memory import SharedMemory
-    from services.engine.worker_pool import Worker
+@pytest.fixture
+def tiny(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """A tiny Llama's torch checkpoint and its tensors' sizes (digest → bytes)."""
     from shared.artifact import checkpoint_tensor_bytes
     from tests.unit.test_torch_batch_tiny import tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path)
-    sizes = checkpoint_tensor_bytes(ckpt)
-    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 1)  # a batch per tensor
+    return ckpt, checkpoint_tensor_bytes(ckpt)
+
+
+def third_batch_held(monkeypatch: pytest.MonkeyPatch, fail: bool) -> threading.Event:
+    """Host fills copy a batch per tensor, and the third waits for the event returned (after
+    admission at 0 bytes, once the load is done): then it copies, or with `fail` its copy
+    fails. Not set within 60 s, it fails either way."""
+    from cuda_ext.memory import SharedMemory
+
+    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 1)
     copy = SharedMemory.copy_from_file
     batches = iter(range(1000))
     go = threading.Event()
 
-    def held_back(self: SharedMemory, path: Path, spans: list[tuple[int, int, int]], threads: int = 0) -> None:
-        # The third batch waits until the load is done and a request runs: a load that waited
-        # for the whole copy would never be done, and the copy fails after 60 s.
-        if next(batches) == 2 and not go.wait(60):
-            raise OSError("the load was not admitted before its copy ended")
+    def held(self: SharedMemory, path: Path, spans: list[tuple[int, int, int]], threads: int = 0) -> None:
+        if next(batches) == 2 and (not go.wait(60) or fail):
+            raise OSError("the host cache's copy went" if fail else "the load was not admitted before its copy ended")
         copy(self, path, spans, threads)
 
-    monkeypatch.setattr(SharedMemory, "copy_from_file", held_back)
+    monkeypatch.setattr(SharedMemory, "copy_from_file", held)
+    return go
+
+
+async def admitted_at_zero(
+    arena: NodeArena, ckpt: Path, sizes: dict[str, int], go: threading.Event
+) -> tuple[Worker, asyncio.Future[tuple[str, int]]]:
+    """A torch worker on `arena` that loaded the tiny model admitted at 0 bytes, a greedy
+    request sent to it, and the held batch (`third_batch_held`) let go."""
+    from services.engine.worker_pool import Worker
+
+    worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+    try:
+        await worker.ready(300)
+        await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
+    except BaseException:
+        worker.stop()
+        raise
+    request = asyncio.ensure_future(_tokens(worker, list(b"hello")))
+    await asyncio.sleep(0)  # sync-ok: the request is sent (no time passes)
+    go.set()
+    return worker, request
+
+
+def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
+    tiny: tuple[Path, dict[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.engine.worker_pool import Worker
+
+    ckpt, sizes = tiny
+    # A load that waited for the whole copy would never be done, and the copy fails after 60 s.
+    go = third_batch_held(monkeypatch, fail=False)
 
     async def main() -> tuple[tuple[str, int], tuple[str, int], int]:
         arena = NodeArena(16 << 20, "CPU")
-        worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
-        await worker.ready(300)
+        worker, request = await admitted_at_zero(arena, ckpt, sizes, go)
         try:
-            await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
-            request = asyncio.ensure_future(_tokens(worker, list(b"hello")))
-            await asyncio.sleep(0)  # sync-ok: the request is sent (no time passes)
-            go.set()
             streamed = await request
             await asyncio.to_thread(worker.stop)
             arena.evict_idle(sizes)
@@ -290,39 +320,18 @@ def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
 
 
 def test_a_copy_that_fails_after_admission_fails_the_request_and_stops_the_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Path, dict[str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cuda_ext.memory import SharedMemory
     from services.engine import worker_pool
-    from services.engine.worker_pool import Worker
-    from shared.artifact import checkpoint_tensor_bytes
     from tests.helpers.cluster import wait_for
-    from tests.unit.test_torch_batch_tiny import tiny_checkpoint
 
-    ckpt = tiny_checkpoint(tmp_path)
-    sizes = checkpoint_tensor_bytes(ckpt)
-    monkeypatch.setattr(node_arena, "FILL_BATCH_BYTES", 1)  # a batch per tensor
-    copy = SharedMemory.copy_from_file
-    batches = iter(range(1000))
-    go = threading.Event()
-
-    def failing(self: SharedMemory, path: Path, spans: list[tuple[int, int, int]], threads: int = 0) -> None:
-        if next(batches) == 2:  # the third batch: after admission (at 0 bytes), once the load is done
-            go.wait(60)
-            raise OSError("the host cache's copy went")
-        copy(self, path, spans, threads)
-
-    monkeypatch.setattr(SharedMemory, "copy_from_file", failing)
+    ckpt, sizes = tiny
+    go = third_batch_held(monkeypatch, fail=True)
 
     async def main() -> tuple[str, bool, bool]:
         arena = NodeArena(16 << 20, "CPU")
-        worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
-        await worker.ready(300)
+        worker, request = await admitted_at_zero(arena, ckpt, sizes, go)
         try:
-            await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
-            request = asyncio.ensure_future(_tokens(worker, list(b"hello")))
-            await asyncio.sleep(0)  # sync-ok: the request is sent (no time passes)
-            go.set()
             try:
                 await request
                 error = ""
