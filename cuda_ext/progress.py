@@ -59,7 +59,7 @@ class FillProgress:
         self.done_address = ctypes.addressof(self._word)
         """Where the count lives in this process: the CUDA extension stores it there itself as
         a copy's spans land (`Native.copy_pageable(progress=)`)."""
-        self._closer = weakref.finalize(self, os.close, self._fd)
+        weakref.finalize(self, os.close, self._fd)
         self._loads = 0
 
     def begin(self) -> int:
@@ -82,9 +82,6 @@ class FillProgress:
     def _write(self, load: int, done: int) -> None:
         # One syscall: the copy's bytes (written before it) are in memory first.
         os.pwrite(self._fd, _WORDS.pack(load, done), 0)
-
-    def close(self) -> None:
-        self._closer()
 
 
 class FillWaiter:

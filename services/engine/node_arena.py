@@ -71,9 +71,10 @@ class Fill:
         for loop, future in waiters:
             loop.call_soon_threadsafe(_settle, future, ok)
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Whether it ended with every tensor in (False: it failed, or is still going)."""
-        return self._ended.wait(timeout_s) and self.ok
+    @property
+    def result(self) -> bool | None:
+        """Whether it ended with every tensor in; None while it goes on."""
+        return self.ok if self._ended.is_set() else None
 
     async def ended(self) -> bool:
         """Whether it ended with every tensor in, once it has ended (no thread waits for it)."""
@@ -166,11 +167,6 @@ class NodeArena:
             self._release(owner)
             if discard:
                 self._evict_copied(owner)
-            broken = self._broken & set(self.ledger.idle())
-            self._discard([self.ledger.blocks[d] for d in broken])
-            for digest in broken:
-                self.ledger.evict(digest)
-            self._broken -= broken
             blocks = dict(self.ledger.blocks)
             try:
                 placement = self.ledger.place(list(tensors.items()), owner)
@@ -271,8 +267,7 @@ class NodeArena:
                     self._filling.pop(digest, None)
                 if not ok:
                     self._broken |= placement.copy
-                if self.ledger.holds(_fill_owner(placement.owner)):
-                    self.ledger.release(_fill_owner(placement.owner))
+                self._release(_fill_owner(placement.owner))
             if fill is not None:
                 fill.end(ok)
         return replace(placement, copy=frozenset(), filled=placement.copy)
@@ -339,13 +334,6 @@ class NodeArena:
                 watcher.join()
         return sum(n for _, _, n in spans) - ahead if admitted.is_set() else 0
 
-    def forget_copied(self, owner: str) -> None:
-        """Evict what `owner`'s last placement was to copy, where nobody holds it (its copy
-        failed: the bytes there are not the digests')."""
-        with self._lock:
-            self._release(owner)
-            self._evict_copied(owner)
-
     def _evict_copied(self, owner: str) -> None:
         gone = self._copied.pop(owner, frozenset()) & set(self.ledger.idle())
         self._discard([self.ledger.blocks[d] for d in gone])
@@ -361,14 +349,21 @@ class NodeArena:
     def _release(self, owner: str) -> None:
         if self.ledger.holds(owner):
             self.ledger.release(owner)
+        # Tensors whose copy failed go as soon as nobody holds them: no load may find them.
+        broken = self._broken & set(self.ledger.idle())
+        self._discard([self.ledger.blocks[d] for d in broken])
+        for digest in broken:
+            self.ledger.evict(digest)
+        self._broken -= broken
 
     def evict_idle(self, tensors: Mapping[str, int]) -> int:
         """Evict those of `tensors` that nobody holds, and give their memory back (a model
         stopped to make room: its weights go too, unless another model shares them); the
         bytes freed."""
         with self._lock:
-            blocks = [self.ledger.blocks[d] for d in set(tensors) & set(self.ledger.idle())]
-            for digest in set(tensors) & set(self.ledger.idle()):
+            gone = set(tensors) & set(self.ledger.idle())
+            blocks = [self.ledger.blocks[d] for d in gone]
+            for digest in gone:
                 self.ledger.evict(digest)
             return self._discard(blocks)
 

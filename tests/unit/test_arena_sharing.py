@@ -180,7 +180,7 @@ def test_a_load_whose_copy_failed_leaves_nothing_a_later_load_would_trust(tmp_pa
     (path / "model.safetensors").unlink()  # the copy it came from went
     with pytest.raises(OSError):
         arena.fill(placement, path)
-    arena.forget_copied("w1")
+    arena.release("w1")  # its load failed with it
     assert arena.digests() == frozenset() and arena.missing_bytes(sizes) == sum(sizes.values())
 
 
