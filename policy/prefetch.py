@@ -32,9 +32,9 @@ def admission_bytes(copy_bytes: int, ttft_s: float | None, h2d_bytes_per_s: floa
     request runs; None: all of them (nothing streams). Eq. 1 where the copy runs on a GPU's
     copy engines beside the compute. Not on the host, where the copy is a memcpy on the very
     cores the forward pass needs: streaming there only moves the copy into the forward pass
-    (measured on 2 cores, SmolLM2-135M: start to first token 0.67 s streamed against 0.57 s
-    admitted whole, `python -m bench.gpu_arena --device CPU`). Nor before the bandwidth and a
-    TTFT have been measured on the node."""
+    (measured on 2 cores, SmolLM2-135M: start to first token 0.54 s streamed against 0.53 s
+    admitted whole, `bench/results/gpu_arena_cpu.json`). Nor before the bandwidth and a TTFT
+    have been measured on the node."""
     if not dma or ttft_s is None or h2d_bytes_per_s <= 0:
         return None
     return prefetch_bytes(copy_bytes, ttft_s, h2d_bytes_per_s)
