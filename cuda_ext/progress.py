@@ -72,9 +72,7 @@ class FillProgress:
         self._write(load, done)
 
     def done(self, load: int) -> int:
-        """The count of `load` (0 while another load's count is there)."""
-        current, done = _WORDS.unpack(self._map[: _WORDS.size])
-        return int(done) if current == load else 0
+        return _count(self._map, load)
 
     def fail(self, load: int) -> None:
         self._write(load, FAILED)
@@ -107,8 +105,7 @@ class FillWaiter:
         self.complete = self.total == 0
 
     def done(self) -> int:
-        load, done = _WORDS.unpack(self._map[: _WORDS.size])
-        return done if load == self.load else 0
+        return _count(self._map, self.load)
 
     def wait(self, unit: int) -> None:
         if self.complete:
@@ -124,5 +121,8 @@ class FillWaiter:
         if done >= self.total:
             self.complete = True  # later units and steps look no more
 
-    def close(self) -> None:
-        self._map.close()
+
+def _count(words: Any, load: int) -> int:
+    """The count of `load` in a mapping of the progress (0 while another load's is there)."""
+    current, done = _WORDS.unpack(words[: _WORDS.size])
+    return int(done) if current == load else 0

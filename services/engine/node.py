@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from policy.affinity import reusable_shares
@@ -302,10 +301,10 @@ class EngineNode:
             return 0
         return arena.committed_bytes({d: self._arena_sizes[d] for d in self._arena_wanted})
 
-    async def _evict(self, keys: list[str], keep: Collection[str] = ()) -> int:
+    async def _evict(self, keys: list[str]) -> int:
         """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
-        another model holds or `keep` names (the model a start makes room for needs them)."""
-        keep = {*keep, *self._arena_wanted}  # starts under way will bind these
+        another model holds or a start under way will bind (`_arena_wanted`: the model a start
+        makes room for needs them)."""
         freed = 0
         for key in keys:
             bound = self.bound.pop(key, None)
@@ -314,7 +313,7 @@ class EngineNode:
             await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
             if self.workers.arena is not None:  # and the weights it alone held in the node's arena
                 self.workers.arena.evict_idle(
-                    {d: n for d, n in self.tensor_bytes.get(key, {}).items() if d not in keep}
+                    {d: n for d, n in self.tensor_bytes.get(key, {}).items() if d not in self._arena_wanted}
                 )
                 await self._sync_arena()
             freed += bound.resident.nbytes

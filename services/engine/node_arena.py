@@ -18,7 +18,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
@@ -335,10 +335,7 @@ class NodeArena:
         return sum(n for _, _, n in spans) - ahead if admitted.is_set() else 0
 
     def _evict_copied(self, owner: str) -> None:
-        gone = self._copied.pop(owner, frozenset()) & set(self.ledger.idle())
-        self._discard([self.ledger.blocks[d] for d in gone])
-        for digest in gone:
-            self.ledger.evict(digest)
+        self._evict_idle(self._copied.pop(owner, frozenset()))
 
     def release(self, owner: str) -> None:
         """The worker's model is gone (it stopped, died, or was bound to another): its tensors
@@ -350,22 +347,15 @@ class NodeArena:
         if self.ledger.holds(owner):
             self.ledger.release(owner)
         # Tensors whose copy failed go as soon as nobody holds them: no load may find them.
-        broken = self._broken & set(self.ledger.idle())
-        self._discard([self.ledger.blocks[d] for d in broken])
-        for digest in broken:
-            self.ledger.evict(digest)
-        self._broken -= broken
+        self._evict_idle(self._broken)
+        self._broken &= self.ledger.digests()
 
     def evict_idle(self, tensors: Mapping[str, int]) -> int:
         """Evict those of `tensors` that nobody holds, and give their memory back (a model
         stopped to make room: its weights go too, unless another model shares them); the
         bytes freed."""
         with self._lock:
-            gone = set(tensors) & set(self.ledger.idle())
-            blocks = [self.ledger.blocks[d] for d in gone]
-            for digest in gone:
-                self.ledger.evict(digest)
-            return self._discard(blocks)
+            return self._evict_idle(tensors)
 
     def evict_cheapest(self, nbytes: int, keep: AbstractSet[str] = frozenset()) -> int:
         """Evict idle tensors but `keep` (those starts under way will bind), the cheapest to
@@ -375,6 +365,14 @@ class NodeArena:
         with self._lock:
             blocks = dict(self.ledger.blocks)
             return self._discard([blocks[d] for d in self.ledger.evict_cheapest(nbytes, keep)])
+
+    def _evict_idle(self, digests: Iterable[str]) -> int:
+        """Evict those of `digests` nobody holds, giving their pages back; the bytes freed."""
+        gone = set(digests) & set(self.ledger.idle())
+        blocks = [self.ledger.blocks[d] for d in gone]
+        for digest in gone:
+            self.ledger.evict(digest)
+        return self._discard(blocks)
 
     def _discard(self, blocks: list[Block]) -> int:
         for block in blocks:

@@ -271,15 +271,14 @@ class Starts(Pipelines):
                 raise
             stage_s += waited_s
             await self._memory_done(f"weights:{aid}")
-        except ArenaFull as e:  # room for its bytes, but no range long enough
+        except BaseException as e:
             await self._release_memory(f"weights:{aid}")
-            raise TesseraError(
-                ErrorCode.NO_CAPACITY,
-                f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
-                retry_after_s=2,
-            ) from e
-        except BaseException:
-            await self._release_memory(f"weights:{aid}")
+            if isinstance(e, ArenaFull):  # room for its bytes, but no range long enough
+                raise TesseraError(
+                    ErrorCode.NO_CAPACITY,
+                    f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
+                    retry_after_s=2,
+                ) from e
             raise
         finally:
             if tensors:  # what it placed (or, failing, left) there; a concurrent load may have evicted
@@ -308,7 +307,7 @@ class Starts(Pipelines):
             ]
             keys = choose_evictions(residents, missing - room, time.time())
             if keys:
-                await self._evict(keys, keep=tensors)
+                await self._evict(keys)  # this start's tensors are wanted: they stay
                 continue
             if await self._evict_idle_instances(missing - room):
                 continue
