@@ -107,6 +107,7 @@ class Worker:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._gate = gate
+        self._slot_lock = threading.Lock()
         self._slot = gate.claim() if gate is not None else -1
         """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
         if backend == "torch":
@@ -141,6 +142,8 @@ class Worker:
         self._streams: dict[str, asyncio.Queue[Chunk | Done | Failure | Started | WorkerDied]] = {}
         """Each request sent and not yet done: where its messages go."""
         self.dead = False
+        self._ending = threading.Lock()
+        self._stopped = False
         self.tier: Tier | None = None
         """The tier of the model it serves (None before a load)."""
         self.on_tier_up: Callable[[TieredUp], None] | None = None
@@ -201,7 +204,8 @@ class Worker:
             stream.put_nowait(msg)
 
     def _free_slot(self) -> None:
-        slot, self._slot = self._slot, -1
+        with self._slot_lock:  # the loop (on its death) and a stopping thread may both free it
+            slot, self._slot = self._slot, -1
         if self._gate is not None and slot >= 0:
             self._gate.release(slot)
 
@@ -369,13 +373,19 @@ class Worker:
             self._send(DropSession(session))
 
     def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
+        """End the process; idempotent, and safe from any thread (a failed streamed copy stops
+        it from an executor thread while its owner may stop it too)."""
+        with self._ending:
+            if self._stopped:
+                return
+            self._stopped = True
             if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
-        self._conn.close()
+                self.process.terminate()
+                self.process.join(5)
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
+            self._conn.close()
         self._free_slot()
         if self.arena is not None:
             self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
