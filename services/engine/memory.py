@@ -140,7 +140,9 @@ class KvMemory(EngineNode):
                 granted = target
                 break
         if granted is None and wait and required > old:
-            await self._reserve(owner, required, preemptor=inst)  # raises NO_CAPACITY once out of time
+            # It holds `old` already: the room to make is only the growth. Raises NO_CAPACITY
+            # once out of time.
+            await self._reserve(owner, required, preemptor=inst, held=lambda: old)
             granted = required
         if granted is None:
             return False

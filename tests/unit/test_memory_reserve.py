@@ -1,0 +1,71 @@
+"""The engine's `_reserve` (services/engine/memory.py) against a memory manager's book kept
+here: how much room it asks its make-room steps for. The book replaces a region's size as the
+memory manager's station does (`used_bytes` counts the region's old size until granted)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from policy.kv_watermark import Action, KvPlan
+from services.engine.memory import KvMemory
+from shared.messages import ReserveResult
+
+
+class Book:
+    def __init__(self, budget: int, regions: dict[str, int]) -> None:
+        self.budget = budget
+        self.regions = dict(regions)
+
+    async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
+        others = sum(n for o, n in self.regions.items() if o != owner)
+        granted = others + nbytes <= self.budget
+        if granted:
+            self.regions[owner] = nbytes
+        return ReserveResult(granted=granted, used_bytes=sum(self.regions.values()), budget_bytes=self.budget)
+
+
+def node(book: Book, asked: list[int]) -> KvMemory:
+    """A `KvMemory` with no bus: its reservations go to `book`, and its one way to make room
+    (evicting the idle resident `weights:idle`) records the room it was asked for."""
+    engine = KvMemory.__new__(KvMemory)
+    engine.settings = SimpleNamespace(memory_wait_s=0.0)  # type: ignore[assignment]
+    engine.node = "n"
+    engine._went_idle = asyncio.Event()
+    engine._reserve_memory = book.reserve  # type: ignore[method-assign]
+
+    async def evict_resident(need: int) -> bool:
+        asked.append(need)
+        return book.regions.pop("weights:idle", None) is not None
+
+    async def nothing(need: int) -> bool:
+        return False
+
+    engine._evict_idle_tensors = nothing  # type: ignore[method-assign]
+    engine._evict_idle_residents = evict_resident  # type: ignore[method-assign]
+    engine._evict_idle_instances = nothing  # type: ignore[method-assign]
+
+    async def done(owner: str) -> None:
+        pass
+
+    engine._memory_done = done  # type: ignore[method-assign]
+    return engine
+
+
+def test_growing_a_kv_cache_asks_room_for_the_growth_only() -> None:
+    # 100 bytes: the KV holds 40, an idle resident 55; 5 free. Growing the KV to 50 needs 5 more
+    # (the watermark's 60 is refused first, as the node has no room for it).
+    book = Book(100, {"m:kv": 40, "weights:idle": 55})
+    asked: list[int] = []
+    engine = node(book, asked)
+    inst = SimpleNamespace(model="m", kv=SimpleNamespace(reserved_bytes=40))
+    grown = asyncio.run(engine._kv_resize(inst, KvPlan(Action.GROW, 60), 50, wait=True))  # type: ignore[arg-type]
+    assert grown and inst.kv.reserved_bytes == 50 and book.regions == {"m:kv": 50}
+    assert asked == [5]  # not 45: the 40 it holds are not room to make
+
+
+def test_a_new_reservation_asks_room_for_all_it_lacks() -> None:
+    book = Book(100, {"other": 40, "weights:idle": 55})
+    asked: list[int] = []
+    assert asyncio.run(node(book, asked)._reserve("m:kv", 50)) == 50
+    assert asked == [45]
