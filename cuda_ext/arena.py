@@ -9,9 +9,10 @@ not copied again, and what is missing is copied in one batched transfer (`cuda_e
 model scaled to zero releases its tensors; they stay resident, idle, so starting it or any model
 sharing its tensors again copies only the rest (§3.1). What to reuse and what to evict is
 policy's, not the arena's: the node's tensor pool (`policy.tensor_pool`, the one the simulator
-runs) decides it, and when a load or a KV range needs room it evicts idle tensors the cheapest
-first by Tangram's eq. 2 cost (§3.2.2, §3.3: KV allocated on demand, from the same memory). The
-arena carries those decisions out on addresses. Without CUDA the arena is host memory and copies
+runs) decides it, and when a load needs room it evicts idle tensors the cheapest first by
+Tangram's eq. 2 cost (§3.2.2). The KV cache is not in the arena: the torch engine's is the paged
+cache of transformers' continuous batching (§3.3's on-demand KV from the pool would need an
+attention kernel over the pool's addresses; the simulator's nodes model it). The arena carries those decisions out on addresses. Without CUDA the arena is host memory and copies
 are plain copies: the same API, so the engine and its tests run anywhere.
 """
 
@@ -153,18 +154,6 @@ class TensorArena:
     @property
     def free_bytes(self) -> int:
         return self._book().allocator.free_bytes
-
-    # Raw ranges: KV cache blocks and scratch, outside the content index.
-
-    def allocate(self, nbytes: int, owner: str = "kv") -> Block:
-        """A raw range for `owner` (a KV cache: allocated on demand, §3.3), idle tensors evicted
-        by cost to make room for it."""
-        block, evicted = self._book().allocate(nbytes, owner)
-        self._settle(evicted)
-        return block
-
-    def free(self, block: Block, owner: str = "kv") -> None:
-        self._book().free(block, owner)
 
     def view(self, block: Block, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A typed tensor over the start of `block` (the arena's memory: no copy)."""

@@ -138,24 +138,6 @@ class ArenaLedger:
         self._drop(evicted)
         return evicted
 
-    def allocate(self, nbytes: int, owner: str = "kv") -> tuple[Block, tuple[str, ...]]:
-        """A raw range for `owner` (a KV cache, allocated on demand, §3.3), and the idle digests
-        evicted to make room for it."""
-        size = align_up(nbytes, self.alignment)
-        evicted = self.pool.grow_kv(owner, size, self._clock())
-        if evicted is None:
-            raise ArenaFull(f"{nbytes} bytes do not fit beside the tensors in use")
-        self._drop(evicted)
-        try:
-            return self.allocator.allocate(nbytes), evicted
-        except ArenaFull:
-            self.pool.shrink_kv(owner, size)
-            raise
-
-    def free(self, block: Block, owner: str = "kv") -> None:
-        self.allocator.free(block)
-        self.pool.shrink_kv(owner, block.nbytes)
-
     def _drop(self, digests: Iterable[str]) -> None:
         for digest in digests:
             self.allocator.free(self.blocks.pop(digest))

@@ -87,7 +87,7 @@ def test_freeing_what_is_not_allocated_is_refused() -> None:
 
 def test_a_view_is_typed_aligned_and_shares_the_arena_memory() -> None:
     arena = TensorArena(1 << 16, device="cpu")
-    block = arena.allocate(4 * 6)
+    block = arena.ledger.allocator.allocate(4 * 6)
     t = arena.view(block, torch.float32, (2, 3))
     t.fill_(1.5)
     assert t.dtype == torch.float32 and t.shape == (2, 3)
@@ -210,24 +210,6 @@ def test_a_load_short_of_room_evicts_by_tangram_cost_the_papers_worked_example()
     assert arena.resident(small.specs[0].digest) is None
     assert arena.resident(big.specs[0].digest) is not None
     assert torch.equal(loaded.tensors["w"], torch.full((256,), 3.0))
-
-
-def test_a_kv_range_allocated_on_demand_evicts_idle_tensors_and_not_held_ones() -> None:
-    arena = TensorArena(2 * 1024, device="cpu")
-    held = HostImage.of({"w": torch.ones(64)})  # 256 bytes each
-    idle = HostImage.of({"w": torch.zeros(64)})
-    keep = arena.load([held.specs], held)
-    block = arena.allocate(1024, owner="kv:m")  # room without evicting
-    arena.release(arena.load([idle.specs], idle))  # laid out after the KV, before what is free
-    assert arena.resident(idle.specs[0].digest) is not None
-    with pytest.raises(ArenaFull):  # the held tensor and the KV leave too little to evict into
-        arena.allocate(2048, owner="kv:m")
-    more = arena.allocate(768, owner="kv:m")  # 512 bytes free: the idle tensor goes for it
-    assert arena.resident(idle.specs[0].digest) is None and arena.resident(held.specs[0].digest) is not None
-    arena.free(block, owner="kv:m")
-    arena.free(more, owner="kv:m")
-    assert arena.pool.kv == {} and arena.used_bytes == 256
-    arena.release(keep)
 
 
 def test_a_load_reads_a_plain_mapping_of_host_tensors_too() -> None:
