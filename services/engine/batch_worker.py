@@ -73,6 +73,15 @@ class Batch(Protocol):
 
     def set_threads(self, threads: int) -> None: ...
 
+    @property
+    def kv_bytes(self) -> int:
+        """Its KV cache, allocated in this process (0 where another process holds it)."""
+        ...
+
+    def device_bytes(self) -> int:
+        """What this process holds on a GPU outside the node's arena (0 on the host)."""
+        ...
+
     def add(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
     ) -> None: ...
@@ -353,5 +362,7 @@ class BatchWorker:
                 batch=live.batch,
                 prefill_tokens=len(live.run.prompt_ids),
                 gated_s=max(0.0, waited - live.waited_at),
+                kv_allocated_bytes=self.batch.kv_bytes if self.batch is not None else 0,
+                device_bytes=self.batch.device_bytes() if self.batch is not None else 0,
             )
         )

@@ -144,6 +144,8 @@ class Generation(KvMemory):
                     if out.kv_allocated_bytes:
                         KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
                         inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
+                    if out.device_bytes:
+                        inst.bound.device_bytes = out.device_bytes
                     final = Finished(
                         request_id=req.request_id,
                         finish_reason=out.finish_reason,

@@ -293,7 +293,15 @@ class KvMemory(EngineNode):
                 continue
             # A model in the node's arena: its weights are the arena's reservation.
             floor = 0 if bound.worker.arena is not None else bound.artifact.weight_bytes
-            target = true_up(bound.weights_reserved, floor, bound.worker.rss_bytes(), bound.kv_allocated_bytes)
+            # On a GPU the node's budget is the device's: a worker's footprint is what it
+            # holds there (its host RSS is libraries and staging, not the budget's memory).
+            measured = bound.device_bytes if self.on_cuda else bound.worker.rss_bytes()
+            # The KV cache inside that measure: OpenVINO's grows as it fills, a GPU's is
+            # committed whole; a torch cache on the host is one allocation whose pages are
+            # committed as its blocks fill, so how much of it the RSS holds is unknown and
+            # none is taken off (its KV reservation counts it again: the safe side).
+            lazy = self.settings.engine_backend == "torch" and not self.on_cuda
+            target = true_up(bound.weights_reserved, floor, measured, 0 if lazy else bound.kv_allocated_bytes)
             lock = self._artifact_locks.setdefault(aid, asyncio.Lock())
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue

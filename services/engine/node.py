@@ -92,8 +92,11 @@ class Bound:
     """What the node's memory manager holds for the worker beside KV caches: the artifact's
     weights at first, trued up to the worker's measured footprint (`policy/footprint.py`)."""
     kv_allocated_bytes: int = 0
-    """The worker's KV cache as its core last reported it (inside its RSS; the instances' KV
-    reservations count it)."""
+    """The worker's KV cache as its core last reported it (inside its RSS, or on a GPU inside
+    `device_bytes`; the instances' KV reservations count it)."""
+    device_bytes: int = 0
+    """On a GPU, what its worker holds on the device outside the node's arena, as it last
+    reported (0 on the host, and before its first request ends)."""
     tensors: frozenset[str] = frozenset()
     """Content hashes of what its worker's own tensor arena holds (a torch worker without the
     node's arena; empty on OpenVINO's): another model sharing them may be bound to this worker
@@ -267,6 +270,12 @@ class EngineNode:
     def _kv_account(self, artifact: Artifact) -> KvAccount:
         floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
         return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Its models run on a CUDA GPU (`TESSERA_DEVICE=CUDA`): the memory budget is the
+        device's."""
+        return self.settings.device.upper().startswith("CUDA")
 
     def _available(self) -> int:
         """Bytes the node could still grant, as its memory manager last answered (the station

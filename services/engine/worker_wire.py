@@ -144,6 +144,9 @@ class Done:
     are no measure of the model."""
     kv_allocated_bytes: int = 0
     """The core's KV cache when it ended (the library's allocation; 0 on the stateful tier)."""
+    device_bytes: int = 0
+    """What the worker holds on its GPU outside the node's arena (torch's caching allocator:
+    its KV cache among it) when it ended; 0 on the host."""
 
 
 @dataclass(frozen=True)

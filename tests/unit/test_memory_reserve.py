@@ -1,6 +1,7 @@
-"""The engine's `_reserve` (services/engine/memory.py) against a memory manager's book kept
-here: how much room it asks its make-room steps for. The book replaces a region's size as the
-memory manager's station does (`used_bytes` counts the region's old size until granted)."""
+"""The engine's reservations (services/engine/memory.py) against a memory manager's book kept
+here: how much room `_reserve` asks its make-room steps for, and what the true-up of a
+worker's footprint measures, on the host and on a GPU. The book replaces a region's size as
+the memory manager's station does (`used_bytes` counts the region's old size until granted)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,43 @@ def test_a_new_reservation_asks_room_for_all_it_lacks() -> None:
     asked: list[int] = []
     assert asyncio.run(node(book, asked)._reserve("m:kv", 50)) == 50
     assert asked == [45]
+
+
+def bound_worker(rss: int, device_bytes: int, kv: int) -> SimpleNamespace:
+    worker = SimpleNamespace(dead=False, arena=object(), rss_bytes=lambda: rss)
+    return SimpleNamespace(
+        worker=worker,
+        artifact=SimpleNamespace(weight_bytes=1000),
+        weights_reserved=100,
+        device_bytes=device_bytes,
+        kv_allocated_bytes=kv,
+    )
+
+
+def true_up(device: str, bound: SimpleNamespace, backend: str = "torch") -> dict[str, int]:
+    """The reservation `_true_up_weights` gives a model in the node's arena on `device`."""
+    book = Book(10_000, {"weights:a": bound.weights_reserved})
+    engine = node(book, [])
+    engine.settings.device = device  # type: ignore[attr-defined]
+    engine.settings.engine_backend = backend  # type: ignore[attr-defined]
+    engine.bound = {"a": bound}  # type: ignore[dict-item]
+    engine._artifact_locks = {}
+    engine._footprints = {}
+    engine._memory_seen = (book.budget, sum(book.regions.values()))
+    asyncio.run(engine._true_up_weights())
+    return book.regions
+
+
+def test_a_gpu_workers_reservation_is_what_it_holds_on_the_device_less_its_kv() -> None:
+    # Host RSS 5,000 (libraries, staging), on the device 900 of which 600 are its KV cache.
+    bound = bound_worker(rss=5000, device_bytes=900, kv=600)
+    assert true_up("CUDA", bound) == {"weights:a": 300}
+    assert bound.weights_reserved == 300
+    # On the host a torch worker's KV pages are committed as they fill: how many its RSS holds
+    # is unknown, and none is taken off. OpenVINO's cache is all in use: it is.
+    assert true_up("CPU", bound_worker(rss=5000, device_bytes=0, kv=600)) == {"weights:a": 5000}
+    assert true_up("CPU", bound_worker(rss=5000, device_bytes=0, kv=600), "openvino") == {"weights:a": 4400}
+
+
+def test_a_gpu_worker_that_has_not_reported_keeps_its_reservation() -> None:
+    assert true_up("CUDA", bound_worker(rss=5000, device_bytes=0, kv=0)) == {"weights:a": 100}

@@ -118,6 +118,16 @@ def test_plain_and_host_picked_rows_share_a_batch_on_every_device(engine: TorchE
     try:
         assert batch.sampling.graphed is (engine.device.type == "cuda")
         first = run(batch, requests)
+        # Its KV cache, for the node's true-up: keys and values of every layer for at least
+        # the tokens it was made for; on a GPU within what torch's allocator holds there.
+        cfg = engine.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * engine.model.dtype.itemsize
+        assert batch.kv_bytes >= 256 * per_token
+        if engine.device.type == "cuda":
+            assert batch.device_bytes() >= batch.kv_bytes
+        else:
+            assert batch.device_bytes() == 0
         # Again on the same batch (on a GPU, now from the graphs captured the first time).
         again = run(batch, {f"{rid}+": r for rid, r in requests.items()})
     finally:

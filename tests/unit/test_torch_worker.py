@@ -60,6 +60,11 @@ class FakeBatch:
     def set_threads(self, threads: int) -> None:
         self.threads = threads
 
+    kv_bytes = 4096
+
+    def device_bytes(self) -> int:
+        return 1 << 20
+
     def add(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
     ) -> None:
@@ -146,6 +151,8 @@ def test_a_request_streams_its_text_and_ends_with_honest_counts(worker) -> None:
     assert isinstance(done, Done)
     assert (done.finish_reason, done.completion_tokens, done.prompt_tokens) == (FinishReason.LENGTH, 4, 3)
     assert done.first_token_at is not None and done.batch == 1
+    # What its batch holds, for the node's true-up of its memory.
+    assert (done.kv_allocated_bytes, done.device_bytes) == (4096, 1 << 20)
 
 
 def test_an_end_of_sequence_before_max_tokens_is_a_stop(worker) -> None:

@@ -328,6 +328,7 @@ class ContinuousBatcher:
         """`graphs`: replay steps from CUDA graphs (the library's, captured per padded shape at
         its first use), or (prefill steps, decode steps) for each kind apart; None: where the
         model is on a CUDA device."""
+        self.device = engine.device
         if graphs is None:
             graphs = engine.device.type == "cuda"
         graphed = any(graphs) if isinstance(graphs, tuple) else graphs
@@ -395,6 +396,22 @@ class ContinuousBatcher:
     def set_threads(self, threads: int) -> None:
         """The runtime threads its steps run on, from the next step."""
         self.sampling.threads = threads
+
+    @property
+    def kv_bytes(self) -> int:
+        """The library's paged KV cache (made on its thread at its first step; 0 before): the
+        whole allocation, as it is made at once, whatever the requests fill."""
+        processor: Any = self.manager.batch_processor
+        cache = getattr(processor, "cache", None)
+        if cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
+
+    def device_bytes(self) -> int:
+        """What torch's caching allocator holds on the model's GPU: the KV cache, activations,
+        the CUDA graphs' pools (the weights are in the node's arena, the extension's memory,
+        outside it); 0 on the host."""
+        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
 
     def add(
         self,

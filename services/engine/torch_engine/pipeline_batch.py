@@ -59,6 +59,12 @@ class PipelineBatch:
     def set_threads(self, threads: int) -> None:
         pass  # nothing heavy runs here: the sampler's work per token
 
+    # The stages hold the KV caches and the layers, in their own processes.
+    kv_bytes = 0
+
+    def device_bytes(self) -> int:
+        return 0
+
     def add(
         self,
         request_id: str,

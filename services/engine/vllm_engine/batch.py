@@ -115,6 +115,13 @@ class VllmBatch:
         """The runtime threads its steps run on, from the next step."""
         self.threads = threads
 
+    # vLLM's engine core allocates its cache and its GPU memory in a process of its own: what
+    # the worker reports of them is 0, and the node's true-up measures this process alone.
+    kv_bytes = 0
+
+    def device_bytes(self) -> int:
+        return 0
+
     def add(
         self,
         request_id: str,
