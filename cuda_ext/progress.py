@@ -21,7 +21,7 @@ import os
 import struct
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,23 +103,36 @@ class FillWaiter:
             need = max([need, *(rank.get(d, 0) for d in digests)])
             self.needed.append(need)
         self.complete = self.total == 0
+        self.around: Callable[[Callable[[], None]], None] | None = None
+        """What a wait that must block runs inside: the batch steps out of the node's headroom
+        gate (`EngineSampling.aside`), so that other instances step while this one waits for
+        its copy rather than compute."""
 
     def done(self) -> int:
         return _count(self._map, self.load)
 
     def wait(self, unit: int) -> None:
-        if self.complete:
+        if self.complete or self._arrived(self.needed[unit]):
             return
-        need = self.needed[unit]
+        if self.around is not None:
+            self.around(lambda: self._block(unit))
+        else:
+            self._block(unit)
+
+    def _arrived(self, need: int) -> bool:
+        done = self.done()
+        if done == FAILED:
+            raise FillFailed(f"the copy of this model's tensors failed (load {self.load})")
+        if done >= self.total:
+            self.complete = True  # later units and steps look no more
+        return done >= need
+
+    def _block(self, unit: int) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while (done := self.done()) < need:
-            if done == FAILED:
-                raise FillFailed(f"the copy of this model's tensors failed (load {self.load})")
+        while not self._arrived(self.needed[unit]):
             if time.monotonic() > deadline:
                 raise FillFailed(f"unit {unit}'s tensors did not arrive in {self.timeout_s:.0f} s")
             time.sleep(_POLL_S)
-        if done >= self.total:
-            self.complete = True  # later units and steps look no more
 
 
 def _count(words: Any, load: int) -> int:

@@ -110,6 +110,41 @@ def test_the_units_needs_are_the_running_maximum_of_their_tensors_ranks(tmp_path
     waiter.wait(0)  # needs nothing: no wait at all
 
 
+def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in() -> None:
+    """While a step's forward pass waits for tensors still being copied, another instance has
+    the node's headroom gate (`step_gate.py`): the wait is no computation. Then it takes its
+    turn again and finishes the step holding it."""
+    from services.engine.step_gate import StepGate
+    from services.engine.torch_engine.batching import EngineSampling
+
+    gate = StepGate(multiprocessing.get_context("spawn"), capacity=1)
+    mine, other = gate.claim(), gate.claim()
+    sampling = EngineSampling(frozenset({0}), 8, 2, torch.device("cpu"), gate=gate, gate_slot=mine)
+    progress = FillProgress()
+    load = progress.begin()
+    waiter = FillWaiter(FillSignal(progress.path, load, ("a", "b")), [["a"], ["b"]])
+    waiter.around = sampling.aside
+    progress.advance(load, 1)
+    sampling._enter()  # the step's turn, the node's only one
+    waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
+    assert sampling.holding
+    forward = threading.Thread(target=waiter.wait, args=(1,))
+    forward.start()
+    entered = threading.Event()
+
+    def neighbour() -> None:
+        if gate.enter(other, 0.0):
+            entered.set()
+
+    threading.Thread(target=neighbour, daemon=True).start()
+    assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
+    assert forward.is_alive()  # still waiting: unit 1's tensor is not in
+    progress.advance(load, 2)
+    gate.leave(other)
+    forward.join(60)
+    assert not forward.is_alive() and sampling.holding  # back in its turn for the rest of the step
+
+
 def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

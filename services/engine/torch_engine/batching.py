@@ -288,6 +288,20 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
                 entered = False
             self.holding = entered
 
+    def aside(self, wait: Callable[[], None]) -> None:
+        """Run `wait` (this step's forward pass waiting for its tensors' copy, TIDAL §5) out of
+        the node's gate: other instances step meanwhile, and this one takes a turn again after."""
+        with self.lock:
+            held = self.holding
+            if held and self.gate is not None:
+                self.gate.leave(self.gate_slot, math.inf)  # not waiting for a turn either
+                self.holding = False
+        try:
+            wait()
+        finally:
+            if held:
+                self._enter()
+
     def _leave(self) -> None:
         if self.gate is None:
             return
@@ -358,6 +372,8 @@ class ContinuousBatcher:
         processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampling]))
         processors.tensors_required = 1
         self.manager.logit_processor = processors
+        if engine.fill is not None:  # its tensors stream in behind its first forward pass
+            engine.fill.around = self.sampling.aside
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
         """Tokens of each request already handed out by `steps`."""

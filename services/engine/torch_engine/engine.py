@@ -54,6 +54,9 @@ class TorchEngine:
         """Bytes this start read from the checkpoint file (0 when the arena held everything)."""
         self.device = arena.device
         self.eos_ids = ends_of_sequence(tokenizer, self.model.config.eos_token_id)
+        self.fill: FillWaiter | None = None
+        """Where its forward pass waits for tensors another process still copies (a start
+        admitted before its copy ended); None when they were all in at bind."""
 
     @property
     def loaded(self) -> Loaded:
@@ -94,7 +97,9 @@ class TorchEngine:
             # Another worker may bind these tensors as soon as the engine hears of this load:
             # they must be in by then (the copies overlapped the binding and the tokenizer).
             loaded.synchronize()
-        return cls(bound, tokenizer, arena, sum(t.numel() * t.element_size() for t in source.values()))
+        engine = cls(bound, tokenizer, arena, sum(t.numel() * t.element_size() for t in source.values()))
+        engine.fill = waiter
+        return engine
 
     def close(self) -> None:
         """Scale to zero: the weights stay resident in the arena until it evicts them."""
