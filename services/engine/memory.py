@@ -41,21 +41,25 @@ log = logging.getLogger(__name__)
 
 
 class KvMemory(EngineNode):
-    async def _evict_idle_instances(self, need: int) -> bool:
+    async def _evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:
         """Make room by ending instances that serve nothing now, before their keep-alive
         (Tangram §3.2: minimal-cost eviction; here of whole instances, whose KV cache and,
-        for the last name on a worker, weights go). False if the idle ones cannot free enough."""
+        for the last name on a worker, weights go). `frees(instance, sole user of its
+        worker)`: what ending it frees of the memory wanted (default: the node's, its KV cache
+        and a sole user's weights). False if the idle ones cannot free enough."""
         now = time.time()
         idle = [i for i in self.instances.values() if i.active == 0]
-        kv = {i.model: i.kv.reserved_bytes for i in idle}
         users = {aid: b.resident.users for aid, b in self.bound.items()}
         candidates = []
         for i in idle:
             sole = users.get(i.bound.artifact.artifact_id, 0) == 1
-            frees = kv[i.model] + (i.bound.resident.nbytes if sole else 0)
+            if frees is not None:
+                freed = frees(i, sole)
+            else:
+                freed = i.kv.reserved_bytes + (i.bound.resident.nbytes if sole else 0)
             # Its restart costs a resident start at least, a full load if its weights go too.
             reload_s = i.bound.resident.reload_s if sole else 0.1
-            candidates.append(Resident(i.model, frees, reload_s, i.loaded_at, i.last_used))
+            candidates.append(Resident(i.model, freed, reload_s, i.loaded_at, i.last_used))
         victims = choose_evictions(candidates, need, now)
         if not victims:
             return False

@@ -295,21 +295,26 @@ class Starts(Pipelines):
         arena = self.workers.arena
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
+
         # Again after each eviction: the evicted model's tensors may have been this one's too.
+        def unshared(aid: str) -> int:
+            """What a model holds in the arena that this start will not (its worker's own
+            memory is no room here)."""
+            return sum(n for d, n in self.tensor_bytes.get(aid, {}).items() if d not in tensors)
+
+        def ended(inst: Served, sole: bool) -> int:
+            # Its worker stays, an idle resident the next pass prices; only then can what it
+            # alone holds go. One whose tensors this start shares makes no room at all.
+            return unshared(inst.bound.artifact.artifact_id) if sole else 0
+
         while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes(tensors)):
             self._went_idle.clear()
-            # Priced by what each holds in the arena that this start will not (not its worker).
-            residents = [
-                dataclasses.replace(
-                    b.resident, nbytes=sum(n for d, n in self.tensor_bytes.get(k, {}).items() if d not in tensors)
-                )
-                for k, b in self.bound.items()
-            ]
+            residents = [dataclasses.replace(b.resident, nbytes=unshared(k)) for k, b in self.bound.items()]
             keys = choose_evictions(residents, missing - room, time.time())
             if keys:
                 await self._evict(keys)  # this start's tensors are wanted: they stay
                 continue
-            if await self._evict_idle_instances(missing - room):
+            if await self._evict_idle_instances(missing - room, ended):
                 continue
             try:
                 await asyncio.wait_for(self._went_idle.wait(), max(0.0, deadline - time.monotonic()))
