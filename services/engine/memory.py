@@ -300,12 +300,15 @@ class KvMemory(EngineNode):
             # On a GPU the node's budget is the device's: a worker's footprint is what it
             # holds there (its host RSS is libraries and staging, not the budget's memory).
             measured = bound.device_bytes if self.on_cuda else bound.worker.rss_bytes()
-            # The KV cache inside that measure: OpenVINO's grows as it fills, a GPU's is
-            # committed whole; a torch cache on the host is one allocation whose pages are
-            # committed as its blocks fill, so how much of it the RSS holds is unknown and
-            # none is taken off (its KV reservation counts it again: the safe side).
+            # Taken off that measure: what the instances' KV reservations count of its KV cache
+            # (no more: a cache committed whole, as on a GPU, may hold more than they reserve,
+            # and the rest is the worker's). A torch cache on the host is one allocation whose
+            # pages are committed as its blocks fill: how much of it the RSS holds is unknown,
+            # and none is taken off (the safe side).
             lazy = self.settings.engine_backend == "torch" and not self.on_cuda
-            target = true_up(bound.weights_reserved, floor, measured, 0 if lazy else bound.kv_allocated_bytes)
+            kv_reserved = sum(i.kv.reserved_bytes for i in self.instances.values() if i.bound is bound)
+            kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
+            target = true_up(bound.weights_reserved, floor, measured, kv)
             lock = self._artifact_locks.setdefault(aid, asyncio.Lock())
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue

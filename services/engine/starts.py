@@ -298,9 +298,16 @@ class Starts(Pipelines):
 
         # Again after each eviction: the evicted model's tensors may have been this one's too.
         def unshared(aid: str) -> int:
-            """What a model holds in the arena that this start will not (its worker's own
-            memory is no room here)."""
-            return sum(n for d, n in self.tensor_bytes.get(aid, {}).items() if d not in tensors)
+            """What stopping a model's worker could free in the arena: what it holds that
+            neither this start, nor another start under way, nor a model in use holds too (its
+            worker's own memory is no room here)."""
+            kept = self._arena_wanted.keys() | {
+                d
+                for k, b in self.bound.items()
+                if k != aid and b.resident.users > 0
+                for d in self.tensor_bytes.get(k, {})
+            }
+            return sum(n for d, n in self.tensor_bytes.get(aid, {}).items() if d not in tensors and d not in kept)
 
         def ended(inst: Served, sole: bool) -> int:
             # Its worker stays, an idle resident the next pass prices; only then can what it

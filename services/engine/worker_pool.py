@@ -326,7 +326,7 @@ class Worker:
         try:
             try:
                 self._conn.send(run)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, TypeError) as e:  # TypeError: closed by a stop meanwhile
                 raise WorkerDied(f"worker {self.pid} is gone ({e})") from e
             while True:
                 msg = await stream.get()
@@ -359,7 +359,7 @@ class Worker:
     def _send(self, msg: object) -> None:
         try:
             self._conn.send(msg)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):  # TypeError: closed by a stop meanwhile
             pass  # the worker is gone: its reader thread reports the death
 
     def tier_up(self) -> None:
@@ -374,21 +374,24 @@ class Worker:
 
     def stop(self) -> None:
         """End the process; idempotent, and safe from any thread (a failed streamed copy stops
-        it from an executor thread while its owner may stop it too)."""
+        it from an executor thread while its owner may stop it too). A second caller returns
+        once the first has finished: its model's tensors are released by then."""
         with self._ending:
             if self._stopped:
                 return
-            self._stopped = True
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(5)
+            try:
                 if self.process.is_alive():
-                    self.process.kill()
-                    self.process.join()
-            self._conn.close()
-        self._free_slot()
-        if self.arena is not None:
-            self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
+                    self.process.terminate()
+                    self.process.join(5)
+                    if self.process.is_alive():
+                        self.process.kill()
+                        self.process.join()
+                self._conn.close()
+            finally:
+                self._stopped = True
+                self._free_slot()
+                if self.arena is not None:
+                    self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
 
 
 class Cancelled:

@@ -5,6 +5,7 @@ residents it stops when the models there leave the start too little."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -16,14 +17,18 @@ from shared.errors import TesseraError
 from shared.messages import ErrorCode
 
 
-def engine(arena: NodeArena, models: dict[str, dict[str, int]], reload_s: dict[str, float]) -> SimpleNamespace:
+def engine(
+    arena: NodeArena, models: dict[str, dict[str, int]], reload_s: dict[str, float], busy: frozenset[str] = frozenset()
+) -> SimpleNamespace:
     """`Starts` on `arena`, each of `models` (artifact → digest → bytes) placed there by its own
-    worker and served by one idle instance of the same name; what it stops is recorded."""
+    worker and served by one instance of the same name, idle but for those in `busy`; what it
+    stops is recorded."""
     starts = Starts.__new__(Starts)
     starts.workers = SimpleNamespace(arena=arena)  # type: ignore[assignment]
     starts.settings = SimpleNamespace(memory_wait_s=0.0)  # type: ignore[assignment]
     starts.node = "n"
     starts._went_idle = asyncio.Event()
+    starts._arena_wanted = Counter()
     starts.tensor_bytes = dict(models)
     starts.bound = {}
     starts.instances = {}
@@ -34,7 +39,12 @@ def engine(arena: NodeArena, models: dict[str, dict[str, int]], reload_s: dict[s
         bound = SimpleNamespace(resident=resident, artifact=SimpleNamespace(artifact_id=aid))
         starts.bound[aid] = bound  # type: ignore[assignment]
         starts.instances[aid] = SimpleNamespace(  # type: ignore[assignment]
-            model=aid, bound=bound, active=0, kv=SimpleNamespace(reserved_bytes=1 << 20), loaded_at=0.0, last_used=0.0
+            model=aid,
+            bound=bound,
+            active=int(aid in busy),
+            kv=SimpleNamespace(reserved_bytes=1 << 20),
+            loaded_at=0.0,
+            last_used=0.0,
         )
 
     async def unload(inst: SimpleNamespace) -> None:
@@ -78,3 +88,17 @@ def test_a_start_the_models_in_use_leave_no_room_for_is_refused_and_stops_nothin
         asyncio.run(got.starts._arena_room("new", new))
     assert refused.value.code is ErrorCode.NO_CAPACITY and "tensor arena" in str(refused.value)
     assert got.ended == [] and got.evicted == []
+
+
+def test_tensors_a_model_in_use_holds_too_are_no_room_to_stop_another_for() -> None:
+    # y's tensors are z's too, and z is serving: stopping y frees nothing of the arena. w holds
+    # tensors of its own: it goes, dearer as it is.
+    arena = NodeArena(4 * 1024, "CPU")  # 256 bytes free
+    shared = {"a": 1024, "b": 1024}
+    w = {"c": 1024, "d": 768}
+    new = {"e": 1536}
+    got = engine(
+        arena, {"y": shared, "z": dict(shared), "w": w}, reload_s={"y": 0.01, "z": 0.01, "w": 10.0}, busy=frozenset("z")
+    )
+    asyncio.run(got.starts._arena_room("new", new))
+    assert got.ended == ["w"] and got.evicted == ["w"]

@@ -110,10 +110,12 @@ def test_the_units_needs_are_the_running_maximum_of_their_tensors_ranks(tmp_path
     waiter.wait(0)  # needs nothing: no wait at all
 
 
-def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in() -> None:
+@pytest.mark.parametrize("copy_fails", [False, True], ids=["copied", "failed"])
+def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in(copy_fails: bool) -> None:
     """While a step's forward pass waits for tensors still being copied, another instance has
     the node's headroom gate (`step_gate.py`): the wait is no computation. Then it takes its
-    turn again and finishes the step holding it."""
+    turn again and finishes the step holding it; or, its copy failed, it fails at once, with
+    no turn taken again (the neighbour still holds the only one)."""
     from services.engine.step_gate import StepGate
     from services.engine.torch_engine.batching import EngineSampling
 
@@ -128,7 +130,15 @@ def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in()
     sampling._enter()  # the step's turn, the node's only one
     waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
     assert sampling.holding
-    forward = threading.Thread(target=waiter.wait, args=(1,))
+    failed: list[BaseException] = []
+
+    def forward_pass() -> None:
+        try:
+            waiter.wait(1)
+        except FillFailed as e:
+            failed.append(e)
+
+    forward = threading.Thread(target=forward_pass)
     forward.start()
     entered = threading.Event()
 
@@ -139,10 +149,16 @@ def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in()
     threading.Thread(target=neighbour, daemon=True).start()
     assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
     assert forward.is_alive()  # still waiting: unit 1's tensor is not in
+    if copy_fails:
+        progress.fail(load)
+        forward.join(60)
+        assert not forward.is_alive() and failed and not sampling.holding
+        gate.leave(other)
+        return
     progress.advance(load, 2)
     gate.leave(other)
     forward.join(60)
-    assert not forward.is_alive() and sampling.holding  # back in its turn for the rest of the step
+    assert not forward.is_alive() and not failed and sampling.holding  # back in its turn for the rest of the step
 
 
 def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix(

@@ -83,13 +83,15 @@ def bound_worker(rss: int, device_bytes: int, kv: int) -> SimpleNamespace:
     )
 
 
-def true_up(device: str, bound: SimpleNamespace, backend: str = "torch") -> dict[str, int]:
-    """The reservation `_true_up_weights` gives a model in the node's arena on `device`."""
+def true_up(device: str, bound: SimpleNamespace, backend: str = "torch", kv_reserved: int = 600) -> dict[str, int]:
+    """The reservation `_true_up_weights` gives a model in the node's arena on `device`, its
+    one instance's KV reservation `kv_reserved`."""
     book = Book(10_000, {"weights:a": bound.weights_reserved})
     engine = node(book, [])
     engine.settings.device = device  # type: ignore[attr-defined]
     engine.settings.engine_backend = backend  # type: ignore[attr-defined]
     engine.bound = {"a": bound}  # type: ignore[dict-item]
+    engine.instances = {"m": SimpleNamespace(bound=bound, kv=SimpleNamespace(reserved_bytes=kv_reserved))}  # type: ignore[dict-item]
     engine._artifact_locks = {}
     engine._footprints = {}
     engine._memory_seen = (book.budget, sum(book.regions.values()))
@@ -102,6 +104,9 @@ def test_a_gpu_workers_reservation_is_what_it_holds_on_the_device_less_its_kv() 
     bound = bound_worker(rss=5000, device_bytes=900, kv=600)
     assert true_up("CUDA", bound) == {"weights:a": 300}
     assert bound.weights_reserved == 300
+    # Its cache is committed whole; its instances reserve only 200 of it: the other 400 are
+    # held all the same, and counted as the worker's.
+    assert true_up("CUDA", bound_worker(rss=5000, device_bytes=900, kv=600), kv_reserved=200) == {"weights:a": 700}
     # On the host a torch worker's KV pages are committed as they fill: how many its RSS holds
     # is unknown, and none is taken off. OpenVINO's cache is all in use: it is.
     assert true_up("CPU", bound_worker(rss=5000, device_bytes=0, kv=600)) == {"weights:a": 5000}

@@ -296,11 +296,9 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             if held and self.gate is not None:
                 self.gate.leave(self.gate_slot, math.inf)  # not waiting for a turn either
                 self.holding = False
-        try:
-            wait()
-        finally:
-            if held:
-                self._enter()
+        wait()  # a copy that failed fails the step: no turn is taken again for it
+        if held:
+            self._enter()
 
     def _leave(self) -> None:
         if self.gate is None:
@@ -425,8 +423,9 @@ class ContinuousBatcher:
 
     def device_bytes(self) -> int:
         """What torch's caching allocator holds on the model's GPU: the KV cache, activations,
-        the CUDA graphs' pools (the weights are in the node's arena, the extension's memory,
-        outside it); 0 on the host."""
+        the CUDA graphs' pools, and the weights of a worker with an arena of its own (the
+        node's arena is the extension's memory, outside it); 0 on the host. The process's
+        CUDA context is not in it."""
         return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
 
     def add(

@@ -116,7 +116,8 @@ class VllmBatch:
         self.threads = threads
 
     # vLLM's engine core allocates its cache and its GPU memory in a process of its own: what
-    # the worker reports of them is 0, and the node's true-up measures this process alone.
+    # the worker reports of them is 0 (on the host the node's true-up measures this process's
+    # RSS alone; on a GPU it has no measure and keeps the reservation).
     kv_bytes = 0
 
     def device_bytes(self) -> int:
