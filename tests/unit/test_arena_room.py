@@ -1,6 +1,7 @@
 """Room in the node's tensor arena for a start (`Starts._arena_room`, services/engine/starts.py)
 over a real `NodeArena`, with the engine's models as plain records: which idle instances and
-residents it stops when the models there leave the start too little."""
+residents it stops when the models there leave the start too little; and a start the arena has
+room for but no range long enough (`ArenaFull`) refused as NO_CAPACITY."""
 
 from __future__ import annotations
 
@@ -102,3 +103,42 @@ def test_tensors_a_model_in_use_holds_too_are_no_room_to_stop_another_for() -> N
     )
     asyncio.run(got.starts._arena_room("new", new))
     assert got.ended == ["w"] and got.evicted == ["w"]
+
+
+def test_a_start_whose_tensors_fit_in_no_one_range_is_refused_as_no_capacity() -> None:
+    # A fragmented arena: room enough in all, no range long enough (`ArenaFull` from the load).
+    from cuda_ext.allocator import ArenaFull
+
+    starts = Starts.__new__(Starts)
+    starts.node = "n"
+    starts._footprints = {}
+    released: list[str] = []
+    stopped: list[bool] = []
+
+    async def nothing(*_: object, **__: object) -> int:
+        return 0
+
+    async def release(owner: str) -> None:
+        released.append(owner)
+
+    async def take() -> tuple[SimpleNamespace, bool]:
+        return SimpleNamespace(stop=lambda: stopped.append(True), on_tier_up=None), True
+
+    async def load(*_: object) -> None:
+        raise ArenaFull("512 bytes in no free range")
+
+    starts._arena_room = nothing  # type: ignore[method-assign,assignment]
+    starts._reserve = nothing  # type: ignore[method-assign,assignment]
+    starts._memory_done = nothing  # type: ignore[method-assign,assignment]
+    starts._sync_arena = nothing  # type: ignore[method-assign,assignment]
+    starts._stage = nothing  # type: ignore[method-assign,assignment]
+    starts._release_memory = release  # type: ignore[method-assign]
+    starts._warm_worker_bytes = lambda: 1  # type: ignore[method-assign]
+    starts._start_tier = lambda artifact: None  # type: ignore[method-assign,assignment,return-value]
+    starts._load = load  # type: ignore[method-assign,assignment]
+    starts.workers = SimpleNamespace(take=take)  # type: ignore[assignment]
+    artifact = SimpleNamespace(artifact_id="a", weight_bytes=1)
+    with pytest.raises(TesseraError) as refused:
+        asyncio.run(starts._acquire_new(artifact, {"e": 512}, 0.0))  # type: ignore[arg-type]
+    assert refused.value.code is ErrorCode.NO_CAPACITY and "tensor arena" in str(refused.value)
+    assert released == ["weights:a"] and stopped == [True]  # its reservation and worker went
