@@ -12,8 +12,9 @@ policy's, not the arena's: the node's tensor pool (`policy.tensor_pool`, the one
 runs) decides it, and when a load needs room it evicts idle tensors the cheapest first by
 Tangram's eq. 2 cost (§3.2.2). The KV cache is not in the arena: the torch engine's is the paged
 cache of transformers' continuous batching (§3.3's on-demand KV from the pool would need an
-attention kernel over the pool's addresses; the simulator's nodes model it). The arena carries those decisions out on addresses. Without CUDA the arena is host memory and copies
-are plain copies: the same API, so the engine and its tests run anywhere.
+attention kernel over the pool's addresses; the simulator's nodes model it). The arena carries
+those decisions out on addresses. Without CUDA the arena is host memory and copies are plain
+copies: the same API, so the engine and its tests run anywhere.
 """
 
 from __future__ import annotations

@@ -296,7 +296,6 @@ class Starts(Pipelines):
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
 
-        # Again after each eviction: the evicted model's tensors may have been this one's too.
         def unshared(aid: str) -> int:
             """What stopping a model's worker could free in the arena: what it holds that
             neither this start, nor another start under way, nor a model in use holds too (its
@@ -314,6 +313,7 @@ class Starts(Pipelines):
             # alone holds go. One whose tensors this start shares makes no room at all.
             return unshared(inst.bound.artifact.artifact_id) if sole else 0
 
+        # Again after each eviction: the evicted model's tensors may have been this one's too.
         while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes(tensors)):
             self._went_idle.clear()
             residents = [dataclasses.replace(b.resident, nbytes=unshared(k)) for k, b in self.bound.items()]
