@@ -324,11 +324,12 @@ class EngineNode:
                 self.workers.arena.evict_idle(
                     {d: n for d, n in self.tensor_bytes.get(key, {}).items() if d not in self._arena_wanted}
                 )
-                await self._sync_arena()
             freed += bound.resident.nbytes
             await self._release_memory(f"weights:{key}")
             POOL_EVICTIONS.inc()
             log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
+        if freed and self.workers.arena is not None:
+            await self._sync_arena()  # once, for all it evicted there
         self._update_gauges()
         return freed
 
