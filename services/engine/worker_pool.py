@@ -267,9 +267,9 @@ class Worker:
                     )
                 )
                 load = replace(load, fill=FillSignal(self.progress.path, number, order))
-                placement = replace(placement, copy=frozenset(), filled=placement.copy)
             elif placement.copy:  # whole before the load is done: one copy, nobody follows it
                 fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
+            if placement.copy:  # the engine copies it: the worker reads none of it
                 placement = replace(placement, copy=frozenset(), filled=placement.copy)
             load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
