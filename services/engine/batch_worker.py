@@ -20,20 +20,20 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.engine.batch_types import Batch, Step
 from services.engine.cpu_share import pin_all_threads
 from services.engine.step_gate import StepGate
 from services.engine.stops import StopMatcher
 from services.engine.streams import Chunk
 from services.engine.text_stream import Piece, TextStream
-from services.engine.torch_engine.batching import Step
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,
@@ -52,45 +52,11 @@ from services.engine.worker_wire import (
 if TYPE_CHECKING:
     from services.engine.torch_engine.stage_wire import StageServer
 from shared.artifact import TORCH_MANIFEST
-from shared.messages import FinishReason, SamplingParams, Tier
+from shared.messages import FinishReason, Tier
 
 POLL_S = 0.005
 """Longest the worker looks at the batch before it reads its pipe again (a step of a crowd
 takes longer; a new request or a cancel waits at most this long to be seen)."""
-
-
-class Batch(Protocol):
-    """What the worker drives: `ContinuousBatcher`, `VllmBatch` (a stand-in in the unit tests)."""
-
-    @property
-    def active(self) -> int: ...
-
-    @property
-    def waited(self) -> float: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    def set_threads(self, threads: int) -> None: ...
-
-    @property
-    def kv_bytes(self) -> int:
-        """Its KV cache, allocated in this process (0 where another process holds it)."""
-        ...
-
-    def device_bytes(self) -> int:
-        """What this process holds on a GPU outside the node's arena (0 on the host)."""
-        ...
-
-    def add(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
-    ) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def steps(self, timeout: float) -> list[Step]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ pytest.importorskip("torch", reason="the torch engine needs torch")
 
 import torch
 
-from services.engine.torch_engine.batching import Step
+from services.engine.batch_types import Step
 from services.engine.torch_engine.pipeline_batch import PipelineBatch
 from services.engine.torch_engine.stage_wire import StageServer
 from shared.messages import FinishReason, Guide, SamplingParams

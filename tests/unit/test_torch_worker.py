@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("torch", reason="the torch engine needs torch")
 
 from cuda_ext import TensorArena
+from services.engine.batch_types import Step
 from services.engine.cpu_share import pin_all_threads
-from services.engine.torch_engine.batching import Step
 from services.engine.torch_engine.guides import GuideError
 from services.engine.torch_engine.worker import TorchWorker
 from services.engine.worker_wire import CancelRun, Chunks, Done, Failure, Run, Started, TieredUp, TierUpNow

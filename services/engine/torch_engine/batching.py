@@ -34,6 +34,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
+from services.engine.batch_types import Step, check_fits
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.engine import TorchEngine
@@ -49,45 +50,6 @@ STEP_TOKENS = 2048
 """Most tokens one step computes: a longer prompt is prefilled in chunks of this many beside
 the running decodes. The library claims a block ahead for each chunk, so the cache holds one
 more block per chunk of the longest context than the tokens it promises."""
-
-
-def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
-    """Refuse (ValueError, that request alone) a request longer than the batch's KV cache: in
-    the batch it would stop every request (the library has nothing to evict to make room)."""
-    if prompt_tokens + max_tokens > kv_tokens:
-        raise ValueError(
-            f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this "
-            f"worker's KV cache of {kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
-        )
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one request got since the last look: its new tokens, and how it ended if it did."""
-
-    request_id: str
-    tokens: tuple[tuple[int, TokenLogprob | None], ...]
-    finish: FinishReason | None = None
-    error: str = ""
-
-
-def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
-    """The steps waiting in `steps` (waiting up to `timeout` for the first), by request, those
-    of one request merged in order into one; a request not `wanted` (cancelled) is skipped."""
-    out: dict[str, Step] = {}
-    wait: float | None = timeout
-    while True:
-        try:
-            step = steps.get(timeout=wait) if wait else steps.get_nowait()
-        except queue.Empty:
-            return out
-        wait = None
-        if not wanted(step.request_id):
-            continue
-        before = out.get(step.request_id)
-        if before is not None:
-            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
-        out[step.request_id] = step
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from services.engine.batch_types import Step, check_fits, drain
 from services.engine.sampling import Sampler, token_logprob
-from services.engine.torch_engine.batching import Step, check_fits, drain
 from services.engine.torch_engine.guides import Guided, Guides
 from services.engine.torch_engine.stage_wire import Pipeline
 from shared.messages import FinishReason, SamplingParams

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from cuda_ext import TensorArena
-from services.engine.batch_worker import Batch, BatchWorker
+from services.engine.batch_types import Batch
+from services.engine.batch_worker import BatchWorker
 from services.engine.step_gate import StepGate
 from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine

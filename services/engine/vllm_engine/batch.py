@@ -28,8 +28,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
+from services.engine.batch_types import Step, check_fits, drain
 from services.engine.step_gate import StepGate
-from services.engine.torch_engine.batching import Step, check_fits, drain
 from services.engine.torch_engine.engine import ends_of_sequence
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
 from shared.messages import FinishReason, SamplingParams, TokenLogprob

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.batch_worker import Batch, BatchWorker
+from services.engine.batch_types import Batch
+from services.engine.batch_worker import BatchWorker
 from services.engine.vllm_engine.batch import VllmBatch
 from services.engine.worker_wire import Load, Loaded
 

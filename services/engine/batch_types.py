@@ -1,0 +1,85 @@
+"""What every engine's batch is, whatever its library: the `Batch` protocol the worker loop
+drives, the `Step` each request's new tokens travel in, and the helpers every batch shares.
+Backend-neutral: no backend module imports another; each imports this."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
+    """Refuse (ValueError, that request alone) a request longer than the batch's KV cache: in
+    the batch it would stop every request (the library has nothing to evict to make room)."""
+    if prompt_tokens + max_tokens > kv_tokens:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this "
+            f"worker's KV cache of {kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one request got since the last look: its new tokens, and how it ended if it did."""
+
+    request_id: str
+    tokens: tuple[tuple[int, TokenLogprob | None], ...]
+    finish: FinishReason | None = None
+    error: str = ""
+
+
+def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
+    """The steps waiting in `steps` (waiting up to `timeout` for the first), by request, those
+    of one request merged in order into one; a request not `wanted` (cancelled) is skipped."""
+    out: dict[str, Step] = {}
+    wait: float | None = timeout
+    while True:
+        try:
+            step = steps.get(timeout=wait) if wait else steps.get_nowait()
+        except queue.Empty:
+            return out
+        wait = None
+        if not wanted(step.request_id):
+            continue
+        before = out.get(step.request_id)
+        if before is not None:
+            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+        out[step.request_id] = step
+
+
+class Batch(Protocol):
+    """What the worker drives: `ContinuousBatcher`, `VllmBatch` (a stand-in in the unit tests)."""
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def waited(self) -> float: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def set_threads(self, threads: int) -> None: ...
+
+    @property
+    def kv_bytes(self) -> int:
+        """Its KV cache, allocated in this process (0 where another process holds it)."""
+        ...
+
+    def device_bytes(self) -> int:
+        """What this process holds on a GPU outside the node's arena (0 on the host)."""
+        ...
+
+    def add(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def steps(self, timeout: float) -> list[Step]: ...
+
+    def close(self) -> None: ...
