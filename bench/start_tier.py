@@ -38,6 +38,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,16 @@ def decode_rate(times: list[float]) -> float | None:
     if len(times) < 2 or times[-1] <= times[0]:
         return None
     return (len(times) - 1) / (times[-1] - times[0])
+
+
+def cpu_figures(c0: float, cpu: list[float]) -> dict[str, float | None]:
+    """CPU seconds (every thread of the process) to the first token and per token after it:
+    what a path costs whatever else runs on the machine (wall times here share 2 cores with
+    other work)."""
+    return {
+        "ttft_cpu_s": cpu[0] - c0,
+        "decode_cpu_s_per_token": (cpu[-1] - cpu[0]) / (len(cpu) - 1) if len(cpu) > 1 else None,
+    }
 
 
 # --- the children: one measurement each, in a fresh process -----------------------------
@@ -193,23 +204,29 @@ def child_stateful(dest: Path, tier_name: str, prompt_ids: list[int], tokens: in
     assert artifact is not None
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     before = rss_bytes()
-    t0 = time.monotonic()
+    load_avg = os.getloadavg()[0]
+    t0, c0 = time.monotonic(), time.process_time()
     loaded = LoadedModel.load(core, artifact, DEVICE, threads, tier=Tier(tier_name))
     load_s = time.monotonic() - t0
     loaded_rss = rss_bytes()
     batcher = Batcher(loaded, names={"bench"})
     steps: list[float] = []  # once per token, as its logits are there (before it is sampled)
+    cpu: list[float] = []
+
+    def step() -> None:
+        steps.append(time.monotonic())
+        cpu.append(time.process_time())
+
     batcher.generate(
-        [BatchItem("r", prompt_ids, params)],
-        emit=lambda *_: None,
-        is_cancelled=lambda _: False,
-        between_steps=lambda: steps.append(time.monotonic()),
+        [BatchItem("r", prompt_ids, params)], emit=lambda *_: None, is_cancelled=lambda _: False, between_steps=step
     )
     return {
         "loaded_from_cache": loaded.loaded_from_cache,
+        "loadavg_1m": load_avg,
         "load_s": load_s,
         "ttft_s": steps[0] - t0,
         "decode_tok_s": decode_rate(steps),
+        **cpu_figures(c0, cpu),
         "tokens": len(steps),
         "rss_before_bytes": before,
         "rss_loaded_bytes": loaded_rss,
@@ -223,10 +240,12 @@ class _TimedSink:
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def write(self, tokens: Any, logprobs: Any = ()) -> None:
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.process_time()
         self.times += [now] * len(tokens)
+        self.cpu += [cpu] * len(tokens)
 
     def end(self) -> None:
         pass
@@ -241,7 +260,8 @@ def child_core(dest: Path, prompt_ids: list[int], tokens: int, threads: int) -> 
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     before = rss_bytes()
-    t0 = time.monotonic()
+    load_avg = os.getloadavg()[0]
+    t0, c0 = time.monotonic(), time.process_time()
     detokenizer = Detokenizer(str(dest))  # the worker's text needs it (the start tier's load includes it)
     pipeline = build_pipeline(str(dest), DEVICE, threads)
     build_s = time.monotonic() - t0
@@ -253,9 +273,11 @@ def child_core(dest: Path, prompt_ids: list[int], tokens: int, threads: int) -> 
         engine.step()
     # Tokens that came in one step share a time: the rate counts steps' tokens over their span.
     return {
+        "loadavg_1m": load_avg,
         "build_s": build_s,
         "ttft_s": sink.times[0] - t0,
         "decode_tok_s": decode_rate(sink.times),
+        **cpu_figures(c0, sink.cpu),
         "tokens": len(sink.times),
         "rss_before_bytes": before,
         "rss_loaded_bytes": built_rss,
@@ -267,6 +289,7 @@ def child_core(dest: Path, prompt_ids: list[int], tokens: int, threads: int) -> 
 def child_main(argv: list[str]) -> None:
     kind, dest, *rest = argv
     path = Path(dest)
+    Path("/proc/self/oom_score_adj").write_text("1000")  # if memory runs out, this goes first
     if kind == "convert":
         out = child_convert(Path(rest[0]), path)
     elif kind == "materialize":
@@ -282,16 +305,46 @@ def child_main(argv: list[str]) -> None:
 # --- the driver ----------------------------------------------------------------------------
 
 
+MEM_FLOOR_BYTES = 1 << 30
+"""A child is stopped when the machine's available memory falls below this: other work runs
+here, and the OOM killer must not pick it (the children also ask to be picked first)."""
+
+
+def mem_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def run_child(*args: str) -> dict[str, Any]:
+    """One measurement in a fresh process: its figures, or {"error": why} if it failed."""
     cmd = [sys.executable, "-m", "bench.start_tier", "--child", *args]
     print(f"[start_tier] {' '.join(args[:2])} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{args[0]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    out: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    least = mem_available_bytes()
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True)
+        while proc.poll() is None:
+            least = min(least, mem_available_bytes())
+            if least < MEM_FLOOR_BYTES or time.monotonic() - t0 > CHILD_TIMEOUT_S:
+                proc.kill()
+                proc.wait()
+                why = "memory" if least < MEM_FLOOR_BYTES else "time"
+                out = {"error": f"stopped ({why}): {time.monotonic() - t0:.0f} s, {least / 2**30:.1f} GiB left"}
+                print(f"[start_tier]   {out}", file=sys.stderr, flush=True)
+                return out
+            time.sleep(0.2)
+        stdout.seek(0)
+        stderr.seek(0)
+        lines = [ln for ln in stdout.read().splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            out = {"error": f"exit {proc.returncode}: {stderr.read()[-1500:]}"}
+            print(f"[start_tier]   {out}", file=sys.stderr, flush=True)
+            return out
+    out = json.loads(lines[-1][len("RESULT ") :])
     out["process_wall_s"] = time.monotonic() - t0
+    out["least_mem_available_bytes"] = least
     print(f"[start_tier]   {json.dumps({k: v for k, v in out.items() if k != 'prompt_ids'})}", file=sys.stderr)
     return out
 
@@ -317,7 +370,7 @@ def tokens_by(run: dict[str, Any], t: float) -> float:
     return 1.0 + (t - run["ttft_s"]) * (run["decode_tok_s"] or 0.0)
 
 
-def measure_size(name: str, tokens: int, threads: int, repeats: int, keep_store: bool) -> dict[str, Any]:
+def measure_size(name: str, tokens: int, threads: int, repeats: int) -> dict[str, Any]:
     gguf_path = shaped_models.ensure(name)
     dest = store_root() / name
     shutil.rmtree(dest, ignore_errors=True)  # a fresh store: every step below is measured
@@ -328,9 +381,13 @@ def measure_size(name: str, tokens: int, threads: int, repeats: int, keep_store:
         "shaped": name != shaped_models.REAL,
     }
     conv = run_child("convert", str(dest), str(gguf_path))
-    prompt_ids = conv.pop("prompt_ids")
     out["convert"] = conv
+    if "error" in conv:
+        return out
+    prompt_ids = conv.pop("prompt_ids")
     out["materialize"] = mat = run_child("materialize", str(dest), str(threads))
+    if "error" in mat:
+        return out
     mat["start_tier_bytes"] = mat["start_ir_bytes"] + mat["start_blob_bytes"]
     mat["start_tier_x_gguf"] = mat["start_tier_bytes"] / out["gguf_bytes"]
     mat["store_x_gguf"] = mat["store_bytes"] / out["gguf_bytes"]
@@ -341,31 +398,44 @@ def measure_size(name: str, tokens: int, threads: int, repeats: int, keep_store:
         for kind in runs:
             runs[kind].append(run_child(kind, str(dest), *args))
     out["runs"] = runs
-    # Best of the repeats, each figure on its own (other work shares this machine: the least
-    # disturbed run is the closest to the path's own cost).
-    best = {
-        kind: {
-            "ttft_s": min(r["ttft_s"] for r in rs),
-            "decode_tok_s": max(r["decode_tok_s"] or 0.0 for r in rs),
-            "rss_end_bytes": max(r["rss_end_bytes"] for r in rs),
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
-        }
-        for kind, rs in runs.items()
-    }
-    out["summary"] = {
-        **{f"{kind}_{key}": value for kind, b in best.items() for key, value in b.items()},
-        "start_load_s": min(r["load_s"] for r in runs["start"]),
-        "steady_load_s": min(r["load_s"] for r in runs["steady"]),
-        "core_build_s": min(r["build_s"] for r in runs["core"]),
-        "start_tier_bytes": mat["start_tier_bytes"],
-        "start_tier_materialize_s": mat["start_tier_s"],
-        "break_even_start_vs_core_s": break_even_s(best["start"], best["core"]),
-        "break_even_steady_vs_core_s": break_even_s(best["steady"], best["core"]),
-        "start_tokens_ahead_at_core_ttft": tokens_by(best["start"], best["core"]["ttft_s"]),
-    }
+    out["summary"] = summarize(runs, mat, threads)
     out["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if not keep_store:
-        shutil.rmtree(dest, ignore_errors=True)
+    return out
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], mat: dict[str, Any], threads: int) -> dict[str, Any]:
+    """Best of the repeats, each figure on its own (other work shares this machine: the least
+    disturbed run is the closest to the path's own cost), and the break-evens. The `*_cpu`
+    figures restate each path from its CPU time as if it had its `threads` cores to itself
+    (CPU seconds ÷ threads; an estimate that assumes the threads run in parallel)."""
+    best: dict[str, dict[str, Any]] = {}
+    for kind, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            continue
+        b = best[kind] = {
+            "ttft_s": min(r["ttft_s"] for r in ok),
+            "decode_tok_s": max(r["decode_tok_s"] or 0.0 for r in ok),
+            "ttft_cpu_s": min(r["ttft_cpu_s"] for r in ok),
+            "decode_cpu_s_per_token": min(r["decode_cpu_s_per_token"] or 0.0 for r in ok),
+            "rss_end_bytes": max(r["rss_end_bytes"] for r in ok),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
+            "loadavg_1m": [r["loadavg_1m"] for r in ok],
+        }
+        b["load_s" if kind != "core" else "build_s"] = min(r["load_s" if kind != "core" else "build_s"] for r in ok)
+    out: dict[str, Any] = {f"{kind}_{key}": value for kind, b in best.items() for key, value in b.items()}
+    out["start_tier_bytes"] = mat["start_tier_bytes"]
+    out["start_tier_materialize_s"] = mat["start_tier_s"]
+
+    def by_cpu(b: dict[str, Any]) -> dict[str, Any]:
+        per_token = b["decode_cpu_s_per_token"]
+        return {"ttft_s": b["ttft_cpu_s"] / threads, "decode_tok_s": threads / per_token if per_token else None}
+
+    for kind in ("start", "steady"):
+        if kind in best and "core" in best:
+            out[f"break_even_{kind}_vs_core_s"] = break_even_s(best[kind], best["core"])
+            out[f"break_even_{kind}_vs_core_cpu_s"] = break_even_s(by_cpu(best[kind]), by_cpu(best["core"]))
+            out[f"{kind}_tokens_ahead_at_core_ttft"] = tokens_by(best[kind], best["core"]["ttft_s"])
     return out
 
 
@@ -378,13 +448,17 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    sizes = result["sizes"]
+    sizes = [s for s in result["sizes"] if {"start_ttft_s", "core_ttft_s"} <= set(s.get("summary", {}))]
+    if not sizes:
+        return False
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
         s = size["summary"]
         horizon = max(s["core_ttft_s"], s["start_ttft_s"]) * 2.5
         ts = [horizon * i / 200 for i in range(201)]
         for kind, label in (("start", "start tier"), ("steady", "stateful, packed"), ("core", "core")):
+            if f"{kind}_ttft_s" not in s:
+                continue
             run = {"ttft_s": s[f"{kind}_ttft_s"], "decode_tok_s": s[f"{kind}_decode_tok_s"]}
             ax.plot(ts, [tokens_by(run, t) for t in ts], label=label)
         ax.set_title(f"{size['size']} ({size['params'] / 1e9:.2f} B params)")
@@ -405,10 +479,18 @@ def main() -> None:
     parser.add_argument("--keep-store", action="store_true", help="keep each size's materialized store")
     parser.add_argument("--merge", action="store_true", help="add these sizes to the existing result file")
     parser.add_argument("--out", type=Path, default=RESULTS / "start_tier.json")
+    parser.add_argument("--summarize", action="store_true", help="recompute the summaries of --out from its runs")
     parser.add_argument("--child", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.child:
         child_main(args.child)
+        return
+    if args.summarize:
+        stored = json.loads(args.out.read_text())
+        for size in stored["sizes"]:
+            if "runs" in size:
+                size["summary"] = summarize(size["runs"], size["materialize"], stored["threads"])
+        args.out.write_text(json.dumps(stored, indent=2) + "\n")
         return
     load_before = os.getloadavg()
     result: dict[str, Any] = json.loads(args.out.read_text()) if args.merge and args.out.is_file() else {}
@@ -423,7 +505,11 @@ def main() -> None:
     )
     sizes = [s for s in result.get("sizes", []) if s["size"] not in args.sizes]
     for name in args.sizes:
-        sizes.append(measure_size(name, args.tokens, args.threads, args.repeats, args.keep_store))
+        try:
+            sizes.append(measure_size(name, args.tokens, args.threads, args.repeats))
+        finally:
+            if not args.keep_store:
+                shutil.rmtree(store_root() / name, ignore_errors=True)
         result["sizes"] = sizes
         result["machine"]["loadavg_after"] = list(os.getloadavg())
         args.out.parent.mkdir(parents=True, exist_ok=True)
