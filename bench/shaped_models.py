@@ -77,6 +77,8 @@ class Shape:
 SHAPES = {
     s.name: s
     for s in (
+        # SmolLM2-360M's config.json: a point between the real 135M and 1.7B.
+        Shape("smollm2-360m", hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, rope_base=100000.0),
         # SmolLM2-1.7B's config.json.
         Shape("smollm2-1.7b", hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192, rope_base=130000.0),
         # Llama-3-8B's body on SmolLM2's vocabulary (so its tokens decode): ≈ 7.2B parameters.

@@ -379,6 +379,12 @@ def measure_size(name: str, tokens: int, threads: int, repeats: int) -> dict[str
         "params": shaped_models.params_of(name),
         "gguf_bytes": gguf_path.stat().st_size,
         "shaped": name != shaped_models.REAL,
+        # Per size: a --merge run may measure another size with other settings.
+        "max_tokens": tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "loadavg_before": list(os.getloadavg()),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     conv = run_child("convert", str(dest), str(gguf_path))
     out["convert"] = conv
@@ -432,10 +438,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], mat: dict[str, Any], thread
         return {"ttft_s": b["ttft_cpu_s"] / threads, "decode_tok_s": threads / per_token if per_token else None}
 
     for kind in ("start", "steady"):
-        if kind in best and "core" in best:
-            out[f"break_even_{kind}_vs_core_s"] = break_even_s(best[kind], best["core"])
-            out[f"break_even_{kind}_vs_core_cpu_s"] = break_even_s(by_cpu(best[kind]), by_cpu(best["core"]))
-            out[f"{kind}_tokens_ahead_at_core_ttft"] = tokens_by(best[kind], best["core"]["ttft_s"])
+        if kind not in best or "core" not in best:
+            continue
+        for suffix, ours, core in (("", best[kind], best["core"]), ("_cpu", by_cpu(best[kind]), by_cpu(best["core"]))):
+            t = break_even_s(ours, core)
+            out[f"break_even_{kind}_vs_core{suffix}_s"] = t
+            # The answer length below which this tier's path finishes first.
+            out[f"break_even_{kind}_vs_core{suffix}_tokens"] = None if t is None else tokens_by(core, t)
+        out[f"{kind}_tokens_ahead_at_core_ttft"] = tokens_by(best[kind], best["core"]["ttft_s"])
     return out
 
 
@@ -489,7 +499,7 @@ def main() -> None:
         stored = json.loads(args.out.read_text())
         for size in stored["sizes"]:
             if "runs" in size:
-                size["summary"] = summarize(size["runs"], size["materialize"], stored["threads"])
+                size["summary"] = summarize(size["runs"], size["materialize"], size["threads"])
         args.out.write_text(json.dumps(stored, indent=2) + "\n")
         return
     load_before = os.getloadavg()
@@ -498,9 +508,6 @@ def main() -> None:
         {
             "machine": {**cpu_info(), "loadavg_before": list(load_before)},
             "prompt_tokens": PROMPT_TOKENS,
-            "max_tokens": args.tokens,
-            "threads": args.threads,
-            "repeats": args.repeats,
         }
     )
     sizes = [s for s in result.get("sizes", []) if s["size"] not in args.sizes]
