@@ -497,6 +497,7 @@ def main() -> None:
         return
     if args.summarize:
         stored = json.loads(args.out.read_text())
+        stored["sizes"].sort(key=lambda s: s["params"])
         for size in stored["sizes"]:
             if "runs" in size:
                 size["summary"] = summarize(size["runs"], size["materialize"], size["threads"])
@@ -517,7 +518,7 @@ def main() -> None:
         finally:
             if not args.keep_store:
                 shutil.rmtree(store_root() / name, ignore_errors=True)
-        result["sizes"] = sizes
+        result["sizes"] = sorted(sizes, key=lambda s: s["params"])
         result["machine"]["loadavg_after"] = list(os.getloadavg())
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each size: a stop keeps the rest
