@@ -1,4 +1,4 @@
-"""What the OpenVINO start tier costs and what it gains, at 135M (real), 1.7B and 7-8B shapes.
+"""What the OpenVINO start tier costs and what it gains, at 135M (real) and 360M, 1.7B, 7-8B shapes.
 
 A cold start on OpenVINO serves its first requests from the start tier (a stateful IR whose
 4-bit weights are held one value per byte: `services/loader/start_ir.py`, served by
@@ -17,14 +17,19 @@ worker: openvino, openvino_tokenizers and openvino_genai imported before the clo
 - `core`: `build_pipeline` (no warm-up) + the detokenizer + `EngineCore` serving the same
   request from its first token;
 
-and from those the break-even: the time after which serving from the core from the first
-token has produced more tokens than the start tier would have (each path alone; the real
-start tier shares the cores with the core's build, so its gain is, if anything, smaller).
+and from those the break-even: the time (and answer length) after which serving from the
+core from the first token has produced more tokens than the start tier would have (each path
+alone, linear in tokens; in the worker the start path then still pays the core's build and
+its cold first step, so a start with the start tier costs the CPU of both).
 
+Other work may share the machine: every child records its CPU seconds beside its wall times,
+and the summary restates each path from them as if it had its threads' cores alone.
 The page cache is left as the previous step left it (the store's files just written or read:
-the loader's host-cache case), nothing is dropped.
+the loader's host-cache case), nothing is dropped. A child is stopped if the machine runs
+short of memory (`MEM_FLOOR_BYTES`), and asks the OOM killer to pick it first.
 
-    python -m bench.start_tier [--sizes smollm2-135m smollm2-1.7b llama3-8b] [--tokens 32]
+    python -m bench.start_tier [--sizes smollm2-135m smollm2-360m smollm2-1.7b llama3-8b]
+        [--tokens 32] [--repeats 2] [--merge]
 
 Writes `bench/results/start_tier.json` (and `.png` where matplotlib is installed).
 """
