@@ -3,6 +3,7 @@ OpenAI's own server does for fields it does not use."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -81,6 +82,8 @@ MAX_CHOICES = 16
 its own on the engine."""
 MAX_TOP_LOGPROBS = 20
 """vLLM's and OpenAI's limit on alternatives per token."""
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+"""A token id as `logit_bias` keys it (no vocabulary has 10^10 tokens)."""
 
 
 class _Sampling(_Lenient):
@@ -142,8 +145,9 @@ class _Sampling(_Lenient):
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids (from /tokenize), not {key!r}")
+            # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() refuses.
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids (from /tokenize), not {key[:40]!r}")
         return v
 
     @model_validator(mode="after")
