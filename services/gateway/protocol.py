@@ -26,7 +26,16 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A request body. Unknown names are let through (each body refuses by name what it does
+    not serve); known ones are typed strictly, as OpenAI's server types them: `"16"` is not the
+    integer 16 nor `"true"` a boolean, and a number must be finite (JSON's `1e309` parses to
+    infinity)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+_ADMIN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""An admin body: strictly typed, and a misspelt name is an error."""
 
 
 class StreamOptions(_Lenient):
@@ -286,24 +295,32 @@ class ModelList(BaseModel):
 class ScaleModel(BaseModel):
     """Admin API: run a model on this many nodes in all (FaaScale's scale-out, ahead of a burst)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     instances: int = Field(ge=1, le=1024)
+
+
+MAX_KEEP_ALIVE_S = 366 * 86_400.0
+"""Longest idle time before an instance stops (a year: anything longer means "never")."""
+MAX_SLO_S = 3_600.0
+"""Largest latency target: an hour to a token is no target."""
 
 
 class RegisterModel(BaseModel):
     """Admin API: register a model name on a GGUF file."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
+    is a name, not empty, `.` or `..` (which clients and proxies resolve away)."""
     source: Text = Field(min_length=1, description="Absolute path of a .gguf file")
-    ttft_slo_s: float = Field(default=2.0, gt=0)
+    ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
     # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
     # max(2, L / 512) s, the defaults); 0 keeps it fixed (`policy.slo`).
-    ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0)
-    tpot_slo_s: float = Field(default=0.1, gt=0)
-    keep_alive_s: float = Field(default=300.0, gt=0)
+    ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0, le=MAX_SLO_S)
+    tpot_slo_s: float = Field(default=0.1, gt=0, le=MAX_SLO_S)
+    keep_alive_s: float = Field(default=300.0, gt=0, le=MAX_KEEP_ALIVE_S)
     # Generation defaults for requests that leave these out (else the model's metadata's, else
     # the platform's: `shared.messages.GenerationDefaults`).
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -313,6 +330,13 @@ class RegisterModel(BaseModel):
     # A Jinja chat template replacing the GGUF's (vLLM's --chat-template): checked at
     # registration by rendering a one-message chat with it.
     chat_template: Text = Field(default="", max_length=65_536)
+
+    @field_validator("name")
+    @classmethod
+    def _segments(cls, v: str) -> str:
+        if any(segment in ("", ".", "..") for segment in v.split("/")):
+            raise ValueError("each /-separated part of a model name must be a name, not empty, '.' or '..'")
+        return v
 
     @field_validator("source")
     @classmethod
@@ -331,7 +355,7 @@ def dump(obj: Any) -> dict[str, Any]:
 class CreateApiKey(BaseModel):
     """Admin API: make an API key; its secret is in the answer, once."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     models: list[Text] = Field(default_factory=list, description="Allowed models; empty: all")

@@ -39,3 +39,51 @@ async def test_a_logit_bias_key_that_is_not_an_ascii_token_id_is_400_naming_logi
         error = _error(await http.post(path, json={**body, "logit_bias": {key: 5}}))
         assert str(error["param"]).startswith("logit_bias")
 
+
+def _raw(body: str) -> dict[str, object]:
+    return {"content": body.encode(), "headers": {"Content-Type": "application/json"}}
+
+
+@pytest.mark.parametrize("name", ["a/../b", "..", "a/.", "./a", "a//b", "a/", "a/b/.."])
+async def test_a_model_name_with_an_empty_dot_or_dot_dot_segment_is_refused_at_registration(
+    http: httpx.AsyncClient, name: str
+) -> None:
+    error = _error(await http.post("/admin/models", json={"name": name, "source": "/x.gguf"}))
+    assert error["param"] == "name"
+
+
+@pytest.mark.parametrize("value", ["1e309", "-1e309", "NaN", "Infinity", "1e12"])
+async def test_a_keep_alive_that_is_not_a_finite_number_in_range_is_refused(
+    http: httpx.AsyncClient, value: str
+) -> None:
+    body = f'{{"name": "m", "source": "/x.gguf", "keep_alive_s": {value}}}'
+    error = _error(await http.post("/admin/models", **_raw(body)))  # type: ignore[arg-type]
+    assert error["param"] == "keep_alive_s"
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("max_tokens", '"16"'),
+        ("max_tokens", "16.0"),
+        ("n", '"2"'),
+        ("seed", '"7"'),
+        ("temperature", '"0.5"'),
+        ("temperature", "1e309"),
+        ("stream", '"true"'),
+        ("stream", "1"),
+    ],
+)
+async def test_a_number_or_flag_sent_as_another_type_is_refused_not_coerced(
+    http: httpx.AsyncClient, param: str, value: str
+) -> None:
+    for path, fields in (
+        ("/v1/completions", '"prompt": "Hi"'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": "Hi"}]'),
+        ("/v1/responses", '"input": "Hi"'),
+    ):
+        if path == "/v1/responses" and param == "max_tokens":
+            param = "max_output_tokens"
+        body = f'{{"model": "m", {fields}, "{param}": {value}}}'
+        error = _error(await http.post(path, **_raw(body)))  # type: ignore[arg-type]
+        assert error["param"] == param, (path, error)
