@@ -330,6 +330,8 @@ class RegisterModel(BaseModel):
     # A Jinja chat template replacing the GGUF's (vLLM's --chat-template): checked at
     # registration by rendering a one-message chat with it.
     chat_template: Text = Field(default="", max_length=65_536)
+    replace: bool = False
+    """Replace a model registered under this name (else registering a taken name is a 409)."""
 
     @field_validator("name")
     @classmethod

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from ops.localcluster import LocalCluster
+import httpx
+from typer.testing import CliRunner
+
+from ops import cli
+from ops.localcluster import LocalCluster, default_model_path
+from tests.helpers.cluster import register
 
 WAIT_S = 60.0
 """Longest a socket read waits: generous, a bound on a hang rather than a timing."""
@@ -62,3 +68,37 @@ def test_a_unicode_digit_logit_bias_key_is_a_400_and_the_connection_serves_the_n
         status, _, body = _read_response(sock, buffered)
         assert status == 200, body
         assert json.loads(body)["count"] >= 1
+
+
+def test_registering_a_taken_name_is_409_unless_the_registration_asks_to_replace(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    name = "taken-name"
+    source = str(default_model_path())
+    models = f"{cluster.base_url}/admin/models"
+
+    def kept_alive() -> float:
+        listed = {m["name"]: m for m in httpx.get(models, timeout=10).json()}
+        return float(listed[name]["keep_alive_s"])
+
+    try:
+        assert register(cluster, name, keep_alive_s=30.0)["keep_alive_s"] == 30.0
+        again = httpx.post(models, json={"name": name, "source": source, "keep_alive_s": 40.0}, timeout=600)
+        assert again.status_code == 409, again.text
+        error = again.json()["error"]
+        assert error["code"] == "model_exists" and error["param"] == "name" and "replace" in error["message"]
+        assert kept_alive() == 30.0  # the first registration stands
+        assert register(cluster, name, keep_alive_s=40.0, replace=True)["keep_alive_s"] == 40.0
+        assert kept_alive() == 40.0
+
+        # `tessera models add` the same: refused, then replaced with --replace.
+        runner = CliRunner()
+        args = ["models", "add", name, source, "--keep-alive-s", "50", "--url", cluster.base_url]
+        refused = runner.invoke(cli.app, [*args, "--home", str(tmp_path)])
+        assert refused.exit_code == 1 and "409" in refused.output, refused.output
+        assert kept_alive() == 40.0
+        replaced = runner.invoke(cli.app, [*args, "--replace", "--home", str(tmp_path)])
+        assert replaced.exit_code == 0, replaced.output
+        assert kept_alive() == 50.0
+    finally:
+        httpx.delete(f"{models}/{name}", timeout=10)
