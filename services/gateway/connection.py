@@ -1,0 +1,89 @@
+"""The gateway's HTTP/1.1 connections: uvicorn's h11 protocol with a guard uvicorn lacks.
+
+- **A request head has a deadline** (`request_head_timeout_s`). uvicorn bounds only the idle
+  time between requests (`timeout_keep_alive`, cancelled by the first byte of the next one), so
+  a client that sends a head a byte at a time, or connects and sends nothing, held a connection
+  (and a file descriptor) for ever: slowloris. The deadline runs from the connection's opening,
+  or from the first byte of a later request, to its head being whole; past it the client gets
+  408 and the connection is closed (Apache's `mod_reqtimeout`, nginx's `client_header_timeout`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from prometheus_client import Counter
+from uvicorn.config import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+HEADS_TIMED_OUT = Counter(
+    "tessera_gateway_request_heads_timed_out_total",
+    "Connections closed because a request head was not complete within request_head_timeout_s",
+)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head."""
+
+    head_timeout_s: float = 20.0
+    """Set per server by `guarded_protocol`: uvicorn builds the protocol from the class."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self.await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # the first bytes of a request (else a no-op)
+            self.await_head()
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the head is whole (or the request failed)
+            self.head_arrived()
+        elif self.conn.trailing_data[0]:  # part of a pipelined head, read before its turn
+            self.await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.head_arrived()
+        super().connection_lost(exc)
+
+    def await_head(self) -> None:
+        if self.head_deadline is None:
+            self.head_deadline = self.loop.call_later(self.head_timeout_s, self.head_too_slow)
+
+    def head_arrived(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+    def head_too_slow(self) -> None:
+        self.head_deadline = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        HEADS_TIMED_OUT.inc()
+        try:
+            headers = [(b"connection", b"close"), (b"content-length", b"0")]
+            self.transport.write(self.conn.send(h11.Response(status_code=408, headers=headers)) or b"")
+            self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+        except h11.LocalProtocolError:  # a response already under way: just close
+            pass
+        self.transport.close()
+
+
+def guarded_protocol(head_timeout_s: float) -> type[GuardedH11Protocol]:
+    """The protocol class for `uvicorn.Config(http=...)`, with this head deadline."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"head_timeout_s": head_timeout_s})
