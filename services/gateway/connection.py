@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 connections: uvicorn's h11 protocol with a guard uvicorn lacks.
+"""The gateway's HTTP/1.1 connections: uvicorn's h11 protocol with two guards uvicorn lacks.
 
 - **A request head has a deadline** (`request_head_timeout_s`). uvicorn bounds only the idle
   time between requests (`timeout_keep_alive`, cancelled by the first byte of the next one), so
@@ -6,6 +6,10 @@
   (and a file descriptor) for ever: slowloris. The deadline runs from the connection's opening,
   or from the first byte of a later request, to its head being whole; past it the client gets
   408 and the connection is closed (Apache's `mod_reqtimeout`, nginx's `client_header_timeout`).
+- **One framing per request.** A request with both `Content-Length` and `Transfer-Encoding`
+  is framed by h11 by the chunked coding, and what its length would have covered is read as the
+  next request: request smuggling, where a proxy in front frames it by the length. RFC 9112
+  §6.3 lets a server refuse it and requires the connection be closed: it is a 400 and closed.
 """
 
 from __future__ import annotations
@@ -19,14 +23,30 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+MAX_HEAD_BYTES = 16 * 1024
+"""Largest request head (h11's default, stated here: the guard below builds the connection)."""
+
 HEADS_TIMED_OUT = Counter(
     "tessera_gateway_request_heads_timed_out_total",
     "Connections closed because a request head was not complete within request_head_timeout_s",
 )
 
 
+class OneFraming(h11.Connection):
+    """An h11 server connection that refuses a request framed two ways (RFC 9112 §6.3)."""
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name.lower() for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                # uvicorn answers a RemoteProtocolError with 400 and closes the connection.
+                raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", error_status_hint=400)
+        return event
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head."""
+    """uvicorn's h11 protocol with a deadline on each request head and one framing per request."""
 
     head_timeout_s: float = 20.0
     """Set per server by `guarded_protocol`: uvicorn builds the protocol from the class."""
@@ -39,6 +59,7 @@ class GuardedH11Protocol(H11Protocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        self.conn = OneFraming(h11.SERVER, config.h11_max_incomplete_event_size or MAX_HEAD_BYTES)
         self.head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

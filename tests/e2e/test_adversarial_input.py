@@ -102,3 +102,22 @@ def test_registering_a_taken_name_is_409_unless_the_registration_asks_to_replace
         assert kept_alive() == 50.0
     finally:
         httpx.delete(f"{models}/{name}", timeout=10)
+
+
+def test_a_request_framed_both_by_length_and_chunked_is_400_and_no_request_is_read_from_its_body(
+    cluster: LocalCluster, model: str
+) -> None:
+    hidden = _post("/tokenize", {"model": model, "prompt": "smuggled"})
+    smuggling = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {5 + len(hidden)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        + b"0\r\n\r\n"
+        + hidden
+    )
+    with _connect(cluster) as sock:
+        sock.sendall(smuggling)
+        received = b""
+        while data := sock.recv(65536):  # until the gateway closes the connection
+            received += data
+    assert received.startswith(b"HTTP/1.1 400 ")
+    assert received.count(b"HTTP/1.1 ") == 1 and b'"count"' not in received

@@ -1,5 +1,6 @@
 """The gateway's HTTP connections (`services.gateway.connection`) on a real uvicorn server and
-raw sockets: a request head that never completes is cut off. The gateway app runs without bus or Valkey (/healthz needs
+raw sockets: a request head that never completes is cut off, and a request framed two ways is
+refused and its connection closed. The gateway app runs without bus or Valkey (/healthz needs
 neither)."""
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ async def test_a_second_head_left_unfinished_on_a_kept_alive_connection_is_cut_o
     first, _, rest = received.partition(b"\r\n\r\n")
     assert first.startswith(b"HTTP/1.1 200 ")
     assert b"HTTP/1.1 408 " in rest
+
+
+async def test_a_request_with_both_content_length_and_chunked_is_400_and_nothing_after_it_is_served(
+    port: int,
+) -> None:
+    smuggled = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 40\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n" + HEALTHZ
+    )
+    received = await asyncio.to_thread(_exchange, port, smuggled)
+    assert received.startswith(b"HTTP/1.1 400 ")
+    assert received.count(b"HTTP/1.1 ") == 1  # the request hidden in the body was not read
 
 
 async def test_a_whole_request_is_served_on_a_connection_kept_alive(port: int) -> None:
