@@ -314,7 +314,8 @@ class RegisterModel(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
     is a name, not empty, `.` or `..` (which clients and proxies resolve away)."""
-    source: Text = Field(min_length=1, description="Absolute path of a .gguf file")
+    source: Text = Field(min_length=1, max_length=4096, description="Absolute path of a .gguf file")
+    """At most PATH_MAX (4096 on Linux) characters."""
     ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
     # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
     # max(2, L / 512) s, the defaults); 0 keeps it fixed (`policy.slo`).

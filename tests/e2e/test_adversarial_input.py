@@ -121,3 +121,28 @@ def test_a_request_framed_both_by_length_and_chunked_is_400_and_no_request_is_re
             received += data
     assert received.startswith(b"HTTP/1.1 400 ")
     assert received.count(b"HTTP/1.1 ") == 1 and b'"count"' not in received
+
+
+def test_a_bad_source_is_a_400_with_a_bounded_message_and_a_loader_warning_without_traceback(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    loop = tmp_path / "loop.gguf"
+    loop.symlink_to(loop)
+    too_long = f"/tmp/{'n' * 4000}.gguf"  # one name past NAME_MAX (255): ENAMETOOLONG
+    log = cluster.procs["loader@node-0"].log_path
+    seen = log.stat().st_size
+    for name, source, why in (("loop", str(loop), "symlink loop"), ("long", too_long, "too long")):
+        r = httpx.post(f"{cluster.base_url}/admin/models", json={"name": f"bad-{name}", "source": source}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "source" and why in error["message"].lower()
+        assert len(error["message"]) < 500  # the 4,000-character path is cut, not echoed whole
+    with log.open("rb") as f:
+        f.seek(seen)
+        lines = [json.loads(line) for line in f.read().decode().splitlines() if line.startswith("{")]
+    refused = [line for line in lines if "import refused" in line["message"]]
+    assert len(refused) == 2, lines
+    for line in refused:
+        assert line["level"] == "WARNING" and "exc_info" not in line
+        assert len(line["message"]) < 500
+    assert not [line for line in lines if line["level"] == "ERROR"]
