@@ -25,7 +25,7 @@ def _unicode(v: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """A request body. Unknown names are let through (each body refuses by name what it does
     not serve); known ones are typed strictly, as OpenAI's server types them: `"16"` is not the
     integer 16 nor `"true"` a boolean, and a number must be finite (JSON's `1e309` parses to
@@ -38,16 +38,16 @@ _ADMIN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """An admin body: strictly typed, and a misspelt name is an error."""
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: Text | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[ContentPart] | None = None
 
@@ -72,16 +72,16 @@ class UnsupportedParameter(ValueError):
         self.param = param
 
 
-def _off(value: Any) -> bool:
+def asks_nothing(value: Any) -> bool:
     """Left at what means "not asked for" (absent, null, false, empty)."""
     return value is None or value is False or value == [] or value == {}
 
 
 _UNSUPPORTED: dict[str, Any] = {
     # name -> the values that ask for nothing (accepted as no-ops)
-    "functions": _off,
-    "function_call": lambda v: _off(v) or v == "none",
-    "suffix": _off,
+    "functions": asks_nothing,
+    "function_call": lambda v: asks_nothing(v) or v == "none",
+    "suffix": asks_nothing,
 }
 _NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 """OpenAI parameters that change no answer (bookkeeping, billing, caching hints): accepted."""
@@ -95,7 +95,7 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 """A token id as `logit_bias` keys it (no vocabulary has 10^10 tokens)."""
 
 
-class _Sampling(_Lenient):
+class _Sampling(Lenient):
     model: str = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -243,7 +243,7 @@ class CompletionRequest(_Sampling):
         return -1 if self.logprobs is None else self.logprobs
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """vLLM's /tokenize: a prompt as /v1/completions takes it, or messages as chat does (then
     rendered with the model's chat template, as a chat request would be)."""
 
@@ -265,7 +265,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str = Field(min_length=1)
     tokens: list[Annotated[int, Field(ge=0)]]
 

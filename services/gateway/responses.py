@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
 from services.gateway.openai_format import sse
-from services.gateway.protocol import ChatCompletionRequest, Text, UnsupportedParameter, _Lenient, _off
+from services.gateway.protocol import ChatCompletionRequest, Lenient, Text, UnsupportedParameter, asks_nothing
 from services.gateway.serving import Gateway, Generation, Prepared
 from shared.errors import TesseraError
 from shared.messages import Finished, FinishReason
@@ -36,22 +36,22 @@ _NO_TOOLS = "it does not call tools yet"
 
 # Responses parameters Tessera cannot serve: name -> (the values that ask for nothing, why).
 _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "previous_response_id": (_off, _NO_STORE),
-    "conversation": (_off, _NO_STORE),
-    "tools": (_off, _NO_TOOLS),
-    "tool_choice": (lambda v: _off(v) or v in ("auto", "none"), _NO_TOOLS),
+    "previous_response_id": (asks_nothing, _NO_STORE),
+    "conversation": (asks_nothing, _NO_STORE),
+    "tools": (asks_nothing, _NO_TOOLS),
+    "tool_choice": (lambda v: asks_nothing(v) or v in ("auto", "none"), _NO_TOOLS),
     "reasoning": (
-        lambda v: _off(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
+        lambda v: asks_nothing(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
         "the models it serves take no reasoning settings",
     ),
-    "background": (_off, "it answers in the foreground only (stream the answer instead)"),
-    "include": (_off, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
-    "prompt": (_off, "it keeps no prompt templates"),
+    "background": (asks_nothing, "it answers in the foreground only (stream the answer instead)"),
+    "include": (asks_nothing, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
+    "prompt": (asks_nothing, "it keeps no prompt templates"),
     "truncation": (
-        lambda v: _off(v) or v == "disabled",
+        lambda v: asks_nothing(v) or v == "disabled",
         "it drops no input to fit the context (a prompt over it is refused)",
     ),
-    "top_logprobs": (lambda v: _off(v) or v == 0, "logprobs are not returned yet"),
+    "top_logprobs": (lambda v: asks_nothing(v) or v == 0, "logprobs are not returned yet"),
 }
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -108,12 +108,12 @@ def _check_input(value: Any) -> None:
             _utf8(part["text"], f"{at}.text")
 
 
-class InputText(_Lenient):
+class InputText(Lenient):
     type: Literal["input_text", "output_text", "text"]
     text: Text
 
 
-class InputMessage(_Lenient):
+class InputMessage(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputText]
@@ -122,7 +122,7 @@ class InputMessage(_Lenient):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class TextFormat(_Lenient):
+class TextFormat(Lenient):
     type: str
     name: str | None = None
     description: str | None = None
@@ -147,7 +147,7 @@ class TextFormat(_Lenient):
         return {"type": "json_object"} if self.type == "json_object" else None
 
 
-class TextConfig(_Lenient):
+class TextConfig(Lenient):
     format: TextFormat | None = None
     verbosity: str | None = None
 
@@ -159,7 +159,7 @@ class TextConfig(_Lenient):
         return v
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     """The parameters used; the unserved are refused by name (`_UNSERVED`), other unknown names
     go on to the chat request (vLLM's sampling extensions: `ignore_eos`, `seed`, `top_k`...),
     which refuses what it does not serve or know."""
