@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
+from services.gateway.edge import caller, unless_disconnected
 from services.gateway.openai_format import sse
 from services.gateway.protocol import ChatCompletionRequest, Lenient, Text, UnsupportedParameter, asks_nothing
 from services.gateway.serving import Gateway, Generation, Prepared
@@ -328,14 +329,11 @@ class Answer:
 
 
 def responses_router(gateway: Gateway, quotas: Quotas) -> APIRouter:
-    # routes imports this module: what is taken from it is taken once both are loaded.
-    from services.gateway.routes import _caller, _unless_disconnected
-
     router = APIRouter()
 
     @router.post("/v1/responses", response_model=None)
-    async def create_response(req: ResponsesRequest, request: Request, who: Principal = Depends(_caller)) -> Response:
-        return await _unless_disconnected(request, _respond(gateway, quotas, who, req))
+    async def create_response(req: ResponsesRequest, request: Request, who: Principal = Depends(caller)) -> Response:
+        return await unless_disconnected(request, _respond(gateway, quotas, who, req))
 
     return router
 
