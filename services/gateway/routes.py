@@ -1,19 +1,20 @@
-"""HTTP routes of the gateway: the OpenAI API, the admin API, health. Thin: logic lives in
-`serving` (requests), `admin` (registrations, keys) and `auth` (keys, quotas); the HTTP
-plumbing (body limit, errors, callers, client disconnects) in `edge`.
+"""HTTP routes of the gateway: the OpenAI API, the admin API, health. Thin: the completion path
+is `completion` (its shapes `choices` and `responses`), the rest of the logic `serving`
+(tokenizing, placing), `admin` (registrations, keys) and `auth` (keys, quotas); the HTTP
+plumbing (body limit, errors, callers, client disconnects) is `edge`.
 
 /v1 needs an API key, /admin the admin key (unless auth is off); health and metrics are open."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from services.gateway import choices
 from services.gateway.admin import Admin
-from services.gateway.auth import Auth, Principal, Quotas, check_model
+from services.gateway.auth import Auth, Quotas, check_model
+from services.gateway.choices import Choices
+from services.gateway.completion import complete
 from services.gateway.edge import BodyLimit, Caller, admin_caller, handle_errors, unless_disconnected
-from services.gateway.openai_format import Shape
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +28,7 @@ from services.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from services.gateway.responses import responses_router
+from services.gateway.responses import ResponsesRequest, respond
 from services.gateway.serving import Gateway
 from services.gateway.ui import ui_router
 from shared.health import Readiness, health_routes
@@ -55,13 +56,18 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         r = await gateway.model(name)
         return ModelCard(id=r.name, created=int(r.created_at))
 
+    # One completion path (`completion.complete`); each API its own shape of the answer.
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, _complete(gateway, quotas, who, req, chat=True))
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, _complete(gateway, quotas, who, req, chat=False))
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(req: ResponsesRequest, who: Caller, request: Request) -> Response:
+        return await unless_disconnected(request, respond(gateway, quotas, who, req))
 
     # vLLM's shape and paths (at the root, not under /v1): ids for logit_bias, counting a
     # prompt against the context before sending it.
@@ -75,7 +81,6 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
         check_model(who, req.model)
         return await gateway.detokenize(req)
 
-    app.include_router(responses_router(gateway, quotas))
     app.include_router(_admin_routes(admin))
     app.include_router(ui_router(admin, admin_caller))
     return app
@@ -129,24 +134,3 @@ def _admin_routes(admin: Admin) -> APIRouter:
         return await admin.cache()
 
     return router
-
-
-async def _complete(
-    gateway: Gateway, quotas: Quotas, who: Principal, req: ChatCompletionRequest | CompletionRequest, chat: bool
-) -> JSONResponse | StreamingResponse:
-    check_model(who, req.model)
-    legs = choices.legs_of(req, await gateway.prepare_all(req))
-    await choices.open_legs(gateway, quotas, who, legs)
-    first = legs[0].gen
-    assert first is not None
-    shape = Shape(chat, first.request_id, legs[0].prepared.record.name)
-    if req.stream:
-        return StreamingResponse(
-            choices.stream(gateway, req, shape, legs, quotas),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    try:
-        return JSONResponse(await choices.answer(gateway, req, shape, legs))
-    finally:
-        await choices.close_legs(quotas, legs)

@@ -87,3 +87,12 @@ async def test_a_number_or_flag_sent_as_another_type_is_refused_not_coerced(
         body = f'{{"model": "m", {fields}, "{param}": {value}}}'
         error = _error(await http.post(path, **_raw(body)))  # type: ignore[arg-type]
         assert error["param"] == param, (path, error)
+
+
+@pytest.mark.parametrize("param", ["n", "best_of"])
+async def test_a_responses_request_for_several_outputs_is_refused_not_answered_with_one(
+    http: httpx.AsyncClient, param: str
+) -> None:
+    r = await http.post("/v1/responses", json={"model": "m", "input": "Hi", param: 2})
+    error = _error(r)
+    assert error["code"] == "unsupported_parameter" and error["param"] == param
