@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import h11
@@ -22,6 +23,8 @@ from prometheus_client import Counter
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
+
+from services.gateway.openai_format import error_body
 
 MAX_HEAD_BYTES = 16 * 1024
 """Largest request head (h11's default, stated here: the guard below builds the connection)."""
@@ -33,15 +36,23 @@ HEADS_TIMED_OUT = Counter(
 
 
 class OneFraming(h11.Connection):
-    """An h11 server connection that refuses a request framed two ways (RFC 9112 §6.3)."""
+    """An h11 server connection that refuses a request framed two ways (RFC 9112 §6.3), and
+    keeps what was wrong with a request it refused (`refusal`)."""
+
+    refusal = "the request is not valid HTTP/1.1"
 
     def next_event(self) -> Any:
-        event = super().next_event()
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.refusal = f"the request is not valid HTTP/1.1: {str(e)[:200]}"
+            raise
         if isinstance(event, h11.Request):
             names = {name.lower() for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 # uvicorn answers a RemoteProtocolError with 400 and closes the connection.
-                raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", error_status_hint=400)
+                self.refusal = "a request must not have both Content-Length and Transfer-Encoding"
+                raise h11.RemoteProtocolError(self.refusal, error_status_hint=400)
         return event
 
 
@@ -90,6 +101,23 @@ class GuardedH11Protocol(H11Protocol):
         if self.head_deadline is not None:
             self.head_deadline.cancel()
             self.head_deadline = None
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 refused, with OpenAI's error body (not plain text)."""
+        refusal = self.conn.refusal if isinstance(self.conn, OneFraming) else msg
+        body = json.dumps(error_body(400, refusal, "invalid_http_request")).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers)) or b"")
+            self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
+            self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+        except h11.LocalProtocolError:  # a response already under way: just close
+            pass
+        self.transport.close()
 
     def head_too_slow(self) -> None:
         self.head_deadline = None

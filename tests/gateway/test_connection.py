@@ -6,6 +6,7 @@ neither)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 
@@ -86,6 +87,14 @@ async def test_a_request_with_both_content_length_and_chunked_is_400_and_nothing
     received = await asyncio.to_thread(_exchange, port, smuggled)
     assert received.startswith(b"HTTP/1.1 400 ")
     assert received.count(b"HTTP/1.1 ") == 1  # the request hidden in the body was not read
+    error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "invalid_request_error" and "Transfer-Encoding" in error["message"]
+
+
+async def test_a_malformed_request_head_is_an_openai_400(port: int) -> None:
+    received = await asyncio.to_thread(_exchange, port, b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(received.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http_request"
 
 
 async def test_a_whole_request_is_served_on_a_connection_kept_alive(port: int) -> None:
