@@ -207,6 +207,7 @@ def models_add(
     chat_template: Path | None = typer.Option(
         None, exists=True, dir_okay=False, help="A Jinja chat template file replacing the GGUF's own."
     ),
+    replace: bool = typer.Option(False, help="Replace a model already registered as NAME (else that is an error)."),
     url: str = URL,
     admin_key: str | None = ADMIN_KEY,
     home: Path = HOME,
@@ -233,6 +234,7 @@ def models_add(
                 "ttft_slo_s": ttft_slo_s,
                 "ttft_slo_per_token_s": ttft_slo_per_token_s,
                 "tpot_slo_s": tpot_slo_s,
+                "replace": replace,
                 **({"chat_template": chat_template.read_text()} if chat_template else {}),
                 **overrides,
             },

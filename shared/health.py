@@ -103,12 +103,14 @@ def health_app(readiness: Readiness, extra: Sequence[BaseRoute] = ()) -> Starlet
     return Starlette(routes=[*health_routes(readiness), *extra])
 
 
-def http_server(app: object, host: str, port: int) -> uvicorn.Server:
-    """A uvicorn server to run inside the service's own loop (`await server.serve()`)."""
+def http_server(app: object, host: str, port: int, http: type[asyncio.Protocol] | str = "auto") -> uvicorn.Server:
+    """A uvicorn server to run inside the service's own loop (`await server.serve()`); `http`:
+    its HTTP protocol (the gateway's guards its connections: `services.gateway.connection`)."""
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
+        http=http,
         log_config=None,
         access_log=False,
         lifespan="off",

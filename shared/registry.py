@@ -30,6 +30,11 @@ class Registry:
     async def put(self, record: ModelRecord) -> None:
         await self.valkey.hset(MODELS_KEY, record.name, encode(record))
 
+    async def put_new(self, record: ModelRecord) -> bool:
+        """Store `record` unless its name is taken (atomic: of two registering one name at
+        once, one wins); whether it was stored."""
+        return bool(await self.valkey.hsetnx(MODELS_KEY, record.name, encode(record)))
+
     async def get(self, name: str) -> ModelRecord | None:
         data = await self.valkey.hget(MODELS_KEY, name)
         return None if data is None else decode(_raw(data), ModelRecord)

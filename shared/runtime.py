@@ -81,9 +81,9 @@ class ServiceRuntime:
     ) -> None:
         await self._stack.aclose()
 
-    async def serve(self, app: object) -> None:
-        """Serve HTTP until SIGTERM/SIGINT."""
-        server = http_server(app, self.settings.http_host, self.settings.http_port)
+    async def serve(self, app: object, http: type[asyncio.Protocol] | str = "auto") -> None:
+        """Serve HTTP until SIGTERM/SIGINT (`http`: uvicorn's HTTP protocol)."""
+        server = http_server(app, self.settings.http_host, self.settings.http_port, http)
         task = asyncio.create_task(server.serve())
         log.info("%s serving on %s:%s", self.name, self.settings.http_host, self.settings.http_port)
         stop = asyncio.create_task(self.stopping.wait())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.gateway.admin import Admin
+from services.gateway.connection import guarded_protocol
 from services.gateway.routes import create_app
 from services.gateway.serving import Gateway
 from services.gateway.settings import GatewaySettings
@@ -20,7 +21,8 @@ async def main() -> None:
         registry = Registry(rt.valkey)
         gateway = Gateway(settings, rt.bus, registry)
         await gateway.start()
-        await rt.serve(create_app(gateway, Admin(settings, rt.bus, registry, gateway.tokenizers), rt.readiness))
+        app = create_app(gateway, Admin(settings, rt.bus, registry, gateway.tokenizers), rt.readiness)
+        await rt.serve(app, http=guarded_protocol(settings.request_head_timeout_s))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDef
     return msgspec.structs.replace(defaults, max_tokens=min(defaults.max_tokens, artifact.context_length))
 
 
+def _taken(name: str) -> ApiError:
+    return ApiError(
+        409,
+        f'a model named `{name}` is already registered; remove it first or register with "replace": true to replace it',
+        "model_exists",
+        param="name",
+    )
+
+
 class Admin:
     def __init__(
         self, settings: GatewaySettings, bus: Bus, registry: Registry, tokenizers: Tokenizers | None = None
@@ -78,6 +87,10 @@ class Admin:
         self.keys = KeyStore(registry)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
+        # Refused before the import (seconds to minutes), and again when stored: another
+        # registration of the name may have finished in between.
+        if not req.replace and await self.registry.get(req.name) is not None:
+            raise _taken(req.name)
         imported = await self.bus.request(
             subjects.import_model(),
             ImportModel(source=req.source),
@@ -106,7 +119,10 @@ class Admin:
             defaults=generation_defaults(imported.artifact, req),
             chat_template=req.chat_template,
         )
-        await self.registry.put(record)
+        if req.replace:
+            await self.registry.put(record)
+        elif not await self.registry.put_new(record):
+            raise _taken(req.name)
         return {**as_json(record), "converted": imported.converted, "import_s": imported.seconds}
 
     # Below this method, `list` in the class body names it, not the builtin: `builtins.list`.

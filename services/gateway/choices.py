@@ -1,22 +1,16 @@
-"""A completion request's choices: `n`, `best_of` and a list of prompts, each choice a
-generation of its own on the engine (they share their prompt's prefix in its KV cache: the
-core caches prefixes), put back together into one OpenAI answer, streamed or not.
+"""The chat and text completion shapes of an answer (`completion.ResponseShape`): each leg a
+choice under its index, put back together into one OpenAI answer, streamed or not.
 
 Also what a choice's text becomes on the way out: tool calls read from it (`tools.py`),
-logprobs with each token's text, and `echo`'s prompt in front.
+logprobs with each token's text, `echo`'s prompt in front, and `best_of`'s ranking.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
-import msgspec
-
-from services.gateway.auth import Grant, Principal, Quotas
+from services.gateway.completion import Leg, LegEvent, ResponseShape, usage
 from services.gateway.openai_format import (
     Shape,
     chat_logprobs,
@@ -26,100 +20,11 @@ from services.gateway.openai_format import (
     sse,
 )
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.serving import Gateway, Generation, Prepared
+from services.gateway.serving import Gateway, Prepared
 from services.gateway.tool_stream import ToolStream
 from services.gateway.tools import parse
 from shared.errors import TesseraError
-from shared.messages import ErrorCode, Finished, TokenChunk, TokenLogprob
-
-_CLOSING: set[asyncio.Future[None]] = set()
-
-
-@dataclass
-class Leg:
-    """One generation: choice `index` of its prompt (`prompt_index`)."""
-
-    index: int
-    prompt_index: int
-    prepared: Prepared
-    echo: str
-    gen: Generation | None = None
-    grant: Grant | None = None
-    produced: int = 0
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: Finished | None = None
-
-
-def legs_of(req: ChatCompletionRequest | CompletionRequest, prepared: Sequence[Prepared]) -> list[Leg]:
-    """`candidates()` generations per prompt. A seeded request's k-th candidate samples with
-    seed + k: the same request gives the same choices, and its choices differ."""
-    k = req.candidates()
-    echo = isinstance(req, CompletionRequest) and req.echo
-    legs = []
-    for p_i, p in enumerate(prepared):
-        for j in range(k):
-            params = p.params
-            if j and params.seed is not None:
-                params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**64)
-            legs.append(
-                Leg(
-                    p_i * k + j,
-                    p_i,
-                    Prepared(p.record, p.prompt, p.prompt_ids, params, p.tools),
-                    p.prompt if echo else "",
-                )
-            )
-    return legs
-
-
-async def open_legs(gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequence[Leg]) -> None:
-    """Admit and place every leg (placement and cold start happen before any byte is sent);
-    if one cannot start, those already open are closed and the error goes to the client."""
-    limit = gateway.settings.max_inflight
-    if len(legs) > limit:  # its own legs would wait in line behind each other
-        raise TesseraError(
-            ErrorCode.INVALID_REQUEST,
-            f"{len(legs)} generations (n, best_of, prompts) are more than this gateway runs at once ({limit})",
-            param="n",
-        )
-    try:
-        for leg in legs:
-            p = leg.prepared
-            leg.grant = await quotas.admit(who, p.prompt_tokens, p.params.max_tokens)
-            leg.gen = await gateway.open(p)
-    except BaseException:
-        await close_legs(quotas, legs)
-        raise
-
-
-async def close_legs(quotas: Quotas, legs: Sequence[Leg]) -> None:
-    for leg in legs:
-        if leg.gen is not None:
-            await leg.gen.close()
-            leg.gen = None
-        if leg.grant is not None:
-            await quotas.settle(leg.grant, leg.produced)
-            leg.grant = None
-
-
-def _usage(legs: Sequence[Leg]) -> tuple[int, int]:
-    """(prompt tokens: each prompt once, completion tokens: every generation's, best_of's too)."""
-    prompts = {leg.prompt_index: leg.finished.prompt_tokens for leg in legs if leg.finished is not None}
-    return sum(prompts.values()), sum(leg.finished.completion_tokens for leg in legs if leg.finished)
-
-
-async def _collect(leg: Leg) -> None:
-    assert leg.gen is not None
-    async with aclosing(leg.gen.events()) as events:
-        async for event in events:
-            if isinstance(event, Finished):
-                leg.finished = event
-                leg.produced = event.completion_tokens
-                return
-            leg.text.append(event.text)
-            leg.logprobs.extend(event.logprobs)
-            leg.produced += event.tokens
+from shared.messages import Finished, TokenLogprob
 
 
 def _best(legs: list[Leg], n: int) -> list[Leg]:
@@ -137,38 +42,6 @@ def _best(legs: list[Leg], n: int) -> list[Leg]:
     return kept
 
 
-async def answer(
-    gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape, legs: list[Leg]
-) -> dict[str, Any]:
-    """The whole answer, once every leg has finished."""
-    await asyncio.gather(*(_collect(leg) for leg in legs))
-    prompt_tokens, completion_tokens = _usage(legs)
-    chosen = _best(legs, req.choices()) if req.candidates() > req.choices() else legs
-    wants_logprobs = req.logprob_count() >= 0
-    entries = [e for leg in chosen for e in leg.logprobs]
-    texts = await _token_texts(gateway, legs[0].prepared, entries) if wants_logprobs else {}
-    choices = []
-    for leg in sorted(chosen, key=lambda g: g.index):
-        assert leg.finished is not None
-        text, finish = "".join(leg.text), finish_reason(leg.finished)
-        logprobs = None
-        if wants_logprobs:
-            logprobs = (
-                chat_logprobs(leg.logprobs, texts)
-                if shape.chat
-                else completion_logprobs(leg.logprobs, texts, len(leg.echo))
-            )
-        plan = leg.prepared.tools
-        if shape.chat and plan is not None and plan.mode != "none":
-            content, calls = parse(text, plan)
-            if calls and plan.mode != "named":
-                finish = "tool_calls"
-            choices.append(shape.choice(leg.index, content, finish, logprobs, calls or None))
-        else:
-            choices.append(shape.choice(leg.index, leg.echo + text, finish, logprobs))
-    return shape.full(choices, prompt_tokens, completion_tokens)
-
-
 async def _token_texts(gateway: Gateway, prepared: Prepared, entries: Sequence[TokenLogprob]) -> dict[int, str]:
     """The text of every token in `entries`, chosen and alternatives."""
     ids = {i for e in entries for i in (e.token, *(t for t, _ in e.top))}
@@ -178,95 +51,109 @@ async def _token_texts(gateway: Gateway, prepared: Prepared, entries: Sequence[T
     return await gateway.tokenizers.token_texts(tok, sorted(ids))
 
 
-async def _events(leg: Leg, out: asyncio.Queue[tuple[Leg, TokenChunk | Finished | BaseException]]) -> None:
-    assert leg.gen is not None
-    try:
-        async with aclosing(leg.gen.events()) as events:
-            async for event in events:
-                await out.put((leg, event))
-    except BaseException as e:  # to the stream: it ends the whole answer
-        await out.put((leg, e))
+class Choices:
+    """A chat or text completion's answer: `shape` names its fields."""
 
+    terminator = sse("[DONE]")
 
-async def stream(
-    gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape, legs: list[Leg], quotas: Quotas
-) -> AsyncIterator[str]:
-    """Every leg's chunks as they come, each under its choice's index; usage (if asked) once
-    all have finished; `[DONE]`. An error of one leg ends the answer."""
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    wants_logprobs = req.logprob_count() >= 0
-    queue: asyncio.Queue[tuple[Leg, TokenChunk | Finished | BaseException]] = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_events(leg, queue)) for leg in legs]
-    tools = {
-        leg.index: ToolStream(leg.prepared.tools)
-        for leg in legs
-        if shape.chat and leg.prepared.tools is not None and leg.prepared.tools.mode != "none"
-    }
-    offsets = {leg.index: len(leg.echo) for leg in legs}
-    try:
+    def __init__(self, gateway: Gateway, req: ChatCompletionRequest | CompletionRequest, shape: Shape) -> None:
+        self.gateway = gateway
+        self.req = req
+        self.shape = shape
+
+    @staticmethod
+    def of(gateway: Gateway, req: ChatCompletionRequest | CompletionRequest) -> Callable[[list[Leg]], ResponseShape]:
+        """The shape for `req`'s opened legs (its id is its first generation's)."""
+
+        def shape_of(legs: list[Leg]) -> ResponseShape:
+            first = legs[0].gen
+            assert first is not None
+            chat = isinstance(req, ChatCompletionRequest)
+            return Choices(gateway, req, Shape(chat, first.request_id, legs[0].prepared.record.name))
+
+        return shape_of
+
+    async def answer(self, legs: list[Leg]) -> dict[str, Any]:
+        req, shape = self.req, self.shape
+        prompt_tokens, completion_tokens = usage(legs)
+        chosen = _best(legs, req.choices()) if req.candidates() > req.choices() else legs
+        wants_logprobs = req.logprob_count() >= 0
+        entries = [e for leg in chosen for e in leg.logprobs]
+        texts = await _token_texts(self.gateway, legs[0].prepared, entries) if wants_logprobs else {}
+        choices = []
+        for leg in sorted(chosen, key=lambda g: g.index):
+            assert leg.finished is not None
+            text, finish = "".join(leg.text), finish_reason(leg.finished)
+            logprobs = None
+            if wants_logprobs:
+                logprobs = (
+                    chat_logprobs(leg.logprobs, texts)
+                    if shape.chat
+                    else completion_logprobs(leg.logprobs, texts, len(leg.echo))
+                )
+            plan = leg.prepared.tools
+            if shape.chat and plan is not None and plan.mode != "none":
+                content, calls = parse(text, plan)
+                if calls and plan.mode != "named":
+                    finish = "tool_calls"
+                choices.append(shape.choice(leg.index, content, finish, logprobs, calls or None))
+            else:
+                choices.append(shape.choice(leg.index, leg.echo + text, finish, logprobs))
+        return shape.full(choices, prompt_tokens, completion_tokens)
+
+    async def stream(self, legs: list[Leg], events: AsyncIterator[LegEvent]) -> AsyncGenerator[str, None]:
+        """Every leg's chunks as they come, each under its choice's index; usage (if asked)
+        once all have finished. An error of one leg ends the answer."""
+        req, shape = self.req, self.shape
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        wants_logprobs = req.logprob_count() >= 0
+        tools = {
+            leg.index: ToolStream(leg.prepared.tools)
+            for leg in legs
+            if shape.chat and leg.prepared.tools is not None and leg.prepared.tools.mode != "none"
+        }
+        offsets = {leg.index: len(leg.echo) for leg in legs}
         for leg in legs:
             if shape.chat:
                 yield sse(shape.chunk("", role=True, index=leg.index))
             if leg.echo:
                 yield sse(shape.chunk(leg.echo, index=leg.index))
-        running = len(legs)
-        while running:
-            leg, event = await queue.get()
-            if isinstance(event, BaseException):
-                if isinstance(event, TesseraError):
-                    # Headers are gone already: the error travels as an SSE event the openai
-                    # client raises.
-                    yield sse(error_body(event.status, event.message, event.code.value, event.param))
-                    break
-                raise event
-            if isinstance(event, Finished):
-                running -= 1
-                leg.finished = event
-                leg.produced = event.completion_tokens
-                finish = finish_reason(event)
+        try:
+            async for leg, event in events:
+                if isinstance(event, Finished):
+                    for part in self._finish(leg, event, tools.get(leg.index)):
+                        yield part
+                    continue
+                logprobs = None
+                if wants_logprobs and event.logprobs:
+                    texts = await _token_texts(self.gateway, leg.prepared, event.logprobs)
+                    if shape.chat:
+                        logprobs = chat_logprobs(event.logprobs, texts)
+                    else:
+                        logprobs = completion_logprobs(event.logprobs, texts, offsets[leg.index])
+                        offsets[leg.index] += sum(len(texts[e.token]) for e in event.logprobs)
                 tool = tools.get(leg.index)
                 if tool is not None:
-                    for delta in tool.finish():
-                        yield sse(shape.chunk(None, index=leg.index, delta=delta))
-                    if tool.called and leg.prepared.tools is not None and leg.prepared.tools.mode != "named":
-                        finish = "tool_calls"
-                yield sse(
-                    shape.chunk(None if shape.chat else "", finish, index=leg.index, delta={} if shape.chat else None)
-                )
-                continue
-            leg.produced += event.tokens
-            logprobs = None
-            if wants_logprobs and event.logprobs:
-                texts = await _token_texts(gateway, leg.prepared, event.logprobs)
-                if shape.chat:
-                    logprobs = chat_logprobs(event.logprobs, texts)
-                else:
-                    logprobs = completion_logprobs(event.logprobs, texts, offsets[leg.index])
-                    offsets[leg.index] += sum(len(texts[e.token]) for e in event.logprobs)
-            tool = tools.get(leg.index)
-            if tool is not None:
-                deltas = tool.feed(event.text)
-                for i, delta in enumerate(deltas):
-                    yield sse(shape.chunk(None, index=leg.index, delta=delta, logprobs=logprobs if i == 0 else None))
-            elif event.text or logprobs:
-                yield sse(shape.chunk(event.text, index=leg.index, logprobs=logprobs))
-        else:
-            if include_usage:
-                yield sse(shape.usage_chunk(*_usage(legs)))
-    finally:
-        # A client that went away cancels this generator inside Starlette's cancelled scope,
-        # where every further await is cancelled again: the legs are closed by a task of
-        # their own (their engines stop, their admission slots and quotas come back) that
-        # this only waits for.
-        for task in tasks:
-            task.cancel()
-        closing = asyncio.ensure_future(_close(tasks, quotas, legs))
-        _CLOSING.add(closing)  # the loop keeps only a weak reference to a task
-        closing.add_done_callback(_CLOSING.discard)
-        await asyncio.shield(closing)
-    yield sse("[DONE]")
+                    for i, delta in enumerate(tool.feed(event.text)):
+                        yield sse(
+                            shape.chunk(None, index=leg.index, delta=delta, logprobs=logprobs if i == 0 else None)
+                        )
+                elif event.text or logprobs:
+                    yield sse(shape.chunk(event.text, index=leg.index, logprobs=logprobs))
+        except TesseraError as e:
+            # Headers are gone already: the error travels as an SSE event the openai client raises.
+            yield sse(error_body(e.status, e.message, e.code.value, e.param))
+            return
+        if include_usage:
+            yield sse(shape.usage_chunk(*usage(legs)))
 
-
-async def _close(tasks: Sequence[asyncio.Future[None]], quotas: Quotas, legs: Sequence[Leg]) -> None:
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await close_legs(quotas, legs)
+    def _finish(self, leg: Leg, event: Finished, tool: ToolStream | None) -> list[str]:
+        shape = self.shape
+        parts = []
+        finish = finish_reason(event)
+        if tool is not None:
+            parts += [sse(shape.chunk(None, index=leg.index, delta=delta)) for delta in tool.finish()]
+            if tool.called and leg.prepared.tools is not None and leg.prepared.tools.mode != "named":
+                finish = "tool_calls"
+        chunk = shape.chunk(None if shape.chat else "", finish, index=leg.index, delta={} if shape.chat else None)
+        return [*parts, sse(chunk)]

@@ -14,6 +14,7 @@ OPENAI_TYPE: dict[int, str] = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",

@@ -3,6 +3,7 @@ OpenAI's own server does for fields it does not use."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,20 +25,29 @@ def _unicode(v: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Lenient(BaseModel):
+    """A request body. Unknown names are let through (each body refuses by name what it does
+    not serve); known ones are typed strictly, as OpenAI's server types them: `"16"` is not the
+    integer 16 nor `"true"` a boolean, and a number must be finite (JSON's `1e309` parses to
+    infinity)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Lenient):
+_ADMIN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""An admin body: strictly typed, and a misspelt name is an error."""
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: Text | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[ContentPart] | None = None
 
@@ -62,16 +72,16 @@ class UnsupportedParameter(ValueError):
         self.param = param
 
 
-def _off(value: Any) -> bool:
+def asks_nothing(value: Any) -> bool:
     """Left at what means "not asked for" (absent, null, false, empty)."""
     return value is None or value is False or value == [] or value == {}
 
 
 _UNSUPPORTED: dict[str, Any] = {
     # name -> the values that ask for nothing (accepted as no-ops)
-    "functions": _off,
-    "function_call": lambda v: _off(v) or v == "none",
-    "suffix": _off,
+    "functions": asks_nothing,
+    "function_call": lambda v: asks_nothing(v) or v == "none",
+    "suffix": asks_nothing,
 }
 _NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 """OpenAI parameters that change no answer (bookkeeping, billing, caching hints): accepted."""
@@ -81,9 +91,11 @@ MAX_CHOICES = 16
 its own on the engine."""
 MAX_TOP_LOGPROBS = 20
 """vLLM's and OpenAI's limit on alternatives per token."""
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+"""A token id as `logit_bias` keys it (no vocabulary has 10^10 tokens)."""
 
 
-class _Sampling(_Lenient):
+class _Sampling(Lenient):
     model: str = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -142,8 +154,9 @@ class _Sampling(_Lenient):
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids (from /tokenize), not {key!r}")
+            # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() refuses.
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids (from /tokenize), not {key[:40]!r}")
         return v
 
     @model_validator(mode="after")
@@ -230,7 +243,7 @@ class CompletionRequest(_Sampling):
         return -1 if self.logprobs is None else self.logprobs
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """vLLM's /tokenize: a prompt as /v1/completions takes it, or messages as chat does (then
     rendered with the model's chat template, as a chat request would be)."""
 
@@ -252,7 +265,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str = Field(min_length=1)
     tokens: list[Annotated[int, Field(ge=0)]]
 
@@ -282,24 +295,33 @@ class ModelList(BaseModel):
 class ScaleModel(BaseModel):
     """Admin API: run a model on this many nodes in all (FaaScale's scale-out, ahead of a burst)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     instances: int = Field(ge=1, le=1024)
+
+
+MAX_KEEP_ALIVE_S = 366 * 86_400.0
+"""Longest idle time before an instance stops (a year: anything longer means "never")."""
+MAX_SLO_S = 3_600.0
+"""Largest latency target: an hour to a token is no target."""
 
 
 class RegisterModel(BaseModel):
     """Admin API: register a model name on a GGUF file."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    source: Text = Field(min_length=1, description="Absolute path of a .gguf file")
-    ttft_slo_s: float = Field(default=2.0, gt=0)
+    """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
+    is a name, not empty, `.` or `..` (which clients and proxies resolve away)."""
+    source: Text = Field(min_length=1, max_length=4096, description="Absolute path of a .gguf file")
+    """At most PATH_MAX (4096 on Linux) characters."""
+    ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
     # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
     # max(2, L / 512) s, the defaults); 0 keeps it fixed (`policy.slo`).
-    ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0)
-    tpot_slo_s: float = Field(default=0.1, gt=0)
-    keep_alive_s: float = Field(default=300.0, gt=0)
+    ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0, le=MAX_SLO_S)
+    tpot_slo_s: float = Field(default=0.1, gt=0, le=MAX_SLO_S)
+    keep_alive_s: float = Field(default=300.0, gt=0, le=MAX_KEEP_ALIVE_S)
     # Generation defaults for requests that leave these out (else the model's metadata's, else
     # the platform's: `shared.messages.GenerationDefaults`).
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -309,6 +331,15 @@ class RegisterModel(BaseModel):
     # A Jinja chat template replacing the GGUF's (vLLM's --chat-template): checked at
     # registration by rendering a one-message chat with it.
     chat_template: Text = Field(default="", max_length=65_536)
+    replace: bool = False
+    """Replace a model registered under this name (else registering a taken name is a 409)."""
+
+    @field_validator("name")
+    @classmethod
+    def _segments(cls, v: str) -> str:
+        if any(segment in ("", ".", "..") for segment in v.split("/")):
+            raise ValueError("each /-separated part of a model name must be a name, not empty, '.' or '..'")
+        return v
 
     @field_validator("source")
     @classmethod
@@ -327,7 +358,7 @@ def dump(obj: Any) -> dict[str, Any]:
 class CreateApiKey(BaseModel):
     """Admin API: make an API key; its secret is in the answer, once."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     models: list[Text] = Field(default_factory=list, description="Allowed models; empty: all")

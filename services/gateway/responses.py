@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`): text and message input, streamed or not.
 
-A Responses request is translated into a chat completion request and served the way
-/v1/chat/completions is (`gateway.prepare/open`, quotas, cancellation on disconnect), so the
-two answer alike: the same rendering of the same messages, the same admission and errors.
+A Responses request is translated into a chat completion request and served by the path every
+completion takes (`completion.complete`), in a shape of its own (`Answer`), so the two answer
+alike: the same rendering of the same messages, the same admission and errors.
 Tessera stores nothing: what needs a stored response or conversation, tools, reasoning or
 background runs is refused by name (400 `unsupported_parameter`), never silently ignored."""
 
@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
+from services.gateway.auth import ApiError, Principal, Quotas
+from services.gateway.completion import Leg, LegEvent, complete
 from services.gateway.openai_format import sse
-from services.gateway.protocol import ChatCompletionRequest, Text, UnsupportedParameter, _Lenient, _off
-from services.gateway.serving import Gateway, Generation, Prepared
+from services.gateway.protocol import ChatCompletionRequest, Lenient, Text, UnsupportedParameter, asks_nothing
+from services.gateway.serving import Gateway
 from shared.errors import TesseraError
 from shared.messages import Finished, FinishReason
 
@@ -36,22 +35,25 @@ _NO_TOOLS = "it does not call tools yet"
 
 # Responses parameters Tessera cannot serve: name -> (the values that ask for nothing, why).
 _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "previous_response_id": (_off, _NO_STORE),
-    "conversation": (_off, _NO_STORE),
-    "tools": (_off, _NO_TOOLS),
-    "tool_choice": (lambda v: _off(v) or v in ("auto", "none"), _NO_TOOLS),
+    "previous_response_id": (asks_nothing, _NO_STORE),
+    "conversation": (asks_nothing, _NO_STORE),
+    "tools": (asks_nothing, _NO_TOOLS),
+    "tool_choice": (lambda v: asks_nothing(v) or v in ("auto", "none"), _NO_TOOLS),
     "reasoning": (
-        lambda v: _off(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
+        lambda v: asks_nothing(v) or (isinstance(v, dict) and all(x in (None, "none") for x in v.values())),
         "the models it serves take no reasoning settings",
     ),
-    "background": (_off, "it answers in the foreground only (stream the answer instead)"),
-    "include": (_off, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
-    "prompt": (_off, "it keeps no prompt templates"),
+    "background": (asks_nothing, "it answers in the foreground only (stream the answer instead)"),
+    "include": (asks_nothing, "it returns no extra output data (logprobs, sources, encrypted reasoning)"),
+    "prompt": (asks_nothing, "it keeps no prompt templates"),
     "truncation": (
-        lambda v: _off(v) or v == "disabled",
+        lambda v: asks_nothing(v) or v == "disabled",
         "it drops no input to fit the context (a prompt over it is refused)",
     ),
-    "top_logprobs": (lambda v: _off(v) or v == 0, "logprobs are not returned yet"),
+    "top_logprobs": (lambda v: asks_nothing(v) or v == 0, "logprobs are not returned yet"),
+    # Chat's, which would reach the chat request: a response has one output message.
+    "n": (lambda v: asks_nothing(v) or v == 1, "a response has one output message"),
+    "best_of": (lambda v: asks_nothing(v) or v == 1, "a response has one output message"),
 }
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -108,12 +110,12 @@ def _check_input(value: Any) -> None:
             _utf8(part["text"], f"{at}.text")
 
 
-class InputText(_Lenient):
+class InputText(Lenient):
     type: Literal["input_text", "output_text", "text"]
     text: Text
 
 
-class InputMessage(_Lenient):
+class InputMessage(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputText]
@@ -122,7 +124,7 @@ class InputMessage(_Lenient):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class TextFormat(_Lenient):
+class TextFormat(Lenient):
     type: str
     name: str | None = None
     description: str | None = None
@@ -147,7 +149,7 @@ class TextFormat(_Lenient):
         return {"type": "json_object"} if self.type == "json_object" else None
 
 
-class TextConfig(_Lenient):
+class TextConfig(Lenient):
     format: TextFormat | None = None
     verbosity: str | None = None
 
@@ -159,7 +161,7 @@ class TextConfig(_Lenient):
         return v
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     """The parameters used; the unserved are refused by name (`_UNSERVED`), other unknown names
     go on to the chat request (vLLM's sampling extensions: `ignore_eos`, `seed`, `top_k`...),
     which refuses what it does not serve or know."""
@@ -212,7 +214,7 @@ class ResponsesRequest(_Lenient):
                 400, "input is empty: give a string or at least one message", "invalid_request", param="input"
             )
         passed = {k: v for k, v in (self.model_extra or {}).items() if k not in _UNSERVED}
-        body: dict[str, Any] = {**passed, "model": self.model, "messages": messages}
+        body: dict[str, Any] = {**passed, "model": self.model, "messages": messages, "stream": self.stream}
         for name in ("temperature", "top_p", "user"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
@@ -244,12 +246,19 @@ def _as_responses_error(e: ValidationError) -> ApiError:
 
 
 class Answer:
-    """One response's fixed parts (ids, the request's settings echoed) and its body at each
-    stage, as OpenAI shapes it."""
+    """A response (`completion.ResponseShape`): its fixed parts (ids, the request's settings
+    echoed) and its body at each stage, as OpenAI shapes it. One leg: a Responses request has
+    one output message."""
 
-    def __init__(self, req: ResponsesRequest, prepared: Prepared, request_id: str) -> None:
+    terminator = ""
+    """The Responses API ends a stream with its last event, no `[DONE]`."""
+
+    def __init__(self, req: ResponsesRequest, legs: list[Leg]) -> None:
+        [leg] = legs
+        assert leg.gen is not None
+        prepared = leg.prepared
         self.req = req
-        self.id = "resp_" + request_id
+        self.id = "resp_" + leg.gen.request_id
         self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
         self.model = prepared.record.name
@@ -326,100 +335,53 @@ class Answer:
         status = "incomplete" if finished.finish_reason == FinishReason.LENGTH else "completed"
         return self.body(status, text, finished)
 
+    async def answer(self, legs: list[Leg]) -> dict[str, Any]:
+        [leg] = legs
+        assert leg.finished is not None
+        return self.final("".join(leg.text), leg.finished)
 
-def responses_router(gateway: Gateway, quotas: Quotas) -> APIRouter:
-    # routes imports this module: what is taken from it is taken once both are loaded.
-    from services.gateway.routes import _caller, _unless_disconnected
+    async def stream(self, legs: list[Leg], events: AsyncIterator[LegEvent]) -> AsyncGenerator[str, None]:
+        """OpenAI's streamed events, each `event: <type>` and `data: <json>` with a sequence
+        number; a failure part-way ends with `error` and `response.failed`."""
+        seq = 0
 
-    router = APIRouter()
+        def emit(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            data = {"type": kind, "sequence_number": seq, **fields}
+            seq += 1
+            return f"event: {kind}\n" + sse(data)
 
-    @router.post("/v1/responses", response_model=None)
-    async def create_response(req: ResponsesRequest, request: Request, who: Principal = Depends(_caller)) -> Response:
-        return await _unless_disconnected(request, _respond(gateway, quotas, who, req))
-
-    return router
-
-
-async def _respond(
-    gateway: Gateway, quotas: Quotas, who: Principal, req: ResponsesRequest
-) -> JSONResponse | StreamingResponse:
-    """`routes._complete`, with a Responses body: the same admission, quota and closing."""
-    chat = req.chat()
-    check_model(who, chat.model)
-    try:
-        prepared = await gateway.prepare(chat)
-    except TesseraError as e:
-        if e.param == "messages":
-            e.param = "input"
-        raise
-    grant = await quotas.admit(who, prepared.prompt_tokens, prepared.params.max_tokens)
-    try:
-        gen = await gateway.open(prepared)  # placement and cold start happen before any byte is sent
-    except BaseException:
-        await quotas.settle(grant, 0)
-        raise
-    answer = Answer(req, prepared, gen.request_id)
-    if req.stream:
-        return StreamingResponse(
-            stream_events(gen, answer, quotas, grant),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    produced = 0
-    try:
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         parts: list[str] = []
-        async with aclosing(gen.events()) as events:
-            async for event in events:
+        try:
+            yield emit("response.created", response=self.body("in_progress"))
+            yield emit("response.in_progress", response=self.body("in_progress"))
+            yield emit("response.output_item.added", output_index=0, item=self.item(None, "in_progress"))
+            yield emit("response.content_part.added", **at, part=self.part(""))
+            async for _, event in events:
                 if isinstance(event, Finished):
-                    produced = event.completion_tokens
-                    return JSONResponse(answer.final("".join(parts), event))
-                parts.append(event.text)
-                produced += event.tokens
-    finally:
-        await gen.close()
-        await quotas.settle(grant, produced)
-    raise AssertionError("stream ended without Finished")
-
-
-async def stream_events(gen: Generation, answer: Answer, quotas: Quotas, grant: Grant) -> AsyncIterator[str]:
-    """OpenAI's streamed events, each `event: <type>` and `data: <json>` with a sequence number;
-    a failure part-way ends with `error` and `response.failed` (no `[DONE]`: the Responses API
-    sends none)."""
-    seq = 0
-
-    def emit(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        data = {"type": kind, "sequence_number": seq, **fields}
-        seq += 1
-        return f"event: {kind}\n" + sse(data)
-
-    at = {"item_id": answer.item_id, "output_index": 0, "content_index": 0}
-    produced = 0  # what the tokens-per-minute count keeps when the stream ends early
-    parts: list[str] = []
-    try:
-        yield emit("response.created", response=answer.body("in_progress"))
-        yield emit("response.in_progress", response=answer.body("in_progress"))
-        yield emit("response.output_item.added", output_index=0, item=answer.item(None, "in_progress"))
-        yield emit("response.content_part.added", **at, part=answer.part(""))
-        async with aclosing(gen.events()) as events:
-            async for event in events:
-                if isinstance(event, Finished):
-                    produced = event.completion_tokens
                     text = "".join(parts)
-                    body = answer.final(text, event)
+                    body = self.final(text, event)
                     yield emit("response.output_text.done", **at, text=text, logprobs=[])
-                    yield emit("response.content_part.done", **at, part=answer.part(text))
+                    yield emit("response.content_part.done", **at, part=self.part(text))
                     yield emit("response.output_item.done", output_index=0, item=body["output"][0])
                     yield emit(f"response.{body['status']}", response=body)
-                else:
-                    produced += event.tokens
-                    if event.text:
-                        parts.append(event.text)
-                        yield emit("response.output_text.delta", **at, delta=event.text, logprobs=[])
-    except TesseraError as e:
-        # Headers are gone already: the error travels as events, the last one terminal.
-        yield emit("error", code=e.code.value, message=e.message, param=e.param)
-        yield emit("response.failed", response=answer.body("failed", "".join(parts), error=e))
-    finally:
-        await gen.close()
-        await quotas.settle(grant, produced)
+                elif event.text:
+                    parts.append(event.text)
+                    yield emit("response.output_text.delta", **at, delta=event.text, logprobs=[])
+        except TesseraError as e:
+            # Headers are gone already: the error travels as events, the last one terminal.
+            yield emit("error", code=e.code.value, message=e.message, param=e.param)
+            yield emit("response.failed", response=self.body("failed", "".join(parts), error=e))
+
+
+async def respond(gateway: Gateway, quotas: Quotas, who: Principal, req: ResponsesRequest) -> Response:
+    """Served as its chat request is (`completion.complete`), in the Responses shape; an error
+    before the answer starts names what the client sent (`input`, not `messages`)."""
+    chat = req.chat()
+    try:
+        return await complete(gateway, quotas, who, chat, lambda legs: Answer(req, legs))
+    except (TesseraError, ApiError) as e:
+        if e.param is not None:
+            e.param = _RENAMED.get(e.param, e.param)
+        raise

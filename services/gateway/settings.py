@@ -20,6 +20,10 @@ class GatewaySettings(CommonSettings):
     liveness_check_s: float = 0.5
     import_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
+    request_head_timeout_s: float = 20.0
+    """Longest a client may take to send a request's head (line and headers), from connecting
+    or from the first byte of a later request on the connection; then 408 and closed. Bounds
+    slowloris; a head is a few hundred bytes (Apache's mod_reqtimeout allows 20 s at first)."""
     auth: bool = True
     """Require an API key (`Authorization: Bearer`) on /v1 and the admin key on /admin;
     TESSERA_AUTH=off runs open (health and metrics are always open)."""

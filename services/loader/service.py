@@ -81,7 +81,20 @@ the store instead."""
 
 
 class ImportRefused(Exception):
-    pass
+    """A source that cannot be imported, for a reason the client can act on: answered, and
+    logged as a warning (no traceback: nothing in the loader went wrong)."""
+
+
+SHOWN_SOURCE_CHARS = 200
+"""Most characters of a client's source path put in an answer or a log line: a path may be as
+long as the body allows (100 KB were sent), and one request must not flood the log."""
+
+
+def shown(source: str) -> str:
+    """`source` for a message: quoted, cut to `SHOWN_SOURCE_CHARS` with its length said."""
+    if len(source) <= SHOWN_SOURCE_CHARS:
+        return repr(source)
+    return f"{source[:SHOWN_SOURCE_CHARS]!r}... ({len(source)} characters)"
 
 
 class LoaderService:
@@ -463,18 +476,27 @@ class LoaderService:
         await self.bus.reply(msg, Evicted(node_id=self.settings.node_id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     def _check_source(self, source: str) -> Path:
+        try:
+            return self._readable_gguf(source)
+        except RuntimeError:  # pathlib's "Symlink loop from ..." (Python 3.11)
+            raise ImportRefused(f"source {shown(source)} cannot be read: a symlink loop") from None
+        except OSError as e:  # too long a name, a loop, no permission: the error's words, not its path
+            why = e.strerror or type(e).__name__
+            raise ImportRefused(f"source {shown(source)} cannot be read: {why}") from None
+
+    def _readable_gguf(self, source: str) -> Path:
         path = Path(source).expanduser()
         if not path.is_absolute():
-            raise ImportRefused(f"source must be an absolute path to a .gguf file, got {source!r}")
+            raise ImportRefused(f"source must be an absolute path to a .gguf file, got {shown(source)}")
         path = path.resolve()
         allowed = [d.resolve() for d in self.settings.allowed_model_dirs]
         if allowed and not any(path.is_relative_to(d) for d in allowed):
-            raise ImportRefused(f"source {source!r} is outside the allowed model directories")
+            raise ImportRefused(f"source {shown(source)} is outside the allowed model directories")
         if path.suffix.lower() != ".gguf" or not path.is_file():
-            raise ImportRefused(f"source {source!r} is not a readable .gguf file")
+            raise ImportRefused(f"source {shown(source)} is not a readable .gguf file")
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":
-                raise ImportRefused(f"source {source!r} is not a GGUF file (bad magic)")
+                raise ImportRefused(f"source {shown(source)} is not a GGUF file (bad magic)")
         return path
 
     async def import_model(self, source: str) -> ModelImported:
@@ -508,7 +530,7 @@ class LoaderService:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                raise ImportRefused(f"conversion of {source!r} timed out") from None
+                raise ImportRefused(f"conversion of {shown(source)} timed out") from None
             artifact = read_artifact(dest)
             if (
                 proc.returncode != 0
@@ -516,7 +538,7 @@ class LoaderService:
                 or not is_materialized(artifact, self.settings.device, self.settings.engine_backend)
             ):
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-                raise ImportRefused(f"conversion of {source!r} failed: {tail[0]}")
+                raise ImportRefused(f"conversion of {shown(source)} failed: {tail[0][:SHOWN_SOURCE_CHARS]}")
         seconds = time.perf_counter() - t0
         IMPORT_SECONDS.labels("true").observe(seconds)
         log.info("imported %s as %s in %.1fs", path, aid, seconds)
@@ -526,11 +548,13 @@ class LoaderService:
         req = decode(msg.data, ImportModel)
         try:
             reply: ModelImported | Rejected = await self.import_model(req.source)
-        except ImportRefused as e:
+        except ImportRefused as e:  # bad input, handled: the client is told why
+            log.warning("import refused: %s", e)
             reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=str(e))
-        except Exception as e:  # an unreadable path, a symlink loop: answer, never leave it waiting
-            log.exception("import of %r failed", req.source)
+        except Exception as e:  # a failure of the loader's own: answer, never leave it waiting
+            log.exception("import of %s failed", shown(req.source))
             reply = Rejected(
-                code=ErrorCode.IMPORT_FAILED, message=f"cannot import {req.source!r}: {type(e).__name__}: {e}"
+                code=ErrorCode.IMPORT_FAILED,
+                message=f"cannot import {shown(req.source)}: {type(e).__name__}: {str(e)[:SHOWN_SOURCE_CHARS]}",
             )
         await self.bus.reply(msg, reply)

@@ -12,7 +12,9 @@ import jsonschema_rs
 import openai
 import pytest
 
-from services.gateway.responses import Answer, ResponsesRequest, stream_events
+from services.gateway.completion import Leg
+from services.gateway.completion import stream as stream_answer
+from services.gateway.responses import Answer, ResponsesRequest
 from shared.errors import TesseraError
 from shared.messages import ErrorCode, Finished, TokenChunk
 
@@ -234,10 +236,10 @@ class _Quotas:
         self.settled.append(completion_tokens)
 
 
-def _answer() -> Answer:
-    req = ResponsesRequest(model="m", input="Hi")
+def _leg(gen: _FailingGeneration) -> Leg:
     prepared = SimpleNamespace(record=SimpleNamespace(name="m"), params=SimpleNamespace(temperature=0.0, top_p=1.0))
-    return Answer(req, prepared, "abc")  # type: ignore[arg-type]
+    gen.request_id = "abc"  # type: ignore[attr-defined]
+    return Leg(0, 0, prepared, "", gen=gen, grant=object())  # type: ignore[arg-type]
 
 
 def _parse(raw: str) -> tuple[str, dict[str, Any]]:
@@ -248,7 +250,9 @@ def _parse(raw: str) -> tuple[str, dict[str, Any]]:
 
 async def test_a_failure_part_way_ends_with_error_then_response_failed() -> None:
     gen, quotas = _FailingGeneration(), _Quotas()
-    raw = [chunk async for chunk in stream_events(gen, _answer(), quotas, object())]  # type: ignore[arg-type]
+    legs = [_leg(gen)]
+    answer = Answer(ResponsesRequest(model="m", input="Hi"), legs)
+    raw = [chunk async for chunk in stream_answer(answer, legs, quotas)]  # type: ignore[arg-type]
     events = [_parse(r) for r in raw]
     assert [name for name, _ in events] == [
         "response.created",

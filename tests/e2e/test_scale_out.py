@@ -85,7 +85,7 @@ async def test_a_queue_that_would_miss_the_ttft_slo_scales_out_to_the_other_node
     # whatever the machine). Fixed, not grown with the prompt (≈ 2 s at its ≈ 1,000 tokens by
     # the default allowance): the test sets it from what it measured.
     slo = 2.5 * min([await ttft() for _ in range(2)])
-    register(cluster, NAME, keep_alive_s=600.0, ttft_slo_s=slo, ttft_slo_per_token_s=0.0, tpot_slo_s=1.0)
+    register(cluster, NAME, keep_alive_s=600.0, replace=True, ttft_slo_s=slo, ttft_slo_per_token_s=0.0, tpot_slo_s=1.0)
     before = metric(cluster, "scheduler", "tessera_scheduler_scale_outs_total")
     wait_for(
         lambda: metric(cluster, "loader@node-0", "tessera_loader_host_cache_entries") >= 1,

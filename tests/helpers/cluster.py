@@ -58,16 +58,27 @@ def cold_starts(cluster: LocalCluster, model: str) -> list[dict[str, object]]:
 
 
 def register(
-    cluster: LocalCluster, name: str, keep_alive_s: float = 300.0, source: str | None = None, **slo: float
+    cluster: LocalCluster,
+    name: str,
+    keep_alive_s: float = 300.0,
+    source: str | None = None,
+    replace: bool = False,
+    **slo: float,
 ) -> dict[str, object]:
-    """Register `name` (the default model unless `source`); `slo`: ttft_slo_s,
-    ttft_slo_per_token_s, tpot_slo_s."""
+    """Register `name` (the default model unless `source`; `replace`: over a registration of
+    the same name); `slo`: ttft_slo_s, ttft_slo_per_token_s, tpot_slo_s."""
     from ops.localcluster import default_model_path
 
     def post() -> httpx.Response | None:
         r = httpx.post(
             f"{cluster.base_url}/admin/models",
-            json={"name": name, "source": source or str(default_model_path()), "keep_alive_s": keep_alive_s, **slo},
+            json={
+                "name": name,
+                "source": source or str(default_model_path()),
+                "keep_alive_s": keep_alive_s,
+                "replace": replace,
+                **slo,
+            },
             timeout=600,
         )
         # A loader that has not subscribed yet answers 503 (no responders): ask again.
