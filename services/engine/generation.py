@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -51,19 +52,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Generation:
     """The requests of the node's instances, from their admission to their last message."""
 
-    def __init__(
-        self, settings: EngineSettings, node: Node, memory: KvMemory, workers: WorkerPool, bus: Publisher
-    ) -> None:
-        """`bus`: the replies to the gateway and each request's stream; `workers`: told when a
-        start has its first token (its replacement warms then)."""
-        self.settings = settings
-        self.node = node
-        self.memory = memory
-        self.workers = workers
-        self.bus = bus
+    settings: EngineSettings
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    """Told when a start has its first token (its replacement warms then)."""
+    bus: Publisher
+    """The replies to the gateway and each request's stream."""
 
     async def on_cancel(self, msg: Msg) -> None:
         self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)

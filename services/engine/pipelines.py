@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -39,25 +40,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Pipelines:
-    def __init__(
-        self,
-        settings: EngineSettings,
-        backend: Backend,
-        node: Node,
-        memory: KvMemory,
-        workers: WorkerPool,
-        bus: Publisher,
-    ) -> None:
-        """`bus`: the node's loader (the blocks of a scale-out) and the replies to the scheduler."""
-        self.settings = settings
-        self.backend = backend
-        self.node = node
-        self.memory = memory
-        self.workers = workers
-        self.bus = bus
-        self._stage_memory: dict[str, str] = {}
-        """Each stage's reservation with the node's memory manager (its owner), by address."""
+    settings: EngineSettings
+    backend: Backend
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    bus: Publisher
+    """The node's loader (the blocks of a scale-out) and the replies to the scheduler."""
+    _stage_memory: dict[str, str] = field(default_factory=dict, init=False)
+    """Each stage's reservation with the node's memory manager (its owner), by address."""
 
     async def on_start_stage(self, msg: Msg) -> None:
         await self.bus.reply(msg, await self.start_stage(decode(msg.data, StartStage)))

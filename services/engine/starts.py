@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -70,29 +71,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Starts:
     """Starts and stops of instances on the node, with the loader's copies and the memory
     their workers reserve."""
 
-    def __init__(
-        self,
-        settings: EngineSettings,
-        backend: Backend,
-        node: Node,
-        memory: KvMemory,
-        workers: WorkerPool,
-        bus: Publisher,
-    ) -> None:
-        """`bus`: the node's loader (staging, block checks, imports) and the replies to the
-        scheduler."""
-        self.settings = settings
-        self.backend = backend
-        self.node = node
-        self.memory = memory
-        self.workers = workers
-        self.bus = bus
-        self._preemptions: set[asyncio.Task[None]] = set()
-        """Preemptions the scheduler ordered, under way (kept from the collector)."""
+    settings: EngineSettings
+    backend: Backend
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    bus: Publisher
+    """The node's loader (staging, block checks, imports) and the replies to the scheduler."""
+    _preemptions: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    """Preemptions the scheduler ordered, under way (kept from the collector)."""
 
     async def tier_ups(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
