@@ -25,10 +25,9 @@ from services.engine.metrics import (
     REQUESTS,
     TTFT,
 )
-from services.engine.node import Node, Publisher, Samples, Served
+from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
 from services.engine.settings import EngineSettings
 from services.engine.streams import Chunk
-from services.engine.worker_pool import Cancelled, WorkerDied
 from services.engine.worker_wire import Done, Run
 from shared import subjects
 from shared.bus import decode

@@ -53,7 +53,7 @@ from shared.pipeline_messages import EndStage
 
 if TYPE_CHECKING:
     from services.engine.backends import Backend
-    from services.engine.worker_pool import Cancelled, Worker, WorkerPool
+    from services.engine.worker_pool import Worker, WorkerPool
     from services.engine.worker_wire import Done
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,22 @@ class Publisher(Protocol):
     async def request(self, subject: str, message: Any, reply_type: Any, timeout: float) -> Any: ...
 
     async def reply(self, msg: Msg, message: Any) -> None: ...
+
+
+class WorkerDied(Exception):
+    """Its worker process ended under a request or a load."""
+
+
+class Cancelled:
+    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.by_client = False
+        """The client asked (not a preemption)."""
+
+    def __call__(self) -> bool:
+        return self.flag
 
 
 @dataclass

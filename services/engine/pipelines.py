@@ -34,7 +34,6 @@ from shared.messages import ColdStartPhases, ErrorCode, InstanceReady, ModelReco
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld, EndStage, StageReady, StartPipelined, StartStage
 
 if TYPE_CHECKING:
-    from services.engine.backends import Backend
     from services.engine.worker_pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class Pipelines:
     settings: EngineSettings
-    backend: Backend
     node: Node
     memory: KvMemory
     workers: WorkerPool
@@ -79,8 +77,8 @@ class Pipelines:
         return next((w for w, a in self.node.stage_workers.values() if a == artifact_id and not w.dead), None)
 
     def _stages_only(self, what: str) -> None:
-        if not self.backend.pipeline_stages:
-            raise TesseraError(ErrorCode.INVALID_REQUEST, f"{what} does not run on {self.backend.name} nodes")
+        if not self.node.backend.pipeline_stages:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, f"{what} does not run on {self.node.backend.name} nodes")
 
     async def _blocks(self, record: ModelRecord, blocks: tuple[int, ...]) -> str:
         """The node's copy of the model once `blocks` of it are here (the loader waits)."""

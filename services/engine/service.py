@@ -45,8 +45,8 @@ class EngineService:
         self.node = Node(settings, backend, self.workers, bus)
         manager = memory_manager or BusMemoryManager(bus, settings.node_id, settings.memory_request_timeout_s)
         self.memory = KvMemory(settings, self.node, manager, bus, self.workers.arena)
-        self.starts = Starts(settings, backend, self.node, self.memory, self.workers, bus)
-        self.pipelines = Pipelines(settings, backend, self.node, self.memory, self.workers, bus)
+        self.starts = Starts(settings, self.node, self.memory, self.workers, bus)
+        self.pipelines = Pipelines(settings, self.node, self.memory, self.workers, bus)
         self.requests = Generation(settings, self.node, self.memory, self.workers, bus)
         self._tasks: list[asyncio.Task[None]] = []
 

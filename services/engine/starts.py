@@ -64,7 +64,6 @@ from shared.messages import (
 )
 
 if TYPE_CHECKING:
-    from services.engine.backends import Backend
     from services.engine.worker_pool import Worker, WorkerPool
     from services.engine.worker_wire import Loaded, TieredUp
 
@@ -77,7 +76,6 @@ class Starts:
     their workers reserve."""
 
     settings: EngineSettings
-    backend: Backend
     node: Node
     memory: KvMemory
     workers: WorkerPool
@@ -202,7 +200,7 @@ class Starts:
         """On a torch or vLLM node, a model registered by the loader of an OpenVINO node has no
         torch checkpoint yet: this node's loader writes it from the model's GGUF, once (the
         store keeps it for every node), before the first start here."""
-        if not self.backend.reads_torch_checkpoint:
+        if not self.node.backend.reads_torch_checkpoint:
             return
         if await asyncio.to_thread(has_torch_checkpoint, record.artifact):
             return
@@ -214,7 +212,9 @@ class Starts:
             timeout=self.settings.load_timeout_s,
         )
         if isinstance(reply, Rejected):
-            raise TesseraError(reply.code, f"{record.name} cannot start on a {self.backend.name} node: {reply.message}")
+            raise TesseraError(
+                reply.code, f"{record.name} cannot start on a {self.node.backend.name} node: {reply.message}"
+            )
 
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances are generating, so that
@@ -237,7 +237,7 @@ class Starts:
                 POOL_HITS.inc()
                 return bound, True, time.monotonic()
             arena = self.workers.arena
-            if self.backend.tensor_arena and arena is None:
+            if self.node.backend.tensor_arena and arena is None:
                 # Without the node's one arena, reuse is only in an idle worker's own. With
                 # it, any worker's load reuses what the node holds, and idle instances stay.
                 rebound = await self._rebind(artifact)
@@ -270,7 +270,7 @@ class Starts:
                 )
                 await self.memory.done(ARENA_REGION)
             t_load = time.monotonic()
-            tier = self.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
+            tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
             # The blob first, then the worker: a stage that waits for a scale-out's
             # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
             # answers at once otherwise, and taking a warm worker is instant).

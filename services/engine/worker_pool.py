@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillFailed, FillProgress, FillSignal
 from services.engine.backends import Backend, WorkerSpec
+from services.engine.node import Cancelled, WorkerDied
 from services.engine.node_arena import Fill, NodeArena
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
@@ -73,10 +74,6 @@ def _shmem_bytes(pid: int) -> int:
             if line.startswith("RssShmem:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-class WorkerDied(Exception):
-    pass
 
 
 class Worker:
@@ -362,18 +359,6 @@ class Worker:
                 self._free_slot()
                 if self.arena is not None:
                     self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
-
-
-class Cancelled:
-    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        self.by_client = False
-        """The client asked (not a preemption)."""
-
-    def __call__(self) -> bool:
-        return self.flag
 
 
 class WorkerPool:

@@ -14,13 +14,12 @@ from policy.eviction import Resident
 from services.engine.backends import OPENVINO, Backend
 from services.engine.generation import Generation
 from services.engine.memory import KvMemory
-from services.engine.node import Bound, Node, Served
+from services.engine.node import Bound, Cancelled, Node, Served
 from services.engine.node_arena import NodeArena
 from services.engine.pipelines import Pipelines
 from services.engine.settings import EngineSettings
 from services.engine.starts import Starts
 from services.engine.streams import Chunk
-from services.engine.worker_pool import Cancelled
 from services.engine.worker_wire import Done, Loaded, Run
 from shared.bus import encode
 from shared.errors import TesseraError
@@ -211,8 +210,8 @@ def parts(
     return Parts(
         node,
         memory,
-        Starts(s, backend, node, memory, pool, bus),  # type: ignore[arg-type]
-        Pipelines(s, backend, node, memory, pool, bus),  # type: ignore[arg-type]
+        Starts(s, node, memory, pool, bus),  # type: ignore[arg-type]
+        Pipelines(s, node, memory, pool, bus),  # type: ignore[arg-type]
         Generation(s, node, memory, pool, bus),  # type: ignore[arg-type]
         manager,
         bus,

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
+from services.engine.node import WorkerDied
 from services.engine.service import EngineService
 from services.engine.streams import Chunk
-from services.engine.worker_pool import WorkerDied
 from services.engine.worker_wire import Done, Run
 from shared import subjects
 from shared.errors import TesseraError

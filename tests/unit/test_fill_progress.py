@@ -279,8 +279,8 @@ def _artifact(ckpt: Path) -> Artifact:
 
 async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
     """A greedy completion's text and token count."""
+    from services.engine.node import Cancelled
     from services.engine.streams import Chunk
-    from services.engine.worker_pool import Cancelled
     from services.engine.worker_wire import Run
     from shared.messages import SamplingParams
 
