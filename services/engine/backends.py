@@ -19,6 +19,7 @@ from shared.artifact import has_tier
 from shared.messages import Artifact, Tier
 
 if TYPE_CHECKING:
+    from cuda_ext.memory import ArenaHandle
     from services.engine.node_arena import NodeArena
     from services.engine.step_gate import StepGate
 
@@ -39,6 +40,11 @@ class WorkerSpec:
     """Tokens of a torch or vLLM worker's paged KV cache."""
     arena: NodeArena | None = None
     """The node's tensor arena, mapped by every worker of a backend that has `tensor_arena`."""
+
+    @property
+    def tensor_arena(self) -> ArenaHandle | int:
+        """What a worker maps: the node's arena, else the size of one of its own."""
+        return self.arena.handle if self.arena else self.arena_bytes
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,8 @@ class Backend:
     """Its worker process's entry function, `module:function`."""
     process_name: str
     args: Callable[[WorkerSpec, Connection, int], tuple[object, ...]]
-    """The entry function's arguments after the pipe (given), from the spec and the worker's
-    slot in the step gate."""
+    """The entry function's arguments from the spec, the worker's end of its pipe and its slot
+    in the node's step gate."""
     env: Callable[[WorkerSpec], dict[str, str]] = lambda spec: {}
     """Environment the process is spawned with (it copies the engine's then)."""
 
@@ -108,16 +114,7 @@ OPENVINO = Backend(
     batch_limit=CORE_MAX_SEQS,
     entry="services.engine.openvino_process:worker_main",
     process_name="tessera-worker",
-    args=lambda s, conn, slot: (
-        conn,
-        s.device,
-        s.threads,
-        s.prefault_bytes,
-        s.max_batch,
-        s.join_recompute_tokens,
-        s.gate,
-        slot,
-    ),
+    args=lambda s, c, i: (c, s.device, s.threads, s.prefault_bytes, s.max_batch, s.join_recompute_tokens, s.gate, i),
     env=_openvino_env,
 )
 TORCH = Backend(
@@ -130,15 +127,7 @@ TORCH = Backend(
     batch_limit=None,  # `torch_engine/batching.py` steps at most `max_batch` requests at once
     entry="services.engine.torch_engine.process:worker_main",
     process_name="tessera-torch-worker",
-    args=lambda s, conn, slot: (
-        conn,
-        s.threads,
-        s.arena.handle if s.arena else s.arena_bytes,
-        s.gate,
-        slot,
-        s.max_batch,
-        s.kv_tokens,
-    ),
+    args=lambda s, c, i: (c, s.threads, s.tensor_arena, s.gate, i, s.max_batch, s.kv_tokens),
 )
 VLLM = Backend(
     "vllm",
@@ -150,6 +139,6 @@ VLLM = Backend(
     batch_limit=None,
     entry="services.engine.vllm_engine.process:worker_main",
     process_name="tessera-vllm-worker",
-    args=lambda s, conn, slot: (conn, s.threads, s.gate, slot, s.max_batch, s.kv_tokens),
+    args=lambda s, c, i: (c, s.threads, s.gate, i, s.max_batch, s.kv_tokens),
 )
 BACKENDS = {b.name: b for b in (OPENVINO, TORCH, VLLM)}

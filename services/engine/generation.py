@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
@@ -246,12 +247,7 @@ class Generation:
             total,
             extra={
                 "model": inst.model,
-                "phases": {
-                    "init_s": phases.init_s,
-                    "load_s": phases.load_s,
-                    "profile_s": phases.profile_s,
-                    "prefill_s": phases.prefill_s,
-                },
+                "phases": msgspec.structs.asdict(phases),
                 "source": pending.source,
                 "tier": inst.bound.worker.tier,
             },

@@ -196,23 +196,22 @@ class KvMemory:
         return freed
 
     async def unload(self, inst: Served) -> None:
+        inst.bound.worker.drop_session(inst.model)  # its KV cache
+        await self._forget(inst)
+        if inst.bound.source != "pipeline":  # a pipelined one holds no weights
+            await self.release_worker(inst.bound)
+
+    async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]
         forget_kv_gauges(inst.model)
         self.node.cold.pop(inst.model, None)
-        inst.bound.worker.drop_session(inst.model)  # its KV cache
         await self.release(f"{inst.model}:kv")
-        if inst.bound.source == "pipeline":  # it holds no weights: its worker and stages go
-            self.node.replaced(inst)
-        else:
-            await self.release_worker(inst.bound)
+        self.node.replaced(inst)  # a pipelined one: its worker and stages go
 
     async def lose_worker(self, bound: Bound) -> None:
         """A worker died: its instances are gone; the next request starts them again."""
         for inst in [i for i in self.node.instances.values() if i.bound is bound]:
-            del self.node.instances[inst.model]
-            forget_kv_gauges(inst.model)
-            await self.release(f"{inst.model}:kv")
-            self.node.replaced(inst)  # a pipelined one: its stages end too
+            await self._forget(inst)
         if self.node.bound.get(bound.artifact.artifact_id) is bound:
             del self.node.bound[bound.artifact.artifact_id]
             await self.release(f"weights:{bound.artifact.artifact_id}")

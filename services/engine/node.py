@@ -45,6 +45,7 @@ from shared.messages import (
     ColdStartPhases,
     InstanceReady,
     InstanceView,
+    ModelRecord,
     NodeStatus,
     PerfReport,
     Tier,
@@ -242,6 +243,27 @@ class Node:
     def kv_account(self, artifact: Artifact) -> KvAccount:
         floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
         return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
+
+    def serve(self, record: ModelRecord, bound: Bound, kv: KvAccount, start: PendingColdStart) -> None:
+        """`record`'s model serves on `bound` from now, in place of the instance it had (a
+        pipelined one bridging this start retires); `start`: its cold start, recorded at its
+        first token. Its times measure the model from that token on (`warm_since`)."""
+        now = time.time()
+        old = self.instances.get(record.name)
+        self.instances[record.name] = Served(
+            record.name,
+            bound,
+            now,
+            now,
+            kv,
+            record.ttft_slo_s,
+            record.tpot_slo_s,
+            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
+            warm_since=float("inf"),
+        )
+        self.cold[record.name] = start
+        self.replaced(old)
+        self.update_gauges()
 
     def cancel(self, request_id: str, by_client: bool) -> None:
         """Stop a request, queued or running, on its worker."""

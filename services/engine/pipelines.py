@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from policy.eviction import Resident
 from services.engine.memory import KvMemory
-from services.engine.node import Bound, Node, PendingColdStart, Publisher, Served
+from services.engine.node import Bound, Node, PendingColdStart, Publisher
 from services.engine.settings import EngineSettings
 from services.engine.worker_wire import Loaded, StageSpec
 from shared import subjects
@@ -184,21 +184,10 @@ class Pipelines:
             worker, record.artifact, True, Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1), "pipeline"
         )
         bound.worker_load_s, bound.load_threads = loaded.load_s, loaded.threads
-        self.node.instances[record.name] = Served(
-            record.name,
-            bound,
-            now,
-            now,
-            self.node.kv_account(record.artifact),
-            record.ttft_slo_s,
-            record.tpot_slo_s,
-            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
-            warm_since=float("inf"),  # never measured: its times are the pipeline's, not the model's here
-        )
         self.node.pipelined[record.name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
         phases = ColdStartPhases(init_s=t1 - t0, load_s=time.monotonic() - t1, profile_s=0.0)
-        self.node.cold[record.name] = PendingColdStart(t0, phases, "pipeline")
-        self.node.update_gauges()
+        # Never measured (`warm_since`): its times are the pipeline's, not the model's here.
+        self.node.serve(record, bound, self.node.kv_account(record.artifact), PendingColdStart(t0, phases, "pipeline"))
         log.info(
             "%s served through a pipeline of %d stages until its replica is here",
             record.name,

@@ -161,23 +161,8 @@ class Starts:
             raise
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
-        now = time.time()
-        replaced = self.node.instances.get(record.name)  # a pipelined instance bridging this start
-        self.node.instances[record.name] = Served(
-            record.name,
-            bound,
-            now,
-            now,
-            kv,
-            record.ttft_slo_s,
-            record.tpot_slo_s,
-            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
-            warm_since=float("inf"),
-        )
+        self.node.serve(record, bound, kv, PendingColdStart(t0, phases, "resident" if hit else bound.source))
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
-        self.node.replaced(replaced)
-        self.node.cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
-        self.node.update_gauges()
         log.info(
             "instance of %s ready",
             record.name,
