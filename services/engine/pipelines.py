@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Pipelines:
+    """This node's pipeline stages, and its instances served through other nodes' stages."""
+
     settings: EngineSettings
     node: Node
     memory: KvMemory
@@ -65,9 +67,8 @@ class Pipelines:
         if owner is not None:
             await self.memory.release(owner)
         worker = entry[0]
-        still = any(w is worker for w, _ in self.node.stage_workers.values())
         drives = any(i.bound.worker is worker for i in self.node.instances.values())
-        if not still and not drives:  # its last stage, and no pipeline of its own
+        if not self.node.runs_stages(worker) and not drives:  # its last stage, and no pipeline of its own
             await asyncio.to_thread(worker.stop)
         self.node.update_gauges()
         log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
