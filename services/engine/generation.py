@@ -210,7 +210,7 @@ class Generation:
         await self.memory.kv_complete(inst, req.request_id, generated, finished)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
-        pending = self.node.cold.pop(inst.model, None)
+        pending, inst.start = inst.start, None
         if pending is None:
             return
         if inst.bound.source != "pipeline":  # a pipeline's times are no measure of the model here

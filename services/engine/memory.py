@@ -204,7 +204,6 @@ class KvMemory:
     async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]
         forget_kv_gauges(inst.model)
-        self.node.cold.pop(inst.model, None)
         await self.release(f"{inst.model}:kv")
         self.node.replaced(inst)  # a pipelined one: its worker and stages go
 

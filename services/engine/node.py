@@ -156,6 +156,9 @@ class Served:
     """Its requests in flight: their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted to make room in its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
+    start: PendingColdStart | None = None
+    """Its cold start until its first token (then recorded). Its own: a request a pipelined
+    instance was still serving when the replica took its place is no measure of the replica."""
 
 
 @dataclass
@@ -196,8 +199,6 @@ class Node:
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
         self.starting: dict[str, asyncio.Future[InstanceReady]] = {}
-        self.cold: dict[str, PendingColdStart] = {}
-        """Starts whose first token is still to come: their phases so far."""
         self.cancels: dict[str, tuple[Cancelled, Bound]] = {}
         """Each request in flight: its cancel flag and the worker running it."""
         self.perf: dict[str, Samples] = {}
@@ -260,8 +261,8 @@ class Node:
             record.tpot_slo_s,
             ttft_slo_per_token_s=record.ttft_slo_per_token_s,
             warm_since=float("inf"),
+            start=start,
         )
-        self.cold[record.name] = start
         self.replaced(old)
         self.update_gauges()
 

@@ -9,14 +9,16 @@ import time
 
 import pytest
 
+from policy.eviction import Resident
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
-from services.engine.node import WorkerDied
+from services.engine.node import Bound, PendingColdStart, WorkerDied
 from services.engine.service import EngineService
 from services.engine.streams import Chunk
 from services.engine.worker_wire import Done, Run
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (
+    ColdStartPhases,
     ErrorCode,
     Failed,
     Finished,
@@ -41,6 +43,7 @@ from tests.helpers.engine_fakes import (
     Parts,
     Script,
     artifact,
+    bind,
     msg,
     parts,
     settings,
@@ -167,7 +170,36 @@ def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:
     asyncio.run(engine.memory.unload(engine.node.instances["m"]))
     assert engine.node.bound["a"].resident.users == 0 and engine.manager.regions == {"weights:a": 100}
     asyncio.run(engine.starts.start_instance(StartInstance(model=record())))
-    assert len(engine.pool.taken) == 1 and engine.node.cold["m"].source == "resident"
+    assert len(engine.pool.taken) == 1 and engine.node.instances["m"].start.source == "resident"  # type: ignore[union-attr]
+
+
+def test_a_request_the_pipeline_serves_as_the_replica_takes_over_is_the_pipelines_first_token() -> None:
+    # The pipelined instance's request is in flight when the node's own replica takes its place:
+    # its first token ends the pipeline's cold start; the replica's ends at its own first token
+    # (not at this request's, which came before the replica was ready).
+    engine = parts(FakeMemoryManager(10_000), backend=TORCH)
+    model, no_phases = record(), ColdStartPhases(init_s=0.0, load_s=0.0, profile_s=0.0)
+    replica = bind(engine.node, "a", 100, users=1, script=says("x"))
+    piped = FakeWorker()
+    pipe = Bound(piped, model.artifact, True, Resident("a", 0, 0.0, 0.0, 0.0, 1), "pipeline")
+
+    def replica_ready(run: Run) -> list[Chunk | Done | BaseException]:
+        kv = engine.node.kv_account(model.artifact)
+        engine.node.serve(model, replica, kv, PendingColdStart(time.monotonic(), no_phases, "host"))
+        return says("y")(run)
+
+    piped.script = replica_ready
+
+    async def two_requests() -> None:
+        engine.node.serve(
+            model, pipe, engine.node.kv_account(model.artifact), PendingColdStart(0.0, no_phases, "pipeline")
+        )
+        await engine.requests.on_generate(msg(request("r1")))
+        await engine.requests.on_generate(msg(request("r2")))
+
+    asyncio.run(two_requests())
+    assert [e.source for e in engine.bus.sent(subjects.cold_start_recorded())] == ["pipeline", "host"]
+    assert replica.worker.runs[0].request_id == "r2"  # type: ignore[attr-defined]
 
 
 def test_a_pipeline_stage_is_refused_where_the_backend_runs_none() -> None:
