@@ -53,20 +53,16 @@ log = logging.getLogger(__name__)
 
 
 class MemoryManager(Protocol):
-    """The node's memory manager (`services/memory_manager`), which keeps the book of what the
-    node's parts reserve within its budget (a test passes a book of its own)."""
+    """The node's memory manager (`services/memory_manager`), the book of what the node's parts
+    reserve within its budget: `reserve` moves `owner`'s reservation to `nbytes` if there is
+    room, `release` drops it (`*`: every one of this engine), `done` says the load or resize it
+    granted is finished. A test passes a book of its own."""
 
-    async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
-        """`owner`'s reservation moved to `nbytes`, if the budget has room."""
-        ...
+    async def reserve(self, owner: str, nbytes: int) -> ReserveResult: ...
 
-    async def release(self, owner: str) -> ReserveResult:
-        """`owner`'s reservation gone (`*`: every one this engine made)."""
-        ...
+    async def release(self, owner: str) -> ReserveResult: ...
 
-    async def done(self, owner: str) -> None:
-        """The load or resize granted for `owner` is finished."""
-        ...
+    async def done(self, owner: str) -> None: ...
 
 
 class BusMemoryManager:
@@ -76,20 +72,17 @@ class BusMemoryManager:
         self.bus, self.node_id, self.timeout_s = bus, node_id, timeout_s
 
     async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
-        reserve = Reserve(owner=owner, nbytes=nbytes)
-        result: ReserveResult = await self.bus.request(
-            subjects.memory_reserve(self.node_id), reserve, ReserveResult, timeout=self.timeout_s
-        )
-        return result
+        return await self._ask(subjects.memory_reserve(self.node_id), Reserve(owner=owner, nbytes=nbytes))
 
     async def release(self, owner: str) -> ReserveResult:
-        result: ReserveResult = await self.bus.request(
-            subjects.memory_release(self.node_id), Release(owner=owner), ReserveResult, timeout=self.timeout_s
-        )
-        return result
+        return await self._ask(subjects.memory_release(self.node_id), Release(owner=owner))
 
     async def done(self, owner: str) -> None:
         await self.bus.publish(subjects.memory_done(self.node_id), ReserveDone(owner=owner))
+
+    async def _ask(self, subject: str, message: Reserve | Release) -> ReserveResult:
+        result: ReserveResult = await self.bus.request(subject, message, ReserveResult, timeout=self.timeout_s)
+        return result
 
 
 class KvMemory:
