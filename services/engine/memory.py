@@ -167,7 +167,7 @@ class KvMemory:
 
     async def evict(self, keys: list[str]) -> int:
         """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
-        another model holds or a start under way will bind (`_arena_wanted`: the model a start
+        another model holds or a start under way will bind (`arena_wanted`: the model a start
         makes room for needs them)."""
         freed = 0
         for key in keys:

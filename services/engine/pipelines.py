@@ -179,7 +179,7 @@ class Pipelines:
     def _serve_pipelined(self, req: StartPipelined, worker: Worker, loaded: Loaded, t0: float, t1: float) -> None:
         record = req.model
         now = time.time()
-        # Not in `self.bound`: it holds no weights, and no start may take it as the model's
+        # Not in the node's `bound`: it holds no weights, and no start may take it as the model's
         # resident worker.
         bound = Bound(
             worker, record.artifact, True, Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1), "pipeline"

@@ -294,7 +294,7 @@ class Starts:
         Where what loads hold leaves too little: idle residents are stopped, the cheapest
         first (their tensors then make way as the load is placed, but for those it shares),
         then idle instances; else it waits for an instance to go idle, as a start waits for
-        memory (`_reserve`). NO_CAPACITY once the models in use still leave too little."""
+        memory (`KvMemory.reserve`). NO_CAPACITY once the models in use still leave too little."""
         arena = self.workers.arena
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
