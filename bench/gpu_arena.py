@@ -105,10 +105,12 @@ async def first_token(worker: Any, n: int) -> float:
 
 
 async def spawn(device: str, threads: int, capacity: int, arena: Any) -> tuple[Any, float]:
+    from services.engine.backends import TORCH, WorkerSpec
     from services.engine.worker_pool import Worker
 
     t = time.perf_counter()
-    worker = Worker(device, threads, backend="torch", arena_bytes=capacity, kv_tokens=2048, max_batch=4, arena=arena)
+    spec = WorkerSpec(device, threads, arena_bytes=capacity, kv_tokens=2048, max_batch=4, arena=arena)
+    worker = Worker(TORCH, spec)
     await worker.ready(600)
     return worker, time.perf_counter() - t
 

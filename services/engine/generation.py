@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
@@ -23,9 +26,9 @@ from services.engine.metrics import (
     REQUESTS,
     TTFT,
 )
-from services.engine.node import Samples, Served
+from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
+from services.engine.settings import EngineSettings
 from services.engine.streams import Chunk
-from services.engine.worker_pool import Cancelled, WorkerDied
 from services.engine.worker_wire import Done, Run
 from shared import subjects
 from shared.bus import decode
@@ -43,28 +46,42 @@ from shared.messages import (
     TokenChunk,
 )
 
+if TYPE_CHECKING:
+    from services.engine.worker_pool import WorkerPool
+
 log = logging.getLogger(__name__)
 
 
-class Generation(KvMemory):
+@dataclass(eq=False)
+class Generation:
+    """The requests of the node's instances, from their admission to their last message."""
+
+    settings: EngineSettings
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    """Told when a start has its first token (its replacement warms then)."""
+    bus: Publisher
+    """The replies to the gateway and each request's stream."""
+
     async def on_cancel(self, msg: Msg) -> None:
-        self._cancel(decode(msg.data, Cancel).request_id, by_client=True)
+        self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)
 
     async def on_generate(self, msg: Msg) -> None:
         req = decode(msg.data, Generate)
-        inst = self.instances.get(req.model)
+        inst = self.node.instances.get(req.model)
         if inst is None or inst.preempted:
             await self.bus.reply(
                 msg,
                 Failed(
                     request_id=req.request_id,
                     code=ErrorCode.INSTANCE_NOT_LOADED,
-                    message=f"{req.model} is not loaded on {self.node}",
+                    message=f"{req.model} is not loaded on {self.node.id}",
                 ),
             )
             return
         cancelled = Cancelled()
-        self._cancels[req.request_id] = (cancelled, inst.bound)
+        self.node.cancels[req.request_id] = (cancelled, inst.bound)
         inst.requests.add(req.request_id)
         inst.prompts[req.request_id] = req.prompt_tokens
         inst.active += 1
@@ -73,7 +90,7 @@ class Generation(KvMemory):
         await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
             try:
-                await self._kv_admit(inst, req)
+                await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 REQUESTS.labels("error").inc()
                 await self.bus.publish(
@@ -88,11 +105,11 @@ class Generation(KvMemory):
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
             inst.last_used = time.time()
-            del self._cancels[req.request_id]
-            self.beat_due.set()  # its room is free: tell the scheduler's line soon
+            del self.node.cancels[req.request_id]
+            self.node.beat_due.set()  # its room is free: tell the scheduler's line soon
             if inst.active == 0:
                 inst.drained.set()
-                self._went_idle.set()  # a start waiting for memory may take this one's
+                self.node.went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         received = time.monotonic()
@@ -127,7 +144,7 @@ class Generation(KvMemory):
                     generated += out.tokens
                     if req.request_id in inst.held:
                         inst.held[req.request_id] = req.prompt_tokens + generated
-                    await self._kv_progress(inst, req.request_id, generated)
+                    await self.memory.kv_progress(inst, req.request_id, generated)
                     await self.bus.publish(
                         req.stream_subject,
                         TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens, logprobs=out.logprobs),
@@ -138,8 +155,8 @@ class Generation(KvMemory):
                         # fresh worker's first pass and the start itself: their times are no
                         # measure of the model (on 2/3-core nodes they made the scheduler
                         # predict a 2 s prefill and scale out for it).
-                        self._perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
-                    if self.gate is not None:
+                        self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
+                    if self.settings.interleave:
                         GATE_WAIT.observe(out.gated_s)
                     if out.kv_allocated_bytes:
                         KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
@@ -162,9 +179,9 @@ class Generation(KvMemory):
                 and not cancelled.by_client
             ):
                 why = (
-                    f"the instance of {inst.model} on {self.node} was preempted"
+                    f"the instance of {inst.model} on {self.node.id} was preempted"
                     if inst.preempted
-                    else f"evicted from the KV cache of {inst.model} on {self.node}, which could not grow"
+                    else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
                 final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
                 REQUESTS.labels("preempted").inc()
@@ -178,22 +195,22 @@ class Generation(KvMemory):
                 code=ErrorCode.ENGINE_FAILED,
                 message=f"the worker serving {inst.model} died ({e}); retry the request",
             )
-            await self._lose_worker(inst.bound)
+            await self.memory.lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", req.request_id)
             REQUESTS.labels("error").inc()
             final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
-            if inst.bound.source == "pipeline" and self.instances.get(inst.model) is inst:
+            if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
                 # A stage is gone (its node, or its worker): the pipeline serves nothing more.
                 # The scheduler hears of it now and sends the next requests to an instance.
-                await self._unload(inst)
-                await self.bus.publish(subjects.node_heartbeat(), self.status())
+                await self.memory.unload(inst)
+                await self.node.beat()
         await self.bus.publish(req.stream_subject, final)
         finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
-        await self._kv_complete(inst, req.request_id, generated, finished)
+        await self.memory.kv_complete(inst, req.request_id, generated, finished)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
-        pending = self._cold.pop(inst.model, None)
+        pending, inst.start = inst.start, None
         if pending is None:
             return
         if inst.bound.source != "pipeline":  # a pipeline's times are no measure of the model here
@@ -212,7 +229,7 @@ class Generation(KvMemory):
             PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
         COLD_START_SECONDS.observe(total)
         event = ColdStartRecorded(
-            node_id=self.node,
+            node_id=self.node.id,
             model=inst.model,
             started_at=time.time() - (time.monotonic() - pending.t0),
             phases=phases,
@@ -230,12 +247,7 @@ class Generation(KvMemory):
             total,
             extra={
                 "model": inst.model,
-                "phases": {
-                    "init_s": phases.init_s,
-                    "load_s": phases.load_s,
-                    "profile_s": phases.profile_s,
-                    "prefill_s": phases.prefill_s,
-                },
+                "phases": msgspec.structs.asdict(phases),
                 "source": pending.source,
                 "tier": inst.bound.worker.tier,
             },

@@ -11,10 +11,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from policy.defrag import Neighbour, choose_preemption
-from policy.eviction import Resident, choose_evictions
+from policy.eviction import Resident, choose_evictions, over_budget
 from policy.footprint import true_up
 from policy.kv_watermark import Action, KvPlan
 from policy.slo import ttft_slo
@@ -24,32 +26,209 @@ from services.engine.metrics import (
     KV_RESERVED,
     KV_RESIZES,
     KV_UNDERESTIMATES,
+    POOL_EVICTIONS,
     PREEMPTIONS,
     UNACCOUNTED_BYTES,
+    forget_kv_gauges,
 )
-from services.engine.node import EngineNode, Served
+from services.engine.node import ARENA_REGION, Bound, Node, Publisher, Served
+from services.engine.settings import EngineSettings
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (
     ErrorCode,
     Generate,
+    Release,
     RelocateAnswer,
     RelocateQuery,
+    Reserve,
+    ReserveDone,
+    ReserveResult,
 )
+
+if TYPE_CHECKING:
+    from services.engine.node_arena import NodeArena
 
 log = logging.getLogger(__name__)
 
 
-class KvMemory(EngineNode):
-    async def _evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:
+class MemoryManager(Protocol):
+    """The node's memory manager (`services/memory_manager`), the book of what the node's parts
+    reserve within its budget: `reserve` moves `owner`'s reservation to `nbytes` if there is
+    room, `release` drops it (`*`: every one of this engine), `done` says the load or resize it
+    granted is finished. A test passes a book of its own."""
+
+    async def reserve(self, owner: str, nbytes: int) -> ReserveResult: ...
+
+    async def release(self, owner: str) -> ReserveResult: ...
+
+    async def done(self, owner: str) -> None: ...
+
+
+class BusMemoryManager:
+    """The node's memory manager over the bus."""
+
+    def __init__(self, bus: Publisher, node_id: str, timeout_s: float) -> None:
+        self.bus, self.node_id, self.timeout_s = bus, node_id, timeout_s
+
+    async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
+        return await self._ask(subjects.memory_reserve(self.node_id), Reserve(owner=owner, nbytes=nbytes))
+
+    async def release(self, owner: str) -> ReserveResult:
+        return await self._ask(subjects.memory_release(self.node_id), Release(owner=owner))
+
+    async def done(self, owner: str) -> None:
+        await self.bus.publish(subjects.memory_done(self.node_id), ReserveDone(owner=owner))
+
+    async def _ask(self, subject: str, message: Reserve | Release) -> ReserveResult:
+        result: ReserveResult = await self.bus.request(subject, message, ReserveResult, timeout=self.timeout_s)
+        return result
+
+
+class KvMemory:
+    """The node's memory as its parts use it: reservations with the memory manager, the KV
+    caches' growth and shrinking, and the evictions and preemptions that make room."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        node: Node,
+        manager: MemoryManager,
+        bus: Publisher,
+        arena: NodeArena | None = None,
+    ) -> None:
+        """`bus`: for the scheduler's word on which neighbours a preemption may move;
+        `arena`: the node's tensor arena, where it has one."""
+        self.settings = settings
+        self.node = node
+        self.manager = manager
+        self.bus = bus
+        self.arena = arena
+        self.footprints: dict[str, int] = {}
+        """Per artifact, the weights reservation its last worker was trued up to: what the
+        next start reserves."""
+        self.arena_wanted: Counter[str] = Counter()
+        """Digests the starts under way will bind in the node's arena: counted in its
+        reservation until they are in (once, however many starts want them), and never evicted
+        for memory meanwhile (one start's tensors for another's reservation)."""
+        self.arena_sizes: dict[str, int] = {}
+        """Bytes of each digest a start has wanted (a digest's size never changes)."""
+        self.arena_granted = 0
+        """The arena's reservation as the memory manager last granted it."""
+
+    async def reserve_now(self, owner: str, nbytes: int) -> ReserveResult:
+        """One reservation asked, nothing made room for."""
+        result = await self.manager.reserve(owner, nbytes)
+        self.node.memory_seen = (result.budget_bytes, result.used_bytes)
+        return result
+
+    async def release(self, owner: str) -> None:
+        """Release and wait for the answer: a reservation sent next must see it (messages on
+        two subjects may be handled in either order)."""
+        try:
+            result = await self.manager.release(owner)
+            self.node.memory_seen = (result.budget_bytes, result.used_bytes)
+        except Exception:
+            log.warning("could not release memory of %s", owner)
+
+    async def done(self, owner: str) -> None:
+        """Tell the memory manager the load or resize granted for `owner` is finished."""
+        try:
+            await self.manager.done(owner)
+        except Exception:
+            log.warning("could not report memory of %s done", owner)
+
+    async def sync_arena(self) -> None:
+        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with what
+        starts under way are about to copy into it: shrunk after an eviction or a start's end
+        (what it placed may have evicted idle tensors, or its load failed)."""
+        arena = self.arena
+        if arena is None:
+            return
+        target = self.arena_target()
+        if target == 0:
+            await self.release(ARENA_REGION)
+            self.arena_granted = 0
+            return
+        result = await self.reserve_now(ARENA_REGION, target)
+        await self.done(ARENA_REGION)
+        if result.granted:
+            self.arena_granted = target
+        else:
+            log.warning("the node arena takes %d bytes, more than the memory manager grants it", target)
+
+    def arena_target(self) -> int:
+        """What the node's arena reservation should be: what it takes, with what the starts
+        under way will copy into it."""
+        arena = self.arena
+        if arena is None:
+            return 0
+        return arena.committed_bytes({d: self.arena_sizes[d] for d in self.arena_wanted})
+
+    async def evict(self, keys: list[str]) -> int:
+        """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
+        another model holds or a start under way will bind (`arena_wanted`: the model a start
+        makes room for needs them)."""
+        freed = 0
+        for key in keys:
+            bound = self.node.bound.pop(key, None)
+            if bound is None:  # gone while an earlier one stopped (rebound to another model)
+                continue
+            await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
+            if self.arena is not None:  # and the weights it alone held in the node's arena
+                self.arena.evict_idle(
+                    {d: n for d, n in self.node.tensor_bytes.get(key, {}).items() if d not in self.arena_wanted}
+                )
+            freed += bound.resident.nbytes
+            await self.release(f"weights:{key}")
+            POOL_EVICTIONS.inc()
+            log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
+        if freed and self.arena is not None:
+            await self.sync_arena()  # once, for all it evicted there
+        self.node.update_gauges()
+        return freed
+
+    async def unload(self, inst: Served) -> None:
+        inst.bound.worker.drop_session(inst.model)  # its KV cache
+        await self._forget(inst)
+        if inst.bound.source != "pipeline":  # a pipelined one holds no weights
+            await self.release_worker(inst.bound)
+
+    async def _forget(self, inst: Served) -> None:
+        del self.node.instances[inst.model]
+        forget_kv_gauges(inst.model)
+        await self.release(f"{inst.model}:kv")
+        self.node.replaced(inst)  # a pipelined one: its worker and stages go
+
+    async def lose_worker(self, bound: Bound) -> None:
+        """A worker died: its instances are gone; the next request starts them again."""
+        for inst in [i for i in self.node.instances.values() if i.bound is bound]:
+            await self._forget(inst)
+        if self.node.bound.get(bound.artifact.artifact_id) is bound:
+            del self.node.bound[bound.artifact.artifact_id]
+            await self.release(f"weights:{bound.artifact.artifact_id}")
+        self.node.update_gauges()
+        await self.node.beat()  # tell the scheduler now
+
+    async def release_worker(self, bound: Bound) -> None:
+        """An instance stopped using the worker: it stays resident within the pool budget."""
+        bound.resident.users -= 1
+        bound.resident.last_used = time.time()
+        residents = [b.resident for b in self.node.bound.values()]
+        excess = over_budget(residents, self.settings.pool_budget_bytes)
+        if excess:
+            await self.evict(choose_evictions(residents, excess, time.time()))
+        self.node.update_gauges()
+
+    async def evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:
         """Make room by ending instances that serve nothing now, before their keep-alive
         (Tangram §3.2: minimal-cost eviction; here of whole instances, whose KV cache and,
         for the last name on a worker, weights go). `frees(instance, sole user of its
         worker)`: what ending it frees of the memory wanted (default: the node's, its KV cache
         and a sole user's weights). False if the idle ones cannot free enough."""
         now = time.time()
-        idle = [i for i in self.instances.values() if i.active == 0]
-        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        idle = [i for i in self.node.instances.values() if i.active == 0]
+        users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         candidates = []
         for i in idle:
             sole = users.get(i.bound.artifact.artifact_id, 0) == 1
@@ -64,14 +243,14 @@ class KvMemory(EngineNode):
         if not victims:
             return False
         for model in victims:
-            inst = self.instances.get(model)
+            inst = self.node.instances.get(model)
             if inst is not None and inst.active == 0:
                 log.info("unloading idle %s to make room", model, extra={"model": model})
                 INSTANCE_EVICTIONS.inc()
-                await self._unload(inst)
+                await self.unload(inst)
         return True
 
-    async def _reserve(
+    async def reserve(
         self,
         owner: str,
         size: int | Callable[[], int],
@@ -87,28 +266,28 @@ class KvMemory(EngineNode):
         `owner` holds granted already (the room to make is only the growth). The bytes granted."""
         deadline = time.monotonic() + self.settings.memory_wait_s
         while True:
-            self._went_idle.clear()
+            self.node.went_idle.clear()
             nbytes = size() if callable(size) else size
-            result = await self._reserve_memory(owner, nbytes)
+            result = await self.reserve_now(owner, nbytes)
             if not result.granted and nbytes > result.budget_bytes:
                 # More than the node's whole budget: no eviction, preemption or wait makes room.
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
-                    f"{nbytes} bytes needed on node {self.node}, more than its whole memory budget "
+                    f"{nbytes} bytes needed on node {self.node.id}, more than its whole memory budget "
                     f"of {result.budget_bytes} bytes",
                     retry_after_s=2,
                 )
             for make_room in (
                 self._evict_idle_tensors,
                 self._evict_idle_residents,
-                self._evict_idle_instances,
+                self.evict_idle_instances,
                 self._evict_idle_residents,
             ):
                 if result.granted:
                     return nbytes
                 if await make_room(nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)):
                     nbytes = size() if callable(size) else size
-                    result = await self._reserve_memory(owner, nbytes)
+                    result = await self.reserve_now(owner, nbytes)
             if result.granted:
                 return nbytes
             short = nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)
@@ -120,16 +299,16 @@ class KvMemory(EngineNode):
             if left <= 0:
                 break
             try:
-                await asyncio.wait_for(self._went_idle.wait(), left)
+                await asyncio.wait_for(self.node.went_idle.wait(), left)
             except TimeoutError:
                 break
         raise TesseraError(
             ErrorCode.NO_CAPACITY,
-            f"node {self.node} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
+            f"node {self.node.id} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
             retry_after_s=2,
         )
 
-    async def _kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
+    async def kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
         """Move `inst`'s reservation to `plan`: the recommended size, else (refused) the
         requirement, else, with `wait`, make room or wait for it like a start does. False when
         the node could not grant even the requirement."""
@@ -140,23 +319,23 @@ class KvMemory(EngineNode):
             targets.append(required)
         granted = None
         for target in targets:
-            if (await self._reserve_memory(owner, target)).granted:
+            if (await self.reserve_now(owner, target)).granted:
                 granted = target
                 break
         if granted is None and wait and required > old:
             # It holds `old` already: the room to make is only the growth. Raises NO_CAPACITY
             # once out of time.
-            await self._reserve(owner, required, preemptor=inst, held=lambda: old)
+            await self.reserve(owner, required, preemptor=inst, held=lambda: old)
             granted = required
         if granted is None:
             return False
-        await self._memory_done(owner)
+        await self.done(owner)
         inst.kv.reserved_bytes = granted
         KV_RESERVED.labels(inst.model).set(granted)
         KV_RESIZES.labels("grow" if granted > old else "shrink").inc()
         return True
 
-    async def _kv_admit(self, inst: Served, req: Generate) -> None:
+    async def kv_admit(self, inst: Served, req: Generate) -> None:
         """Count the request into its instance's KV reservation, growing it first if it falls
         short (early, to the watermark). Raises NO_CAPACITY when the node cannot grant it."""
         ctx = inst.bound.artifact.context_length
@@ -166,19 +345,19 @@ class KvMemory(EngineNode):
                 req.request_id,
                 req.prompt_tokens,
                 cap,
-                self._available(),
+                self.node.available(),
                 time.monotonic(),
                 ttft_slo(inst, req.prompt_tokens),
             )
             if plan.action is Action.KEEP:
                 return
             try:
-                await self._kv_resize(inst, plan, inst.kv.required(), wait=True)
+                await self.kv_resize(inst, plan, inst.kv.required(), wait=True)
             except BaseException:
                 inst.kv.forget(req.request_id)
                 raise
 
-    async def _kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
+    async def kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
         """A request decoding past what eq. 2 assumed for it (the mean output): grow the
         reservation if the node can; if it cannot, count the underestimate and evict the
         request with the most headroom (§6.4): it ends PREEMPTED and the gateway resumes it
@@ -186,10 +365,10 @@ class KvMemory(EngineNode):
         if inst.kv_lock.locked():
             return  # a resize is under way; the next chunk looks again
         async with inst.kv_lock:
-            plan = inst.kv.progress(request_id, generated, self._available())
+            plan = inst.kv.progress(request_id, generated, self.node.available())
             if plan.action is Action.KEEP:
                 return
-            if await self._kv_resize(inst, plan, inst.kv.required(), wait=False):
+            if await self.kv_resize(inst, plan, inst.kv.required(), wait=False):
                 return
             KV_UNDERESTIMATES.inc()
             victim = inst.kv.evictee(inst.ttft_slo_s, inst.tpot_slo_s, time.monotonic())
@@ -203,21 +382,21 @@ class KvMemory(EngineNode):
                     inst.model,
                     extra={"model": inst.model},
                 )
-                self._cancel(victim, by_client=False)
+                self.node.cancel(victim, by_client=False)
 
-    async def _kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
+    async def kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
         """A request left: Ō learns its length, and the reservation shrinks if it is now well
         over what the rest need (lazily, below the watermark only)."""
         async with inst.kv_lock:
             plan = inst.kv.complete(request_id, generated, finished)
-            if plan.action is Action.SHRINK and self.instances.get(inst.model) is inst:
-                await self._kv_resize(inst, plan, plan.target_bytes, wait=False)
+            if plan.action is Action.SHRINK and self.node.instances.get(inst.model) is inst:
+                await self.kv_resize(inst, plan, plan.target_bytes, wait=False)
 
     async def _preempt_for(self, preemptor: Served, need: int) -> bool:
         """Preempt neighbours of `preemptor` with a smaller batch, smallest first, whose requests
         validate on another node (the scheduler says which), until `need` bytes would be free.
         False when no such set frees enough (nothing is preempted then)."""
-        users = {aid: b.resident.users for aid, b in self.bound.items()}
+        users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         neighbours = [
             Neighbour(
                 i.model,
@@ -225,7 +404,7 @@ class KvMemory(EngineNode):
                 i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1 else 0),
                 relocatable=False,
             )
-            for i in self.instances.values()
+            for i in self.node.instances.values()
             if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
         ]
         if not neighbours:
@@ -233,7 +412,7 @@ class KvMemory(EngineNode):
         try:
             answer = await self.bus.request(
                 subjects.relocatable(),
-                RelocateQuery(node_id=self.node, models=tuple(n.key for n in neighbours)),
+                RelocateQuery(node_id=self.node.id, models=tuple(n.key for n in neighbours)),
                 RelocateAnswer,
                 timeout=self.settings.memory_request_timeout_s,
             )
@@ -247,12 +426,12 @@ class KvMemory(EngineNode):
         if plan is None or not plan.victims:
             return False
         for model in plan.victims:
-            inst = self.instances.get(model)
+            inst = self.node.instances.get(model)
             if inst is not None:
-                await self._preempt(inst, preemptor)
+                await self.preempt(inst, preemptor)
         return True
 
-    async def _preempt(self, inst: Served, preemptor: Served | None) -> None:
+    async def preempt(self, inst: Served, preemptor: Served | None) -> None:
         """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
         inst.preempted = True
         PREEMPTIONS.inc()
@@ -265,68 +444,68 @@ class KvMemory(EngineNode):
             extra={"model": inst.model},
         )
         for rid in list(inst.requests):
-            self._cancel(rid, by_client=False)
+            self.node.cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
         while inst.active > 0 and time.monotonic() < deadline:
-            self._went_idle.clear()
+            self.node.went_idle.clear()
             try:
-                await asyncio.wait_for(self._went_idle.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(self.node.went_idle.wait(), deadline - time.monotonic())
             except TimeoutError:
                 break
-        if inst.active == 0 and self.instances.get(inst.model) is inst:
-            await self._unload(inst)
+        if inst.active == 0 and self.node.instances.get(inst.model) is inst:
+            await self.unload(inst)
 
-    async def _true_ups(self) -> None:
+    async def true_ups(self) -> None:
         """Now and then, every bound worker's weights reservation trued up to what it holds."""
         while True:
             await asyncio.sleep(self.settings.true_up_interval_s)
             try:
-                await self._true_up_weights()
+                await self.true_up_weights()
             except Exception:
                 log.exception("memory true-up failed")
 
-    async def _true_up_weights(self) -> None:
+    async def true_up_weights(self) -> None:
         """Each bound worker's weights reservation moved to its measured footprint
         (`policy.footprint.true_up`), so that the node's memory budget bounds what its workers
         really hold. Where the node has no room for it, the shortfall is counted
         (`tessera_engine_unaccounted_bytes`) and nothing is evicted for it: the worker is
         already there, and the next start of its artifact reserves its footprint up front."""
         unaccounted = 0
-        for aid, bound in list(self.bound.items()):
+        for aid, bound in list(self.node.bound.items()):
             if bound.worker.dead:
                 continue
             # A model in the node's arena: its weights are the arena's reservation.
             floor = 0 if bound.worker.arena is not None else bound.artifact.weight_bytes
             # On a GPU the node's budget is the device's: a worker's footprint is what it
             # holds there (its host RSS is libraries and staging, not the budget's memory).
-            measured = bound.device_bytes if self.on_cuda else bound.worker.rss_bytes()
+            measured = bound.device_bytes if self.node.on_cuda else bound.worker.rss_bytes()
             # Taken off that measure: what the instances' KV reservations count of its KV cache
             # (no more: a cache committed whole, as on a GPU, may hold more than they reserve,
             # and the rest is the worker's). A torch cache on the host is one allocation whose
             # pages are committed as its blocks fill: how much of it the RSS holds is unknown,
             # and none is taken off (the safe side).
-            lazy = self.settings.engine_backend == "torch" and not self.on_cuda
-            kv_reserved = sum(i.kv.reserved_bytes for i in self.instances.values() if i.bound is bound)
+            lazy = self.node.backend.lazy_host_kv and not self.node.on_cuda
+            kv_reserved = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound)
             kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
             target = true_up(bound.weights_reserved, floor, measured, kv)
-            lock = self._artifact_locks.setdefault(aid, asyncio.Lock())
+            lock = self.node.lock(aid)
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue
-            if target - bound.weights_reserved > self._available():
+            if target - bound.weights_reserved > self.node.available():
                 # No room as the memory manager last answered: not worth a refusal.
                 unaccounted += target - bound.weights_reserved
                 continue
             async with lock:
                 owner = f"weights:{aid}"
-                result = await self._reserve_memory(owner, target)
+                result = await self.reserve_now(owner, target)
                 if not result.granted:
                     unaccounted += max(0, target - bound.weights_reserved)
                     continue
-                await self._memory_done(owner)
-                if self.bound.get(aid) is not bound:  # evicted or lost meanwhile
-                    await self._release_memory(owner)
+                await self.done(owner)
+                if self.node.bound.get(aid) is not bound:  # evicted or lost meanwhile
+                    await self.release(owner)
                     continue
-                bound.weights_reserved = self._footprints[aid] = target
+                bound.weights_reserved = self.footprints[aid] = target
         UNACCOUNTED_BYTES.set(unaccounted)
 
     async def _evict_idle_tensors(self, need: int) -> bool:
@@ -334,14 +513,14 @@ class KvMemory(EngineNode):
         whose worker died, or that another model shared), the cheapest to reload first
         (Tangram eq. 2); the arena's reservation shrinks with them. Not on CUDA, where the
         arena's allocation is made whole at once: evicting frees no memory there."""
-        arena = self.workers.arena
-        if arena is None or arena.handle.cuda or not arena.evict_cheapest(need, keep=self._arena_wanted.keys()):
+        arena = self.arena
+        if arena is None or arena.handle.cuda or not arena.evict_cheapest(need, keep=self.arena_wanted.keys()):
             return False
-        await self._sync_arena()
+        await self.sync_arena()
         return True
 
     async def _evict_idle_residents(self, need: int) -> bool:
-        keys = choose_evictions((b.resident for b in self.bound.values()), need, time.time())
+        keys = choose_evictions((b.resident for b in self.node.bound.values()), need, time.time())
         if keys:
-            await self._evict(keys)
+            await self.evict(keys)
         return bool(keys)

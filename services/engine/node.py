@@ -1,7 +1,7 @@
-"""One engine node's state, shared by its parts (`memory.py`, `starts.py`, `generation.py`,
-`service.py`): the workers bound to artifacts (`Bound`), the model names serving on them
-(`Served`), and the few actions every part takes on them: reserving and releasing memory with
-the node's memory manager, cancelling a request, unloading an instance, evicting residents.
+"""One engine node's state, which the engine's parts share (`memory.py`, `starts.py`,
+`pipelines.py`, `generation.py`, each built with it by `service.py`): the workers bound to
+artifacts (`Bound`), the model names serving on them (`Served`), the requests in flight, and
+what the node tells the scheduler (its status and gauges).
 
 Instances run in worker processes (`worker_pool.py`), taken pre-warmed from a pool (TIDAL §5). A
 worker is bound to one artifact (a compiled model) and serves every model name registered on
@@ -14,52 +14,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nats.aio.msg import Msg
 
 from policy.affinity import reusable_shares
-from policy.eviction import Resident, choose_evictions, over_budget
+from policy.eviction import Resident
 from policy.kv_account import KvAccount
 from policy.kv_watermark import floor_tokens
-from services.engine.core import CORE_MAX_SEQS
 from services.engine.metrics import (
     ARENA_BYTES,
     BOUND_BY_TIER,
     INSTANCES,
     PIPELINED,
-    POOL_EVICTIONS,
     POOL_IDLE_BYTES,
     PREWARMED,
     PREWARMED_BYTES,
     RESIDENT_BYTES,
     STAGE_WORKERS,
     WORKER_RSS_BYTES,
-    forget_kv_gauges,
 )
-from services.engine.node_arena import NodeArena
 from services.engine.settings import EngineSettings
-from services.engine.step_gate import StepGate
-from services.engine.worker_pool import Cancelled, Worker, WorkerPool
-from services.engine.worker_wire import Done
 from shared import subjects
-from shared.artifact import reads_torch_checkpoint, stored_torch_checkpoints
-from shared.bus import Bus
+from shared.artifact import stored_torch_checkpoints
 from shared.messages import (
     Artifact,
     ColdStartPhases,
     InstanceReady,
     InstanceView,
+    ModelRecord,
     NodeStatus,
     PerfReport,
-    Release,
-    Reserve,
-    ReserveDone,
-    ReserveResult,
     Tier,
 )
+from shared.pipeline_messages import EndStage
+
+if TYPE_CHECKING:
+    from services.engine.backends import Backend
+    from services.engine.worker_pool import Worker, WorkerPool
+    from services.engine.worker_wire import Done
 
 log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
@@ -70,6 +66,32 @@ idle (a model's own reservation, `weights:<artifact>`, is then its worker's memo
 
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
+
+
+class Publisher(Protocol):
+    """What the engine's parts send on the bus (`shared.bus.Bus`; a test's fake records it)."""
+
+    async def publish(self, subject: str, message: Any) -> None: ...
+
+    async def request(self, subject: str, message: Any, reply_type: Any, timeout: float) -> Any: ...
+
+    async def reply(self, msg: Msg, message: Any) -> None: ...
+
+
+class WorkerDied(Exception):
+    """Its worker process ended under a request or a load."""
+
+
+class Cancelled:
+    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.by_client = False
+        """The client asked (not a preemption)."""
+
+    def __call__(self) -> bool:
+        return self.flag
 
 
 @dataclass
@@ -134,6 +156,9 @@ class Served:
     """Its requests in flight: their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted to make room in its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
+    start: PendingColdStart | None = None
+    """Its cold start until its first token (then recorded). Its own: a request a pipelined
+    instance was still serving when the replica took its place is no measure of the replica."""
 
 
 @dataclass
@@ -160,116 +185,49 @@ class PendingColdStart:
     source: str
 
 
-class EngineNode:
-    def __init__(self, settings: EngineSettings, bus: Bus) -> None:
+class Node:
+    """The node's state, which every part of the engine reads and changes (one event loop: no
+    part awaits between a check and its change), and what it tells the scheduler: its status
+    and gauges. A pipelined instance's retirement is here too, as any part may end one."""
+
+    def __init__(self, settings: EngineSettings, backend: Backend, workers: WorkerPool, bus: Publisher) -> None:
         self.settings = settings
+        self.backend = backend
+        self.workers = workers
         self.bus = bus
-        self.node = settings.node_id
+        self.id = settings.node_id
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
-        # One iteration at a time per share of cores one instance's threads fill.
-        cores = len(os.sched_getaffinity(0))
-        if settings.cpu_quota > 0:
-            cores = min(cores, max(1, int(settings.cpu_quota)))
-        capacity = max(1, cores // max(1, settings.inference_threads))
-        self.gate = StepGate(multiprocessing.get_context("spawn"), capacity) if settings.interleave else None
-        self.workers = WorkerPool(
-            settings.worker_pool_size,
-            settings.device,
-            settings.inference_threads,
-            refill_delay_s=settings.worker_refill_delay_s,
-            prefault_bytes=settings.worker_prefault_mb << 20,
-            max_batch=settings.max_batch,
-            join_recompute_tokens=settings.join_recompute_tokens,
-            gate=self.gate,
-            backend=settings.engine_backend,
-            arena_bytes=settings.torch_arena_bytes,
-            kv_tokens=settings.torch_kv_tokens,
-            arena=(
-                NodeArena.make(settings.torch_arena_bytes, settings.device)
-                if settings.engine_backend == "torch" and settings.torch_shared_arena
-                else None
-            ),
-        )
-        self._starting: dict[str, asyncio.Future[InstanceReady]] = {}
-        self._artifact_locks: dict[str, asyncio.Lock] = {}
-        self._cold: dict[str, PendingColdStart] = {}
-        self._cancels: dict[str, tuple[Cancelled, Bound]] = {}
-        self._perf: dict[str, Samples] = {}
+        self.starting: dict[str, asyncio.Future[InstanceReady]] = {}
+        self.cancels: dict[str, tuple[Cancelled, Bound]] = {}
+        """Each request in flight: its cancel flag and the worker running it."""
+        self.perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
-        self._arena_wanted: Counter[str] = Counter()
-        """Digests the starts under way will bind in the node's arena: counted in its
-        reservation until they are in (once, however many starts want them), and never evicted
-        for memory meanwhile (one start's tensors for another's reservation)."""
-        self._arena_sizes: dict[str, int] = {}
-        """Bytes of each digest a start has wanted (a digest's size never changes)."""
-        self._arena_granted = 0
-        """The arena's reservation as the memory manager last granted it."""
-        self._footprints: dict[str, int] = {}
-        """Per artifact, the weights reservation its last worker was trued up to: what the
-        next start reserves."""
+        self.locks: dict[str, asyncio.Lock] = {}
+        """One per artifact (and `stages:<artifact>`): its starts and true-ups in turn."""
         self.tensor_bytes: dict[str, dict[str, int]] = {}
-        """A torch node's artifacts (started here, or in the store): content hash → bytes of
-        each tensor."""
-        self._core_build_s = 0.0
+        """A tensor-arena node's artifacts (started here, or in the store): content hash →
+        bytes of each tensor."""
+        self.core_build_s = 0.0
         """How long the last core build on this node took (`TieredUp.load_s`): what a new
         instance's build costs its neighbours' decode rounds, as placement prices it."""
-        self._memory_seen = (0, 0)
+        self.memory_seen = (0, 0)
         """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
-        self._went_idle = asyncio.Event()
+        self.went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
-        self._heartbeat_task: asyncio.Task[None] | None = None
         self.beat_due = asyncio.Event()
         """Set when a request ends: the heartbeat goes out early, since the scheduler may hold
         requests in line for the room it freed."""
-        self._tier_up_task: asyncio.Task[None] | None = None
-        self._true_up_task: asyncio.Task[None] | None = None
-        self._preemptions: set[asyncio.Task[None]] = set()
-        """Preemptions the scheduler ordered, under way (kept from the collector)."""
         self.stage_workers: dict[str, tuple[Worker, str]] = {}
         """Workers running pipeline stages (`pipelines.py`) and their artifact, by stage address
         (a worker runs every stage of one artifact on this node)."""
-        self._stage_memory: dict[str, str] = {}
-        """Each stage's reservation with the node's memory manager (its owner), by address."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
         """Retirements of pipelined instances under way (kept from the collector)."""
 
-    async def _reserve_memory(self, owner: str, nbytes: int) -> ReserveResult:
-        result = await self.bus.request(
-            subjects.memory_reserve(self.node),
-            Reserve(owner=owner, nbytes=nbytes),
-            ReserveResult,
-            timeout=self.settings.memory_request_timeout_s,
-        )
-        self._memory_seen = (result.budget_bytes, result.used_bytes)
-        return result
-
-    async def _release_memory(self, owner: str) -> None:
-        """Release and wait for the answer: a reservation sent next must see it (messages on
-        two subjects may be handled in either order)."""
-        try:
-            result = await self.bus.request(
-                subjects.memory_release(self.node),
-                Release(owner=owner),
-                ReserveResult,
-                timeout=self.settings.memory_request_timeout_s,
-            )
-            self._memory_seen = (result.budget_bytes, result.used_bytes)
-        except Exception:
-            log.warning("could not release memory of %s", owner)
-
-    async def _memory_done(self, owner: str) -> None:
-        """Tell the memory manager the load or resize granted for `owner` is finished."""
-        try:
-            await self.bus.publish(subjects.memory_done(self.node), ReserveDone(owner=owner))
-        except Exception:
-            log.warning("could not report memory of %s done", owner)
-
-    def _kv_account(self, artifact: Artifact) -> KvAccount:
-        floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
-        return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
+    def lock(self, key: str) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
 
     @property
     def on_cuda(self) -> bool:
@@ -277,101 +235,74 @@ class EngineNode:
         device's."""
         return self.settings.device.upper().startswith("CUDA")
 
-    def _available(self) -> int:
+    def available(self) -> int:
         """Bytes the node could still grant, as its memory manager last answered (the station
         has the last word: a grow it refuses falls back to the requirement)."""
-        budget, used = self._memory_seen
+        budget, used = self.memory_seen
         return max(0, budget - used) if budget else 0
 
-    async def _sync_arena(self) -> None:
-        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with what
-        starts under way are about to copy into it: shrunk after an eviction or a start's end
-        (what it placed may have evicted idle tensors, or its load failed)."""
-        arena = self.workers.arena
-        if arena is None:
-            return
-        target = self._arena_target()
-        if target == 0:
-            await self._release_memory(ARENA_REGION)
-            self._arena_granted = 0
-            return
-        result = await self._reserve_memory(ARENA_REGION, target)
-        await self._memory_done(ARENA_REGION)
-        if result.granted:
-            self._arena_granted = target
-        else:
-            log.warning("the node arena takes %d bytes, more than the memory manager grants it", target)
+    def kv_account(self, artifact: Artifact) -> KvAccount:
+        floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
+        return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
 
-    def _arena_target(self) -> int:
-        """What the node's arena reservation should be: what it takes, with what the starts
-        under way will copy into it."""
-        arena = self.workers.arena
-        if arena is None:
-            return 0
-        return arena.committed_bytes({d: self._arena_sizes[d] for d in self._arena_wanted})
+    def serve(self, record: ModelRecord, bound: Bound, kv: KvAccount, start: PendingColdStart) -> None:
+        """`record`'s model serves on `bound` from now, in place of the instance it had (a
+        pipelined one bridging this start retires); `start`: its cold start, recorded at its
+        first token. Its times measure the model from that token on (`warm_since`)."""
+        now = time.time()
+        old = self.instances.get(record.name)
+        self.instances[record.name] = Served(
+            record.name,
+            bound,
+            now,
+            now,
+            kv,
+            record.ttft_slo_s,
+            record.tpot_slo_s,
+            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
+            warm_since=float("inf"),
+            start=start,
+        )
+        self.replaced(old)
+        self.update_gauges()
 
-    async def _evict(self, keys: list[str]) -> int:
-        """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
-        another model holds or a start under way will bind (`_arena_wanted`: the model a start
-        makes room for needs them)."""
-        freed = 0
-        for key in keys:
-            bound = self.bound.pop(key, None)
-            if bound is None:  # gone while an earlier one stopped (rebound to another model)
-                continue
-            await asyncio.to_thread(bound.worker.stop)  # the process's memory goes with it
-            if self.workers.arena is not None:  # and the weights it alone held in the node's arena
-                self.workers.arena.evict_idle(
-                    {d: n for d, n in self.tensor_bytes.get(key, {}).items() if d not in self._arena_wanted}
-                )
-            freed += bound.resident.nbytes
-            await self._release_memory(f"weights:{key}")
-            POOL_EVICTIONS.inc()
-            log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
-        if freed and self.workers.arena is not None:
-            await self._sync_arena()  # once, for all it evicted there
-        self._update_gauges()
-        return freed
-
-    async def _unload(self, inst: Served) -> None:
-        del self.instances[inst.model]
-        forget_kv_gauges(inst.model)
-        self._cold.pop(inst.model, None)
-        inst.bound.worker.drop_session(inst.model)  # its KV cache
-        await self._release_memory(f"{inst.model}:kv")
-        if inst.bound.source == "pipeline":  # it holds no weights: its worker and stages go
-            self.replaced(inst)
-        else:
-            await self._release(inst.bound)
-
-    def replaced(self, old: Served | None) -> None:
-        """`old` takes no more requests: a pipelined instance retires (`pipelines.py`)."""
-
-    async def _lose_worker(self, bound: Bound) -> None:
-        """A worker died: its instances are gone; the next request starts them again."""
-        for inst in [i for i in self.instances.values() if i.bound is bound]:
-            del self.instances[inst.model]
-            forget_kv_gauges(inst.model)
-            await self._release_memory(f"{inst.model}:kv")
-            self.replaced(inst)  # a pipelined one: its stages end too
-        if self.bound.get(bound.artifact.artifact_id) is bound:
-            del self.bound[bound.artifact.artifact_id]
-            await self._release_memory(f"weights:{bound.artifact.artifact_id}")
-        self._update_gauges()
-        await self.bus.publish(subjects.node_heartbeat(), self.status())  # tell the scheduler now
-
-    def _cancel(self, request_id: str, by_client: bool) -> None:
+    def cancel(self, request_id: str, by_client: bool) -> None:
         """Stop a request, queued or running, on its worker."""
-        entry = self._cancels.get(request_id)
+        entry = self.cancels.get(request_id)
         if entry is not None:
             cancelled, bound = entry
             cancelled.flag = True
             cancelled.by_client = cancelled.by_client or by_client
             bound.worker.cancel(request_id)
 
+    def runs_stages(self, worker: Worker) -> bool:
+        return any(w is worker for w, _ in self.stage_workers.values())
+
+    def replaced(self, old: Served | None) -> None:
+        """`old` no longer takes requests (unloaded, or a local instance of its model took its
+        place): if it was a pipelined one, it retires once its requests in flight have ended,
+        and each stage's node is told to stop its stage (FaaScale §4.3)."""
+        if old is None or old.bound.source != "pipeline":
+            return
+        task = asyncio.create_task(self._retire(old))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _retire(self, inst: Served) -> None:
+        stages = self.pipelined.pop(inst.model, ())
+        if inst.active > 0:
+            await inst.drained.wait()  # its last requests stream on from it meanwhile
+        if not self.runs_stages(inst.bound.worker):  # else it goes with its last stage's end
+            await asyncio.to_thread(inst.bound.worker.stop)
+        self.update_gauges()
+        aid = inst.bound.artifact.artifact_id
+        for node, addr in stages:
+            await self.bus.publish(subjects.engine_end_stage(node), EndStage(artifact_id=aid, addr=addr))
+        log.info("%s switched from its pipeline to local execution", inst.model, extra={"model": inst.model})
+
     def idle_tensors(self) -> dict[str, frozenset[str]]:
-        """Each idle bound worker (by its artifact) with what its tensor arena holds (nothing on
-        an OpenVINO worker); on a node with one arena, what that arena holds, whoever loaded it."""
+        """Each idle bound worker (by its artifact) with what its tensor arena holds (nothing
+        without one); on a node with one arena, what that arena holds, whoever loaded it."""
         idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
         if self.workers.arena is not None:
             held = self.workers.arena.digests()
@@ -383,11 +314,11 @@ class EngineNode:
     def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
         """Artifacts a start here would read nothing of, and those it would read part of (with
         the share of their bytes it would not read). The first: those of idle bound workers,
-        and on a torch node those whose every tensor the node's arena (or an idle worker's own)
-        holds (a model whose worker stopped, or one with another's weights: a start binds
-        them, Tangram §3.1). The second: a torch node's artifacts (those of the store too,
-        `learn_artifacts`) part of whose tensors it holds, such as a fine-tune beside its
-        base."""
+        and on a tensor-arena node those whose every tensor the node's arena (or an idle
+        worker's own) holds (a model whose worker stopped, or one with another's weights: a
+        start binds them, Tangram §3.1). The second: such a node's artifacts (those of the
+        store too, `learn_artifacts`) part of whose tensors it holds, such as a fine-tune
+        beside its base."""
         idle = self.idle_tensors()
         shares = (
             reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
@@ -397,18 +328,22 @@ class EngineNode:
         return tuple(sorted(resident)), partial
 
     async def learn_artifacts(self) -> None:
-        """On a torch node: the tensors of each artifact in the model store with a torch
+        """On a tensor-arena node: the tensors of each artifact in the model store with a torch
         checkpoint, read once each (an artifact never changes), so that the status says which
         share of each an idle arena holds before the model was ever started here."""
-        if self.settings.engine_backend != "torch":
+        if not self.backend.tensor_arena:
             return
         found = await asyncio.to_thread(stored_torch_checkpoints, self.settings.model_store, set(self.tensor_bytes))
         self.tensor_bytes.update(found)
 
+    async def beat(self) -> None:
+        """The status to the scheduler now (a heartbeat ahead of its time)."""
+        await self.bus.publish(subjects.node_heartbeat(), self.status())
+
     def status(self) -> NodeStatus:
         resident, reusable = self._residency()
         return NodeStatus(
-            node_id=self.node,
+            node_id=self.id,
             sent_at=time.time(),
             instances=tuple(
                 InstanceView(
@@ -425,29 +360,24 @@ class EngineNode:
                 )
                 for i in self.instances.values()
             ),
-            starting=tuple(self._starting),
-            memory_budget_bytes=self._memory_seen[0],
-            memory_used_bytes=self._memory_seen[1],
+            starting=tuple(self.starting),
+            memory_budget_bytes=self.memory_seen[0],
+            memory_used_bytes=self.memory_seen[1],
             kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
             resident=resident,
             reusable=reusable,
             perf=tuple(
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
-                for aid, p in self._perf.items()
+                for aid, p in self.perf.items()
             ),
-            # The continuous-batching core (`core.py`) serves every instance once built; the
-            # start tier's batch before it lasts a couple of seconds. A torch worker's batch
-            # (`torch_engine/batching.py`) steps at most `max_batch` requests at once.
-            max_batch=self.settings.max_batch
-            if reads_torch_checkpoint(self.settings.engine_backend)
-            else CORE_MAX_SEQS,
+            max_batch=self.backend.max_batch(self.settings.max_batch),
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
             continuous_batching=True,
-            core_build_s=self._core_build_s if self.settings.start_tier else 0.0,
+            core_build_s=self.core_build_s if self.settings.start_tier else 0.0,
         )
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         INSTANCES.set(len(self.instances))
         PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
         STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
@@ -463,18 +393,8 @@ class EngineNode:
         for tier in Tier:
             BOUND_BY_TIER.labels(tier).set(sum(1 for b in self.bound.values() if b.worker.tier == tier))
 
-    def _node_idle_since(self) -> float | None:
+    def idle_since(self) -> float | None:
         """time.time() since which nothing has run on this node (None: something runs or starts)."""
-        if self._starting or any(i.active for i in self.instances.values()):
+        if self.starting or any(i.active for i in self.instances.values()):
             return None
         return max((i.last_used for i in self.instances.values()), default=0.0)
-
-    async def _release(self, bound: Bound) -> None:
-        """An instance stopped using the worker: it stays resident within the pool budget."""
-        bound.resident.users -= 1
-        bound.resident.last_used = time.time()
-        residents = [b.resident for b in self.bound.values()]
-        excess = over_budget(residents, self.settings.pool_budget_bytes)
-        if excess:
-            await self._evict(choose_evictions(residents, excess, time.time()))
-        self._update_gauges()

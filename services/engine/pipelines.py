@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
 from policy.eviction import Resident
 from services.engine.memory import KvMemory
-from services.engine.node import Bound, PendingColdStart, Served
-from services.engine.worker_pool import Worker
+from services.engine.node import Bound, Node, PendingColdStart, Publisher
+from services.engine.settings import EngineSettings
 from services.engine.worker_wire import Loaded, StageSpec
 from shared import subjects
 from shared.bus import decode
@@ -31,10 +33,25 @@ from shared.errors import TesseraError
 from shared.messages import ColdStartPhases, ErrorCode, InstanceReady, ModelRecord, Rejected, Tier
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld, EndStage, StageReady, StartPipelined, StartStage
 
+if TYPE_CHECKING:
+    from services.engine.worker_pool import Worker, WorkerPool
+
 log = logging.getLogger(__name__)
 
 
-class Pipelines(KvMemory):
+@dataclass(eq=False)
+class Pipelines:
+    """This node's pipeline stages, and its instances served through other nodes' stages."""
+
+    settings: EngineSettings
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    bus: Publisher
+    """The node's loader (the blocks of a scale-out) and the replies to the scheduler."""
+    _stage_memory: dict[str, str] = field(default_factory=dict, init=False)
+    """Each stage's reservation with the node's memory manager (its owner), by address."""
+
     async def on_start_stage(self, msg: Msg) -> None:
         await self.bus.reply(msg, await self.start_stage(decode(msg.data, StartStage)))
 
@@ -43,38 +60,32 @@ class Pipelines(KvMemory):
 
     async def on_end_stage(self, msg: Msg) -> None:
         req = decode(msg.data, EndStage)
-        entry = self.stage_workers.pop(req.addr, None)
+        entry = self.node.stage_workers.pop(req.addr, None)
         if entry is None:
             return
         owner = self._stage_memory.pop(req.addr, None)
         if owner is not None:
-            await self._release_memory(owner)
+            await self.memory.release(owner)
         worker = entry[0]
-        still = any(w is worker for w, _ in self.stage_workers.values())
-        drives = any(i.bound.worker is worker for i in self.instances.values())
-        if not still and not drives:  # its last stage, and no pipeline of its own
+        drives = any(i.bound.worker is worker for i in self.node.instances.values())
+        if not self.node.runs_stages(worker) and not drives:  # its last stage, and no pipeline of its own
             await asyncio.to_thread(worker.stop)
-        self._update_gauges()
+        self.node.update_gauges()
         log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
 
     def _stage_worker(self, artifact_id: str) -> Worker | None:
         """The worker running this node's stages of the artifact, if any (alive)."""
-        return next((w for w, a in self.stage_workers.values() if a == artifact_id and not w.dead), None)
+        return next((w for w, a in self.node.stage_workers.values() if a == artifact_id and not w.dead), None)
 
-    def _runs_stages(self, worker: Worker) -> bool:
-        return any(w is worker for w, _ in self.stage_workers.values())
-
-    def _torch_only(self, what: str) -> None:
-        if self.settings.engine_backend != "torch":
-            raise TesseraError(
-                ErrorCode.INVALID_REQUEST, f"{what} runs on torch nodes; this one runs {self.settings.engine_backend}"
-            )
+    def _stages_only(self, what: str) -> None:
+        if not self.node.backend.pipeline_stages:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, f"{what} does not run on {self.node.backend.name} nodes")
 
     async def _blocks(self, record: ModelRecord, blocks: tuple[int, ...]) -> str:
         """The node's copy of the model once `blocks` of it are here (the loader waits)."""
         timeout = self.settings.load_timeout_s
         held = await self.bus.request(
-            subjects.loader_await_blocks(self.node),
+            subjects.loader_await_blocks(self.node.id),
             AwaitBlocks(artifact=record.artifact, blocks=blocks, timeout_s=timeout),
             BlocksHeld,
             timeout=timeout + 5,
@@ -87,7 +98,7 @@ class Pipelines(KvMemory):
         """Into the worker running this node's stages of the model (one process a node: its
         warm workers are few), else into a warm one."""
         aid = record.artifact.artifact_id
-        async with self._artifact_locks.setdefault(f"stages:{aid}", asyncio.Lock()):
+        async with self.node.lock(f"stages:{aid}"):
             worker = self._stage_worker(aid)
             fresh = worker is None
             if worker is None:
@@ -107,27 +118,27 @@ class Pipelines(KvMemory):
                     await asyncio.to_thread(worker.stop)
                 raise
             if stage is not None:
-                self.stage_workers[loaded.addr] = (worker, aid)
+                self.node.stage_workers[loaded.addr] = (worker, aid)
         return worker, loaded
 
     async def start_stage(self, req: StartStage) -> StageReady:
         """Run units [lo, hi) of the model (its layers, then its head as unit `layers`) as a
         stage server, once this node's copy holds their blocks."""
-        self._torch_only("a pipeline stage")
+        self._stages_only("a pipeline stage")
         t0 = time.monotonic()
         cache_dir = await self._blocks(req.model, req.blocks)
         waited = time.monotonic() - t0
         spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
         owner = f"stage:{req.model.artifact.artifact_id}:{req.lo}-{req.hi}"
-        await self._reserve(owner, req.nbytes)  # refused when the node has no room: no pipeline
+        await self.memory.reserve(owner, req.nbytes)  # refused when the node has no room: no pipeline
         try:
             _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
-            await self._memory_done(owner)
+            await self.memory.done(owner)
         except BaseException:
-            await self._release_memory(owner)
+            await self.memory.release(owner)
             raise
         self._stage_memory[loaded.addr] = owner
-        self._update_gauges()
+        self.node.update_gauges()
         log.info(
             "stage [%d, %d) of %s serving at %s (%.2fs for its %d blocks, %.2fs to load)",
             req.lo,
@@ -139,27 +150,27 @@ class Pipelines(KvMemory):
             time.monotonic() - t0 - waited,
             extra={"model": req.model.name, "load_s": loaded.load_s, "waited_s": waited},
         )
-        return StageReady(node_id=self.node, addr=loaded.addr)
+        return StageReady(node_id=self.node.id, addr=loaded.addr)
 
     async def start_pipelined(self, req: StartPipelined) -> InstanceReady | Rejected:
         """Serve the model through `req.stages` until this node's own start of it is done;
         refused when that start was done first (the asker then ends the stages)."""
-        self._torch_only("a pipelined instance")
+        self._stages_only("a pipelined instance")
         record, name = req.model, req.model.name
         done_first = Rejected(code=ErrorCode.UNAVAILABLE, message=f"{name} runs here already: nothing to bridge")
-        if name in self.instances:
+        if name in self.node.instances:
             return done_first
         t0 = time.monotonic()
         cache_dir = await self._blocks(record, req.blocks)
         t1 = time.monotonic()
         worker, loaded = await self._load_into_worker(record, cache_dir, stages=req.stages)
-        if name in self.instances:  # its own start was done meanwhile
-            if not self._runs_stages(worker):  # else it goes with its last stage's end
+        if name in self.node.instances:  # its own start was done meanwhile
+            if not self.node.runs_stages(worker):  # else it goes with its last stage's end
                 await asyncio.to_thread(worker.stop)
             return done_first
         self._serve_pipelined(req, worker, loaded, t0, t1)
         return InstanceReady(
-            node_id=self.node,
+            node_id=self.node.id,
             model=name,
             phases=ColdStartPhases(init_s=0.0, load_s=time.monotonic() - t0, profile_s=0.0),
             loaded_from_cache=True,
@@ -168,53 +179,19 @@ class Pipelines(KvMemory):
     def _serve_pipelined(self, req: StartPipelined, worker: Worker, loaded: Loaded, t0: float, t1: float) -> None:
         record = req.model
         now = time.time()
-        # Not in `self.bound`: it holds no weights, and no start may take it as the model's
+        # Not in the node's `bound`: it holds no weights, and no start may take it as the model's
         # resident worker.
         bound = Bound(
             worker, record.artifact, True, Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1), "pipeline"
         )
         bound.worker_load_s, bound.load_threads = loaded.load_s, loaded.threads
-        self.instances[record.name] = Served(
-            record.name,
-            bound,
-            now,
-            now,
-            self._kv_account(record.artifact),
-            record.ttft_slo_s,
-            record.tpot_slo_s,
-            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
-            warm_since=float("inf"),  # never measured: its times are the pipeline's, not the model's here
-        )
-        self.pipelined[record.name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
+        self.node.pipelined[record.name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
         phases = ColdStartPhases(init_s=t1 - t0, load_s=time.monotonic() - t1, profile_s=0.0)
-        self._cold[record.name] = PendingColdStart(t0, phases, "pipeline")
-        self._update_gauges()
+        # Never measured (`warm_since`): its times are the pipeline's, not the model's here.
+        self.node.serve(record, bound, self.node.kv_account(record.artifact), PendingColdStart(t0, phases, "pipeline"))
         log.info(
             "%s served through a pipeline of %d stages until its replica is here",
             record.name,
             len(req.stages),
             extra={"model": record.name, "stages": list(req.stages)},
         )
-
-    async def _end_stages(self, artifact_id: str, stages: tuple[tuple[str, str], ...]) -> None:
-        for node, addr in stages:
-            await self.bus.publish(subjects.engine_end_stage(node), EndStage(artifact_id=artifact_id, addr=addr))
-
-    def replaced(self, old: Served | None) -> None:
-        """`old` no longer takes requests (a local instance of its model took its place): if
-        it was a pipelined one, it retires once its requests in flight have ended."""
-        if old is None or old.bound.source != "pipeline":
-            return
-        task = asyncio.create_task(self._retire(old))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _retire(self, inst: Served) -> None:
-        stages = self.pipelined.pop(inst.model, ())
-        if inst.active > 0:
-            await inst.drained.wait()  # its last requests stream on from it meanwhile
-        if not self._runs_stages(inst.bound.worker):  # else it goes with its last stage's end
-            await asyncio.to_thread(inst.bound.worker.stop)
-        self._update_gauges()
-        await self._end_stages(inst.bound.artifact.artifact_id, stages)
-        log.info("%s switched from its pipeline to local execution", inst.model, extra={"model": inst.model})

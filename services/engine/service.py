@@ -1,5 +1,8 @@
-"""The engine service: one object of its parts (`starts.py`, `generation.py`, `memory.py`, on
-the state of `node.py`), subscribed to the node's subjects, sending heartbeats with its status.
+"""The engine service: it owns its parts, each built with the collaborators it needs (ollama's
+scheduler, STYLE.md): the node's state (`node.py`), its memory (`memory.py`, over the node's
+memory manager), starts (`starts.py`), pipelines (`pipelines.py`) and requests
+(`generation.py`), over one worker pool (`worker_pool.py`) of one backend (`backends.py`). It
+subscribes them to the node's subjects and sends heartbeats with the node's status.
 """
 
 from __future__ import annotations
@@ -7,9 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.engine.backends import BACKENDS
 from services.engine.generation import Generation
+from services.engine.memory import BusMemoryManager, KvMemory, MemoryManager
+from services.engine.node import Node
+from services.engine.pipelines import Pipelines
+from services.engine.settings import EngineSettings
 from services.engine.starts import Starts
+from services.engine.worker_pool import WorkerPool, node_pool
 from shared import subjects
+from shared.bus import Bus
 
 log = logging.getLogger(__name__)
 
@@ -18,34 +28,58 @@ EARLY_BEAT_GAP_S = 0.05
 it share one beat."""
 
 
-class EngineService(Starts, Generation):
+class EngineService:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        bus: Bus,
+        workers: WorkerPool | None = None,
+        memory_manager: MemoryManager | None = None,
+    ) -> None:
+        """`workers` (default: the node's pool of its backend's processes) and `memory_manager`
+        (default: the node's, over `bus`): a test passes fakes of them."""
+        self.settings = settings
+        self.bus = bus
+        backend = BACKENDS[settings.engine_backend]
+        self.workers = workers or node_pool(settings, backend)
+        self.node = Node(settings, backend, self.workers, bus)
+        manager = memory_manager or BusMemoryManager(bus, settings.node_id, settings.memory_request_timeout_s)
+        self.memory = KvMemory(settings, self.node, manager, bus, self.workers.arena)
+        self.starts = Starts(settings, self.node, self.memory, self.workers, bus)
+        self.pipelines = Pipelines(settings, self.node, self.memory, self.workers, bus)
+        self.requests = Generation(settings, self.node, self.memory, self.workers, bus)
+        self._tasks: list[asyncio.Task[None]] = []
+
     async def start(self) -> None:
-        await self.bus.subscribe(subjects.engine_start(self.node), self.on_start)
-        await self.bus.subscribe(subjects.engine_stop(self.node), self.on_stop)
-        await self.bus.subscribe(subjects.engine_preempt(self.node), self.on_preempt)
-        await self.bus.subscribe(subjects.engine_generate(self.node), self.on_generate)
-        await self.bus.subscribe(subjects.engine_cancel(self.node), self.on_cancel)
-        await self.bus.subscribe(subjects.engine_evict(self.node), self.on_evict)
-        await self.bus.subscribe(subjects.engine_stage(self.node), self.on_start_stage)
-        await self.bus.subscribe(subjects.engine_pipelined(self.node), self.on_start_pipelined)
-        await self.bus.subscribe(subjects.engine_end_stage(self.node), self.on_end_stage)
+        node, starts, pipelines, requests = self.node.id, self.starts, self.pipelines, self.requests
+        for subject, handler in (
+            (subjects.engine_start(node), starts.on_start),
+            (subjects.engine_stop(node), starts.on_stop),
+            (subjects.engine_preempt(node), starts.on_preempt),
+            (subjects.engine_evict(node), starts.on_evict),
+            (subjects.engine_generate(node), requests.on_generate),
+            (subjects.engine_cancel(node), requests.on_cancel),
+            (subjects.engine_stage(node), pipelines.on_start_stage),
+            (subjects.engine_pipelined(node), pipelines.on_start_pipelined),
+            (subjects.engine_end_stage(node), pipelines.on_end_stage),
+        ):
+            await self.bus.subscribe(subject, handler)
         # A restarted engine holds nothing: drop whatever an earlier run had reserved.
-        await self._release_memory("*")
+        await self.memory.release("*")
         self.workers.refill()
-        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
         if self.settings.true_up_interval_s > 0:
-            self._true_up_task = asyncio.create_task(self._true_ups())
+            self._tasks.append(asyncio.create_task(self.memory.true_ups()))
         if self.settings.start_tier:
-            self._tier_up_task = asyncio.create_task(self._tier_ups())
+            self._tasks.append(asyncio.create_task(self.starts.tier_ups()))
 
     async def close(self) -> None:
-        for task in (self._heartbeat_task, self._tier_up_task, self._true_up_task):
-            if task:
-                task.cancel()
-        for cancelled, _ in self._cancels.values():
+        for task in self._tasks:
+            task.cancel()
+        for cancelled, _ in self.node.cancels.values():
             cancelled.flag = True
         self.workers.close()
-        for bound in self.bound.values():
+        for bound in self.node.bound.values():
             bound.worker.stop()
         if self.workers.arena is not None:
             self.workers.arena.close()
@@ -53,18 +87,18 @@ class EngineService(Starts, Generation):
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self._update_gauges()
-                await self.learn_artifacts()
+                self.node.update_gauges()
+                await self.node.learn_artifacts()
                 if self.bus.connected.is_set():
-                    await self.bus.publish(subjects.node_heartbeat(), self.status())
+                    await self.node.beat()
             except Exception:
                 log.exception("heartbeat failed")
             # Every interval, or sooner when a request ends (`beat_due`): the scheduler's line
             # waits for that room. At most one early beat per EARLY_BEAT_GAP_S, so a crowd's
             # many endings cost a few beats a second.
             try:
-                await asyncio.wait_for(self.beat_due.wait(), self.settings.heartbeat_interval_s)
+                await asyncio.wait_for(self.node.beat_due.wait(), self.settings.heartbeat_interval_s)
                 await asyncio.sleep(EARLY_BEAT_GAP_S)
             except TimeoutError:
                 pass
-            self.beat_due.clear()
+            self.node.beat_due.clear()

@@ -17,6 +17,8 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
@@ -25,6 +27,7 @@ from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from policy.prefetch import admission_bytes
+from services.engine.memory import KvMemory
 from services.engine.metrics import (
     COLD_WORKERS,
     KV_RESERVED,
@@ -33,12 +36,10 @@ from services.engine.metrics import (
     TIER_UP_SECONDS,
     TIER_UPS,
 )
-from services.engine.node import ARENA_REGION, Bound, PendingColdStart, Served
-from services.engine.pipelines import Pipelines
-from services.engine.worker_pool import Worker
-from services.engine.worker_wire import Loaded, TieredUp
+from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Publisher, Served
+from services.engine.settings import EngineSettings
 from shared import subjects
-from shared.artifact import has_tier, has_torch_checkpoint, reads_torch_checkpoint, torch_tensor_bytes
+from shared.artifact import has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -62,11 +63,28 @@ from shared.messages import (
     VerifyStaged,
 )
 
+if TYPE_CHECKING:
+    from services.engine.worker_pool import Worker, WorkerPool
+    from services.engine.worker_wire import Loaded, TieredUp
+
 log = logging.getLogger(__name__)
 
 
-class Starts(Pipelines):
-    async def _tier_ups(self) -> None:
+@dataclass(eq=False)
+class Starts:
+    """Starts and stops of instances on the node, with the loader's copies and the memory
+    their workers reserve."""
+
+    settings: EngineSettings
+    node: Node
+    memory: KvMemory
+    workers: WorkerPool
+    bus: Publisher
+    """The node's loader (staging, block checks, imports) and the replies to the scheduler."""
+    _preemptions: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    """Preemptions the scheduler ordered, under way (kept from the collector)."""
+
+    async def tier_ups(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
         `tier_up_idle_s`: the tier-up takes ≈ 1 core-second, which on a node with other
         instances decoding would be taken from them (measured on 1-core nodes: neighbours'
@@ -75,13 +93,13 @@ class Starts(Pipelines):
         while True:
             await asyncio.sleep(period)
             try:
-                live = {aid: b.worker for aid, b in self.bound.items() if not b.worker.dead}
+                live = {aid: b.worker for aid, b in self.node.bound.items() if not b.worker.dead}
                 key = next_tier_up(
                     [
                         StartTierWorker(aid, w.tier == Tier.START, w.tiering, w.tier_up_failed)
                         for aid, w in live.items()
                     ],
-                    self._node_idle_since(),
+                    self.node.idle_since(),
                     time.time(),
                     self.settings.tier_up_idle_s,
                 )
@@ -103,17 +121,17 @@ class Starts(Pipelines):
 
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
-        if name in self.instances:
+        if name in self.node.instances:
             return InstanceReady(
-                node_id=self.node,
+                node_id=self.node.id,
                 model=name,
                 phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
-                loaded_from_cache=self.instances[name].bound.loaded_from_cache,
+                loaded_from_cache=self.node.instances[name].bound.loaded_from_cache,
             )
-        if name in self._starting:  # a second start of the same model waits for the first
-            return await asyncio.shield(self._starting[name])
+        if name in self.node.starting:  # a second start of the same model waits for the first
+            return await asyncio.shield(self.node.starting[name])
         fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
-        self._starting[name] = fut
+        self.node.starting[name] = fut
         try:
             ready = await self._cold_start(req)
             fut.set_result(ready)
@@ -123,7 +141,7 @@ class Starts(Pipelines):
             fut.exception()  # retrieved here: waiters re-raise it themselves
             raise
         finally:
-            del self._starting[name]
+            del self.node.starting[name]
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
@@ -134,32 +152,17 @@ class Starts(Pipelines):
         try:
             # Profile: KV sizing was measured once at registration (bytes per token); here it
             # only becomes a reservation for a full context.
-            kv = self._kv_account(record.artifact)
+            kv = self.node.kv_account(record.artifact)
             kv.reserved_bytes = kv.required()  # eq. 2 with nothing running: the L_min floor
-            await self._reserve(f"{record.name}:kv", kv.reserved_bytes)
-            await self._memory_done(f"{record.name}:kv")  # allocated on demand by the runtime
+            await self.memory.reserve(f"{record.name}:kv", kv.reserved_bytes)
+            await self.memory.done(f"{record.name}:kv")  # allocated on demand by the runtime
         except BaseException:
-            await self._release(bound)
+            await self.memory.release_worker(bound)
             raise
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
-        now = time.time()
-        replaced = self.instances.get(record.name)  # a pipelined instance bridging this start
-        self.instances[record.name] = Served(
-            record.name,
-            bound,
-            now,
-            now,
-            kv,
-            record.ttft_slo_s,
-            record.tpot_slo_s,
-            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
-            warm_since=float("inf"),
-        )
+        self.node.serve(record, bound, kv, PendingColdStart(t0, phases, "resident" if hit else bound.source))
         KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
-        self.replaced(replaced)
-        self._cold[record.name] = PendingColdStart(t0, phases, "resident" if hit else bound.source)
-        self._update_gauges()
         log.info(
             "instance of %s ready",
             record.name,
@@ -175,42 +178,42 @@ class Starts(Pipelines):
         if not bound.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
-            node_id=self.node, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
+            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
         )
 
     async def _materialized(self, record: ModelRecord) -> None:
         """On a torch or vLLM node, a model registered by the loader of an OpenVINO node has no
         torch checkpoint yet: this node's loader writes it from the model's GGUF, once (the
         store keeps it for every node), before the first start here."""
-        if not reads_torch_checkpoint(self.settings.engine_backend):
+        if not self.node.backend.reads_torch_checkpoint:
             return
         if await asyncio.to_thread(has_torch_checkpoint, record.artifact):
             return
         log.info("%s has no torch checkpoint yet: this node's loader writes it", record.name)
         reply = await self.bus.request(
-            subjects.loader_import(self.node),
+            subjects.loader_import(self.node.id),
             ImportModel(source=record.source),
             ModelImported | Rejected,
             timeout=self.settings.load_timeout_s,
         )
         if isinstance(reply, Rejected):
             raise TesseraError(
-                reply.code, f"{record.name} cannot start on a {self.settings.engine_backend} node: {reply.message}"
+                reply.code, f"{record.name} cannot start on a {self.node.backend.name} node: {reply.message}"
             )
 
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances are generating, so that
         their decode keeps its pace; all cores when nothing else runs."""
-        busy = any(i.active for i in self.instances.values())
+        busy = any(i.active for i in self.node.instances.values())
         return start_cores(sorted(os.sched_getaffinity(0)), self.settings.start_cpu_share, busy)
 
     async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
         """A worker bound to the artifact: the resident one, or a pre-warmed one loaded now.
         Returns it, whether it was resident, and when Init ended (monotonic)."""
         aid = artifact.artifact_id
-        async with self._artifact_locks.setdefault(aid, asyncio.Lock()):
+        async with self.node.lock(aid):
             now = time.time()
-            bound = self.bound.get(aid)
+            bound = self.node.bound.get(aid)
             if bound is not None and not bound.worker.dead:
                 r = bound.resident
                 r.users += 1
@@ -219,20 +222,20 @@ class Starts(Pipelines):
                 POOL_HITS.inc()
                 return bound, True, time.monotonic()
             arena = self.workers.arena
-            if self.settings.engine_backend == "torch" and arena is None:
+            if self.node.backend.tensor_arena and arena is None:
                 # Without the node's one arena, reuse is only in an idle worker's own. With
                 # it, any worker's load reuses what the node holds, and idle instances stay.
                 rebound = await self._rebind(artifact)
                 if rebound is not None:
                     return rebound, False, time.monotonic()
             tensors = await self._tensors(artifact) if arena is not None else {}
-            self._arena_wanted.update(tensors.keys())
-            self._arena_sizes.update(tensors)
+            self.memory.arena_wanted.update(tensors.keys())
+            self.memory.arena_sizes.update(tensors)
             try:
                 return await self._acquire_new(artifact, tensors, now)
             finally:
-                self._arena_wanted.subtract(tensors.keys())
-                self._arena_wanted += Counter()  # drops the digests no start wants now
+                self.memory.arena_wanted.subtract(tensors.keys())
+                self.memory.arena_wanted += Counter()  # drops the digests no start wants now
 
     async def _acquire_new(self, artifact: Artifact, tensors: dict[str, int], now: float) -> tuple[Bound, bool, float]:
         """`_acquire` of a model not bound here: a pre-warmed worker loads it."""
@@ -241,18 +244,18 @@ class Starts(Pipelines):
         in_arena = bool(tensors) and missing == 0
         if tensors:
             # Its weights are the arena's reservation; its own is its worker's memory.
-            weights = self._footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
+            weights = self.memory.footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
         else:
-            weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
-        await self._reserve(f"weights:{aid}", weights)
+            weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
+        await self.memory.reserve(f"weights:{aid}", weights)
         try:
             if missing:
-                self._arena_granted = await self._reserve(
-                    ARENA_REGION, self._arena_target, held=lambda: self._arena_granted
+                self.memory.arena_granted = await self.memory.reserve(
+                    ARENA_REGION, self.memory.arena_target, held=lambda: self.memory.arena_granted
                 )
-                await self._memory_done(ARENA_REGION)
+                await self.memory.done(ARENA_REGION)
             t_load = time.monotonic()
-            tier = self._start_tier(artifact)
+            tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
             # The blob first, then the worker: a stage that waits for a scale-out's
             # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
             # answers at once otherwise, and taking a warm worker is instant).
@@ -270,19 +273,19 @@ class Starts(Pipelines):
                 await asyncio.to_thread(worker.stop)
                 raise
             stage_s += waited_s
-            await self._memory_done(f"weights:{aid}")
+            await self.memory.done(f"weights:{aid}")
         except BaseException as e:
-            await self._release_memory(f"weights:{aid}")
+            await self.memory.release(f"weights:{aid}")
             if isinstance(e, ArenaFull):  # room for its bytes, but no range long enough
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
-                    f"artifact {aid} does not fit in node {self.node}'s tensor arena: {e}",
+                    f"artifact {aid} does not fit in node {self.node.id}'s tensor arena: {e}",
                     retry_after_s=2,
                 ) from e
             raise
         finally:
             if tensors:  # what it placed (or, failing, left) there; a concurrent load may have evicted
-                await self._sync_arena()
+                await self.memory.sync_arena()
         source = "arena" if in_arena else "host" if staged and staged.hit else "store"
         return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
 
@@ -291,7 +294,7 @@ class Starts(Pipelines):
         Where what loads hold leaves too little: idle residents are stopped, the cheapest
         first (their tensors then make way as the load is placed, but for those it shares),
         then idle instances; else it waits for an instance to go idle, as a start waits for
-        memory (`_reserve`). NO_CAPACITY once the models in use still leave too little."""
+        memory (`KvMemory.reserve`). NO_CAPACITY once the models in use still leave too little."""
         arena = self.workers.arena
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
@@ -300,13 +303,13 @@ class Starts(Pipelines):
             """What stopping a model's worker could free in the arena: what it holds that
             neither this start, nor another start under way, nor a model in use holds too (its
             worker's own memory is no room here)."""
-            kept = self._arena_wanted.keys() | {
+            kept = self.memory.arena_wanted.keys() | {
                 d
-                for k, b in self.bound.items()
+                for k, b in self.node.bound.items()
                 if k != aid and b.resident.users > 0
-                for d in self.tensor_bytes.get(k, {})
+                for d in self.node.tensor_bytes.get(k, {})
             }
-            return sum(n for d, n in self.tensor_bytes.get(aid, {}).items() if d not in tensors and d not in kept)
+            return sum(n for d, n in self.node.tensor_bytes.get(aid, {}).items() if d not in tensors and d not in kept)
 
         def ended(inst: Served, sole: bool) -> int:
             # Its worker stays, an idle resident the next pass prices; only then can what it
@@ -315,20 +318,20 @@ class Starts(Pipelines):
 
         # Again after each eviction: the evicted model's tensors may have been this one's too.
         while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes(tensors)):
-            self._went_idle.clear()
-            residents = [dataclasses.replace(b.resident, nbytes=unshared(k)) for k, b in self.bound.items()]
+            self.node.went_idle.clear()
+            residents = [dataclasses.replace(b.resident, nbytes=unshared(k)) for k, b in self.node.bound.items()]
             keys = choose_evictions(residents, missing - room, time.time())
             if keys:
-                await self._evict(keys)  # this start's tensors are wanted: they stay
+                await self.memory.evict(keys)  # this start's tensors are wanted: they stay
                 continue
-            if await self._evict_idle_instances(missing - room, ended):
+            if await self.memory.evict_idle_instances(missing - room, ended):
                 continue
             try:
-                await asyncio.wait_for(self._went_idle.wait(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self.node.went_idle.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
-                    f"artifact {aid} needs {missing} bytes of node {self.node}'s tensor arena; the "
+                    f"artifact {aid} needs {missing} bytes of node {self.node.id}'s tensor arena; the "
                     f"models in use there leave {room}",
                     retry_after_s=2,
                 ) from None
@@ -345,7 +348,7 @@ class Starts(Pipelines):
         """Record `worker` as bound to `artifact`, in use by the start that loaded it (`now`:
         when that start began, its resident's first use)."""
         aid = artifact.artifact_id
-        bound = self.bound[aid] = Bound(
+        bound = self.node.bound[aid] = Bound(
             worker,
             artifact,
             loaded.loaded_from_cache,
@@ -367,20 +370,20 @@ class Starts(Pipelines):
         worker shares any tensor: a pre-warmed one loads it."""
         aid = artifact.artifact_id
         tensors = await self._tensors(artifact)
-        choice = most_reused(self.idle_tensors(), tensors)
+        choice = most_reused(self.node.idle_tensors(), tensors)
         if choice is None:
             return None
         key, shared = choice
-        old = self.bound.pop(key)  # no await since the check: nobody took it meanwhile
-        await self._release_memory(f"weights:{key}")
-        weights = max(artifact.weight_bytes, self._footprints.get(aid, 0))
-        await self._reserve(f"weights:{aid}", weights)
+        old = self.node.bound.pop(key)  # no await since the check: nobody took it meanwhile
+        await self.memory.release(f"weights:{key}")
+        weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
+        await self.memory.reserve(f"weights:{aid}", weights)
         try:
             old.worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
             loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
-            await self._memory_done(f"weights:{aid}")
+            await self.memory.done(f"weights:{aid}")
         except BaseException:
-            await self._release_memory(f"weights:{aid}")
+            await self.memory.release(f"weights:{aid}")
             await asyncio.to_thread(old.worker.stop)  # bound to neither model now
             raise
         log.info(
@@ -391,17 +394,17 @@ class Starts(Pipelines):
             extra={"artifact": aid, "reused_bytes": loaded.reused_bytes, "expected_bytes": shared},
         )
         bound = self._bind(old.worker, artifact, loaded, "arena", 0.0, weights, time.time())
-        self._update_gauges()
+        self.node.update_gauges()
         return bound
 
     async def _tensors(self, artifact: Artifact) -> dict[str, int]:
         """The artifact's torch tensors, digest → bytes in access order (read once: an
         artifact never changes)."""
-        tensors = self.tensor_bytes.get(artifact.artifact_id)
+        tensors = self.node.tensor_bytes.get(artifact.artifact_id)
         if not tensors:  # none yet: its checkpoint may be written since
             tensors = await asyncio.to_thread(torch_tensor_bytes, artifact)
             if tensors:
-                self.tensor_bytes[artifact.artifact_id] = tensors
+                self.node.tensor_bytes[artifact.artifact_id] = tensors
         return tensors
 
     async def _load(
@@ -450,15 +453,15 @@ class Starts(Pipelines):
         arena = self.workers.arena
         if arena is None or not tensors:
             return None
-        own = self._perf.get(artifact.artifact_id)
-        samples = own.prefill if own and own.prefill else [s for p in self._perf.values() for s in p.prefill]
+        own = self.node.perf.get(artifact.artifact_id)
+        samples = own.prefill if own and own.prefill else [s for p in self.node.perf.values() for s in p.prefill]
         ttft = min((seconds for _, seconds in samples), default=None)
         return admission_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps, arena.handle.cuda)
 
     async def _verified(self, artifact: Artifact) -> Staged | None:
         try:
             reply = await self.bus.request(
-                subjects.loader_verify(self.node),
+                subjects.loader_verify(self.node.id),
                 VerifyStaged(artifact_id=artifact.artifact_id),
                 Staged | Rejected,
                 timeout=self.settings.load_timeout_s,
@@ -468,24 +471,15 @@ class Starts(Pipelines):
             return None
         return reply if isinstance(reply, Staged) else None
 
-    def _start_tier(self, artifact: Artifact) -> Tier:
-        """START when the artifact has one (materialized since tiers exist) and it is enabled;
-        the torch engine and vLLM load the one TORCH form (never tiered up)."""
-        if reads_torch_checkpoint(self.settings.engine_backend):
-            return Tier.TORCH
-        if self.settings.start_tier and has_tier(artifact, self.settings.device, Tier.START):
-            return Tier.START
-        return Tier.STEADY
-
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
-        self._update_gauges()
+        self.node.update_gauges()
         if msg.error:
             TIER_UPS.labels("failed").inc()
             log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
             return
         TIER_UPS.labels("done").inc()
         TIER_UP_SECONDS.observe(msg.load_s)
-        self._core_build_s = msg.load_s
+        self.node.core_build_s = msg.load_s
         log.info(
             "%s tiered up to %s in %.2fs",
             artifact.artifact_id,
@@ -500,7 +494,7 @@ class Starts(Pipelines):
         cannot be reached, so a start never depends on the cache."""
         try:
             staged = await self.bus.request(
-                subjects.loader_stage(self.node),
+                subjects.loader_stage(self.node.id),
                 StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True),
                 Staged | Rejected,
                 timeout=self.settings.load_timeout_s,
@@ -516,34 +510,36 @@ class Starts(Pipelines):
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictResidents)
         keys = [
-            k for k, b in self.bound.items() if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)
+            k
+            for k, b in self.node.bound.items()
+            if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)
         ]
-        freed = await self._evict(keys)
-        await self.bus.reply(msg, Evicted(node_id=self.node, artifact_ids=tuple(keys), freed_bytes=freed))
+        freed = await self.memory.evict(keys)
+        await self.bus.reply(msg, Evicted(node_id=self.node.id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     async def on_stop(self, msg: Msg) -> None:
         req = decode(msg.data, StopInstance)
-        inst = self.instances.get(req.model)
+        inst = self.node.instances.get(req.model)
         if inst is None:
-            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="not loaded")
+            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="not loaded")
         elif inst.active > 0 or inst.last_used > req.idle_since:
-            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="busy")
+            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="busy")
         else:
-            await self._unload(inst)
+            await self.memory.unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
-            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True)
+            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=True)
         await self.bus.reply(msg, reply)
 
     async def on_preempt(self, msg: Msg) -> None:
         """The scheduler makes room for a bigger neighbour (LLM-Mesh §7.1): the instance's
         requests end PREEMPTED now, and it unloads once they have."""
         req = decode(msg.data, PreemptInstance)
-        inst = self.instances.get(req.model)
+        inst = self.node.instances.get(req.model)
         if inst is None or inst.preempted:
-            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=False, reason="not loaded")
+            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="not loaded")
         else:
-            task = asyncio.create_task(self._preempt(inst, self.instances.get(req.for_model)))
+            task = asyncio.create_task(self.memory.preempt(inst, self.node.instances.get(req.for_model)))
             self._preemptions.add(task)
             task.add_done_callback(self._preemptions.discard)
-            reply = InstanceStopped(node_id=self.node, model=req.model, stopped=True, reason="preempted")
+            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=True, reason="preempted")
         await self.bus.reply(msg, reply)

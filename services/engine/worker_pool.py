@@ -17,15 +17,15 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillFailed, FillProgress, FillSignal
+from services.engine.backends import Backend, WorkerSpec
+from services.engine.node import Cancelled, WorkerDied
 from services.engine.node_arena import Fill, NodeArena
-from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
 from services.engine.streams import Chunk
-from services.engine.torch_engine.process import worker_main as torch_worker_main
-from services.engine.vllm_engine.process import worker_main as vllm_worker_main
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,
@@ -42,6 +42,9 @@ from services.engine.worker_wire import (
     TierUpNow,
 )
 from shared.messages import Artifact, Tier
+
+if TYPE_CHECKING:
+    from services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,30 +76,11 @@ def _shmem_bytes(pid: int) -> int:
     return 0
 
 
-class WorkerDied(Exception):
-    pass
-
-
 class Worker:
-    def __init__(
-        self,
-        device: str,
-        threads: int,
-        prefault_bytes: int = 0,
-        max_batch: int = 1,
-        join_recompute_tokens: int = 0,
-        gate: StepGate | None = None,
-        backend: str = "openvino",
-        arena_bytes: int = 0,
-        kv_tokens: int = 8192,
-        arena: NodeArena | None = None,
-    ) -> None:
-        """`backend`: the process it runs, OpenVINO's (`worker_process.py`), the torch
-        engine's (`torch_engine/worker.py`, its weights in the node's `arena`, or without one
-        in an arena of its own of `arena_bytes`; its continuous batch's paged KV cache
-        `kv_tokens` long) or vLLM's (`vllm_engine/worker.py`, its cache as long); all speak
+    def __init__(self, backend: Backend, spec: WorkerSpec) -> None:
+        """A process of `backend` (its `entry`), started with `spec`; every backend speaks
         `worker_wire`."""
-        self.arena = arena if backend == "torch" else None
+        self.arena = spec.arena if backend.tensor_arena else None
         self.owner = NodeArena.owner()
         """Its holdings' name in the node arena's book."""
         self.progress = FillProgress() if self.arena is not None else None
@@ -106,35 +90,18 @@ class Worker:
         """Its model's copy, still streaming in behind the first requests."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._gate = gate
+        self._gate = spec.gate
         self._slot_lock = threading.Lock()
-        self._slot = gate.claim() if gate is not None else -1
+        self._slot = spec.gate.claim() if spec.gate is not None else -1
         """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
-        if backend == "torch":
-            self.process = ctx.Process(
-                target=torch_worker_main,
-                args=(child, threads, arena.handle if arena else arena_bytes, gate, self._slot, max_batch, kv_tokens),
-                daemon=True,
-                name="tessera-torch-worker",
-            )
+        self.process = ctx.Process(
+            target=backend.entry_point(),
+            args=backend.args(spec, child, self._slot),
+            daemon=True,
+            name=backend.process_name,
+        )
+        with _environment(backend.env(spec)):
             self.process.start()
-        elif backend == "vllm":
-            self.process = ctx.Process(
-                target=vllm_worker_main,
-                args=(child, threads, gate, self._slot, max_batch, kv_tokens),
-                daemon=True,
-                name="tessera-vllm-worker",
-            )
-            self.process.start()
-        else:
-            self.process = ctx.Process(
-                target=worker_main,
-                args=(child, device, threads, prefault_bytes, max_batch, join_recompute_tokens, gate, self._slot),
-                daemon=True,
-                name="tessera-worker",
-            )
-            with _environment(MALLOC_ENV if prefault_bytes > 0 else {}):
-                self.process.start()
         child.close()
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[Ready] = self._loop.create_future()
@@ -394,62 +361,26 @@ class Worker:
                     self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
 
 
-class Cancelled:
-    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        self.by_client = False
-        """The client asked (not a preemption)."""
-
-    def __call__(self) -> bool:
-        return self.flag
-
-
 class WorkerPool:
     """`size` pre-warmed workers bound to no model."""
 
     def __init__(
         self,
         size: int,
-        device: str,
-        threads: int,
+        backend: Backend,
+        spec: WorkerSpec,
         ready_timeout_s: float = 120.0,
         refill_delay_s: float = 0.0,
         spawn: Callable[[], Worker] | None = None,
-        prefault_bytes: int = 0,
-        max_batch: int = 1,
-        join_recompute_tokens: int = 0,
-        gate: StepGate | None = None,
-        backend: str = "openvino",
-        arena_bytes: int = 0,
-        kv_tokens: int = 8192,
-        arena: NodeArena | None = None,
     ) -> None:
-        """`spawn` starts one worker (a real process by default; tests pass a fake). `gate`:
-        the node's headroom gate, shared by every worker it spawns. `backend`, `arena_bytes`:
-        see `Worker`."""
+        """`spawn` starts one worker (a process of `backend` started with `spec` by default;
+        tests pass a fake). `spec.gate`: the node's headroom gate, shared by every worker."""
         self.size = size
-        self._spawn = spawn or (
-            lambda: Worker(
-                device,
-                threads,
-                prefault_bytes,
-                max_batch,
-                join_recompute_tokens,
-                gate,
-                backend,
-                arena_bytes,
-                kv_tokens,
-                arena,
-            )
-        )
-        self.arena = arena
-        """The node's tensor arena its torch workers share (None: each makes its own)."""
+        self._spawn = spawn or (lambda: Worker(backend, spec))
+        self.arena = spec.arena
+        """The node's tensor arena its workers share (None: each makes its own, or has none)."""
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
-        self.device = device
-        self.threads = threads
         self.ready_timeout_s = ready_timeout_s
         self.idle: list[Worker] = []
         self.warming: set[Worker] = set()
@@ -519,3 +450,26 @@ class WorkerPool:
             w.stop()
         self.idle.clear()
         self.warming.clear()
+
+
+def node_pool(settings: EngineSettings, backend: Backend) -> WorkerPool:
+    """The node's pool of `backend` workers, as its settings say: with the node's headroom gate
+    (one iteration at a time per share of cores one instance's threads fill) and, for a
+    tensor-arena backend, the node's one arena."""
+    cores = len(os.sched_getaffinity(0))
+    if settings.cpu_quota > 0:
+        cores = min(cores, max(1, int(settings.cpu_quota)))
+    capacity = max(1, cores // max(1, settings.inference_threads))
+    shared = backend.tensor_arena and settings.torch_shared_arena
+    spec = WorkerSpec(
+        settings.device,
+        settings.inference_threads,
+        prefault_bytes=settings.worker_prefault_mb << 20,
+        max_batch=settings.max_batch,
+        join_recompute_tokens=settings.join_recompute_tokens,
+        gate=StepGate(multiprocessing.get_context("spawn"), capacity) if settings.interleave else None,
+        arena_bytes=settings.torch_arena_bytes,
+        kv_tokens=settings.torch_kv_tokens,
+        arena=NodeArena.make(settings.torch_arena_bytes, settings.device) if shared else None,
+    )
+    return WorkerPool(settings.worker_pool_size, backend, spec, refill_delay_s=settings.worker_refill_delay_s)

@@ -1,68 +1,44 @@
 """Room in the node's tensor arena for a start (`Starts._arena_room`, services/engine/starts.py)
-over a real `NodeArena`, with the engine's models as plain records: which idle instances and
-residents it stops when the models there leave the start too little; and a start the arena has
-room for but no range long enough (`ArenaFull`) refused as NO_CAPACITY."""
+over a real `NodeArena`, the engine's parts over fake workers and a fake memory manager:
+which idle instances and residents it stops when the models there leave the start too little;
+and a start the arena has room for but no range long enough (`ArenaFull`) refused as
+NO_CAPACITY."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
-from policy.eviction import Resident
+from cuda_ext.allocator import ArenaFull
+from services.engine.backends import TORCH
+from services.engine.node import ARENA_REGION
 from services.engine.node_arena import NodeArena
-from services.engine.starts import Starts
 from shared.errors import TesseraError
 from shared.messages import ErrorCode
+from tests.helpers.engine_fakes import FakeMemoryManager, FakePool, FakeWorker, Parts, artifact, bind, parts, serve
 
 
 def engine(
     arena: NodeArena, models: dict[str, dict[str, int]], reload_s: dict[str, float], busy: frozenset[str] = frozenset()
-) -> SimpleNamespace:
-    """`Starts` on `arena`, each of `models` (artifact → digest → bytes) placed there by its own
-    worker and served by one instance of the same name, idle but for those in `busy`; what it
-    stops is recorded."""
-    starts = Starts.__new__(Starts)
-    starts.workers = SimpleNamespace(arena=arena)  # type: ignore[assignment]
-    starts.settings = SimpleNamespace(memory_wait_s=0.0)  # type: ignore[assignment]
-    starts.node = "n"
-    starts._went_idle = asyncio.Event()
-    starts._arena_wanted = Counter()
-    starts.tensor_bytes = dict(models)
-    starts.bound = {}
-    starts.instances = {}
-    record = SimpleNamespace(ended=[], evicted=[])
+) -> Parts:
+    """The engine on `arena`, each of `models` (artifact → digest → bytes) placed there by its
+    own worker and served by one instance of the same name, idle but for those in `busy`."""
+    got = parts(FakeMemoryManager(1 << 30), FakePool(arena=arena), backend=TORCH)
+    got.node.tensor_bytes = dict(models)
     for aid, tensors in models.items():
         arena.place(aid, tensors)  # its worker's holdings, by the artifact's name here
-        resident = Resident(aid, sum(tensors.values()), reload_s[aid], 0.0, 0.0, users=1)
-        bound = SimpleNamespace(resident=resident, artifact=SimpleNamespace(artifact_id=aid))
-        starts.bound[aid] = bound  # type: ignore[assignment]
-        starts.instances[aid] = SimpleNamespace(  # type: ignore[assignment]
-            model=aid,
-            bound=bound,
-            active=int(aid in busy),
-            kv=SimpleNamespace(reserved_bytes=1 << 20),
-            loaded_at=0.0,
-            last_used=0.0,
-        )
+        bound = bind(got.node, aid, sum(tensors.values()), reload_s[aid], users=1, arena=arena)
+        serve(got.node, aid, bound, kv_reserved=1 << 20, active=int(aid in busy))
+    return got
 
-    async def unload(inst: SimpleNamespace) -> None:
-        record.ended.append(inst.model)
-        del starts.instances[inst.model]
-        inst.bound.resident.users -= 1
 
-    async def evict(keys: list[str]) -> None:
-        for key in keys:
-            record.evicted.append(key)
-            arena.release(key)
-            del starts.bound[key]
+def ended(got: Parts, models: dict[str, dict[str, int]]) -> list[str]:
+    return [m for m in models if m not in got.node.instances]
 
-    starts._unload = unload  # type: ignore[method-assign,assignment]
-    starts._evict = evict  # type: ignore[method-assign,assignment]
-    record.starts = starts
-    return record
+
+def evicted(got: Parts, models: dict[str, dict[str, int]]) -> list[str]:
+    return [m for m in models if m not in got.node.bound]
 
 
 def test_a_start_stops_the_model_whose_tensors_make_room_not_the_cheaper_one_it_shares_with() -> None:
@@ -73,11 +49,12 @@ def test_a_start_stops_the_model_whose_tensors_make_room_not_the_cheaper_one_it_
     x = {"a": 1024, "b": 1024}
     y = {"c": 1024, "d": 768}
     new = {**x, "e": 512}
-    got = engine(arena, {"x": x, "y": y}, reload_s={"x": 0.01, "y": 10.0})
+    models = {"x": x, "y": y}
+    got = engine(arena, models, reload_s={"x": 0.01, "y": 10.0})
     missing = asyncio.run(got.starts._arena_room("new", new))
     assert missing == 512 and missing <= arena.room_bytes(new)
-    assert got.ended == ["y"] and got.evicted == ["y"]
-    assert "x" in got.starts.instances  # still serving
+    assert ended(got, models) == ["y"] and evicted(got, models) == ["y"]
+    assert "x" in got.node.instances  # still serving
 
 
 def test_a_start_the_models_in_use_leave_no_room_for_is_refused_and_stops_nothing() -> None:
@@ -88,7 +65,7 @@ def test_a_start_the_models_in_use_leave_no_room_for_is_refused_and_stops_nothin
     with pytest.raises(TesseraError) as refused:
         asyncio.run(got.starts._arena_room("new", new))
     assert refused.value.code is ErrorCode.NO_CAPACITY and "tensor arena" in str(refused.value)
-    assert got.ended == [] and got.evicted == []
+    assert ended(got, {"x": x}) == [] and evicted(got, {"x": x}) == []
 
 
 def test_tensors_a_model_in_use_holds_too_are_no_room_to_stop_another_for() -> None:
@@ -98,47 +75,20 @@ def test_tensors_a_model_in_use_holds_too_are_no_room_to_stop_another_for() -> N
     shared = {"a": 1024, "b": 1024}
     w = {"c": 1024, "d": 768}
     new = {"e": 1536}
-    got = engine(
-        arena, {"y": shared, "z": dict(shared), "w": w}, reload_s={"y": 0.01, "z": 0.01, "w": 10.0}, busy=frozenset("z")
-    )
+    models = {"y": shared, "z": dict(shared), "w": w}
+    got = engine(arena, models, reload_s={"y": 0.01, "z": 0.01, "w": 10.0}, busy=frozenset("z"))
     asyncio.run(got.starts._arena_room("new", new))
-    assert got.ended == ["w"] and got.evicted == ["w"]
+    assert ended(got, models) == ["w"] and evicted(got, models) == ["w"]
 
 
 def test_a_start_whose_tensors_fit_in_no_one_range_is_refused_as_no_capacity() -> None:
     # A fragmented arena: room enough in all, no range long enough (`ArenaFull` from the load).
-    from cuda_ext.allocator import ArenaFull
-
-    starts = Starts.__new__(Starts)
-    starts.node = "n"
-    starts._footprints = {}
-    released: list[str] = []
-    stopped: list[bool] = []
-
-    async def nothing(*_: object, **__: object) -> int:
-        return 0
-
-    async def release(owner: str) -> None:
-        released.append(owner)
-
-    async def take() -> tuple[SimpleNamespace, bool]:
-        return SimpleNamespace(stop=lambda: stopped.append(True), on_tier_up=None), True
-
-    async def load(*_: object) -> None:
-        raise ArenaFull("512 bytes in no free range")
-
-    starts._arena_room = nothing  # type: ignore[method-assign,assignment]
-    starts._reserve = nothing  # type: ignore[method-assign,assignment]
-    starts._memory_done = nothing  # type: ignore[method-assign,assignment]
-    starts._sync_arena = nothing  # type: ignore[method-assign,assignment]
-    starts._stage = nothing  # type: ignore[method-assign,assignment]
-    starts._release_memory = release  # type: ignore[method-assign]
-    starts._warm_worker_bytes = lambda: 1  # type: ignore[method-assign]
-    starts._start_tier = lambda artifact: None  # type: ignore[method-assign,assignment,return-value]
-    starts._load = load  # type: ignore[method-assign,assignment]
-    starts.workers = SimpleNamespace(take=take)  # type: ignore[assignment]
-    artifact = SimpleNamespace(artifact_id="a", weight_bytes=1)
+    book = FakeMemoryManager(1 << 30)
+    worker = FakeWorker(load_error=ArenaFull("512 bytes in no free range"))
+    got = parts(book, FakePool(lambda: worker, arena=NodeArena(4 * 1024, "CPU")), backend=TORCH)
     with pytest.raises(TesseraError) as refused:
-        asyncio.run(starts._acquire_new(artifact, {"e": 512}, 0.0))  # type: ignore[arg-type]
+        asyncio.run(got.starts._acquire_new(artifact("a", weight_bytes=1), {"e": 512}, 0.0))
     assert refused.value.code is ErrorCode.NO_CAPACITY and "tensor arena" in str(refused.value)
-    assert released == ["weights:a"] and stopped == [True]  # its reservation and worker went
+    # Its reservation and worker went (and the arena's, holding nothing now).
+    assert book.released == ["weights:a", ARENA_REGION] and worker.stopped
+    assert book.regions == {}

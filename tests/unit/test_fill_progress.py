@@ -279,8 +279,8 @@ def _artifact(ckpt: Path) -> Artifact:
 
 async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
     """A greedy completion's text and token count."""
+    from services.engine.node import Cancelled
     from services.engine.streams import Chunk
-    from services.engine.worker_pool import Cancelled
     from services.engine.worker_wire import Run
     from shared.messages import SamplingParams
 
@@ -327,9 +327,10 @@ async def admitted_at_zero(
 ) -> tuple[Worker, asyncio.Future[tuple[str, int]]]:
     """A torch worker on `arena` that loaded the tiny model admitted at 0 bytes, a greedy
     request sent to it, and the held batch (`third_batch_held`) let go."""
+    from services.engine.backends import TORCH, WorkerSpec
     from services.engine.worker_pool import Worker
 
-    worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+    worker = Worker(TORCH, WorkerSpec("CPU", 1, kv_tokens=512, max_batch=2, arena=arena))
     try:
         await worker.ready(300)
         await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes, admit_bytes=0)
@@ -345,6 +346,7 @@ async def admitted_at_zero(
 def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
     tiny: tuple[Path, dict[str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from services.engine.backends import TORCH, WorkerSpec
     from services.engine.worker_pool import Worker
 
     ckpt, sizes = tiny
@@ -358,7 +360,7 @@ def test_a_worker_admitted_before_its_copy_ends_answers_as_one_given_it_whole(
             streamed = await request
             await asyncio.to_thread(worker.stop)
             arena.evict_idle(sizes)
-            worker = Worker("CPU", 1, backend="torch", kv_tokens=512, max_batch=2, arena=arena)
+            worker = Worker(TORCH, WorkerSpec("CPU", 1, kv_tokens=512, max_batch=2, arena=arena))
             await worker.ready(300)
             await worker.load(_artifact(ckpt), None, str(ckpt), 300, tensors=sizes)  # whole first
             return streamed, await _tokens(worker, list(b"hello")), arena.held_bytes()[0]

@@ -307,16 +307,16 @@ async def test_engine_evict_and_generate_answer_an_unexpected_error(
     # No worker process: the handlers below are subscribed as `EngineService.start` does,
     # without its pre-warmed pool.
     engine = EngineService(EngineSettings(node_id="engine-node", worker_pool_size=0, interleave=False), service)
-    await service.subscribe(subjects.engine_evict("engine-node"), engine.on_evict)
-    await service.subscribe(subjects.engine_generate("engine-node"), engine.on_generate)
+    await service.subscribe(subjects.engine_evict("engine-node"), engine.starts.on_evict)
+    await service.subscribe(subjects.engine_generate("engine-node"), engine.requests.on_generate)
     await settled(service)
     try:
-        monkeypatch.setattr(engine, "_evict", boom)
+        monkeypatch.setattr(engine.memory, "evict", boom)
         outcome, elapsed = await timed_request(caller, subjects.engine_evict("engine-node"), EvictResidents(), Evicted)
         assert_bus_answered(outcome, elapsed)
 
         # The gateway sends with `GenerateAccepted | Failed`: a `Rejected` is neither.
-        monkeypatch.setattr(engine, "instances", None)  # `.get` of it raises AttributeError
+        monkeypatch.setattr(engine.node, "instances", None)  # `.get` of it raises AttributeError
         request = Generate(
             request_id="g1",
             model="m",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.engine.backends import OPENVINO, WorkerSpec
 from services.engine.worker_pool import Worker, WorkerPool
 
 
@@ -33,7 +34,7 @@ def pool() -> WorkerPool:
     def spawn() -> Worker:
         return FakeWorker()  # type: ignore[return-value]
 
-    return WorkerPool(1, "CPU", 1, refill_delay_s=60.0, spawn=spawn)
+    return WorkerPool(1, OPENVINO, WorkerSpec("CPU", 1), refill_delay_s=60.0, spawn=spawn)
 
 
 async def settle() -> None:

@@ -1,0 +1,144 @@
+"""The engines a node may run (`TESSERA_ENGINE_BACKEND`), each one object that says what it is:
+what its workers read, whether it starts on a start tier, its batch limit, whether its weights
+live in a tensor arena, and the worker process it runs. The controller asks these attributes,
+never the backend's name (ServerlessLLM's backends, STYLE.md).
+
+A worker's entry point is named, not imported: the process is spawned by that name, and the
+engine never imports a backend it does not run (nor its libraries)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from services.engine.core import CORE_MAX_SEQS
+from shared.artifact import has_tier
+from shared.messages import Artifact, Tier
+
+if TYPE_CHECKING:
+    from cuda_ext.memory import ArenaHandle
+    from services.engine.node_arena import NodeArena
+    from services.engine.step_gate import StepGate
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of a node is started with; each backend takes the part it uses."""
+
+    device: str
+    threads: int
+    prefault_bytes: int = 0
+    max_batch: int = 1
+    join_recompute_tokens: int = 0
+    gate: StepGate | None = None
+    arena_bytes: int = 0
+    """Without the node's arena: the size of a torch worker's own."""
+    kv_tokens: int = 8192
+    """Tokens of a torch or vLLM worker's paged KV cache."""
+    arena: NodeArena | None = None
+    """The node's tensor arena, mapped by every worker of a backend that has `tensor_arena`."""
+
+    @property
+    def tensor_arena(self) -> ArenaHandle | int:
+        """What a worker maps: the node's arena, else the size of one of its own."""
+        return self.arena.handle if self.arena else self.arena_bytes
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    reads_torch_checkpoint: bool
+    """Its workers read the artifact's torch checkpoint (written from the GGUF by the loader),
+    not its OpenVINO files (IR and compiled blobs)."""
+    start_tier: bool
+    """It may start a model on its START tier (cheapest first forward pass) and tier up to
+    STEADY once idle (`starts.py`)."""
+    tensor_arena: bool
+    """Its workers hold weights in a tensor arena by content hash (the node's, or their own):
+    an idle one's tensors are reused by a start of a model sharing them (Tangram §3.1), and
+    the node reports which share of each stored artifact it holds."""
+    pipeline_stages: bool
+    """It can run a layer range as a pipeline stage, and serve a model through stages
+    (FaaScale §4.3, `pipelines.py`)."""
+    lazy_host_kv: bool
+    """On the host, its KV cache is one allocation whose pages are committed as blocks fill:
+    how much of it a worker's RSS holds is unknown (the footprint true-up takes none off)."""
+    batch_limit: int | None
+    """Most requests its engine steps at once, fixed by the engine; None: the node's
+    `max_batch` setting."""
+    entry: str
+    """Its worker process's entry function, `module:function`."""
+    process_name: str
+    args: Callable[[WorkerSpec, Connection, int], tuple[object, ...]]
+    """The entry function's arguments from the spec, the worker's end of its pipe and its slot
+    in the node's step gate."""
+    env: Callable[[WorkerSpec], dict[str, str]] = lambda spec: {}
+    """Environment the process is spawned with (it copies the engine's then)."""
+
+    def entry_point(self) -> Callable[..., None]:
+        module, _, function = self.entry.partition(":")
+        main: Callable[..., None] = getattr(importlib.import_module(module), function)
+        return main
+
+    def max_batch(self, configured: int) -> int:
+        return self.batch_limit or configured
+
+    def start_tier_of(self, artifact: Artifact, device: str, enabled: bool) -> Tier:
+        """TORCH for a backend reading the torch checkpoint (one form, never tiered up); START
+        when it has a start tier, it is `enabled` and the artifact has one compiled; else STEADY."""
+        if self.reads_torch_checkpoint:
+            return Tier.TORCH
+        if self.start_tier and enabled and has_tier(artifact, device, Tier.START):
+            return Tier.START
+        return Tier.STEADY
+
+
+def _openvino_env(spec: WorkerSpec) -> dict[str, str]:
+    from services.engine.openvino_process import MALLOC_ENV
+
+    return MALLOC_ENV if spec.prefault_bytes > 0 else {}
+
+
+OPENVINO = Backend(
+    "openvino",
+    reads_torch_checkpoint=False,
+    start_tier=True,
+    tensor_arena=False,
+    pipeline_stages=False,
+    lazy_host_kv=False,
+    # The continuous-batching core (`core.py`) serves every instance once built; the start
+    # tier's batch before it lasts a couple of seconds.
+    batch_limit=CORE_MAX_SEQS,
+    entry="services.engine.openvino_process:worker_main",
+    process_name="tessera-worker",
+    args=lambda s, c, i: (c, s.device, s.threads, s.prefault_bytes, s.max_batch, s.join_recompute_tokens, s.gate, i),
+    env=_openvino_env,
+)
+TORCH = Backend(
+    "torch",
+    reads_torch_checkpoint=True,
+    start_tier=False,
+    tensor_arena=True,
+    pipeline_stages=True,
+    lazy_host_kv=True,
+    batch_limit=None,  # `torch_engine/batching.py` steps at most `max_batch` requests at once
+    entry="services.engine.torch_engine.process:worker_main",
+    process_name="tessera-torch-worker",
+    args=lambda s, c, i: (c, s.threads, s.tensor_arena, s.gate, i, s.max_batch, s.kv_tokens),
+)
+VLLM = Backend(
+    "vllm",
+    reads_torch_checkpoint=True,
+    start_tier=False,
+    tensor_arena=False,
+    pipeline_stages=False,
+    lazy_host_kv=False,
+    batch_limit=None,
+    entry="services.engine.vllm_engine.process:worker_main",
+    process_name="tessera-vllm-worker",
+    args=lambda s, c, i: (c, s.threads, s.gate, i, s.max_batch, s.kv_tokens),
+)
+BACKENDS = {b.name: b for b in (OPENVINO, TORCH, VLLM)}

@@ -1,0 +1,240 @@
+"""The engine's controller (services/engine/service.py) and its parts, real, over fakes of what
+they are built with: a memory manager's book, the bus, a worker pool whose workers answer from
+a script (no process, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from policy.eviction import Resident
+from services.engine.backends import BACKENDS, OPENVINO, TORCH
+from services.engine.node import Bound, PendingColdStart, WorkerDied
+from services.engine.service import EngineService
+from services.engine.streams import Chunk
+from services.engine.worker_wire import Done, Run
+from shared import subjects
+from shared.errors import TesseraError
+from shared.messages import (
+    ColdStartPhases,
+    ErrorCode,
+    Failed,
+    Finished,
+    FinishReason,
+    Generate,
+    GenerateAccepted,
+    InstanceReady,
+    ModelRecord,
+    NodeStatus,
+    Rejected,
+    SamplingParams,
+    StartInstance,
+    Tier,
+    TokenChunk,
+)
+from shared.pipeline_messages import StartStage
+from tests.helpers.engine_fakes import (
+    FakeBus,
+    FakeMemoryManager,
+    FakePool,
+    FakeWorker,
+    Parts,
+    Script,
+    artifact,
+    bind,
+    msg,
+    parts,
+    settings,
+)
+
+
+def record(name: str = "m", weight_bytes: int = 100) -> ModelRecord:
+    return ModelRecord(
+        name=name,
+        source="test",
+        artifact=artifact("a", weight_bytes=weight_bytes),
+        ttft_slo_s=1.0,
+        tpot_slo_s=0.1,
+        keep_alive_s=60.0,
+        created_at=0.0,
+    )
+
+
+def request(rid: str = "r1", model: str = "m") -> Generate:
+    return Generate(
+        request_id=rid,
+        model=model,
+        prompt="hi",
+        prompt_ids=(1, 2),
+        prompt_tokens=2,
+        params=SamplingParams(max_tokens=4),
+        stream_subject=f"stream.{rid}",
+    )
+
+
+def says(*texts: str) -> Script:
+    """A model that answers each request with `texts`, a token each, then stops."""
+
+    def script(run: Run) -> list[Chunk | Done | BaseException]:
+        chunks: list[Chunk | Done | BaseException] = [Chunk(run.request_id, t, 1) for t in texts]
+        return [*chunks, Done(run.request_id, FinishReason.STOP, len(texts), time.monotonic())]
+
+    return script
+
+
+def started(script: Script, budget: int = 10_000) -> Parts:
+    """The parts over a book of `budget` bytes, with an instance of `record()` started."""
+    engine = parts(FakeMemoryManager(budget), FakePool(lambda: FakeWorker(script)))
+    ready = asyncio.run(engine.starts.start_instance(StartInstance(model=record())))
+    assert ready.model == "m" and "m" in engine.node.instances
+    return engine
+
+
+def test_a_request_streams_its_worker_chunks_and_ends_finished_with_its_room_freed() -> None:
+    engine = started(says("Hel", "lo"))
+    assert set(engine.manager.regions) == {"weights:a", "m:kv"}
+    assert engine.pool.taken[0].tier is Tier.STEADY  # no START tier compiled for the artifact
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    assert engine.bus.replies == [GenerateAccepted(request_id="r1")]
+    assert engine.bus.sent("stream.r1") == [
+        TokenChunk(request_id="r1", text="Hel", tokens=1),
+        TokenChunk(request_id="r1", text="lo", tokens=1),
+        Finished(request_id="r1", finish_reason=FinishReason.STOP, prompt_tokens=2, completion_tokens=2),
+    ]
+    inst = engine.node.instances["m"]
+    assert inst.active == 0 and inst.drained.is_set() and not engine.node.cancels
+    assert engine.node.beat_due.is_set() and engine.node.went_idle.is_set()
+    # Its first token ended the cold start: recorded, and the pool's replacement may warm.
+    assert len(engine.bus.sent(subjects.cold_start_recorded())) == 1 and engine.pool.starts_done == 1
+    # Measured from the first token on: this request came before it, and is no measure.
+    assert engine.node.perf == {}
+
+
+def test_a_request_for_a_model_not_loaded_fails_at_once() -> None:
+    engine = parts(FakeMemoryManager(10_000))
+    asyncio.run(engine.requests.on_generate(msg(request(model="nope"))))
+    (failed,) = engine.bus.replies
+    assert isinstance(failed, Failed) and failed.code is ErrorCode.INSTANCE_NOT_LOADED
+
+
+def test_a_worker_dying_mid_request_fails_it_and_forgets_the_worker_and_its_instance() -> None:
+    engine = started(lambda run: [Chunk(run.request_id, "a", 1), WorkerDied("worker 4242 exited")])
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    *chunks, failed = engine.bus.sent("stream.r1")
+    assert chunks == [TokenChunk(request_id="r1", text="a", tokens=1)]
+    assert isinstance(failed, Failed) and failed.code is ErrorCode.ENGINE_FAILED
+    assert engine.node.instances == {} and engine.node.bound == {}
+    assert engine.manager.regions == {}  # its KV and weights released
+    (status,) = engine.bus.sent(subjects.node_heartbeat())  # the scheduler hears of it now
+    assert isinstance(status, NodeStatus) and status.instances == ()
+
+
+def test_a_cancel_reaches_the_worker_running_the_request() -> None:
+    engine = started(says("x"))
+    cancelled: list[bool] = []
+
+    def script(run: Run) -> list[Chunk | Done | BaseException]:
+        engine.node.cancel(run.request_id, by_client=True)  # the client's cancel, mid-request
+        cancelled.append(engine.node.cancels[run.request_id][0]())
+        return [Done(run.request_id, FinishReason.CANCELLED, 0, None)]
+
+    engine.node.instances["m"].bound.worker.script = script  # type: ignore[attr-defined]
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    assert cancelled == [True] and engine.node.instances["m"].bound.worker.cancelled == ["r1"]  # type: ignore[attr-defined]
+    (final,) = engine.bus.sent("stream.r1")
+    assert isinstance(final, Finished) and final.finish_reason is FinishReason.CANCELLED
+
+
+def test_a_start_the_node_has_no_room_for_is_refused_and_holds_nothing() -> None:
+    engine = parts(FakeMemoryManager(50), FakePool())
+    asyncio.run(engine.starts.on_start(msg(StartInstance(model=record(weight_bytes=100)))))
+    (refused,) = engine.bus.replies
+    assert isinstance(refused, Rejected) and refused.code is ErrorCode.NO_CAPACITY
+    assert engine.pool.taken == [] and engine.manager.regions == {} and engine.node.starting == {}
+
+
+def test_a_start_whose_kv_does_not_fit_leaves_its_weights_resident_and_idle() -> None:
+    # 100 bytes of weights fit, the KV cache's 64 (a context of 64 tokens, a byte each) not.
+    engine = parts(FakeMemoryManager(150), FakePool())
+    asyncio.run(engine.starts.on_start(msg(StartInstance(model=record()))))
+    (refused,) = engine.bus.replies
+    assert isinstance(refused, Rejected) and refused.code is ErrorCode.NO_CAPACITY
+    assert engine.node.instances == {} and engine.node.bound["a"].resident.users == 0
+    assert engine.manager.regions == {"weights:a": 100}
+
+
+def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:
+    engine = started(says("x"))
+    asyncio.run(engine.memory.unload(engine.node.instances["m"]))
+    assert engine.node.bound["a"].resident.users == 0 and engine.manager.regions == {"weights:a": 100}
+    asyncio.run(engine.starts.start_instance(StartInstance(model=record())))
+    assert len(engine.pool.taken) == 1 and engine.node.instances["m"].start.source == "resident"  # type: ignore[union-attr]
+
+
+def test_a_request_the_pipeline_serves_as_the_replica_takes_over_is_the_pipelines_first_token() -> None:
+    # The pipelined instance's request is in flight when the node's own replica takes its place:
+    # its first token ends the pipeline's cold start; the replica's ends at its own first token
+    # (not at this request's, which came before the replica was ready).
+    engine = parts(FakeMemoryManager(10_000), backend=TORCH)
+    model, no_phases = record(), ColdStartPhases(init_s=0.0, load_s=0.0, profile_s=0.0)
+    replica = bind(engine.node, "a", 100, users=1, script=says("x"))
+    piped = FakeWorker()
+    pipe = Bound(piped, model.artifact, True, Resident("a", 0, 0.0, 0.0, 0.0, 1), "pipeline")
+
+    def replica_ready(run: Run) -> list[Chunk | Done | BaseException]:
+        kv = engine.node.kv_account(model.artifact)
+        engine.node.serve(model, replica, kv, PendingColdStart(time.monotonic(), no_phases, "host"))
+        return says("y")(run)
+
+    piped.script = replica_ready
+
+    async def two_requests() -> None:
+        engine.node.serve(
+            model, pipe, engine.node.kv_account(model.artifact), PendingColdStart(0.0, no_phases, "pipeline")
+        )
+        await engine.requests.on_generate(msg(request("r1")))
+        await engine.requests.on_generate(msg(request("r2")))
+
+    asyncio.run(two_requests())
+    assert [e.source for e in engine.bus.sent(subjects.cold_start_recorded())] == ["pipeline", "host"]
+    assert replica.worker.runs[0].request_id == "r2"  # type: ignore[attr-defined]
+
+
+def test_a_pipeline_stage_is_refused_where_the_backend_runs_none() -> None:
+    engine = parts(FakeMemoryManager(10_000), backend=OPENVINO)
+    stage = StartStage(model=record(), blocks=(0,), lo=0, hi=1, layers=1, nbytes=1)
+    with pytest.raises(TesseraError) as refused:  # the bus answers it as a `Rejected`
+        asyncio.run(engine.pipelines.start_stage(stage))
+    assert refused.value.code is ErrorCode.INVALID_REQUEST and "openvino" in refused.value.message
+    assert engine.manager.regions == {}
+
+
+def test_a_torch_node_refuses_a_model_whose_checkpoint_its_loader_cannot_write() -> None:
+    engine = parts(FakeMemoryManager(10_000), FakePool(), backend=TORCH)
+    engine.bus.answers[subjects.loader_import("n")] = lambda m: Rejected(code=ErrorCode.UNAVAILABLE, message="x")
+    with pytest.raises(TesseraError, match="cannot start on a torch node"):
+        asyncio.run(engine.starts.start_instance(StartInstance(model=record())))
+
+
+def test_every_backend_names_a_worker_entry_function_that_exists() -> None:
+    for backend in BACKENDS.values():
+        assert callable(backend.entry_point()), backend.name
+
+
+async def test_the_controller_built_on_fakes_starts_its_parts_and_serves() -> None:
+    book, bus = FakeMemoryManager(10_000, {"weights:old": 5}), FakeBus()
+    pool = FakePool(lambda: FakeWorker(says("ok")))
+    engine = EngineService(settings(), bus, workers=pool, memory_manager=book)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        assert book.released == ["*"] and book.regions == {}  # an earlier run's reservations dropped
+        await engine.starts.on_start(msg(StartInstance(model=record())))
+        await engine.requests.on_generate(msg(request()))
+        ready, accepted = bus.replies
+        assert isinstance(ready, InstanceReady) and accepted == GenerateAccepted(request_id="r1")
+        assert isinstance(bus.sent("stream.r1")[-1], Finished)
+    finally:
+        await engine.close()
+    assert pool.taken[0].stopped
