@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
@@ -20,6 +20,22 @@ def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
             f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this "
             f"worker's KV cache of {kv_tokens} tokens (TESSERA_TORCH_KV_TOKENS)"
         )
+
+
+def ends_of_sequence(tokenizer: Any, config_eos: int | list[int] | None) -> frozenset[int]:
+    """The tokens that end a completion: the tokenizer's and the model config's ends of
+    sequence, and ChatML's end of turn where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id, *(_as_list(config_eos))}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return frozenset(i for i in ids if i is not None)
+
+
+def _as_list(x: int | list[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)
 
 
 @dataclass(frozen=True)
