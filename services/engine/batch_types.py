@@ -46,6 +46,20 @@ class Step:
     tokens: tuple[tuple[int, TokenLogprob | None], ...]
     finish: FinishReason | None = None
     error: str = ""
+    prefill_tokens: int = 0
+    """Positions its prefill computed, where the batch knows better than its prompt's length
+    (a static batch pads every row to the longest); 0: its prompt's."""
+
+
+def merged(before: Step, after: Step) -> Step:
+    """Two steps of one request, in order, as one."""
+    return Step(
+        after.request_id,
+        before.tokens + after.tokens,
+        after.finish,
+        after.error,
+        max(before.prefill_tokens, after.prefill_tokens),
+    )
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
@@ -63,12 +77,16 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
             continue
         before = out.get(step.request_id)
         if before is not None:
-            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+            step = merged(before, step)
         out[step.request_id] = step
 
 
 class Batch(Protocol):
-    """What the worker drives: `ContinuousBatcher`, `VllmBatch` (a stand-in in the unit tests)."""
+    """What the worker's loop (`worker_loop.py`) drives: `ContinuousBatcher`, `VllmBatch`,
+    `PipelineBatch` (fakes in the unit tests). It makes tokens only: text, stop strings,
+    chunking and every figure of a request's `Done` are the loop's. `steps` reports each
+    request's end once (`finish`, or `error`: that request alone failed); `cancel` of a request
+    it no longer holds does nothing."""
 
     @property
     def active(self) -> int: ...

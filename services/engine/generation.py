@@ -24,9 +24,8 @@ from services.engine.metrics import (
     TTFT,
 )
 from services.engine.node import Samples, Served
-from services.engine.streams import Chunk
 from services.engine.worker_pool import Cancelled, WorkerDied
-from services.engine.worker_wire import Done, Run
+from services.engine.worker_wire import Chunk, Done, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.detokenize import IncrementalDetokenizer
+from services.engine.worker_wire import Chunk
 from shared.messages import TokenLogprob
 
 DecodeMany = Callable[[Sequence[Sequence[int]]], list[str]]
@@ -30,17 +31,6 @@ in the gateway, and a read in the client, on the cores that also run the model; 
 and 0.1 s that was ≈ 300 chunks/s and a tenth of the node's CPU. A client of a crowd then
 gets its text in pieces of a few tokens (at 32 streams every 0.32 s), which the total rate,
 TTFT and the text itself do not notice; a lone stream keeps its interval."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """New text of one request, and how many tokens it took (a worker message too)."""
-
-    request_id: str
-    text: str
-    tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-    """One per token, when the request asked for them."""
 
 
 @dataclass

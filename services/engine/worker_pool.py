@@ -23,11 +23,11 @@ from cuda_ext.progress import FillFailed, FillProgress, FillSignal
 from services.engine.node_arena import Fill, NodeArena
 from services.engine.openvino_process import MALLOC_ENV, worker_main
 from services.engine.step_gate import StepGate
-from services.engine.streams import Chunk
 from services.engine.torch_engine.process import worker_main as torch_worker_main
 from services.engine.vllm_engine.process import worker_main as vllm_worker_main
 from services.engine.worker_wire import (
     CancelRun,
+    Chunk,
     Chunks,
     Done,
     DropSession,

@@ -35,7 +35,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from services.engine.batch_types import Step, check_fits
+from services.engine.batch_types import Step, check_fits, merged
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import StepGate, Turn
 from services.engine.torch_engine.engine import TorchEngine
@@ -446,7 +446,7 @@ class ContinuousBatcher:
                 continue
             before = out.get(step.request_id)
             if before is not None:  # two results of one request in one look: one step
-                step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+                step = merged(before, step)
             out[step.request_id] = step
         if not self.manager.is_running():  # the library's thread died (its log says why)
             self.sampling.release()
