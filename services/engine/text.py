@@ -98,7 +98,7 @@ class StreamText:
     decode_many: DecodeMany
     clock: Callable[[], float] = time.monotonic
     chunks_per_s: float = CROWD_CHUNKS_PER_S
-    _streams: dict[str, _Stream] = field(default_factory=dict)
+    _streams: dict[str, _Stream] = field(default_factory=dict, init=False)
 
     def open(self, request_id: str, interval_s: float, stops: Sequence[str] = ()) -> None:
         self._streams[request_id] = _Stream(IncrementalDetokenizer(_never), StopMatcher(stops), interval_s)
