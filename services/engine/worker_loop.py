@@ -204,8 +204,13 @@ class WorkerLoop:
                 self.conn.send(Failure(self.queue.popleft().request_id, "no model loaded in this worker"))
             return
         if self.broken or not self.batch.alive:  # an error inside the library ended it: anew
-            self.batch.close()
-            self.batch, self.broken = self.binding.reopen(self.share), False
+            try:
+                self.batch.close()
+                self.batch, self.broken = self.binding.reopen(self.share), False
+            except Exception as e:  # no batch to run them: they fail, the next ones try again
+                while self.queue:
+                    self.conn.send(Failure(self.queue.popleft().request_id, f"{type(e).__name__}: {e}"))
+                return
         while self.queue:
             run = self.queue.popleft()
             try:
@@ -225,8 +230,18 @@ class WorkerLoop:
         ended (after their last text)."""
         if self.batch is None or self.text is None:
             return
+        ended: dict[str, FinishReason] = {}
+        failed: dict[str, str] = {}
         try:
-            steps = self.batch.steps(timeout)
+            for step in self.batch.steps(timeout):
+                live = self.live.get(step.request_id)
+                if live is not None:  # else cancelled
+                    self._take(live, step)
+                    if step.error:
+                        failed[step.request_id] = step.error
+                    elif step.finish is not None:
+                        ended[step.request_id] = step.finish
+            flushed = self.text.flush()
         except Exception as e:  # every request on it fails; the worker lives on, with a new batch
             self.broken = True
             for rid in list(self.live):
@@ -234,17 +249,6 @@ class WorkerLoop:
                 del self.live[rid]
                 self.conn.send(Failure(rid, f"{type(e).__name__}: {e}"))
             return
-        ended: dict[str, FinishReason] = {}
-        failed: dict[str, str] = {}
-        for step in steps:
-            live = self.live.get(step.request_id)
-            if live is not None:  # else cancelled
-                self._take(live, step)
-                if step.error:
-                    failed[step.request_id] = step.error
-                elif step.finish is not None:
-                    ended[step.request_id] = step.finish
-        flushed = self.text.flush()
         for rid, taken in flushed.stopped.items():
             if rid in failed or rid not in self.live:
                 continue

@@ -31,7 +31,7 @@ from services.engine.worker_wire import (
     TierUpNow,
 )
 from shared.messages import Artifact, FinishReason, SamplingParams, Tier
-from tests.helpers.fake_batch import FakeBinding
+from tests.helpers.fake_batch import FakeBatch, FakeBinding
 
 WHOLE = "one two three four é! five"
 
@@ -219,6 +219,37 @@ def test_a_batch_that_raised_fails_its_requests_and_the_next_request_gets_a_new_
     settle(loop, clock)
     assert broken.closed and binding.batch is not broken and binding.batch.added == ["b"]
     assert dones(messages(engine))["b"].finish_reason is FinishReason.LENGTH
+
+
+def test_a_batch_that_cannot_be_made_anew_fails_the_waiting_requests_and_the_next_ones_try_again(worker) -> None:
+    loop, engine, binding, clock = worker
+    binding.batch.alive = False
+    make = binding.make
+
+    def refuse() -> FakeBatch:
+        raise RuntimeError("out of memory")
+
+    binding.make = refuse
+    loop.handle(run("a"))
+    loop.turn(0.0)
+    assert failures(messages(engine)) == {"a": "RuntimeError: out of memory"}
+    binding.make = make
+    loop.handle(run("b"))
+    settle(loop, clock)
+    assert dones(messages(engine))["b"].finish_reason is FinishReason.LENGTH
+
+
+def test_text_that_cannot_be_decoded_fails_the_running_requests_not_the_worker(worker) -> None:
+    loop, engine, _, _ = worker
+    loop.handle(run("a"))
+    assert loop.text is not None
+
+    def broken(seqs: object) -> list[str]:
+        raise UnicodeError("bad bytes")
+
+    loop.text.decode_many = broken
+    loop.turn(0.0)
+    assert failures(messages(engine)) == {"a": "UnicodeError: bad bytes"} and not loop.live
 
 
 def test_a_batch_whose_thread_died_is_made_anew_for_the_next_request(worker) -> None:
