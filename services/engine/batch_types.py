@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
@@ -22,6 +22,22 @@ def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
         )
 
 
+def ends_of_sequence(tokenizer: Any, config_eos: int | list[int] | None) -> frozenset[int]:
+    """The tokens that end a completion: the tokenizer's and the model config's ends of
+    sequence, and ChatML's end of turn where the vocabulary has it."""
+    ids = {tokenizer.eos_token_id, *(_as_list(config_eos))}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return frozenset(i for i in ids if i is not None)
+
+
+def _as_list(x: int | list[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)
+
+
 @dataclass(frozen=True)
 class Step:
     """What one request got since the last look: its new tokens, and how it ended if it did."""
@@ -30,6 +46,20 @@ class Step:
     tokens: tuple[tuple[int, TokenLogprob | None], ...]
     finish: FinishReason | None = None
     error: str = ""
+    prefill_tokens: int = 0
+    """Positions its prefill computed, where the batch knows better than its prompt's length
+    (a static batch pads every row to the longest); 0: its prompt's."""
+
+
+def merged(before: Step, after: Step) -> Step:
+    """Two steps of one request, in order, as one."""
+    return Step(
+        after.request_id,
+        before.tokens + after.tokens,
+        after.finish,
+        after.error,
+        max(before.prefill_tokens, after.prefill_tokens),
+    )
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
@@ -47,12 +77,16 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
             continue
         before = out.get(step.request_id)
         if before is not None:
-            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+            step = merged(before, step)
         out[step.request_id] = step
 
 
 class Batch(Protocol):
-    """What the worker drives: `ContinuousBatcher`, `VllmBatch` (a stand-in in the unit tests)."""
+    """What the worker's loop (`worker_loop.py`) drives: `ContinuousBatcher`, `VllmBatch`,
+    `PipelineBatch` (fakes in the unit tests). It makes tokens only: text, stop strings,
+    chunking and every figure of a request's `Done` are the loop's. `steps` reports each
+    request's end once (`finish`, or `error`: that request alone failed); `cancel` of a request
+    it no longer holds does nothing."""
 
     @property
     def active(self) -> int: ...

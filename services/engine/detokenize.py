@@ -1,6 +1,5 @@
-"""Incremental detokenization, free of any runtime: the OpenVINO worker, the core's streams
-and the torch worker all use it (the torch worker without importing OpenVINO, which a GPU
-node's image may not have)."""
+"""Incremental detokenization, free of any runtime: every worker's text (`text.py`) uses it
+(the torch worker without importing OpenVINO, which a GPU node's image may not have)."""
 
 from __future__ import annotations
 
@@ -34,8 +33,13 @@ class IncrementalDetokenizer:
         before, after = self.windows()
         return self.settle(self._decode(before), self._decode(after), final=True)
 
+    @property
+    def holding(self) -> bool:
+        """Some tokens' text is not out yet (mid-character)."""
+        return self._read < len(self._ids)
+
     # The same in two halves, so that a caller can decode many requests' windows in one run
-    # of the detokenizer (`streams.CoreStreams`): extend, windows, decode them, settle.
+    # of the detokenizer (`text.StreamText`): extend, windows, decode them, settle.
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._ids.extend(tokens)

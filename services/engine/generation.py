@@ -28,8 +28,7 @@ from services.engine.metrics import (
 )
 from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
 from services.engine.settings import EngineSettings
-from services.engine.streams import Chunk
-from services.engine.worker_wire import Done, Run
+from services.engine.worker_wire import Chunk, Done, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError

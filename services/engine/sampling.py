@@ -12,11 +12,27 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from shared.messages import SamplingParams, TokenLogprob
+
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`): dividing logits by a
+smaller one overflows, and a sample at it is the most likely token anyway."""
+
+
+class _Tempered(Protocol):
+    @property
+    def temperature(self) -> float: ...
+
+
+def is_greedy(p: _Tempered) -> bool:
+    """Whether a request (its `SamplingParams`, a `Sampler`, a row of the device sampler)
+    takes the most likely token: decided here alone, for every engine."""
+    return p.temperature < SAMPLING_EPS
 
 
 class Sampler:
@@ -64,7 +80,7 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return is_greedy(self)
 
     def _adjusted(self, logits: npt.NDArray[np.float32], context: list[int] | None) -> npt.NDArray[np.float32]:
         logits = logits.copy()

@@ -20,7 +20,10 @@ runs ungated instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from multiprocessing.context import SpawnContext
 from typing import Any
 
@@ -44,6 +47,17 @@ def may_step(slot: int, deadlines: Sequence[float], holding: Sequence[int], capa
         if other != slot and (d < mine or (d == mine and other < slot and not math.isinf(d))):
             return False
     return True
+
+
+@dataclass
+class Turn:
+    """One iteration's turn at the gate (`StepGate.turn`)."""
+
+    waited: float = 0.0
+    """Seconds it waited for the turn."""
+    then: float = math.inf
+    """The deadline of the worker's next iteration, posted as it leaves (set it before the
+    turn ends: a batch that goes on keeps its place, `leave`); inf: none."""
 
 
 class StepGate:
@@ -121,6 +135,21 @@ class StepGate:
             self._wake_next()
         finally:
             self._lock.release()
+
+    @contextmanager
+    def turn(self, slot: int, deadline: float) -> Iterator[Turn]:
+        """One iteration under the gate: waits for the turn (`enter`), leaves it as the block
+        ends, posted with `Turn.then` (an iteration that raised posts nothing: inf)."""
+        t0 = time.monotonic()
+        entered = self.enter(slot, deadline)
+        turn = Turn(waited=time.monotonic() - t0)
+        failed = True
+        try:
+            yield turn
+            failed = False
+        finally:
+            if entered:
+                self.leave(slot, math.inf if failed else turn.then)
 
     def idle(self, slot: int) -> None:
         """This worker's batch is over: take its posting down, so the next instance goes."""

@@ -25,9 +25,9 @@ from services.engine.backends import Backend, WorkerSpec
 from services.engine.node import Cancelled, WorkerDied
 from services.engine.node_arena import Fill, NodeArena
 from services.engine.step_gate import StepGate
-from services.engine.streams import Chunk
 from services.engine.worker_wire import (
     CancelRun,
+    Chunk,
     Chunks,
     Done,
     DropSession,

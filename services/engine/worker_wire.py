@@ -9,9 +9,8 @@ from pathlib import Path
 
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal
-from services.engine.streams import Chunk
-from shared.artifact import torch_checkpoint
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier
+from shared.artifact import TORCH_MANIFEST, torch_checkpoint
+from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
 
 NO_SLO_S = 3600.0
 """A request of a model without SLOs is due this long after it arrived (last in line)."""
@@ -48,6 +47,15 @@ class Load:
         """The torch checkpoint it reads: the loader's host-cache copy where it staged one,
         else the store's."""
         return Path(self.cache_dir) if self.cache_dir else torch_checkpoint(self.artifact)
+
+    def torch_checkpoint(self) -> Path:
+        """`checkpoint`, refused (FileNotFoundError) where the loader has not written it."""
+        if not (self.checkpoint / TORCH_MANIFEST).is_file():
+            raise FileNotFoundError(
+                f"{self.artifact.artifact_id} has no torch checkpoint in {self.checkpoint}: the node's loader "
+                "writes it before a model's first start here (its log says why it did not)"
+            )
+        return self.checkpoint
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,17 @@ class Run:
         if self.ttft_slo_s <= 0:
             return self.received_at + NO_SLO_S
         return self.received_at + self.ttft_slo_s + self.tpot_slo_s * generated
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New text of one request, and how many tokens it took."""
+
+    request_id: str
+    text: str
+    tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token, when the request asked for them."""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ from services.engine.node_arena import NodeArena
 from services.engine.pipelines import Pipelines
 from services.engine.settings import EngineSettings
 from services.engine.starts import Starts
-from services.engine.streams import Chunk
-from services.engine.worker_wire import Done, Loaded, Run
+from services.engine.worker_wire import Chunk, Done, Loaded, Run
 from shared.bus import encode
 from shared.errors import TesseraError
 from shared.messages import Artifact, ErrorCode, Message, ReserveResult

@@ -13,8 +13,7 @@ from policy.eviction import Resident
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
 from services.engine.node import Bound, PendingColdStart, WorkerDied
 from services.engine.service import EngineService
-from services.engine.streams import Chunk
-from services.engine.worker_wire import Done, Run
+from services.engine.worker_wire import Chunk, Done, Run
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (

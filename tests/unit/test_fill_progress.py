@@ -280,8 +280,7 @@ def _artifact(ckpt: Path) -> Artifact:
 async def _tokens(worker: Worker, prompt: list[int]) -> tuple[str, int]:
     """A greedy completion's text and token count."""
     from services.engine.node import Cancelled
-    from services.engine.streams import Chunk
-    from services.engine.worker_wire import Run
+    from services.engine.worker_wire import Chunk, Run
     from shared.messages import SamplingParams
 
     run = Run("r", "s", tuple(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), 0.0)

@@ -119,3 +119,13 @@ def test_a_step_captured_in_a_cuda_graph_picks_from_the_table_it_is_replayed_wit
         table.copy_(table_of([RowDraw.of(s) for s in devices]))
         graph.replay()
         assert out.tolist() == expected
+
+
+def test_a_row_below_the_sampling_epsilon_is_greedy_on_the_device_as_on_the_host() -> None:
+    from services.engine.sampling import SAMPLING_EPS
+
+    sampler = Sampler(SAMPLING_EPS / 2, 1.0, 7)
+    row = RowDraw.of(sampler)
+    assert row.uniform == 0.0  # a greedy row consumes no draw of its request's generator
+    logits = torch.tensor([[0.0, 2.0, 1.9]])
+    assert pick_rows(logits, table_of([row])).tolist() == [1] == [sampler.pick(logits[0].numpy())]

@@ -64,3 +64,14 @@ def test_token_logprob_is_the_log_softmax_and_its_top_is_sorted() -> None:
     assert [t for t, _ in e.top] == [1, 2, 4]
     assert all(abs(lp - log_p[t]) < 1e-9 for t, lp in e.top)
     assert token_logprob(LOGITS, 1, top=0).top == ()
+
+
+def test_greedy_is_decided_once_below_the_sampling_epsilon_for_params_and_samplers_alike() -> None:
+    from services.engine.sampling import SAMPLING_EPS, is_greedy
+    from shared.messages import SamplingParams
+
+    logits = np.array([0.0, 1.0, 0.5], dtype=np.float32)
+    tiny = SamplingParams(max_tokens=4, temperature=SAMPLING_EPS / 2)
+    assert is_greedy(tiny) and is_greedy(Sampler.of(tiny)) and Sampler.of(tiny).pick(logits) == 1
+    warm = SamplingParams(max_tokens=4, temperature=SAMPLING_EPS)
+    assert not is_greedy(warm) and not is_greedy(Sampler.of(warm))

@@ -51,6 +51,24 @@ def test_the_lock_free_fallbacks_run_ungated() -> None:
     assert gate.claim() == slots[0]
 
 
+def test_a_turn_holds_the_gate_for_its_block_and_leaves_posted_with_the_next_deadline() -> None:
+    gate = StepGate(multiprocessing.get_context("spawn"), 1)
+    slot = gate.claim()
+    with gate.turn(slot, 5.0) as turn:
+        assert gate._holding[slot] == 1 and turn.waited >= 0.0
+        turn.then = 7.0
+    assert gate._holding[slot] == 0 and gate._deadlines[slot] == 7.0  # its batch goes on: posted
+    try:
+        with gate.turn(slot, 5.0) as turn:
+            turn.then = 7.0
+            raise RuntimeError("the step failed")
+    except RuntimeError:
+        pass
+    assert gate._holding[slot] == 0 and gate._deadlines[slot] == INF  # a failed step posts nothing
+    with gate.turn(-1, 5.0) as turn:  # no slot: ungated
+        assert turn.waited >= 0.0
+
+
 def _contender(gate: StepGate, slot: int, deadline: float, steps: int, log: Connection) -> None:
     for _ in range(steps):
         gate.enter(slot, deadline)

@@ -148,3 +148,30 @@ def test_plain_and_host_picked_rows_share_a_batch_on_every_device(engine: TorchE
     # Rows are their requests' own: seeded and greedy rows pick the same tokens both times.
     for rid in ("greedy", "nucleus", "top-k", "logprobs", "penalised", "digits"):
         assert first[rid][0] == again[f"{rid}+"][0], rid
+
+
+def test_a_gated_batch_takes_a_turn_per_step_and_holds_nothing_once_its_requests_end(checkpoint: Path) -> None:
+    """Each step passes the node's gate (`StepGate.turn`, held across the library's calls);
+    once no request goes on, the batch neither holds a turn nor stays posted, so another
+    instance's iteration runs at once."""
+    import math
+    import multiprocessing
+
+    from services.engine.step_gate import StepGate
+
+    gate = StepGate(multiprocessing.get_context("spawn"), capacity=1)
+    mine, other = gate.claim(), gate.claim()
+    engine = TorchEngine.start(checkpoint, TensorArena(64 << 20, device="cpu"))
+    batch = ContinuousBatcher(engine, max_batch=4, kv_tokens=256, gate=gate, gate_slot=mine)
+    try:
+        prompt = engine.tokenizer("hi", add_special_tokens=False)["input_ids"]
+        out = run(batch, {"a": (prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))})
+        assert len(out["a"][0]) == 6
+        with batch.sampling.lock:
+            assert not batch.sampling.holding
+        assert gate._holding[mine] == 0 and gate._deadlines[mine] == math.inf
+        assert gate.enter(other, 0.0)  # nobody holds the node's one turn
+        gate.leave(other)
+    finally:
+        batch.close()
+        engine.close()

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +35,9 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from services.engine.batch_types import Step, check_fits
+from services.engine.batch_types import Step, check_fits, merged
 from services.engine.sampling import Sampler, token_logprob
-from services.engine.step_gate import StepGate
+from services.engine.step_gate import StepGate, Turn
 from services.engine.torch_engine.engine import TorchEngine
 from services.engine.torch_engine.guides import Guided, Guides
 from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
@@ -117,8 +118,8 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.sequences: dict[int, _Sequence] = {}
         self.gate = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
-        self.holding = False
-        """The library's thread holds a gate turn (entered and not left)."""
+        self._turn: tuple[ExitStack, Turn] | None = None
+        """The gate turn the library's thread holds (entered and not left)."""
         self.waited = 0.0
         """Seconds the library's thread has waited for the gate, in all."""
         self.lock = threading.Lock()
@@ -146,6 +147,11 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         thread); 0: as it is."""
         self.closing = False
         """The batch is being stopped: its last steps pass no gate."""
+
+    @property
+    def holding(self) -> bool:
+        """The library's thread holds a gate turn."""
+        return self._turn is not None
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(-1)
@@ -237,27 +243,33 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         if self.gate is None or self.closing:
             return
         with self.lock:
-            if self.holding:  # a step formed with no token to pick (a prefill chunk)
-                self.gate.leave(self.gate_slot, math.inf)
-                self.holding = False
+            self._end_turn(math.inf)  # a step formed with no token to pick (a prefill chunk)
             deadline = self._deadline()
-        t0 = time.monotonic()
-        entered = self.gate.enter(self.gate_slot, deadline if math.isfinite(deadline) else time.monotonic())
-        self.waited += time.monotonic() - t0
+        # The turn spans two of the library's calls (formed here, left in `after_step`).
+        stack = ExitStack()
+        turn = stack.enter_context(
+            self.gate.turn(self.gate_slot, deadline if math.isfinite(deadline) else time.monotonic())
+        )
+        self.waited += turn.waited
         with self.lock:
-            if entered and self.closing:  # released while it waited: hold nothing past the stop
+            self._turn = (stack, turn)
+            if self.closing:  # released while it waited: hold nothing past the stop
+                self._end_turn(math.inf)
                 self.gate.idle(self.gate_slot)
-                entered = False
-            self.holding = entered
+
+    def _end_turn(self, then: float) -> None:
+        """Leave the turn held, if any, posted with `then` (under `lock`)."""
+        if self._turn is not None:
+            (stack, turn), self._turn = self._turn, None
+            turn.then = then
+            stack.close()
 
     def aside(self, wait: Callable[[], None]) -> None:
         """Run `wait` (this step's forward pass waiting for its tensors' copy, TIDAL §5) out of
         the node's gate: other instances step meanwhile, and this one takes a turn again after."""
         with self.lock:
-            held = self.holding
-            if held and self.gate is not None:
-                self.gate.leave(self.gate_slot, math.inf)  # not waiting for a turn either
-                self.holding = False
+            held = self._turn is not None
+            self._end_turn(math.inf)  # not waiting for a turn either
         wait()  # a copy that failed fails the step: no turn is taken again for it
         if held:
             self._enter()
@@ -266,24 +278,22 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         if self.gate is None:
             return
         with self.lock:
-            if self.holding:
-                self.gate.leave(self.gate_slot, self._deadline())
-                self.holding = False
+            self._end_turn(self._deadline())
 
     def release(self) -> None:
         """Give back whatever this batch holds of the gate (its thread is gone or going)."""
         with self.lock:
             self.closing = True
+            self._end_turn(math.inf)
             if self.gate is not None:
                 self.gate.idle(self.gate_slot)
-            self.holding = False
 
     def forget(self, slot: int) -> None:
         """A request left the batch (ended, failed or cancelled): when it was the last, take
         the worker's posting down."""
         with self.lock:
             self.sequences.pop(slot, None)
-            if self.gate is not None and not self.holding and not self.sequences:
+            if self.gate is not None and self._turn is None and not self.sequences:
                 self.gate.idle(self.gate_slot)
 
 
@@ -436,7 +446,7 @@ class ContinuousBatcher:
                 continue
             before = out.get(step.request_id)
             if before is not None:  # two results of one request in one look: one step
-                step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+                step = merged(before, step)
             out[step.request_id] = step
         if not self.manager.is_running():  # the library's thread died (its log says why)
             self.sampling.release()

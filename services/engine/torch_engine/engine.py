@@ -3,7 +3,7 @@
 A start reads the checkpoint's manifest, asks the arena for the tensors by digest and reads from
 the safetensors file only those it lacks (a model scaled to zero, or a fine-tune of a resident
 base, reads little or nothing: Tangram §3.1), binds them into a meta-device skeleton
-(`binding`), and is ready. Generation is transformers' model code with its KV cache, one
+(`binding`), and is ready. It generates with transformers' model code with its KV cache, one
 sequence at a time, sampled by the engine's own `Sampler` (the start tier's: the same seed
 gives the same sample on either engine).
 """
@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from cuda_ext import Loaded, TensorArena, TensorSpec
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal, FillWaiter
+from services.engine.batch_types import ends_of_sequence
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
@@ -30,7 +31,7 @@ from shared.messages import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
-class Generation:
+class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
@@ -110,10 +111,10 @@ class TorchEngine:
         rendered = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         out = [token for token, _ in self.steps(prompt_ids, params)]
         finish = "length" if len(out) == params.max_tokens else "stop"
-        return Generation(out, self.tokenizer.decode(out, skip_special_tokens=True), finish)
+        return Completion(out, self.tokenizer.decode(out, skip_special_tokens=True), finish)
 
     def steps(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generator[tuple[int, TokenLogprob | None]]:
         """The completion one token at a time, each with its logprob where the request asked
@@ -144,19 +145,3 @@ class TorchEngine:
                     past_key_values=step.past_key_values,
                     use_cache=True,
                 )
-
-
-def ends_of_sequence(tokenizer: Any, config_eos: int | list[int] | None) -> frozenset[int]:
-    """The tokens that end a completion: the tokenizer's and the model config's ends of
-    sequence, and ChatML's end of turn where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id, *(_as_list(config_eos))}
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(end, int) and end != tokenizer.unk_token_id:
-        ids.add(end)
-    return frozenset(i for i in ids if i is not None)
-
-
-def _as_list(x: int | list[int] | None) -> list[int]:
-    if x is None:
-        return []
-    return [x] if isinstance(x, int) else list(x)

@@ -1,8 +1,8 @@
 """A batch whose forward passes run on the stages of an execution pipeline (FaaScale §4.3):
 what a node serves a model with while its own replica is still arriving.
 
-It is a `batch_worker.Batch`, so the worker's request plumbing (text, stops, streaming,
-cancels) is the one every torch worker uses. Each request runs as a session of its own through
+It is a `batch_types.Batch`, so the worker loop's request plumbing (text, stops, streaming,
+cancels) is the one every engine uses. Each request runs as a session of its own through
 every stage (`stage_wire.Pipeline`); the stages interleave the sessions' passes, so several
 requests are in the pipeline at once (§4.3's 2-D pipelining: each stage works on one request
 while the next stage works on another). Every token is picked here, by the engine's own

@@ -30,11 +30,13 @@ def worker_main(
     import torch
 
     from cuda_ext import TensorArena
-    from services.engine.torch_engine.worker import TorchWorker, prewarm
+    from services.engine.torch_engine.worker import TorchBinding, prewarm
+    from services.engine.worker_loop import WorkerLoop
 
     torch.set_num_threads(max(1, threads))
     prewarm()
     # The node's arena (mapped: CUDA IPC on a GPU), or one of its own of that many bytes.
     tensors = TensorArena.attach(arena) if isinstance(arena, ArenaHandle) else TensorArena(arena)
     conn.send(Ready(pid=os.getpid()))
-    TorchWorker(conn, tensors, gate, slot, max_batch, kv_tokens).serve()
+    binding = TorchBinding(tensors, gate, slot, max_batch, kv_tokens)
+    WorkerLoop(conn, binding, torch.get_num_threads(), torch.set_num_threads).serve()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling import Sampler
+from services.engine.sampling import SAMPLING_EPS, Sampler, is_greedy
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RowDraw:
     @classmethod
     def of(cls, sampler: Sampler) -> RowDraw:
         """`sampler`'s settings; a sampled (not greedy) row consumes its request's draw."""
-        draw = 0.0 if sampler.greedy else sampler.uniform()
+        draw = 0.0 if is_greedy(sampler) else sampler.uniform()
         return cls(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, draw)
 
 
@@ -62,7 +62,7 @@ class Branches:
 
     @classmethod
     def of(cls, rows: Sequence[RowDraw], vocab: int) -> Branches:
-        sampled = [r for r in rows if r.temperature > 0.0]
+        sampled = [r for r in rows if not is_greedy(r)]
         return cls(
             bool(sampled),
             any(0 < r.top_k < vocab for r in sampled),
@@ -98,7 +98,7 @@ def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = AL
     if not branches.sampled:
         return argmax
     temperature, top_k, top_p, min_p, uniform = (table[i, :n].unsqueeze(1) for i in range(COLUMNS))
-    greedy = temperature.squeeze(1) <= 0.0
+    greedy = temperature.squeeze(1) < SAMPLING_EPS  # `is_greedy`, row by row
     z = logits.to(torch.float64) / torch.where(greedy.unsqueeze(1), 1.0, temperature)
 
     # One sort serves top-k and top-p: most likely first, equal values in vocabulary order (a

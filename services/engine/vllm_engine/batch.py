@@ -1,5 +1,5 @@
 """One model's continuous batch on vLLM's engine (`LLMEngine`, the v1 engine core in this
-process): the worker's `Batch` (`batch_worker.py`), as the torch engine's `ContinuousBatcher` is.
+process): the worker's `Batch` (`batch_types.py`, driven by `worker_loop.py`), as the torch engine's `ContinuousBatcher` is.
 
 vLLM schedules, pages the KV cache, samples (each request with its own seed), applies
 penalties, logit bias and structured output, and returns each step's new tokens per request
@@ -15,7 +15,6 @@ import json
 import math
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from services.engine.batch_types import Step, check_fits, drain
+from services.engine.batch_types import Step, check_fits, drain, ends_of_sequence
 from services.engine.step_gate import StepGate
-from services.engine.torch_engine.engine import ends_of_sequence
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
@@ -210,16 +208,13 @@ class VllmBatch:
     def _step(self) -> None:
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        entered = False
-        if self.gate is not None:
-            t0 = time.monotonic()
-            entered = self.gate.enter(self.gate_slot, self._deadline())
-            self.waited += time.monotonic() - t0
-        try:
+        if self.gate is None:
             outputs = self.engine.step()
-        finally:
-            if entered and self.gate is not None:
-                self.gate.leave(self.gate_slot, self._deadline())
+        else:
+            with self.gate.turn(self.gate_slot, self._deadline()) as turn:
+                self.waited += turn.waited
+                outputs = self.engine.step()
+                turn.then = self._deadline()
         for output in outputs:
             step = self._convert(output)
             if step is not None:

@@ -27,7 +27,7 @@ def sampling_kwargs(p: SamplingParams, ends: Sequence[int]) -> dict[str, Any]:
     tokenizer's own (a chat's end of turn), which stop it unless it ignores them.
 
     Stop strings are not passed: the worker's text stream matches them on the text it sends
-    (`TextStream`), as on every engine, and cancels the rest. Tokens are not detokenized by
+    (`text.StreamText`), as on every engine, and cancels the rest. Tokens are not detokenized by
     vLLM for the same reason. Logprobs are vLLM's default, the model's before any processing."""
     return {
         "n": 1,

@@ -29,8 +29,10 @@ def worker_main(
     import torch
 
     # The pre-warm (TIDAL §5): vLLM and torch imported before any model is bound.
-    from services.engine.vllm_engine.worker import VllmWorker
+    from services.engine.vllm_engine.worker import VllmBinding
+    from services.engine.worker_loop import WorkerLoop
 
     torch.set_num_threads(max(1, threads))
     conn.send(Ready(pid=os.getpid()))
-    VllmWorker(conn, gate, slot, max_batch, kv_tokens).serve()
+    binding = VllmBinding(gate, slot, max_batch, kv_tokens)
+    WorkerLoop(conn, binding, torch.get_num_threads(), torch.set_num_threads).serve()
