@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -30,6 +30,13 @@ class Step:
     tokens: tuple[tuple[int, TokenLogprob | None], ...]
     finish: FinishReason | None = None
     error: str = ""
+    # What the batch alone knows of a request, told on its last step (0/False: the loop's own
+    # count serves): the most requests its forward passes ran for, the positions the prefill
+    # it ran in computed (rows × the longest context padded to), and whether it ran beside a
+    # core build (its times are then no measure of the model).
+    batch: int = 0
+    prefill_tokens: int = 0
+    beside_build: bool = False
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
@@ -47,7 +54,7 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
             continue
         before = out.get(step.request_id)
         if before is not None:
-            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
+            step = replace(step, tokens=before.tokens + step.tokens)
         out[step.request_id] = step
 
 
