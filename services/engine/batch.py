@@ -38,7 +38,7 @@ import numpy as np
 import openvino as ov
 
 from services.engine.batch_types import Step
-from services.engine.core import Turn, Turns, check_prompt, most_urgent, no_turn
+from services.engine.core import Turn, Turns, check_prompt, most_urgent, no_turn, post
 from services.engine.sampling import Sampler, token_logprob
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
@@ -92,27 +92,15 @@ class Request:
     """Tokens its name's KV reservation covered (`worker_wire.Run.kv_tokens`)."""
 
 
-@dataclass(frozen=True)
-class HandedOver:
-    """A request taken out of the batch (`StartBatch.hand_over`): what is left of it, and what
-    its last step would have told of its time here."""
-
-    request: Request
-    batch: int = 0
-    prefill_tokens: int = 0
-
-
 class _Row:
     """One request's decoding state: its sampler, its context, what it produced."""
 
-    def __init__(self, request: Request, width: int, positions: int) -> None:
+    def __init__(self, request: Request, positions: int) -> None:
         self.request = request
         self.sampler = Sampler.of(request.params)
         self.context: list[int] = list(request.prompt_ids)
         """Its prompt and every token it has generated (what a re-prefill feeds)."""
         self.produced = 0
-        self.width = width
-        """The most rows its forward passes ran for."""
         self.positions = positions
         """Positions the prefill it joined in computed."""
         self.ended = False
@@ -152,11 +140,15 @@ class _Row:
         self.context.append(token)
         if self.produced >= p.max_tokens:
             return self._end(((token, logprob),), FinishReason.LENGTH)
-        return Step(self.request_id, ((token, logprob),))
+        return Step(self.request_id, ((token, logprob),), prefill_tokens=self.positions)
 
     def _end(self, tokens: tuple[tuple[int, TokenLogprob | None], ...], finish: FinishReason) -> Step:
         self.ended = True
-        return Step(self.request_id, tokens, finish, batch=self.width, prefill_tokens=self.positions)
+        return Step(self.request_id, tokens, finish, prefill_tokens=self.positions)
+
+    def deadline(self) -> float:
+        """Its next token's."""
+        return self.request.deadline(self.produced)
 
 
 def _prefill(request: ov.InferRequest, contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -189,7 +181,8 @@ class StartBatch:
     the running batch's KV cache, is made on the first batch and kept); `kv_tokens`: the KV
     positions a batch may hold (one context), or more for requests whose name's reservation
     grew (`Request.kv_tokens`); `join_recompute_tokens`: the most positions of running rows a
-    join may re-prefill (`joinable`)."""
+    join may re-prefill (`joinable`); `idle`: called when the batch has nothing left to run but
+    not from a pass (a cancel, a close), to take its posting at the gate down."""
 
     def __init__(
         self,
@@ -199,6 +192,7 @@ class StartBatch:
         turn: Turn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
+        idle: Callable[[], None] = lambda: None,
     ) -> None:
         self.compiled = compiled
         self.eos_ids = eos_ids
@@ -207,6 +201,7 @@ class StartBatch:
         self.max_batch = max(1, max_batch)
         self.join_recompute_tokens = join_recompute_tokens
         self._turns = Turns(turn)
+        self._idle = idle
         self.queue: deque[Request] = deque()
         self._rows: list[_Row] = []
         """The running batch's rows, in the order of the cache's rows (the last pass's)."""
@@ -250,7 +245,7 @@ class StartBatch:
         deadline: Callable[[int], float] = lambda _: math.inf,
         kv_tokens: int = 0,
     ) -> None:
-        check_prompt(prompt_ids, self.vocab_size)
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, max(self.kv_tokens, kv_tokens))
         self.queue.append(Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens))
 
     def cancel(self, request_id: str) -> None:
@@ -259,20 +254,22 @@ class StartBatch:
         for request in self.queue:
             if request.request_id == request_id:
                 self.queue.remove(request)
-                return
+                break
         for row in self._rows:
             if row.request_id == request_id:
                 row.ended = True
+        if not self.active:
+            self._idle()
 
-    def hand_over(self, keep: Callable[[SamplingParams], bool]) -> list[HandedOver]:
+    def hand_over(self, keep: Callable[[SamplingParams], bool]) -> list[Request]:
         """Take every request out of the batch but those `keep` says stay, each as what is
         left of it (`_Row.rest`), for another batch to go on from its next token (the core,
         once built: `tiered_batch.py`). No step of them follows here."""
-        moved = [HandedOver(r) for r in self.queue if not keep(r.params)]
+        moved = [r for r in self.queue if not keep(r.params)]
         self.queue = deque(r for r in self.queue if keep(r.params))
         for row in self._going():
             if not keep(row.request.params):
-                moved.append(HandedOver(row.rest(), row.width, row.positions))
+                moved.append(row.rest())
                 row.ended = True
         return moved
 
@@ -290,22 +287,27 @@ class StartBatch:
         else:
             self._rows = []
             return []
+        deadline = most_urgent([*(row.deadline() for row in going), *(r.deadline(0) for r in joining)])
         try:
-            if joining:
-                self._prefill(going, joining)
-            else:
-                self._decode(going)
+            with self._turns(deadline) as held:
+                if joining:
+                    self._prefill(going, joining)
+                else:
+                    self._decode(going)
+                assert self._logits is not None
+                out = [row.pick(self._logits[k], self.eos_ids) for k, row in enumerate(self._rows)]
+                post(held, [*(row.deadline() for row in self._going()), *(r.deadline(0) for r in self.queue)])
         except Exception as e:  # every request of the batch fails; the next batch starts anew
             message = f"{type(e).__name__}: {e}"
             self._rows, self._request = [], None
             return [Step(r.request_id, (), None, message) for r in [*(row.request for row in going), *joining]]
-        assert self._logits is not None
-        return [row.pick(self._logits[k], self.eos_ids) for k, row in enumerate(self._rows)]
+        return out
 
     def close(self) -> None:
         self.queue.clear()
         self._rows = []
         self._request = None
+        self._idle()
 
     def release(self) -> bool:
         """Let the infer request (and the memory its state holds) go, when no batch runs;
@@ -359,14 +361,8 @@ class StartBatch:
         nothing happened; `joinable` bounds what that costs."""
         width = len(going) + len(joining)
         longest = max([len(row.context) for row in going] + [len(r.prompt_ids) for r in joining])
-        rows = [*going, *(_Row(r, width, width * longest) for r in joining)]
-        for row in going:
-            row.width = max(row.width, width)
-        deadline = most_urgent(row.request.deadline(row.produced) for row in rows)
-        self._rows = rows  # before the pass: a failed one fails the newcomers too
-        request = self._request_for(width)
-        with self._turns(deadline):
-            self._logits, self._mask = _prefill(request, [row.context for row in rows])
+        self._rows = [*going, *(_Row(r, width * longest) for r in joining)]
+        self._logits, self._mask = _prefill(self._request_for(width), [row.context for row in self._rows])
 
     def _decode(self, going: list[_Row]) -> None:
         """One decode step of the rows still going: each row's last token in, gathered from
@@ -381,7 +377,6 @@ class StartBatch:
         }
         self._rows = going
         request = self._request_for(len(going))
-        with self._turns(most_urgent(row.request.deadline(row.produced) for row in going)):
-            request.infer(inputs)
+        request.infer(inputs)
         self._mask = mask
         self._logits = request.get_tensor("logits").data[:, -1]

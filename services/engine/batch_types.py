@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -30,13 +30,9 @@ class Step:
     tokens: tuple[tuple[int, TokenLogprob | None], ...]
     finish: FinishReason | None = None
     error: str = ""
-    # What the batch alone knows of a request, told on its last step (0/False: the loop's own
-    # count serves): the most requests its forward passes ran for, the positions the prefill
-    # it ran in computed (rows × the longest context padded to), and whether it ran beside a
-    # core build (its times are then no measure of the model).
-    batch: int = 0
     prefill_tokens: int = 0
-    beside_build: bool = False
+    """Positions its prefill computed, where the batch knows better than its prompt's length
+    (a static batch pads every row to the longest); 0: its prompt's."""
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
@@ -54,7 +50,7 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
             continue
         before = out.get(step.request_id)
         if before is not None:
-            step = replace(step, tokens=before.tokens + step.tokens)
+            step = Step(step.request_id, before.tokens + step.tokens, step.finish, step.error)
         out[step.request_id] = step
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.engine.batch_types import Step
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -30,12 +30,21 @@ from shared.messages import FinishReason, SamplingParams, TokenLogprob
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
     import openvino_genai as ov_genai
 
-Turn = Callable[[float], AbstractContextManager[object]]
+
+class Held(Protocol):
+    """What a turn yields (the step gate's `Turn`): `then`, set before the turn ends, is the
+    deadline of the batch's next pass, posted as it leaves so that the batch keeps its place
+    between passes (inf: it has none)."""
+
+    then: float
+
+
+Turn = Callable[[float], AbstractContextManager["Held | None"]]
 """turn(deadline): held around every forward pass of a batch (the node's step gate, entered
 with the most urgent request's next-token deadline); tests pass `no_turn`."""
 
 
-def no_turn(deadline: float) -> AbstractContextManager[object]:
+def no_turn(deadline: float) -> AbstractContextManager[None]:
     return nullcontext()
 
 
@@ -48,26 +57,37 @@ class Turns:
         self.waited = 0.0
 
     @contextmanager
-    def __call__(self, deadline: float) -> Iterator[None]:
+    def __call__(self, deadline: float) -> Iterator[Held | None]:
         t0 = time.monotonic()
-        with self._turn(deadline):
+        with self._turn(deadline) as held:
             self.waited += time.monotonic() - t0
-            yield
+            yield held
 
 
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
-    """Refuse (ValueError, that request alone) a prompt no forward pass can take: empty, or
-    with an id outside the vocabulary (the library would embed it as garbage, not fail)."""
+def post(held: Held | None, deadlines: Iterable[float]) -> None:
+    """End a turn posted with the most urgent of the deadlines of the batch's next pass."""
+    if held is not None:
+        held.then = most_urgent(deadlines)
+
+
+def most_urgent(deadlines: Iterable[float]) -> float:
+    return min(deadlines, default=math.inf)
+
+
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, kv_tokens: int) -> None:
+    """Refuse (ValueError, that request alone) a request no forward pass can take: an empty
+    prompt, an id outside the vocabulary (the library would embed it as garbage, not fail), or
+    more tokens than the KV cache holds (the gateway bounds requests by the model's context)."""
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
+    if len(prompt_ids) + max_tokens > kv_tokens:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed this instance's "
+            f"KV cache of {kv_tokens} tokens"
+        )
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab_size}")
-
-
-def most_urgent(deadlines: Iterator[float]) -> float:
-    """The deadline a batch's forward pass waits for its turn with."""
-    return min(deadlines, default=math.inf)
 
 
 CORE_MAX_SEQS = 256
@@ -200,21 +220,31 @@ class _Request:
     params: SamplingParams
     deadline: Callable[[int], float]
     generated: int = 0
-    peak: int = 1
-    """Most requests the core ran at once while this one ran."""
 
 
 class CoreBatch:
     """The pipeline as a `Batch`: each `steps` call runs at most one `pipeline.step()` (inside
     a turn of `turn`, with the most urgent request's deadline) and returns every request's
     new token ids, and how those that ended ended. A cancelled request is stopped in the
-    library (its blocks are freed at the next step) and never heard of again."""
+    library (its blocks are freed at the next step) and never heard of again. `kv_tokens`: the
+    most a request may hold (the model's context); `idle`: called when the batch has nothing
+    left to run but not from a step (a cancel, a close), to take its posting at the gate down."""
 
-    def __init__(self, pipeline: Any, eos_token_id: int, vocab_size: int, turn: Turn = no_turn) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        eos_token_id: int,
+        vocab_size: int,
+        kv_tokens: int,
+        turn: Turn = no_turn,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:
         self.pipeline = pipeline
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
+        self.kv_tokens = kv_tokens
         self._turns = Turns(turn)
+        self._idle = idle
         self._live: dict[str, _Request] = {}
         self._next_id = 0
         self._error = ""
@@ -252,9 +282,9 @@ class CoreBatch:
     ) -> None:
         if self._error:
             raise RuntimeError(f"the continuous-batching core has stopped: {self._error}")
-        check_prompt(prompt_ids, self.vocab_size)
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, self.kv_tokens)
         handle = self._submit(prompt_ids, params)  # a spec the library refuses raises here, alone
-        self._live[request_id] = _Request(handle, prompt_ids, params, deadline, peak=len(self._live) + 1)
+        self._live[request_id] = _Request(handle, prompt_ids, params, deadline)
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
         import numpy as np
@@ -268,34 +298,31 @@ class CoreBatch:
         request = self._live.pop(request_id, None)
         if request is not None:
             request.handle.stop()
-
-    def generated(self, request_id: str) -> int:
-        """Tokens a live request has generated so far (0 once it is gone)."""
-        request = self._live.get(request_id)
-        return request.generated if request is not None else 0
+            if not self._live:
+                self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        """One step of the pipeline (none when nothing is left to run: `timeout` is not waited,
-        the core has nothing to wait for); the new tokens and ends it made."""
+        """One step of the pipeline and the new tokens and ends it made (`timeout` is not
+        waited: with requests there is always a step to run, and without none)."""
         if not self.pipeline.has_non_finished_requests():
             return self._read_all()  # a stopped request's last words, if any
         try:
-            with self._turns(most_urgent(r.deadline(r.generated) for r in self._live.values())):
+            with self._turns(most_urgent(r.deadline(r.generated) for r in self._live.values())) as held:
                 self.pipeline.step()
+                out = self._read_all()
+                post(held, (r.deadline(r.generated) for r in self._live.values()))
         except Exception as e:  # every request on the core fails; the worker makes a new batch
             self._error = f"{type(e).__name__}: {e}"
             failed = [Step(rid, (), None, self._error) for rid in self._live]
             self._live.clear()
             return failed
-        return self._read_all()
+        return out
 
     def _read_all(self) -> list[Step]:
-        running = len(self._live)
-        out = [self._read(rid, request, running) for rid, request in list(self._live.items())]
+        out = [self._read(rid, request, len(self._live)) for rid, request in list(self._live.items())]
         return [step for step in out if step is not None]
 
     def _read(self, request_id: str, request: _Request, running: int) -> Step | None:
-        request.peak = max(request.peak, running)
         tokens: list[tuple[int, TokenLogprob | None]] = []
         finish: FinishReason | None = None
         if request.handle.can_read():
@@ -328,9 +355,10 @@ class CoreBatch:
         if finish is None:
             return Step(request_id, tuple(tokens)) if tokens else None
         del self._live[request_id]
-        return Step(request_id, tuple(tokens), finish, batch=request.peak, prefill_tokens=len(request.prompt_ids))
+        return Step(request_id, tuple(tokens), finish)
 
     def close(self) -> None:
         for request in self._live.values():
             request.handle.stop()
         self._live.clear()
+        self._idle()

@@ -26,7 +26,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
@@ -78,7 +77,9 @@ class TieredBatch:
     bounded share of threads); `reload`: the start tier loaded again (for requests that need
     the logits once it was let go); `threads`: what the core is built with (`set_threads`);
     `first_batch_done`: called once, when the start's first batch is over (the worker ends
-    the start's bounded share then, before the core's build)."""
+    the start's bounded share then, before the core's build); `idle`: called when the batch
+    has nothing left to run but not from a step (a cancel, a close), to take its posting at
+    the gate down."""
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class TieredBatch:
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         first_batch_done: Callable[[], None] = lambda: None,
+        idle: Callable[[], None] = lambda: None,
     ) -> None:
         self.artifact = loaded.artifact
         self.tokenizer: Detokenizer = loaded.tokenizer
@@ -100,6 +102,7 @@ class TieredBatch:
         self.join_recompute_tokens = join_recompute_tokens
         self._reload = reload
         self._turns = Turns(turn)
+        self._idle = idle
         self._first_batch_done: Callable[[], None] | None = first_batch_done
         self.start: StartBatch | None = self._start_batch(loaded)
         self.core: CoreBatch | None = None
@@ -109,11 +112,8 @@ class TieredBatch:
         """When the core's last build began and ended (its CPU time slows what runs meanwhile)."""
         self._for_core: dict[str, Request] = {}
         """Requests that wait for the core while it builds (`core.needs_core`)."""
-        self._added: dict[str, float] = {}
-        """When each request not yet ended was added."""
-        self._moved: dict[str, tuple[int, int]] = {}
-        """Requests that moved to the core: the batch width and prefill positions of their time
-        on the start tier."""
+        self._added: set[str] = set()
+        """Requests added and not ended."""
         self._failed: list[Step] = []
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
@@ -131,6 +131,7 @@ class TieredBatch:
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         first_batch_done: Callable[[], None] = lambda: None,
+        idle: Callable[[], None] = lambda: None,
     ) -> TieredBatch:
         """The batch for a `Load`: its tier loaded on `share_threads` (the start's share), the
         core built later on `threads`."""
@@ -141,7 +142,7 @@ class TieredBatch:
         def reload() -> LoadedModel:
             return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, load.tier, loaded.tokenizer)
 
-        return cls(loaded, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done)
+        return cls(loaded, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
 
     @property
     def tier(self) -> Tier:
@@ -152,6 +153,12 @@ class TieredBatch:
     def building(self) -> bool:
         """The core is being built: `poll_tier_up` will have news (look every few tens of ms)."""
         return self.build is not None
+
+    @property
+    def build_window(self) -> tuple[float, float]:
+        """When the core's last build began and ended (inf: none, or not yet ended): a request
+        that overlapped it ran beside its ≈ 2.4 s of CPU, its times no measure of the model."""
+        return self._build_window
 
     @property
     def active(self) -> int:
@@ -187,7 +194,7 @@ class TieredBatch:
     ) -> None:
         """`kv_tokens`: what its name's KV reservation covers (`worker_wire.Run.kv_tokens`; a
         start tier's batch may hold that many positions, or one context)."""
-        check_prompt(prompt_ids, self.vocab_size)
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, max(self.artifact.context_length, kv_tokens))
         self._adopt_core()
         request = Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens)
         if needs_logits(params):  # logit_bias, top_logprobs: only the start tier has the logits
@@ -203,16 +210,18 @@ class TieredBatch:
             self._start_build()
         else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
             self._to_start(request)
-        self._added[request_id] = time.monotonic()
+        self._added.add(request_id)
 
     def cancel(self, request_id: str) -> None:
-        if self._added.pop(request_id, None) is None:
+        if request_id not in self._added:
             return
-        self._moved.pop(request_id, None)
+        self._added.discard(request_id)
         self._for_core.pop(request_id, None)
         for batch in (self.start, self.core):
             if batch is not None:
                 batch.cancel(request_id)
+        if not self._added:
+            self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
         """A step of the start tier's batch and one of the core, where each has requests; with
@@ -236,7 +245,10 @@ class TieredBatch:
                 core.close()
                 self.core = None
         self._let_start_go()
-        return [self._told(step) for step in out]
+        for step in out:
+            if step.finish is not None or step.error:
+                self._added.discard(step.request_id)
+        return out
 
     def poll_tier_up(self) -> TieredUp | None:
         """A finished build, once (the worker sends it to the engine): the core takes over, or
@@ -273,6 +285,7 @@ class TieredBatch:
         self.start = self.core = None
         self._for_core.clear()
         self._added.clear()
+        self._idle()
 
     # --- between steps ------------------------------------------------------------------------
 
@@ -329,12 +342,11 @@ class TieredBatch:
         waiting = list(self._for_core.values())
         self._for_core.clear()
         if build.pipeline is not None and not self._closed:
-            self.core = CoreBatch(build.pipeline, self.tokenizer.eos_token_id, self.vocab_size, self._turns)
-            for request in waiting:
+            self.core = CoreBatch(
+                build.pipeline, self.tokenizer.eos_token_id, self.vocab_size, self.artifact.context_length, self._turns
+            )
+            for request in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
                 self._to_core(request)
-            for moved in self.start.hand_over(needs_logits) if self.start is not None else []:
-                self._moved[moved.request.request_id] = (moved.batch, moved.prefill_tokens)
-                self._to_core(moved.request)
         else:
             self.build_failed = True
             for request in waiting:
@@ -350,18 +362,3 @@ class TieredBatch:
             self.start.close()
             self.start = None
             trim_heap()
-
-    def _told(self, step: Step) -> Step:
-        """A step as the worker gets it: a request's last with what only this batch knows."""
-        if step.finish is None and not step.error:
-            return step
-        added = self._added.pop(step.request_id, math.inf)
-        begun, ended = self._build_window
-        beside = added < ended and time.monotonic() > begun
-        width, positions = self._moved.pop(step.request_id, (0, 0))
-        return replace(
-            step,
-            batch=max(step.batch, width),
-            prefill_tokens=step.prefill_tokens + positions,
-            beside_build=beside,
-        )

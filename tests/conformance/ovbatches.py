@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engine.batch import StartBatch
+from services.engine.batch import StartBatch, vocab_size
 from services.engine.core import CoreBatch, Turn, no_turn
 from services.engine.instance import LoadedModel
 from services.engine.streams import DecodeMany
@@ -65,25 +69,60 @@ def encode(text: str) -> list[int]:
 
 
 def start_batch_factory(
-    turn: Turn = no_turn, max_batch: int = 4, join_recompute_tokens: int = 512
+    turn: Turn = no_turn, max_batch: int = 4, join_recompute_tokens: int = 512, idle: Callable[[], None] = lambda: None
 ) -> tuple[StartBatch, DecodeMany]:
     loaded = start_tier()
     batch = StartBatch(
-        loaded.compiled, loaded.eos_ids, loaded.artifact.context_length, turn, max_batch, join_recompute_tokens
+        loaded.compiled, loaded.eos_ids, loaded.artifact.context_length, turn, max_batch, join_recompute_tokens, idle
     )
     return batch, loaded.tokenizer.decode_many
 
 
-def core_batch_factory(turn: Turn = no_turn) -> tuple[CoreBatch, DecodeMany]:
+def core_batch_factory(turn: Turn = no_turn, idle: Callable[[], None] = lambda: None) -> tuple[CoreBatch, DecodeMany]:
     loaded = start_tier()  # its detokenizer and vocabulary are the model's
-    batch = CoreBatch(core_pipeline(), loaded.tokenizer.eos_token_id, loaded_vocab(), turn)
+    batch = CoreBatch(
+        core_pipeline(), loaded.tokenizer.eos_token_id, vocab_size(loaded.compiled), kv_tokens(), turn, idle
+    )
     return batch, loaded.tokenizer.decode_many
 
 
-def loaded_vocab() -> int:
-    from services.engine.batch import vocab_size
+def kv_tokens() -> int:
+    """The most a request may hold in either batch (the model's context): a longer one is refused."""
+    return smol_artifact().context_length
 
-    return vocab_size(start_tier().compiled)
+
+def decode(ids: Sequence[int]) -> str:
+    """The library's own detokenization of a completion's ids (special tokens skipped)."""
+    return start_tier().tokenizer.decode(ids)
+
+
+PROMPT = "The capital of France is"
+"""A prompt the model ends by itself (an end of sequence) within 20 tokens, greedy, on either tier."""
+
+
+class TurnLog:
+    """Stands in for the node's step gate (`Turn`, `idle`): the deadline each turn was entered
+    with, the one it was left posted with (`Held.then`), and how often the batch said it had
+    nothing left to run."""
+
+    @dataclass
+    class Held:
+        then: float = math.inf
+
+    def __init__(self) -> None:
+        self.entered: list[float] = []
+        self.left: list[float] = []
+        self.idles = 0
+
+    @contextmanager
+    def __call__(self, deadline: float) -> Iterator[TurnLog.Held]:
+        self.entered.append(deadline)
+        held = TurnLog.Held()
+        yield held
+        self.left.append(held.then)
+
+    def idle(self) -> None:
+        self.idles += 1
 
 
 def run_out(batch: Any, limit: int = 2000) -> dict[str, list[Any]]:

@@ -4,15 +4,24 @@ request failing alone, requests batched and joining mid-batch, the turn it steps
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from services.engine.core import CoreBatch, generation_config
 from shared.messages import FinishReason, SamplingParams
-from tests.conformance.ovbatches import core_batch_factory, core_pipeline, encode, run_out, start_tier, token_ids
+from tests.conformance.ovbatches import (
+    TurnLog,
+    core_batch_factory,
+    core_pipeline,
+    encode,
+    kv_tokens,
+    run_out,
+    start_tier,
+    token_ids,
+)
 
 FRANCE = encode("The capital of France is")
 """Greedy, the model ends this prompt within 20 tokens."""
@@ -58,8 +67,8 @@ def test_greedy_and_seeded_tokens_are_the_librarys_own(core: CoreBatch) -> None:
     assert {rid: token_ids(s) for rid, s in steps.items()} == expected
     core.add("alone", STORY, seeded)
     assert token_ids(run_out(core)["alone"]) == library((STORY, seeded))[0]
-    assert all(s[-1].finish == FinishReason.LENGTH and s[-1].batch == 2 for s in steps.values())
-    assert all(s[-1].prefill_tokens == len(STORY) for s in steps.values())
+    assert all(s[-1].finish == FinishReason.LENGTH for s in steps.values())
+    assert all(step.prefill_tokens == 0 for s in steps.values() for step in s)  # its prompt's
     assert core.kv_bytes > 0 and core.active == 0
 
 
@@ -99,6 +108,8 @@ def test_a_bad_request_fails_alone(core: CoreBatch) -> None:
         core.add("oov", [1, 10**7], greedy(5))
     with pytest.raises(ValueError, match="no tokens"):
         core.add("empty", [], greedy(5))
+    with pytest.raises(ValueError, match="KV cache"):
+        core.add("long", [1] * kv_tokens(), greedy(5))
     steps = run_out(core)
     assert set(steps) == {"good"} and len(token_ids(steps["good"])) == 5
 
@@ -111,7 +122,6 @@ def test_a_request_joins_mid_batch_and_each_gets_its_own_tokens(core: CoreBatch)
     steps = run_out(core)
     assert len([t for s in first for t, _ in s.tokens] + token_ids(steps["a"])) == 20
     assert len(token_ids(steps["b"])) == 10
-    assert steps["a"][-1].batch == steps["b"][-1].batch == 2
 
 
 def test_logprobs_of_the_chosen_token_come_with_it(core: CoreBatch) -> None:
@@ -121,21 +131,21 @@ def test_logprobs_of_the_chosen_token_come_with_it(core: CoreBatch) -> None:
     assert all(lp is not None and lp.token == t and lp.logprob <= 0.0 for t, lp in pairs)
 
 
-def test_each_step_takes_a_turn_with_the_most_urgent_deadline() -> None:
-    deadlines: list[float] = []
-
-    @contextmanager
-    def turn(deadline: float) -> Iterator[None]:
-        deadlines.append(deadline)
-        yield
-
-    core, _ = core_batch_factory(turn)
+def test_each_step_takes_a_turn_with_the_most_urgent_deadline_and_posts_the_next() -> None:
+    gate = TurnLog()
+    core, _ = core_batch_factory(gate, gate.idle)
     try:
         core.add("slow", STORY, greedy(3, ignore_eos=True), lambda n: 100.0 + n)
         core.add("urgent", STORY, greedy(3, ignore_eos=True), lambda n: 50.0 + 30.0 * n)
         run_out(core)
+        # Both generate a token a step: min(100 + n, 50 + 30n) with n tokens so far; each turn
+        # is left posted with the next one's deadline, the last with none.
+        assert gate.entered == [50.0, 80.0, 102.0]
+        assert gate.left == [80.0, 102.0, math.inf] and gate.idles == 0
+        # A cancel that leaves it nothing to run takes its posting down.
+        core.add("c", STORY, greedy(9))
+        core.steps(0.0)
+        core.cancel("c")
+        assert gate.idles == 1
     finally:
         core.close()
-    # Both generate a token a step: min(100 + n, 50 + 30n) with n tokens so far.
-    assert deadlines[:3] == [50.0, 80.0, 102.0]
-    assert core.waited >= 0.0

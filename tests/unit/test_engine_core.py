@@ -73,11 +73,13 @@ def test_what_the_start_tier_cannot_sample_waits_for_the_core() -> None:
         assert needs_core(p), p
 
 
-def test_a_prompt_no_forward_pass_can_take_is_refused() -> None:
-    check_prompt([0, 5, 9], vocab_size=10)
+def test_a_request_no_forward_pass_can_take_is_refused() -> None:
+    check_prompt([0, 5, 9], max_tokens=7, vocab_size=10, kv_tokens=10)
     with pytest.raises(ValueError, match="no tokens"):
-        check_prompt([], vocab_size=10)
+        check_prompt([], max_tokens=1, vocab_size=10, kv_tokens=10)
     with pytest.raises(ValueError, match="token id 10 is outside"):
-        check_prompt([1, 10], vocab_size=10)
+        check_prompt([1, 10], max_tokens=1, vocab_size=10, kv_tokens=10)
     with pytest.raises(ValueError, match="token id -1"):
-        check_prompt([-1], vocab_size=10)
+        check_prompt([-1], max_tokens=1, vocab_size=10, kv_tokens=10)
+    with pytest.raises(ValueError, match=r"the prompt \(3 tokens\) and max_tokens \(8\) exceed .* KV cache of 10"):
+        check_prompt([0, 5, 9], max_tokens=8, vocab_size=10, kv_tokens=10)

@@ -5,8 +5,8 @@ requests (logit_bias, top_logprobs), the turn each pass takes, and handing reque
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ import pytest
 from services.engine.batch import StartBatch
 from services.engine.sampling import Sampler, token_logprob
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
-from tests.conformance.ovbatches import encode, run_out, start_batch_factory, start_tier, token_ids
+from tests.conformance.ovbatches import TurnLog, encode, kv_tokens, run_out, start_batch_factory, start_tier, token_ids
 
 FRANCE = encode("The capital of France is")
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 11173, 30], [1, 4093, 1115, 2], list(range(100, 140))]
@@ -90,7 +90,7 @@ def test_padded_rows_decode_as_they_would_alone_and_joined_rows_too(batch: Start
     together = run_out(batch)
     assert [token_ids(together[f"r{i}"]) for i in range(3)] == alone
     longest = max(len(p) for p in PROMPTS)
-    assert all(s[-1].batch == 3 and s[-1].prefill_tokens == 3 * longest for s in together.values())
+    assert all(step.prefill_tokens == 3 * longest for s in together.values() for step in s)
     # Joining a running batch re-prefills its rows with their output so far: the running rows
     # go on with the tokens they would have had, the newcomers get theirs.
     batch.add("r0", PROMPTS[0], greedy(8))
@@ -150,6 +150,8 @@ def test_a_bad_request_fails_alone(batch: StartBatch) -> None:
         batch.add("oov", [1, 49152], greedy(4))
     with pytest.raises(ValueError, match="no tokens"):
         batch.add("empty", [], greedy(4))
+    with pytest.raises(ValueError, match="KV cache"):
+        batch.add("long", [1] * kv_tokens(), greedy(4))
     assert len(token_ids(run_out(batch)["good"])) == 4
 
 
@@ -188,20 +190,21 @@ def test_logit_bias_and_top_logprobs_are_read_from_the_logits(batch: StartBatch)
         assert lp is not None and len(lp.top) == 3 and lp.top[0][0] == token == lp.token
 
 
-def test_each_pass_takes_a_turn_with_the_most_urgent_deadline() -> None:
-    deadlines: list[float] = []
-
-    @contextmanager
-    def turn(deadline: float) -> Iterator[None]:
-        deadlines.append(deadline)
-        yield
-
-    batch, _ = start_batch_factory(turn)
+def test_each_pass_takes_a_turn_with_the_most_urgent_deadline_and_posts_the_next() -> None:
+    gate = TurnLog()
+    batch, _ = start_batch_factory(gate, idle=gate.idle)
     batch.add("slow", PROMPTS[0], greedy(3), lambda n: 100.0 + n)
     batch.add("urgent", PROMPTS[1], greedy(2), lambda n: 50.0 + 30.0 * n)
     run_out(batch)
     # The prefill for both at 0 tokens; then min(100 + n, 50 + 30n); "urgent" is done after 2.
-    assert deadlines == [50.0, 80.0, 102.0]
+    # Each turn is left posted with the next one's deadline, the last with none.
+    assert gate.entered == [50.0, 80.0, 102.0]
+    assert gate.left == [80.0, 102.0, math.inf] and gate.idles == 0
+    # A cancel that leaves it nothing to run takes its posting down.
+    batch.add("c", PROMPTS[0], greedy(9))
+    batch.steps(0.0)
+    batch.cancel("c")
+    assert gate.idles == 1
 
 
 def test_hand_over_takes_the_rest_of_a_running_request_and_keeps_the_others(batch: StartBatch) -> None:
@@ -210,14 +213,13 @@ def test_hand_over_takes_the_rest_of_a_running_request_and_keeps_the_others(batc
     made = [t for _ in range(3) for s in batch.steps(0.0) if s.request_id == "a" for t, _ in s.tokens]
     batch.add("queued", PROMPTS[2], greedy(6))
     moved = batch.hand_over(lambda p: p.logprobs > 0)  # the logits' requests stay
-    assert [m.request.request_id for m in moved] == ["queued", "a"]
+    assert [m.request_id for m in moved] == ["queued", "a"]
     queued, a = moved
-    assert queued.request.prompt_ids == tuple(PROMPTS[2]) and queued.batch == 0
+    assert queued.prompt_ids == tuple(PROMPTS[2])
     # "a" goes on from its next token: its context so far, what it may still make, its
     # deadline counted on from the 3 tokens it made.
-    assert a.request.prompt_ids == (*PROMPTS[0], *made) and len(made) == 3
-    assert a.request.params.max_tokens == 7 and a.request.deadline(0) == 13.0
-    assert a.batch == 2 and a.prefill_tokens == 2 * len(PROMPTS[0])
+    assert a.prompt_ids == (*PROMPTS[0], *made) and len(made) == 3
+    assert a.params.max_tokens == 7 and a.deadline(0) == 13.0
     rest = run_out(batch)
     assert set(rest) == {"keep"} and batch.active == 0
 

@@ -7,6 +7,7 @@ grammars."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import msgspec
@@ -18,7 +19,7 @@ from services.engine.core import generation_config
 from services.engine.instance import LoadedModel
 from services.engine.tiered_batch import NO_GRAMMAR, TieredBatch
 from shared.messages import FinishReason, Guide, SamplingParams, Tier
-from tests.conformance.ovbatches import THREADS, encode, run_out, start_tier, token_ids
+from tests.conformance.ovbatches import THREADS, TurnLog, encode, run_out, start_tier, token_ids
 
 STORY = encode("Once upon a time, in a land far away,")
 QUESTION = encode("What is the tallest mountain?")
@@ -30,7 +31,9 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-def tiered_batch(loaded: LoadedModel, first_batch_done: list[int] | None = None) -> TieredBatch:
+def tiered_batch(
+    loaded: LoadedModel, first_batch_done: list[int] | None = None, gate: TurnLog | None = None
+) -> TieredBatch:
     def reload() -> LoadedModel:
         return LoadedModel.load(ov.Core(), loaded.artifact, "CPU", THREADS, tier=Tier.START, tokenizer=loaded.tokenizer)
 
@@ -38,7 +41,8 @@ def tiered_batch(loaded: LoadedModel, first_batch_done: list[int] | None = None)
         if first_batch_done is not None:
             first_batch_done.append(1)
 
-    return TieredBatch(loaded, reload, "CPU", THREADS, max_batch=4, first_batch_done=done)
+    gate = gate or TurnLog()
+    return TieredBatch(loaded, reload, "CPU", THREADS, gate, max_batch=4, first_batch_done=done, idle=gate.idle)
 
 
 @pytest.fixture
@@ -70,9 +74,12 @@ def test_a_running_request_moves_to_the_core_mid_stream_without_a_token_lost_or_
     tiered.add("a", STORY, greedy(24))
     tiered.add("logits", QUESTION, greedy(24, logprobs=3))
     seen: dict[str, list[int]] = {"a": [], "logits": []}
+    prefilled = set()
     for _ in range(4):
         for step in tiered.steps(0.05):
             seen[step.request_id] += [t for t, _ in step.tokens]
+            prefilled.add(step.prefill_tokens)
+    assert prefilled == {2 * max(len(STORY), len(QUESTION))}  # both rows padded to the longest
     assert tiered.tier == Tier.START and not tiered.building and len(seen["a"]) == 4
     assert tiered.tier_up_now() is None and tiered.building  # the node is idle: build now
     wait_for_core(tiered)
@@ -84,9 +91,10 @@ def test_a_running_request_moves_to_the_core_mid_stream_without_a_token_lost_or_
     assert len(seen["a"] + token_ids(rest["a"])) == 24 and rest["a"][-1].finish == FinishReason.LENGTH
     # On the core, "a" went on from its next token: what the core makes of its context so far.
     assert token_ids(rest["a"]) == core_alone(tiered, STORY + seen["a"], greedy(20))
-    last = rest["a"][-1]
-    assert last.beside_build and last.batch == 2
-    assert last.prefill_tokens == 2 * max(len(STORY), len(QUESTION)) + len(STORY) + 4
+    # On the core its steps tell no prefill of their own (the worker keeps the most any said).
+    assert max(s.prefill_tokens for s in rest["a"]) == 0
+    begun, ended = tiered.build_window
+    assert begun < ended < float("inf")
     # The logits' request stayed on the start tier, every token with its alternatives.
     logits = [pair for step in rest["logits"] for pair in step.tokens]
     assert len(seen["logits"]) + len(logits) == 24
@@ -100,7 +108,7 @@ def test_requests_only_the_core_serves_wait_for_it(tiered: TieredBatch) -> None:
     tiered.add("seeded", STORY, seeded)
     assert tiered.building and tiered.active == 1  # asked for the core: built now
     steps = run_out(tiered)["seeded"]  # its steps wait for the build, then run on the core
-    assert tiered.tier == Tier.STEADY and steps[-1].beside_build
+    assert tiered.tier == Tier.STEADY and tiered.build_window[1] < float("inf")
     assert token_ids(steps) == core_alone(tiered, STORY, seeded)
     up = tiered.poll_tier_up()
     assert up is not None and up.tier == Tier.STEADY and tiered.poll_tier_up() is None
@@ -110,7 +118,8 @@ def test_requests_only_the_core_serves_wait_for_it(tiered: TieredBatch) -> None:
 
 def test_the_core_is_built_after_the_first_batch_and_logits_bring_the_start_tier_back() -> None:
     calls: list[int] = []
-    tiered = tiered_batch(start_tier(), calls)
+    gate = TurnLog()
+    tiered = tiered_batch(start_tier(), calls, gate)
     try:
         tiered.add("a", QUESTION, greedy(3))
         run_out(tiered)
@@ -124,6 +133,12 @@ def test_the_core_is_built_after_the_first_batch_and_logits_bring_the_start_tier
         steps = run_out(tiered)
         assert token_ids(steps["biased"]) == [504] * 6 and len(token_ids(steps["plain"])) == 6
         assert calls == [1] and tiered.start is None
+        # Both tiers' passes took turns; a cancel that leaves nothing to run takes the posting down.
+        assert gate.left[-1] == math.inf and gate.idles == 0 and tiered.waited >= 0.0
+        tiered.add("c", STORY, greedy(50))
+        tiered.steps(0.05)
+        tiered.cancel("c")
+        assert gate.idles == 1 and tiered.active == 0
     finally:
         tiered.close()
 
