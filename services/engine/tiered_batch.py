@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from services.engine.instance import Detokenizer, LoadedModel
     from services.engine.worker_wire import Load
 
+CLOSE_BUILD_S = 60.0
+"""Longest `close` waits for a core build under way (≈ 2.4 s here)."""
+
 NO_GRAMMAR = "this instance cannot enforce structured output: its continuous-batching core failed to build"
 
 
@@ -278,7 +281,12 @@ class TieredBatch:
         return False
 
     def close(self) -> None:
+        """Every request goes; a build under way is waited for (its thread in the library's
+        code: a process that exits beside it aborts), at most `CLOSE_BUILD_S`."""
         self._closed = True
+        if self.build is not None:
+            self.build.done.wait(CLOSE_BUILD_S)
+            self.build = None
         for batch in (self.start, self.core):
             if batch is not None:
                 batch.close()
