@@ -175,7 +175,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
     plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
     blob for such a model but never imports it back), which is why a start serves its first
-    tokens on the materialized stateful tier while this builds (`worker_process.py`)."""
+    tokens on the materialized stateful tier while this builds (`tiered_batch.py`)."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()

@@ -98,6 +98,10 @@ class TieredBatch:
     ) -> None:
         self.artifact = loaded.artifact
         self.tokenizer: Detokenizer = loaded.tokenizer
+        self.loaded_from_cache = loaded.loaded_from_cache
+        """The start tier's compiled blob was imported (`Loaded.loaded_from_cache`)."""
+        self.load_threads = int(loaded.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
+        """The threads the start tier was compiled with (`Loaded.threads`)."""
         self.vocab_size = vocab_size(loaded.compiled)
         self.device = device
         self.threads = threads
@@ -141,9 +145,10 @@ class TieredBatch:
         from services.engine.instance import LoadedModel
 
         loaded = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, load.tier)
+        tokenizer = loaded.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
 
         def reload() -> LoadedModel:
-            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, load.tier, loaded.tokenizer)
+            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, load.tier, tokenizer)
 
         return cls(loaded, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
 
