@@ -1,30 +1,94 @@
-"""The continuous-batching engine core: OpenVINO GenAI's `ContinuousBatchingPipeline` driven
-the way a serving engine drives it.
+"""The continuous-batching engine core: OpenVINO GenAI's `ContinuousBatchingPipeline` as one
+of the worker's `Batch`es (`batch_types.py`), and what the OpenVINO batches share.
 
 Paged KV cache, requests that join and leave at every step, chunked prefill (the library's
 `dynamic_split_fuse`, so a long prompt or a long generation never blocks short ones), prefix
-caching, and the library's sampling, penalties, stop strings and end-of-sequence handling.
-What is left here is the loop of a serving engine (vLLM v1's `EngineCore`, OpenVINO Model
-Server's use of this same pipeline): add what arrived, `step()`, hand out what each handle has
-ready, and abort what a client gave up on.
+caching, and the library's sampling, penalties, end-of-sequence and max_tokens handling. What
+is left here is what a serving engine does around it (vLLM v1's `EngineCore`, OpenVINO Model
+Server's use of this same pipeline): add what arrived, `step()`, hand out each request's new
+token ids, and stop what a client gave up on. Text and stop strings are the worker loop's
+(one detokenizer and one stop matcher for every backend), so the library gets no stop strings.
 
 `step()` and `GenerationHandle.read()` hold the GIL and must not run beside another step, so
-the core lives on its worker process's main thread (`worker_process.py`) and nothing else calls it.
+the batch is stepped on its worker process's main thread and nothing else calls it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.messages import FinishReason, SamplingParams
+from services.engine.batch_types import Step
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
     import openvino_genai as ov_genai
+
+
+class Held(Protocol):
+    """What a turn yields (the step gate's `Turn`): `then`, set before the turn ends, is the
+    deadline of the batch's next pass, posted as it leaves so that the batch keeps its place
+    between passes (inf: it has none)."""
+
+    then: float
+
+
+Turn = Callable[[float], AbstractContextManager["Held | None"]]
+"""turn(deadline): held around every forward pass of a batch (the node's step gate, entered
+with the most urgent request's next-token deadline); tests pass `no_turn`."""
+
+
+def no_turn(deadline: float) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
+class Turns:
+    """A batch's turns, and the seconds it spent waiting to enter them (`Batch.waited`).
+    Itself a `Turn`, so that batches inside another share its count."""
+
+    def __init__(self, turn: Turn) -> None:
+        self._turn = turn
+        self.waited = 0.0
+
+    @contextmanager
+    def __call__(self, deadline: float) -> Iterator[Held | None]:
+        t0 = time.monotonic()
+        with self._turn(deadline) as held:
+            self.waited += time.monotonic() - t0
+            yield held
+
+
+def post(held: Held | None, deadlines: Iterable[float]) -> None:
+    """End a turn posted with the most urgent of the deadlines of the batch's next pass."""
+    if held is not None:
+        held.then = most_urgent(deadlines)
+
+
+def most_urgent(deadlines: Iterable[float]) -> float:
+    return min(deadlines, default=math.inf)
+
+
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, kv_tokens: int) -> None:
+    """Refuse (ValueError, that request alone) a request no forward pass can take: an empty
+    prompt, an id outside the vocabulary (the library would embed it as garbage, not fail), or
+    more tokens than the KV cache holds (the gateway bounds requests by the model's context)."""
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    if len(prompt_ids) + max_tokens > kv_tokens:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed this instance's "
+            f"KV cache of {kv_tokens} tokens"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab_size}")
+
 
 CORE_MAX_SEQS = 256
 """Requests the pipeline runs at once (the library's `max_num_seqs` default)."""
@@ -33,9 +97,6 @@ MAX_BATCHED_TOKENS = 256
 """Tokens one step may compute (the library's default): a long prompt is prefilled in chunks
 of this many alongside the running decodes, so that it never stalls them for long."""
 
-
-SAMPLING_EPS = 1e-5
-"""A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`)."""
 
 FLOAT32_TINY = 1e-30
 
@@ -48,17 +109,15 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     config.max_new_tokens = params.max_tokens
     config.set_eos_token_id(eos_token_id)
     config.ignore_eos = params.ignore_eos
-    config.stop_strings = set(s for s in params.stop if s)
-    config.include_stop_str_in_output = False  # OpenAI: the stop string is not returned
     # The library keeps these as float32 and checks them > 0: a positive double below float32's
     # range would fail that check, so the smallest ones are raised to one it keeps (the same
-    # choice either way: only the most likely token survives such a top_p).
+    # choice either way: only the most likely token survives such a temperature or top_p).
     config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
     config.frequency_penalty = params.frequency_penalty
     config.presence_penalty = params.presence_penalty
-    if params.temperature >= SAMPLING_EPS:
+    if params.temperature > 0.0:  # greedy at 0, as `sampling.Sampler` decides it
         config.do_sample = True
-        config.temperature = params.temperature
+        config.temperature = max(params.temperature, FLOAT32_TINY)
         config.top_p = max(params.top_p, FLOAT32_TINY)
         if params.top_k > 0:
             config.top_k = params.top_k
@@ -69,7 +128,7 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     else:
         config.do_sample = False
     if params.logprobs >= 0:
-        config.logprobs = 1  # the library's: the chosen token's only (alternatives: worker.needs_logits)
+        config.logprobs = 1  # the library's: the chosen token's only (alternatives: `needs_logits`)
     if params.guide is not None:
         guide = ov_genai.StructuredOutputConfig()
         setattr(guide, params.guide.kind, params.guide.spec)
@@ -116,7 +175,7 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
     plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
     blob for such a model but never imports it back), which is why a start serves its first
-    tokens on the materialized stateful tier while this builds (`worker_process.py`)."""
+    tokens on the materialized stateful tier while this builds (`tiered_batch.py`)."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
@@ -151,63 +210,81 @@ def warm_up(pipeline: ov_genai.ContinuousBatchingPipeline, rows: int = WARM_UP_R
     pipeline.generate(prompts, [config] * rows)
 
 
-class TextSink(Protocol):
-    """Where one request's new tokens go (detokenized with the others': `streams.CoreStreams`)."""
-
-    def write(self, tokens: Sequence[int], logprobs: Sequence[float] = ()) -> None: ...
-
-    def end(self) -> None: ...
-
-
-@dataclass
-class Output:
-    """What the core has for one request after a step."""
-
-    request_id: str
-    finish_reason: FinishReason | None = None
-    """Set once the request is done (its text has all been written to its sink)."""
-    completion_tokens: int = 0
-    first_token_at: float | None = None
-    added_at: float = 0.0
-    finished_at: float = 0.0
-    prompt_tokens: int = 0
-    peak_running: int = 1
-    """Most requests the core was running at once while this one ran."""
-    error: str = ""
-    """Set when it could not run at all (its context does not fit in the KV cache)."""
-
-
-@dataclass
-class _Live:
-    handle: Any
-    sink: TextSink
-    out: Output
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    aborted: bool = False
-
-
 _FINISH = {"LENGTH": FinishReason.LENGTH, "STOP": FinishReason.STOP}
 
 
 @dataclass
-class EngineCore:
-    """One pipeline and the requests in it. `clock` is time.monotonic (CLOCK_MONOTONIC:
-    comparable across the node's processes)."""
+class _Request:
+    handle: Any
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    deadline: Callable[[int], float]
+    generated: int = 0
 
-    pipeline: Any
-    eos_token_id: int
-    clock: Callable[[], float] = time.monotonic
-    _live: dict[str, _Live] = field(default_factory=dict)
-    _ids: dict[str, int] = field(default_factory=dict)
-    _next_id: int = 0
 
-    def __len__(self) -> int:
+class CoreBatch:
+    """The pipeline as a `Batch`: each `steps` call runs at most one `pipeline.step()` (inside
+    a turn of `turn`, with the most urgent request's deadline) and returns every request's
+    new token ids, and how those that ended ended. A cancelled request is stopped in the
+    library (its blocks are freed at the next step) and never heard of again. `kv_tokens`: the
+    most a request may hold (the model's context); `idle`: called when the batch has nothing
+    left to run but not from a step (a cancel, a close), to take its posting at the gate down."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        eos_token_id: int,
+        vocab_size: int,
+        kv_tokens: int,
+        turn: Turn = no_turn,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.kv_tokens = kv_tokens
+        self._turns = Turns(turn)
+        self._idle = idle
+        self._live: dict[str, _Request] = {}
+        self._next_id = 0
+        self._error = ""
+
+    @property
+    def active(self) -> int:
         return len(self._live)
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: TextSink) -> None:
-        out = Output(request_id, added_at=self.clock(), prompt_tokens=len(prompt_ids), peak_running=len(self._live) + 1)
-        self._live[request_id] = _Live(self._submit(prompt_ids, params), sink, out, prompt_ids, params)
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    @property
+    def alive(self) -> bool:
+        """False once a step failed (every request on it failed; the pipeline may be broken)."""
+        return not self._error
+
+    def set_threads(self, threads: int) -> None:
+        """The pipeline's threads are fixed when it is built (`build_pipeline`)."""
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the pipeline's KV cache holds now (its dynamic allocation)."""
+        return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float] = lambda _: math.inf,
+    ) -> None:
+        if self._error:
+            raise RuntimeError(f"the continuous-batching core has stopped: {self._error}")
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, self.kv_tokens)
+        handle = self._submit(prompt_ids, params)  # a spec the library refuses raises here, alone
+        self._live[request_id] = _Request(handle, prompt_ids, params, deadline)
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
         import numpy as np
@@ -217,68 +294,71 @@ class EngineCore:
         self._next_id += 1
         return self.pipeline.add_request(self._next_id, ids, generation_config(params, self.eos_token_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request: its blocks are freed at the next step, and it ends CANCELLED."""
-        live = self._live.get(request_id)
-        if live is None:
-            return False
-        if not live.aborted:
-            live.aborted = True
-            live.handle.stop()
-        return True
+    def cancel(self, request_id: str) -> None:
+        request = self._live.pop(request_id, None)
+        if request is not None:
+            request.handle.stop()
+            if not self._live:
+                self._idle()
 
-    def has_work(self) -> bool:
-        return bool(self._live)
+    def steps(self, timeout: float) -> list[Step]:
+        """One step of the pipeline and the new tokens and ends it made (`timeout` is not
+        waited: with requests there is always a step to run, and without none)."""
+        if not self.pipeline.has_non_finished_requests():
+            return self._read_all()  # a stopped request's last words, if any
+        try:
+            with self._turns(most_urgent(r.deadline(r.generated) for r in self._live.values())) as held:
+                self.pipeline.step()
+                out = self._read_all()
+                post(held, (r.deadline(r.generated) for r in self._live.values()))
+        except Exception as e:  # every request on the core fails; the worker makes a new batch
+            self._error = f"{type(e).__name__}: {e}"
+            failed = [Step(rid, (), None, self._error) for rid in self._live]
+            self._live.clear()
+            return failed
+        return out
 
-    def generated(self, request_id: str) -> int:
-        """Tokens a live request has generated so far (0 once it is gone)."""
-        live = self._live.get(request_id)
-        return live.out.completion_tokens if live is not None else 0
+    def _read_all(self) -> list[Step]:
+        out = [self._read(rid, request, len(self._live)) for rid, request in list(self._live.items())]
+        return [step for step in out if step is not None]
 
-    def kv_allocated_bytes(self) -> int:
-        """Bytes the pipeline's KV cache holds now (its dynamic allocation)."""
-        return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
+    def _read(self, request_id: str, request: _Request, running: int) -> Step | None:
+        tokens: list[tuple[int, TokenLogprob | None]] = []
+        finish: FinishReason | None = None
+        if request.handle.can_read():
+            for result in request.handle.read().values():
+                ids = [int(t) for t in result.generated_ids]
+                logprobs = [float(lp) for lp in result.generated_log_probs] if request.params.logprobs >= 0 else []
+                tokens += [
+                    (t, TokenLogprob(token=t, logprob=logprobs[i]) if i < len(logprobs) else None)
+                    for i, t in enumerate(ids)
+                ]
+                finish = _FINISH.get(result.finish_reason.name, finish)
+        status = request.handle.get_status().name
+        if finish is None and status == "IGNORED" and request.generated == 0 and not tokens:
+            # The step could schedule nothing: the KV cache was full. With others running it
+            # waits for their blocks (submitted again); alone, it can never fit.
+            if running > 1:
+                request.handle = self._submit(request.prompt_ids, request.params)
+                return None
+            del self._live[request_id]
+            return Step(
+                request_id, (), None, f"a prompt of {len(request.prompt_ids)} tokens does not fit in this KV cache"
+            )
+        if finish is None and status != "RUNNING":
+            # Ended without a reason (the handle was stopped or dropped): over either way.
+            finish = FinishReason.STOP if status == "FINISHED" else FinishReason.CANCELLED
+        if finish is not None and tokens and tokens[-1][0] == self.eos_token_id and not request.params.ignore_eos:
+            tokens.pop()  # the end of sequence ends it; it is no token of the completion
+            finish = FinishReason.STOP
+        request.generated += len(tokens)
+        if finish is None:
+            return Step(request_id, tuple(tokens)) if tokens else None
+        del self._live[request_id]
+        return Step(request_id, tuple(tokens), finish)
 
-    def step(self) -> list[Output]:
-        """One step of the pipeline; the outputs of the requests that finished in it (every
-        running request's new text has gone to its sink)."""
-        if self.pipeline.has_non_finished_requests():
-            self.pipeline.step()
-        now = self.clock()
-        running = len(self._live)
-        done: list[Output] = []
-        for request_id, live in list(self._live.items()):
-            out = live.out
-            out.peak_running = max(out.peak_running, running)
-            finish: FinishReason | None = None
-            if live.handle.can_read():
-                for result in live.handle.read().values():
-                    tokens = list(result.generated_ids)
-                    if tokens:
-                        if out.first_token_at is None:
-                            out.first_token_at = now
-                        out.completion_tokens += len(tokens)
-                        logprobs = list(result.generated_log_probs) if live.params.logprobs >= 0 else []
-                        live.sink.write(tokens, logprobs)
-                    finish = _FINISH.get(result.finish_reason.name, finish)
-            status = live.handle.get_status().name
-            if live.aborted and status != "RUNNING":
-                finish = FinishReason.CANCELLED
-            elif finish is None and status == "IGNORED" and out.completion_tokens == 0:
-                # The step could schedule nothing: the KV cache was full. With others running
-                # it waits for their blocks (submitted again); alone, it can never fit.
-                if running > 1:
-                    live.handle = self._submit(live.prompt_ids, live.params)
-                    continue
-                out.error = f"a prompt of {out.prompt_tokens} tokens does not fit in this instance's KV cache"
-                finish = FinishReason.CANCELLED
-            elif finish is None and status != "RUNNING":
-                # Ended without a reason (the handle was stopped or dropped): over either way.
-                finish = FinishReason.STOP if status == "FINISHED" else FinishReason.CANCELLED
-            if finish is not None:
-                live.sink.end()
-                out.finish_reason = finish
-                out.finished_at = now
-                done.append(out)
-                del self._live[request_id]
-        return done
+    def close(self) -> None:
+        for request in self._live.values():
+            request.handle.stop()
+        self._live.clear()
+        self._idle()

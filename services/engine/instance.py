@@ -4,31 +4,22 @@ The model is a stateful OpenVINO IR (the KV cache lives in the infer request's s
 compiled once, at registration, with `CACHE_DIR` pointing into the artifact (MEDUSA §2.5, §6:
 do offline what every start would otherwise derive); a start imports that blob, which
 OpenVINO reports as `LOADED_FROM_CACHE`. The detokenizer loads on a second thread meanwhile.
-Generation is a plain loop over the infer request, run in a worker process (`worker_process.py`),
-reporting each piece of text through `emit`.
+The start tier's batch (`batch.StartBatch`) generates with it.
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import openvino as ov
 
-from services.engine import text_stream
-from services.engine.batch import BatchItem, Join, RowEmit, RowResult, generate_batch
-from services.engine.stops import StopMatcher
 from shared.artifact import compile_config, model_xml
 from shared.messages import Artifact, Tier
-
-Emit = Callable[[str, int], None]
-"""emit(text, tokens): text to send and the tokens decoded since the last call."""
 
 DETOKENIZER_XML = "openvino_detokenizer.xml"
 
@@ -124,73 +115,4 @@ class LoadedModel:
             eos_ids=frozenset({tokenizer.eos_token_id}),
             loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
             tier=tier,
-        )
-
-
-class TextStream:
-    """A row's text (`text_stream.TextStream`: detokenized, through its stop strings,
-    coalesced per stream interval), each piece handed to `emit` as it is due."""
-
-    def __init__(self, tokenizer: Detokenizer, stops: StopMatcher, emit: Emit, interval_s: float) -> None:
-        self._stream = text_stream.TextStream(tokenizer.decode, stops, interval_s, time.perf_counter)
-        self._emit = emit
-
-    def write(self, tokens: Sequence[int]) -> None:
-        for token in tokens:
-            if (piece := self._stream.add(int(token))) is not None:
-                self._emit(piece.text, piece.tokens)
-
-    def end(self) -> None:
-        if (piece := self._stream.end()) is not None:
-            self._emit(piece.text, piece.tokens)
-
-
-@dataclass
-class Batcher:
-    """Generation on one loaded model for every name served from it: one infer request (its
-    state is the KV cache of the batch running; no KV cache outlives a generation), created
-    on the first request and released when no name is left."""
-
-    loaded: LoadedModel
-    names: set[str] = field(default_factory=set)
-    _request: ov.InferRequest | None = None
-    _rows: int = 0
-
-    def drop(self, name: str) -> bool:
-        """Forget `name`; True when that released the infer request (and its memory)."""
-        self.names.discard(name)
-        if not self.names and self._request is not None:
-            self._request = None
-            self._rows = 0
-            return True
-        return False
-
-    def _request_for(self, rows: int) -> ov.InferRequest:
-        if self._request is None or rows > self._rows:
-            # A batch wider than any this request has run needs a new one: after
-            # `reset_state`, OpenVINO 2026.4's CPU plugin kept the rows beyond the old width
-            # wrong once the cache grew (measured: those rows' text diverged after ≈ 7 tokens).
-            self._request = self.loaded.compiled.create_infer_request()
-            self._rows = rows
-        return self._request
-
-    def generate(
-        self,
-        items: Sequence[BatchItem],
-        emit: RowEmit,
-        is_cancelled: Callable[[str], bool],
-        stream_interval_s: float = 0.0,
-        between_steps: Callable[[], None] | None = None,
-        join: Join | None = None,
-        wrap: Callable[[ov.InferRequest], Any] | None = None,
-    ) -> list[RowResult]:
-        """`wrap`: what every iteration's infer request is seen through (the node's gate)."""
-        tokenizer = self.loaded.tokenizer
-
-        def text(row_emit: Callable[[str, str, int], None], request_id: str, stops: StopMatcher) -> TextStream:
-            return TextStream(tokenizer, stops, lambda t, n: row_emit(request_id, t, n), stream_interval_s)
-
-        request_for = self._request_for if wrap is None else (lambda rows: wrap(self._request_for(rows)))
-        return generate_batch(
-            request_for, items, self.loaded.eos_ids, text, emit, is_cancelled, stream_interval_s, between_steps, join
         )

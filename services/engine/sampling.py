@@ -163,7 +163,10 @@ def token_logprob(logits: npt.NDArray[np.float32], token: int, top: int) -> Toke
     log_norm = np.log(np.exp(z).sum())
     alternatives: tuple[tuple[int, float], ...] = ()
     if top > 0:
-        ids = np.argpartition(-z, top - 1)[:top]
-        ids = ids[np.argsort(-z[ids], kind="stable")]
+        # Equal logits in vocabulary order, as greedy decoding's argmax takes them (logits of
+        # a low-precision model tie often): every token tied with the k-th is a candidate.
+        kth = np.partition(z, z.size - min(top, z.size))[z.size - min(top, z.size)]
+        ids = np.flatnonzero(z >= kth)
+        ids = ids[np.lexsort((ids, -z[ids]))][:top]
         alternatives = tuple((int(i), float(z[i] - log_norm)) for i in ids)
     return TokenLogprob(token=token, logprob=float(z[token] - log_norm), top=alternatives)

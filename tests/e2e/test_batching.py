@@ -1,107 +1,21 @@
-"""Batching (services/engine/batch.py) on the real model: padded rows decode as they would
-alone, concurrent requests share batches, and a row that ends or is cancelled leaves the
-others whole."""
+"""Batching through the whole cluster: concurrent requests share batches, a row that is
+cancelled leaves the others whole, and an idle worker uses no CPU (the start tier's batch on
+the model alone: tests/unit/test_start_batch.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import msgspec
 import openai
-import openvino as ov
-import pytest
 
 from ops.localcluster import LocalCluster
-from services.engine.batch import BatchItem, generate_batch
-from services.engine.instance import LoadedModel
-from services.engine.stops import StopMatcher
-from shared.messages import Artifact, SamplingParams
 from tests.helpers.cluster import metric, register, wait_for
 
 ENGINE = "engine@node-0"
-
-
-class TokenSink:
-    """Collects a row's token ids (instead of text)."""
-
-    def __init__(self, out: list[int]) -> None:
-        self.out = out
-
-    def write(self, tokens: Sequence[int]) -> None:
-        self.out.extend(tokens)
-
-    def end(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def loaded(cluster: LocalCluster, model_store: Path) -> LoadedModel:
-    """The default model as registered (the session cluster registered it), loaded here."""
-    (meta,) = [p for p in model_store.glob("*/artifact.msgpack") if (p.parent / "compiled").is_dir()][:1]
-    artifact = msgspec.structs.replace(msgspec.msgpack.decode(meta.read_bytes(), type=Artifact), path=str(meta.parent))
-    return LoadedModel.load(ov.Core(), artifact, "CPU", 2)
-
-
-def item(i: int, prompt: list[int], max_tokens: int) -> BatchItem:
-    return BatchItem(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-
-
-def tokens_of(
-    loaded: LoadedModel,
-    prompts: list[list[int]],
-    max_tokens: list[int],
-    join_at: dict[int, list[BatchItem]] | None = None,
-) -> dict[str, list[int]]:
-    """Each row's tokens; `join_at`: after that many decode steps, these requests join."""
-    items = [item(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-    late = [it for its in (join_at or {}).values() for it in its]
-    out: dict[str, list[int]] = {it.request_id: [] for it in [*items, *late]}
-    steps = [0]
-
-    def sink(emit: object, request_id: str, stops: StopMatcher) -> TokenSink:
-        return TokenSink(out[request_id])
-
-    def join(rows: object) -> list[BatchItem]:
-        steps[0] += 1
-        return (join_at or {}).get(steps[0], [])
-
-    results = generate_batch(
-        lambda rows: loaded.compiled.create_infer_request(),
-        items,
-        loaded.eos_ids,
-        sink,
-        lambda *a: None,
-        lambda rid: False,
-        join=join,
-    )
-    assert [r.completion_tokens for r in results] == [*max_tokens, *(it.params.max_tokens for it in late)]
-    return out
-
-
-def test_padded_rows_decode_as_they_would_alone(loaded: LoadedModel) -> None:
-    # Prompts of different lengths: the shorter ones are left-padded. A wrong mask or position
-    # would change their tokens from the first one on.
-    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 11173, 30], [1, 4093, 1115, 2], list(range(100, 140))]
-    max_tokens = [8, 3, 8]  # the middle row leaves the batch early
-    alone: dict[str, list[int]] = {}
-    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
-        alone[f"r{i}"] = tokens_of(loaded, [p], [m])["r0"]
-    together = tokens_of(loaded, prompts, max_tokens)
-    assert together == alone
-    # Joining a running batch re-prefills its rows with their output so far: the running rows
-    # go on with the tokens they would have had, the newcomers get theirs.
-    joined = tokens_of(
-        loaded,
-        prompts[:1],
-        max_tokens[:1],
-        join_at={2: [item(1, prompts[1], max_tokens[1])], 4: [item(2, prompts[2], max_tokens[2])]},
-    )
-    assert joined == alone
 
 
 async def test_concurrent_requests_share_batches_and_a_cancelled_row_leaves_the_rest_whole(

@@ -9,16 +9,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's IR, converted from its GGUF as the loader does (≈ 12 s here), once
-    for every test that needs the real library."""
-    from ops.localcluster import default_model_path
-    from services.loader.convert import convert
+def smol() -> Path:
+    """The default model's IR, converted from its GGUF as the loader does (≈ 12 s here) and
+    materialized, once for every test that needs the real library (the OpenVINO batches' own
+    tests and their conformance suite share it: `tests/conformance/ovbatches.py`)."""
+    from tests.conformance.ovbatches import smol_artifact
 
-    gguf = default_model_path()  # installed by `make install`, as every engine test needs it
-    dest = tmp_path_factory.mktemp("ir") / "smol"
-    convert(gguf, dest, "0" * 64, "unit-test")
-    return dest
+    return Path(smol_artifact().path)
 
 
 Refuses = Callable[[str, str], "str | None"]

@@ -1,17 +1,20 @@
-"""The continuous-batching core's pure part: the library config a request's parameters make."""
+"""The continuous-batching core's pure part: the library config a request's parameters make,
+and the prompts no batch takes."""
 
 from __future__ import annotations
 
-from services.engine.core import generation_config, needs_core
+import pytest
+
+from services.engine.core import check_prompt, generation_config, needs_core
 from shared.messages import SamplingParams
 
 
-def test_greedy_parameters_make_a_greedy_config_with_the_librarys_stop_strings() -> None:
+def test_greedy_parameters_make_a_greedy_config_without_the_librarys_stop_strings() -> None:
+    # Stop strings are matched once, in the worker's loop, for every backend.
     c = generation_config(SamplingParams(max_tokens=7, temperature=0.0, stop=("END", "")), eos_token_id=2)
     assert c.max_new_tokens == 7
     assert not c.do_sample
-    assert c.stop_strings == {"END"}
-    assert not c.include_stop_str_in_output
+    assert not c.stop_strings
     assert c.eos_token_id == 2
     c.validate()
 
@@ -33,11 +36,14 @@ def test_unseeded_requests_get_different_random_streams() -> None:
 
 
 def test_parameters_below_float32_range_still_make_a_valid_config() -> None:
-    # The library stores them as float32 and refuses 0: 5e-324 must not become a 503.
+    # The library stores them as float32 and refuses 0: 5e-324 must not become a 503. Greedy
+    # is temperature 0 alone (as the start tier's sampler decides it); the library samples
+    # the smallest float32 temperature as greedily.
     tiny = 5e-324
-    greedy = generation_config(SamplingParams(max_tokens=1, temperature=tiny, repetition_penalty=tiny), 2)
-    assert not greedy.do_sample
-    greedy.validate()
+    nearly = generation_config(SamplingParams(max_tokens=1, temperature=tiny, repetition_penalty=tiny), 2)
+    assert nearly.do_sample and nearly.temperature > 0.0
+    nearly.validate()
+    assert not generation_config(SamplingParams(max_tokens=1, temperature=0.0), 2).do_sample
     sampled = generation_config(SamplingParams(max_tokens=1, temperature=1.0, top_p=tiny), 2)
     assert sampled.do_sample
     sampled.validate()
@@ -65,3 +71,15 @@ def test_what_the_start_tier_cannot_sample_waits_for_the_core() -> None:
         SamplingParams(max_tokens=5, min_p=0.1),
     ):
         assert needs_core(p), p
+
+
+def test_a_request_no_forward_pass_can_take_is_refused() -> None:
+    check_prompt([0, 5, 9], max_tokens=7, vocab_size=10, kv_tokens=10)
+    with pytest.raises(ValueError, match="no tokens"):
+        check_prompt([], max_tokens=1, vocab_size=10, kv_tokens=10)
+    with pytest.raises(ValueError, match="token id 10 is outside"):
+        check_prompt([1, 10], max_tokens=1, vocab_size=10, kv_tokens=10)
+    with pytest.raises(ValueError, match="token id -1"):
+        check_prompt([-1], max_tokens=1, vocab_size=10, kv_tokens=10)
+    with pytest.raises(ValueError, match=r"the prompt \(3 tokens\) and max_tokens \(8\) exceed .* KV cache of 10"):
+        check_prompt([0, 5, 9], max_tokens=8, vocab_size=10, kv_tokens=10)

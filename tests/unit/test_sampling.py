@@ -75,3 +75,18 @@ def test_greedy_is_decided_once_below_the_sampling_epsilon_for_params_and_sample
     assert is_greedy(tiny) and is_greedy(Sampler.of(tiny)) and Sampler.of(tiny).pick(logits) == 1
     warm = SamplingParams(max_tokens=4, temperature=SAMPLING_EPS)
     assert not is_greedy(warm) and not is_greedy(Sampler.of(warm))
+
+
+def test_token_logprob_orders_tied_alternatives_as_greedy_decoding_chooses() -> None:
+    """Under greedy decoding the chosen token is the first alternative, ties included (argmax
+    takes the lowest id; a low-precision model's logits tie often)."""
+    from services.engine.sampling import Sampler, token_logprob
+
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    logits[[848, 203, 520]] = logits.max() + 1  # three tied at the top
+    token = Sampler(0.0, 1.0, None).pick(logits)
+    assert token == 203
+    for top in (1, 2, 3, 5):
+        e = token_logprob(logits, token, top)
+        assert [t for t, _ in e.top][: min(top, 3)] == [203, 520, 848][: min(top, 3)]
+        assert len(e.top) == top

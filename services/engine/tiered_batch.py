@@ -1,0 +1,377 @@
+"""One model's OpenVINO `Batch` over its two tiers: the start tier (`batch.StartBatch`, the
+materialized stateful IR: a start's first token is cheap) from the first request, and the
+continuous-batching core (`core.CoreBatch`) from when it is built.
+
+TIDAL §3, §5: a start imports the start tier's compiled blob and serves at once. The core's
+pipeline cannot be materialized (≈ 2.4 s of CPU to build, `core.build_pipeline`), so it is
+built on a thread of its own: after the start's first batch is done, when more requests wait
+than the start tier's batch took, when a request comes that only the core serves
+(`core.needs_core`: a grammar, a seed of the core's sampler, penalties, top-k, min-p; such a
+request waits for it), or when the engine says the node is idle (`TierUpNow`: the build then
+runs its warm-up crowd too). Between two steps the built core takes over: every request but
+those that need the logits (`core.needs_logits`: only the start tier has them) moves to it,
+a running one going on from its next token (re-prefilled there with what it generated), and
+the start tier's memory goes back once nothing runs on it. A build that fails leaves the
+start tier serving everything, for good (it would fail again, a core-second or more each
+time), and a request for structured output is then refused rather than run without its
+grammar.
+
+The start tier earns its place only where its cheap first token wins: removing it is removing
+`StartBatch` and the branches here that send requests to it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from services.engine.batch import Request, StartBatch, vocab_size
+from services.engine.batch_types import Step
+from services.engine.core import CoreBatch, Turn, Turns, check_prompt, needs_core, needs_logits, no_turn
+from services.engine.worker_os import trim_heap
+from services.engine.worker_wire import TieredUp
+from shared.messages import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+    from services.engine.instance import Detokenizer, LoadedModel
+    from services.engine.worker_wire import Load
+
+CLOSE_BUILD_S = 60.0
+"""Longest `close` waits for a core build under way (≈ 2.4 s here)."""
+
+NO_GRAMMAR = "this instance cannot enforce structured output: its continuous-batching core failed to build"
+
+
+class _CoreBuild:
+    """The core's pipeline, built on a thread of its own while the start tier serves. The
+    library releases the GIL for the build and the warm-up, so the worker serves meanwhile."""
+
+    def __init__(self, artifact_path: str, device: str, threads: int, warm: bool) -> None:
+        self.pipeline: object | None = None
+        self.error = ""
+        self.seconds = 0.0
+        self.began = time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(
+            target=self._run, args=(artifact_path, device, threads, warm), daemon=True, name="core-build"
+        ).start()
+
+    def _run(self, artifact_path: str, device: str, threads: int, warm: bool) -> None:
+        from services.engine.core import build_pipeline, warm_up
+
+        try:
+            pipeline = build_pipeline(artifact_path, device, threads)
+            if warm:
+                warm_up(pipeline)
+            self.pipeline = pipeline
+        except Exception as e:  # the start tier serves on, correctly
+            self.error = f"{type(e).__name__}: {e}"
+        self.seconds = time.monotonic() - self.began
+        self.done.set()
+
+
+class TieredBatch:
+    """The `Batch` of an OpenVINO worker. `loaded`: the start tier as loaded (on the start's
+    bounded share of threads); `reload`: the start tier loaded again (for requests that need
+    the logits once it was let go); `threads`: what the core is built with (`set_threads`);
+    `first_batch_done`: called once, when the start's first batch is over (the worker ends
+    the start's bounded share then, before the core's build); `idle`: called when the batch
+    has nothing left to run but not from a step (a cancel, a close), to take its posting at
+    the gate down."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        reload: Callable[[], LoadedModel],
+        device: str,
+        threads: int,
+        turn: Turn = no_turn,
+        max_batch: int = 1,
+        join_recompute_tokens: int = 0,
+        first_batch_done: Callable[[], None] = lambda: None,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.artifact = loaded.artifact
+        self.tokenizer: Detokenizer = loaded.tokenizer
+        self.loaded_from_cache = loaded.loaded_from_cache
+        """The start tier's compiled blob was imported (`Loaded.loaded_from_cache`)."""
+        self.load_threads = int(loaded.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
+        """The threads the start tier was compiled with (`Loaded.threads`)."""
+        self.vocab_size = vocab_size(loaded.compiled)
+        self.device = device
+        self.threads = threads
+        self.max_batch = max_batch
+        self.join_recompute_tokens = join_recompute_tokens
+        self._reload = reload
+        self._turns = Turns(turn)
+        self._idle = idle
+        self._first_batch_done: Callable[[], None] | None = first_batch_done
+        self.start: StartBatch | None = self._start_batch(loaded)
+        self.core: CoreBatch | None = None
+        self.build: _CoreBuild | None = None
+        self.build_failed = False
+        self._build_window = (math.inf, math.inf)
+        """When the core's last build began and ended (its CPU time slows what runs meanwhile)."""
+        self._for_core: dict[str, Request] = {}
+        """Requests that wait for the core while it builds (`core.needs_core`)."""
+        self._added: set[str] = set()
+        """Requests added and not ended."""
+        self._failed: list[Step] = []
+        """Requests that failed between steps (their move to the core), told at the next."""
+        self._tiered_up: TieredUp | None = None
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        core: ov.Core,
+        load: Load,
+        device: str,
+        threads: int,
+        share_threads: int,
+        turn: Turn = no_turn,
+        max_batch: int = 1,
+        join_recompute_tokens: int = 0,
+        first_batch_done: Callable[[], None] = lambda: None,
+        idle: Callable[[], None] = lambda: None,
+    ) -> TieredBatch:
+        """The batch for a `Load`: its tier loaded on `share_threads` (the start's share), the
+        core built later on `threads`."""
+        from services.engine.instance import LoadedModel
+
+        loaded = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, load.tier)
+        tokenizer = loaded.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
+
+        def reload() -> LoadedModel:
+            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, load.tier, tokenizer)
+
+        return cls(loaded, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
+
+    @property
+    def tier(self) -> Tier:
+        """STEADY once the core serves; START while the stateful tier does."""
+        return Tier.STEADY if self.core is not None else Tier.START
+
+    @property
+    def building(self) -> bool:
+        """The core is being built: `poll_tier_up` will have news (look every few tens of ms)."""
+        return self.build is not None
+
+    @property
+    def build_window(self) -> tuple[float, float]:
+        """When the core's last build began and ended (inf: none, or not yet ended): a request
+        that overlapped it ran beside its ≈ 2.4 s of CPU, its times no measure of the model."""
+        return self._build_window
+
+    @property
+    def active(self) -> int:
+        return len(self._added)
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def set_threads(self, threads: int) -> None:
+        """The threads a core built from now on gets (the start tier's are fixed at its load)."""
+        self.threads = threads
+
+    @property
+    def kv_bytes(self) -> int:
+        """The core's KV cache (the start tier's is its infer request's state: 0, as before)."""
+        return self.core.kv_bytes if self.core is not None else 0
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float] = lambda _: math.inf,
+        kv_tokens: int = 0,
+    ) -> None:
+        """`kv_tokens`: what its name's KV reservation covers (`worker_wire.Run.kv_tokens`; a
+        start tier's batch may hold that many positions, or one context)."""
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, max(self.artifact.context_length, kv_tokens))
+        self._adopt_core()
+        request = Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens)
+        if needs_logits(params):  # logit_bias, top_logprobs: only the start tier has the logits
+            self._to_start(request)
+        elif self.core is not None:
+            self.core.add(request_id, prompt_ids, params, deadline)
+        elif params.guide is not None and self.build_failed:
+            raise ValueError(NO_GRAMMAR)  # a grammar would be ignored on the start tier
+        elif needs_core(params) and not self.build_failed:
+            # The start tier has no grammar, and a seed names one sample of the core's sampler:
+            # the request waits for the core rather than run without what it asked for.
+            self._for_core[request_id] = request
+            self._start_build()
+        else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
+            self._to_start(request)
+        self._added.add(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        if request_id not in self._added:
+            return
+        self._added.discard(request_id)
+        self._for_core.pop(request_id, None)
+        for batch in (self.start, self.core):
+            if batch is not None:
+                batch.cancel(request_id)
+        if not self._added:
+            self._idle()
+
+    def steps(self, timeout: float) -> list[Step]:
+        """A step of the start tier's batch and one of the core, where each has requests; with
+        only requests that wait for the core, up to `timeout` of waiting for its build."""
+        self._adopt_core()
+        if self._for_core and self.build is not None and not self._running():
+            self.build.done.wait(timeout)
+            self._adopt_core()
+        out, self._failed = [s for s in self._failed if s.request_id in self._added], []
+        start = self.start
+        if start is not None and start.active:
+            out += start.steps(timeout)
+            if not start.running:  # its batch is over: the core, now (the start's first token is out)
+                self._start_tiers_up()
+            elif start.queue:  # more demand than the start tier's batch takes: the core, now
+                self._start_build()
+        core = self.core
+        if core is not None and core.active:
+            out += core.steps(timeout)
+            if not core.alive:  # its requests failed; the start tier serves, and a new core is built
+                core.close()
+                self.core = None
+        self._let_start_go()
+        for step in out:
+            if step.finish is not None or step.error:
+                self._added.discard(step.request_id)
+        return out
+
+    def poll_tier_up(self) -> TieredUp | None:
+        """A finished build, once (the worker sends it to the engine): the core takes over, or
+        stays unbuilt for good. Call it between steps and while idle (`building`)."""
+        self._adopt_core()
+        self._let_start_go()
+        up, self._tiered_up = self._tiered_up, None
+        return up
+
+    def tier_up_now(self) -> TieredUp | None:
+        """The engine's `TierUpNow` (the node is idle): build the core with its warm-up, its
+        `TieredUp` to come from `poll_tier_up`; or, with nothing to build, the answer now."""
+        self._adopt_core()
+        if self.core is None and self.build is None and not self.build_failed:
+            self._start_build(idle=True)
+            return None
+        if self.build is not None:
+            return None  # the build under way answers when it lands
+        return TieredUp(self.tier, 0.0, "" if self.core is not None else "its continuous-batching core failed to build")
+
+    def release(self) -> bool:
+        """Let the start tier's idle infer request (the memory its state holds) go: a session
+        was dropped. True if memory went back (the heap is trimmed then)."""
+        if self.start is not None and self.start.release():
+            trim_heap()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Every request goes; a build under way is waited for (its thread in the library's
+        code: a process that exits beside it aborts), at most `CLOSE_BUILD_S`."""
+        self._closed = True
+        if self.build is not None:
+            self.build.done.wait(CLOSE_BUILD_S)
+            self.build = None
+        for batch in (self.start, self.core):
+            if batch is not None:
+                batch.close()
+        self.start = self.core = None
+        self._for_core.clear()
+        self._added.clear()
+        self._idle()
+
+    # --- between steps ------------------------------------------------------------------------
+
+    def _start_batch(self, loaded: LoadedModel) -> StartBatch:
+        return StartBatch(
+            loaded.compiled,
+            loaded.eos_ids,
+            loaded.artifact.context_length,
+            self._turns,
+            self.max_batch,
+            self.join_recompute_tokens,
+        )
+
+    def _to_start(self, request: Request) -> None:
+        if self.start is None:  # let go once the core served everything: loaded again
+            self.start = self._start_batch(self._reload())
+        self.start.add(request.request_id, request.prompt_ids, request.params, request.deadline, request.kv_tokens)
+
+    def _to_core(self, request: Request) -> None:
+        assert self.core is not None
+        try:
+            self.core.add(request.request_id, request.prompt_ids, request.params, request.deadline)
+        except Exception as e:  # a spec the library refuses: that request fails alone
+            self._failed.append(Step(request.request_id, (), None, f"{type(e).__name__}: {e}"))
+
+    def _running(self) -> bool:
+        return bool((self.start is not None and self.start.active) or (self.core is not None and self.core.active))
+
+    def _start_tiers_up(self) -> None:
+        """A start tier's batch is over. After the first, the start's bounded share ends, and
+        the core is built now. Not sooner: its ≈ 2.4 s of CPU beside the first token's prefill
+        cost the cold start ≈ 0.1 s (measured). Not later, only on an idle node (tried:
+        `TierUpNow` alone, or demand): builds then ran beside start-tier batches far more often."""
+        if self._first_batch_done is not None:
+            done, self._first_batch_done = self._first_batch_done, None
+            done()
+        self._start_build()
+
+    def _start_build(self, idle: bool = False) -> None:
+        """Only on an idle node does the build run its warm-up crowd too: beside requests, its
+        CPU would be theirs, and the requests that asked for the core warm it up themselves."""
+        if self.build is not None or self.core is not None or self.build_failed or self._closed:
+            return
+        self.build = _CoreBuild(self.artifact.path, self.device, self.threads, warm=idle)
+        self._build_window = (self.build.began, math.inf)
+
+    def _adopt_core(self) -> None:
+        """A finished build: the core takes over (or, failed, the start tier keeps everything)."""
+        build = self.build
+        if build is None or not build.done.is_set():
+            return
+        self.build = None
+        self._build_window = (self._build_window[0], time.monotonic())
+        waiting = list(self._for_core.values())
+        self._for_core.clear()
+        if build.pipeline is not None and not self._closed:
+            self.core = CoreBatch(
+                build.pipeline, self.tokenizer.eos_token_id, self.vocab_size, self.artifact.context_length, self._turns
+            )
+            for request in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
+                self._to_core(request)
+        else:
+            self.build_failed = True
+            for request in waiting:
+                if request.params.guide is not None:
+                    self._failed.append(Step(request.request_id, (), None, NO_GRAMMAR))
+                else:
+                    self._to_start(request)
+        self._tiered_up = TieredUp(self.tier, build.seconds, build.error)
+
+    def _let_start_go(self) -> None:
+        """The core serves everything: the start tier's memory goes back."""
+        if self.core is not None and self.start is not None and not self.start.active:
+            self.start.close()
+            self.start = None
+            trim_heap()
