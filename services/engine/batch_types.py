@@ -109,8 +109,16 @@ class Batch(Protocol):
         ...
 
     def add(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Callable[[int], float]
-    ) -> None: ...
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float],
+        kv_tokens: int = 0,
+    ) -> None:
+        """`deadline(generated)`: when its next token is due; `kv_tokens`: the positions the
+        engine's KV reservation for it covers (`Run.kv_tokens`; 0: the batch's own bound)."""
+        ...
 
     def cancel(self, request_id: str) -> None: ...
 

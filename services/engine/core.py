@@ -279,6 +279,7 @@ class CoreBatch:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         deadline: Callable[[int], float] = lambda _: math.inf,
+        kv_tokens: int = 0,
     ) -> None:
         if self._error:
             raise RuntimeError(f"the continuous-batching core has stopped: {self._error}")

@@ -62,13 +62,17 @@ class Bound:
 class Binding(Protocol):
     """What binds models for the loop, one engine's (composed into the loop, not a base)."""
 
-    wake_s: float | None
-    """With nothing running, look at `tiered` at least this often (a tier building in the
-    background); None: only when a command arrives."""
+    @property
+    def wake_s(self) -> float | None:
+        """With nothing running, look at `tiered` at least this often (a tier building in the
+        background); None: only when a command arrives."""
+        ...
 
-    build_window: tuple[float, float]
-    """When a build of the worker's own (a tier) ran on its cores: a request that overlapped it
-    is marked `Done.beside_build`. (inf, inf): none."""
+    @property
+    def build_window(self) -> tuple[float, float]:
+        """When a build of the worker's own (a tier) ran on its cores: a request that overlapped
+        it is marked `Done.beside_build`. (inf, inf): none."""
+        ...
 
     def load_beside(self, load: Load) -> Loaded | None:
         """Called first for every `Load`, with the bound model still serving: raise to refuse
@@ -214,7 +218,7 @@ class WorkerLoop:
         while self.queue:
             run = self.queue.popleft()
             try:
-                self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline)
+                self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline, run.kv_tokens)
             except Exception as e:  # refused (too long, a grammar that does not compile): alone
                 self.conn.send(Failure(run.request_id, f"{type(e).__name__}: {e}"))
                 continue

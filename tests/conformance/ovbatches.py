@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engine.streams import DecodeMany
-
 from services.engine.batch import StartBatch, vocab_size
 from services.engine.core import CoreBatch, Turn, no_turn
 from services.engine.instance import LoadedModel
+from services.engine.text import DecodeMany
 from services.engine.tiered_batch import TieredBatch
 from shared.messages import Artifact, Tier
 

@@ -109,10 +109,37 @@ def vllm_batch(tmp: Path) -> Iterator[Subject]:
         batch.close()
 
 
+def _openvino(make: str) -> Callable[[Path], AbstractContextManager[Subject]]:
+    """An OpenVINO batch on the default model (`ovbatches.py`: the start tier, the core, or the
+    worker's batch over both)."""
+
+    @contextmanager
+    def subject(tmp: Path) -> Iterator[Subject]:
+        from tests.conformance import ovbatches
+
+        batch, decode_many = getattr(ovbatches, make)()
+        try:
+            yield Subject(
+                batch,
+                decode_many,
+                ovbatches.decode,
+                tuple(ovbatches.encode("Hello there")),
+                ovbatches.kv_tokens(),
+                ends={"prompt": tuple(ovbatches.encode(ovbatches.PROMPT))},
+            )
+        finally:
+            batch.close()
+
+    return subject
+
+
 SUBJECTS: dict[str, Callable[[Path], AbstractContextManager[Subject]]] = {
     "fake": fake,
     "torch": torch_batch,
     "vllm": vllm_batch,
+    "openvino-start": _openvino("start_batch_factory"),
+    "openvino-core": _openvino("core_batch_factory"),
+    "openvino-tiered": _openvino("tiered_batch_factory"),
 }
 """Every engine's batch, by name: a factory given a scratch directory."""
 
@@ -129,8 +156,10 @@ class Recorded:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._batch, name)
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Any) -> None:
-        self._batch.add(request_id, prompt_ids, params, deadline)
+    def add(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, deadline: Any, kv_tokens: int = 0
+    ) -> None:
+        self._batch.add(request_id, prompt_ids, params, deadline, kv_tokens)
         self.ids[request_id] = []
         self.holding.add(request_id)
 

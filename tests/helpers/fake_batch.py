@@ -80,6 +80,7 @@ class FakeBatch:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         deadline: Callable[[int], float] = lambda _: math.inf,
+        kv_tokens: int = 0,
     ) -> None:
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         self.requests[request_id] = (params, 0)

@@ -406,6 +406,7 @@ class ContinuousBatcher:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         deadline: Callable[[int], float] = lambda _: math.inf,
+        kv_tokens: int = 0,
     ) -> None:
         if not self.manager.is_running():
             raise RuntimeError("the continuous batch has stopped")

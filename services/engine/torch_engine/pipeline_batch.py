@@ -71,6 +71,7 @@ class PipelineBatch:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         deadline: Callable[[int], float] | None = None,
+        kv_tokens: int = 0,
     ) -> None:
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         guided = self.guides.start(params.guide) if params.guide is not None else None

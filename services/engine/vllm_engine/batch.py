@@ -127,6 +127,7 @@ class VllmBatch:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         deadline: Callable[[int], float] = lambda _: math.inf,
+        kv_tokens: int = 0,
     ) -> None:
         if not self.alive:
             raise RuntimeError(f"the vLLM batch has stopped: {self._error}")
