@@ -20,6 +20,7 @@ from services.gateway.tools import (
     parse,
     plan,
 )
+from tests.helpers.json_prefix import is_object_prefix
 from tests.helpers.tool_cases import TOOLS, WEATHER, make_id, named, resolve, tool
 
 # -- tool_choice and tool definitions ---------------------------------------------------------
@@ -360,9 +361,12 @@ def test_real_library_enforces_the_schemas(smol: Path) -> None:
             items = _complete_items(text)
             assert items and all(_conforms(item, schema["items"], schema) for item in items), text
         if len(tokens) == MAX_NEW_TOKENS:
-            # Cut short: SmolLM2-135M repeats {"name": "now", ...} until the limit when any
-            # number of calls is allowed. Every item it finished conformed; the answer is text.
-            assert p.mode == "required" and p.parallel and (content, calls) == (text, []), (p.mode, text)
+            # Cut short (SmolLM2-135M repeats {"name": "now", ...} until the limit when any
+            # number of calls is allowed; on some CPUs it writes a number's digits until then):
+            # what the grammar let through is the start of an object (or a list of them).
+            assert text.startswith("[") or is_object_prefix(text), (p.mode, text)
+            if p.mode == "required" and p.parallel:  # a list cut short: no call, the answer is text
+                assert (content, calls) == (text, []), (p.mode, text)
             continue
         assert _conforms(json.loads(text), schema, schema), (p.mode, text)
         assert content is None and calls, (p.mode, text)
