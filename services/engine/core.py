@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from services.engine.batch_types import Step
+from services.engine.sampling import is_greedy
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
@@ -115,7 +116,7 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
     config.frequency_penalty = params.frequency_penalty
     config.presence_penalty = params.presence_penalty
-    if params.temperature > 0.0:  # greedy at 0, as `sampling.Sampler` decides it
+    if not is_greedy(params):  # decided once, in `sampling`, for every engine
         config.do_sample = True
         config.temperature = max(params.temperature, FLOAT32_TINY)
         config.top_p = max(params.top_p, FLOAT32_TINY)

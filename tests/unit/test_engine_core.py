@@ -36,12 +36,11 @@ def test_unseeded_requests_get_different_random_streams() -> None:
 
 
 def test_parameters_below_float32_range_still_make_a_valid_config() -> None:
-    # The library stores them as float32 and refuses 0: 5e-324 must not become a 503. Greedy
-    # is temperature 0 alone (as the start tier's sampler decides it); the library samples
-    # the smallest float32 temperature as greedily.
+    # The library stores them as float32 and refuses 0: 5e-324 must not become a 503. A
+    # temperature that small is greedy (`sampling.is_greedy`, every engine alike).
     tiny = 5e-324
     nearly = generation_config(SamplingParams(max_tokens=1, temperature=tiny, repetition_penalty=tiny), 2)
-    assert nearly.do_sample and nearly.temperature > 0.0
+    assert not nearly.do_sample
     nearly.validate()
     assert not generation_config(SamplingParams(max_tokens=1, temperature=0.0), 2).do_sample
     sampled = generation_config(SamplingParams(max_tokens=1, temperature=1.0, top_p=tiny), 2)
