@@ -1,5 +1,5 @@
 """One engine node's state, which the engine's parts share (`memory.py`, `starts.py`,
-`pipelines.py`, `generation.py`, each built with it by `service.py`): the workers bound to
+`pipelines.py`, `requests.py`, each built with it by `service.py`): the workers bound to
 artifacts (`Bound`), the model names serving on them (`Served`), the requests in flight, and
 what the node tells the scheduler (its status and gauges).
 

@@ -1,7 +1,7 @@
 """The engine service: it owns its parts, each built with the collaborators it needs (ollama's
 scheduler, STYLE.md): the node's state (`node.py`), its memory (`memory.py`, over the node's
 memory manager), starts (`starts.py`), pipelines (`pipelines.py`) and requests
-(`generation.py`), over one worker pool (`worker_pool.py`) of one backend (`backends.py`). It
+(`requests.py`), over one worker pool (`worker_pool.py`) of one backend (`backends.py`). It
 subscribes them to the node's subjects and sends heartbeats with the node's status.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from services.engine.backends import BACKENDS
-from services.engine.generation import Generation
+from services.engine.requests import Requests
 from services.engine.memory import BusMemoryManager, KvMemory, MemoryManager
 from services.engine.node import Node
 from services.engine.pipelines import Pipelines
@@ -47,7 +47,7 @@ class EngineService:
         self.memory = KvMemory(settings, self.node, manager, bus, self.workers.arena)
         self.starts = Starts(settings, self.node, self.memory, self.workers, bus)
         self.pipelines = Pipelines(settings, self.node, self.memory, self.workers, bus)
-        self.requests = Generation(settings, self.node, self.memory, self.workers, bus)
+        self.requests = Requests(settings, self.node, self.memory, self.workers, bus)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

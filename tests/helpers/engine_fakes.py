@@ -12,7 +12,7 @@ from typing import Any
 
 from policy.eviction import Resident
 from services.engine.backends import OPENVINO, Backend
-from services.engine.generation import Generation
+from services.engine.requests import Requests
 from services.engine.memory import KvMemory
 from services.engine.node import Bound, Cancelled, Node, Served
 from services.engine.node_arena import NodeArena
@@ -189,7 +189,7 @@ class Parts:
     memory: KvMemory
     starts: Starts
     pipelines: Pipelines
-    requests: Generation
+    requests: Requests
     manager: FakeMemoryManager
     bus: FakeBus
     pool: FakePool
@@ -211,7 +211,7 @@ def parts(
         memory,
         Starts(s, node, memory, pool, bus),  # type: ignore[arg-type]
         Pipelines(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        Generation(s, node, memory, pool, bus),  # type: ignore[arg-type]
+        Requests(s, node, memory, pool, bus),  # type: ignore[arg-type]
         manager,
         bus,
         pool,

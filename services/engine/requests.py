@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Generation:
+class Requests:
     """The requests of the node's instances, from their admission to their last message."""
 
     settings: EngineSettings
