@@ -11,10 +11,10 @@ import asyncio
 import logging
 
 from services.engine.backends import BACKENDS
-from services.engine.requests import Requests
 from services.engine.memory import BusMemoryManager, KvMemory, MemoryManager
 from services.engine.node import Node
 from services.engine.pipelines import Pipelines
+from services.engine.requests import Requests
 from services.engine.settings import EngineSettings
 from services.engine.starts import Starts
 from services.engine.worker_pool import WorkerPool, node_pool

@@ -12,11 +12,11 @@ from typing import Any
 
 from policy.eviction import Resident
 from services.engine.backends import OPENVINO, Backend
-from services.engine.requests import Requests
 from services.engine.memory import KvMemory
 from services.engine.node import Bound, Cancelled, Node, Served
 from services.engine.node_arena import NodeArena
 from services.engine.pipelines import Pipelines
+from services.engine.requests import Requests
 from services.engine.settings import EngineSettings
 from services.engine.starts import Starts
 from services.engine.worker_wire import Chunk, Done, Loaded, Run
