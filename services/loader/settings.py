@@ -38,5 +38,6 @@ class LoaderSettings(CommonSettings):
     engine serves from the continuous-batching core from the first token. Measured
     (bench/results/start_tier.json, SmolLM2 135M/360M/1.7B Q4): the start tier costs 3.4x the
     GGUF in the store at every size and +1.9 GB RSS at 1.7B, and decodes 1.2-1.6x slower per
-    token; what it buys is a cheaper first token (a sixth to a third of the core's CPU), worth
-    that only while the model is small (135M, 360M: up to ~0.3 GB packed)."""
+    token; what it buys is a cheaper first token (a sixth to a third of the core's CPU), which
+    the core's faster decode overtakes after ≈ 180-190 tokens at 135M/360M (92 and 209 MB
+    packed) but ≈ 40 at 1.7B (917 MB) and 7.2B: worth it only for a small model."""

@@ -48,7 +48,7 @@ def test_the_start_tier_is_kept_only_up_to_the_limit() -> None:
     assert start_tier_wins(92 * MIB, limit)  # SmolLM2-135M's packed weights
     assert start_tier_wins(limit, limit)
     assert not start_tier_wins(limit + 1, limit)
-    assert not start_tier_wins(1024 * MIB, limit)  # 1.7B's: ≈ 1 GB packed
+    assert not start_tier_wins(917 * 1000**2, limit)  # SmolLM2-1.7B's
     assert not start_tier_wins(1, 0)
 
 
