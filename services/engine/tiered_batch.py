@@ -94,11 +94,12 @@ class TieredBatch:
     """The `Batch` of an OpenVINO worker. `loaded`: the start tier as loaded (on the start's
     bounded share of threads), or `CoreFirst` (the artifact has none: the core's build starts
     now and every request but the logits' waits for it); `reload`: the stateful tier loaded
-    (again: for requests that need the logits once it was let go, or where there is none); `threads`: what the core is built with (`set_threads`);
-    `first_batch_done`: called once, when the start's first batch is over (the worker ends
-    the start's bounded share then, before the core's build); `idle`: called when the batch
-    has nothing left to run but not from a step (a cancel, a close), to take its posting at
-    the gate down."""
+    (again: for requests that need the logits once it was let go, or where there is none);
+    `threads`: what the core is built with (`set_threads`); `first_batch_done`: called once,
+    when the start's first batch is over, or at once without a start tier (the worker ends the
+    start's bounded share then, before the core's build); `idle`: called when the batch has
+    nothing left to run but not from a step (a cancel, a close), to take its posting at the
+    gate down."""
 
     def __init__(
         self,
@@ -172,12 +173,11 @@ class TieredBatch:
         from services.engine.instance import Detokenizer, LoadedModel
 
         opened: LoadedModel | CoreFirst
-        tier = load.tier
+        tier = load.tier if load.artifact.start_tier else Tier.STEADY  # (the engine loads STEADY then)
         if load.artifact.start_tier:
             opened = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, tier)
         else:
-            tokenizer = Detokenizer(load.artifact.path)
-            opened = CoreFirst(load.artifact, tokenizer, ir_vocab_size(core, load.artifact))
+            opened = CoreFirst(load.artifact, Detokenizer(load.artifact.path), ir_vocab_size(core, load.artifact))
         tokenizer = opened.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
 
         def reload() -> LoadedModel:

@@ -19,6 +19,7 @@ import openvino as ov
 import pytest
 
 from services.engine import core as core_module
+from services.engine.backends import OPENVINO
 from services.engine.core import generation_config
 from services.engine.instance import LoadedModel
 from services.engine.tiered_batch import TieredBatch
@@ -75,6 +76,7 @@ def test_the_loader_writes_and_compiles_no_start_tier_above_the_limit_and_record
     assert not (Path(big.path) / START_DIR).exists()
     assert not compiled_cache_dir(big, "CPU", Tier.START).exists()
     assert has_tier(big, "CPU", Tier.STEADY) and is_materialized(big, "CPU")
+    assert OPENVINO.start_tier_of(big, "CPU", enabled=True) == Tier.STEADY  # what the engine's Load names
     # The engine's stateful model for the logits' requests: the STEADY blob, imported.
     loaded = LoadedModel.load(ov.Core(), big, "CPU", THREADS, tier=Tier.STEADY)
     assert loaded.loaded_from_cache and loaded.tier == Tier.STEADY
