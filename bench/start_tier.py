@@ -2,7 +2,7 @@
 
 A cold start on OpenVINO serves its first requests from the start tier (a stateful IR whose
 4-bit weights are held one value per byte: `services/loader/start_ir.py`, served by
-`services.engine.instance.LoadedModel` / `Batcher`) while the continuous-batching core
+`services.engine.instance.LoadedModel` / `services.engine.batch.StartBatch`) while the continuous-batching core
 (`services.engine.core.build_pipeline`, which cannot be materialized) builds; then the
 worker swaps to the core. This measures, per size, each in a fresh process (a pre-warmed
 worker: openvino, openvino_tokenizers and openvino_genai imported before the clock starts):
@@ -10,11 +10,11 @@ worker: openvino, openvino_tokenizers and openvino_genai imported before the clo
 - `materialize`: the loader's own code (`services.loader.convert.materialize`) writing the
   store's tiers, timed per step (the start IR; each tier's compiled blob), the bytes each
   step adds to the store and the process's peak RSS;
-- `start` / `steady`: `LoadedModel.load` of that tier + `Batcher.generate` of one greedy
-  request: time to its first token, decode tok/s after it, RSS once loaded and at the end
+- `start` / `steady`: `LoadedModel.load` of that tier + one greedy request stepped through a
+  `StartBatch` on it: time to its first token, decode tok/s after it, RSS once loaded and at the end
   (`steady` is the stateful tier on the packed 4-bit weights: what a start loads with the
   start tier switched off, and what serves logit-reading requests);
-- `core`: `build_pipeline` (no warm-up) + the detokenizer + `EngineCore` serving the same
+- `core`: `build_pipeline` (no warm-up) + the detokenizer + a `CoreBatch` serving the same
   request from its first token;
 
 and from those the break-even: the time (and answer length) after which serving from the
@@ -140,7 +140,9 @@ def child_convert(gguf_path: Path, dest: Path) -> dict[str, Any]:
     from services.loader.convert import convert
 
     t0 = time.monotonic()
-    artifact = convert(gguf_path, dest, "0" * 64, f"bench-{dest.name}")
+    # Every size gets its start tier here (the loader's `start_tier_max_weight_bytes` keeps it
+    # only for small models, from what this measured).
+    artifact = convert(gguf_path, dest, "0" * 64, f"bench-{dest.name}", start_tier_max_weight_bytes=sys.maxsize)
     seconds = time.monotonic() - t0
     ids = ov_genai.Tokenizer(str(dest)).encode(PROMPT).input_ids.data[0].tolist()
     return {
@@ -197,11 +199,27 @@ def child_materialize(dest: Path, threads: int) -> dict[str, Any]:
     }
 
 
+def step_out(batch: Any) -> tuple[list[float], list[float]]:
+    """Step a `Batch` (`services.engine.batch_types`) holding one request until it is done:
+    each token's arrival time and the process's CPU time then (tokens that came in one step
+    share them: the rate counts steps' tokens over their span)."""
+    times: list[float] = []
+    cpu: list[float] = []
+    while batch.active:
+        for step in batch.steps(0.05):
+            if step.error:
+                raise RuntimeError(step.error)
+            now, used = time.monotonic(), time.process_time()
+            times += [now] * len(step.tokens)
+            cpu += [used] * len(step.tokens)
+    return times, cpu
+
+
 def child_stateful(dest: Path, tier_name: str, prompt_ids: list[int], tokens: int, threads: int) -> dict[str, Any]:
     """A start on the stateful tier `tier_name`: load, then one greedy request."""
     core = _prewarm()
-    from services.engine.batch import BatchItem
-    from services.engine.instance import Batcher, LoadedModel
+    from services.engine.batch import StartBatch
+    from services.engine.instance import LoadedModel
     from services.loader.store import read_artifact
     from shared.messages import SamplingParams, Tier
 
@@ -214,17 +232,10 @@ def child_stateful(dest: Path, tier_name: str, prompt_ids: list[int], tokens: in
     loaded = LoadedModel.load(core, artifact, DEVICE, threads, tier=Tier(tier_name))
     load_s = time.monotonic() - t0
     loaded_rss = rss_bytes()
-    batcher = Batcher(loaded, names={"bench"})
-    steps: list[float] = []  # once per token, as its logits are there (before it is sampled)
-    cpu: list[float] = []
-
-    def step() -> None:
-        steps.append(time.monotonic())
-        cpu.append(time.process_time())
-
-    batcher.generate(
-        [BatchItem("r", prompt_ids, params)], emit=lambda *_: None, is_cancelled=lambda _: False, between_steps=step
-    )
+    batch = StartBatch(loaded.compiled, loaded.eos_ids, artifact.context_length)
+    batch.add("r", prompt_ids, params)
+    steps, cpu = step_out(batch)  # once per token, as it is sampled
+    batch.close()
     return {
         "loaded_from_cache": loaded.loaded_from_cache,
         "loadavg_1m": load_avg,
@@ -240,29 +251,18 @@ def child_stateful(dest: Path, tier_name: str, prompt_ids: list[int], tokens: in
     }
 
 
-class _TimedSink:
-    """An `EngineCore` text sink that keeps each token's arrival time."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.cpu: list[float] = []
-
-    def write(self, tokens: Any, logprobs: Any = ()) -> None:
-        now, cpu = time.monotonic(), time.process_time()
-        self.times += [now] * len(tokens)
-        self.cpu += [cpu] * len(tokens)
-
-    def end(self) -> None:
-        pass
-
-
 def child_core(dest: Path, prompt_ids: list[int], tokens: int, threads: int) -> dict[str, Any]:
     """A start on the continuous-batching core from the first token (no warm-up)."""
-    _prewarm()
-    from services.engine.core import EngineCore, build_pipeline
+    core = _prewarm()
+    from services.engine.core import CoreBatch, build_pipeline
     from services.engine.instance import Detokenizer
+    from services.engine.tiered_batch import ir_vocab_size
+    from services.loader.store import read_artifact
     from shared.messages import SamplingParams
 
+    artifact = read_artifact(dest)
+    assert artifact is not None
+    vocab = ir_vocab_size(core, artifact)  # (the requests' check; the IR's weights only mapped)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     before = rss_bytes()
     load_avg = os.getloadavg()[0]
@@ -271,19 +271,17 @@ def child_core(dest: Path, prompt_ids: list[int], tokens: int, threads: int) -> 
     pipeline = build_pipeline(str(dest), DEVICE, threads)
     build_s = time.monotonic() - t0
     built_rss = rss_bytes()
-    engine = EngineCore(pipeline, detokenizer.eos_token_id)
-    sink = _TimedSink()
-    engine.add("r", prompt_ids, params, sink)
-    while engine.has_work():
-        engine.step()
-    # Tokens that came in one step share a time: the rate counts steps' tokens over their span.
+    batch = CoreBatch(pipeline, detokenizer.eos_token_id, vocab, artifact.context_length)
+    batch.add("r", prompt_ids, params)
+    times, cpu = step_out(batch)
+    batch.close()
     return {
         "loadavg_1m": load_avg,
         "build_s": build_s,
-        "ttft_s": sink.times[0] - t0,
-        "decode_tok_s": decode_rate(sink.times),
-        **cpu_figures(c0, sink.cpu),
-        "tokens": len(sink.times),
+        "ttft_s": times[0] - t0,
+        "decode_tok_s": decode_rate(times),
+        **cpu_figures(c0, cpu),
+        "tokens": len(times),
         "rss_before_bytes": before,
         "rss_loaded_bytes": built_rss,
         "rss_end_bytes": rss_bytes(),

@@ -70,7 +70,13 @@ def is_materialized(artifact: Artifact, device: str, backend: str = "openvino") 
     metadata and tokenizers) serve the gateway either way."""
     if reads_torch_checkpoint(backend):
         return has_torch_checkpoint(artifact)
-    return all(has_tier(artifact, device, tier) for tier in COMPILED_TIERS)
+    return all(has_tier(artifact, device, tier) for tier in compiled_tiers(artifact))
+
+
+def compiled_tiers(artifact: Artifact) -> tuple[Tier, ...]:
+    """The tiers OpenVINO compiles for this artifact at registration: STEADY, and START where
+    the loader wrote one (`Artifact.start_tier`)."""
+    return COMPILED_TIERS if artifact.start_tier else (Tier.STEADY,)
 
 
 def torch_checkpoint(artifact: Artifact) -> Path:

@@ -79,6 +79,10 @@ class Artifact(Message, frozen=True):
     openvino_version: str = ""
     sampling: dict[str, float] = {}
     """The GGUF's recommended sampling (`general.sampling.temp`, `.top_p`, ...), as named there."""
+    start_tier: bool = True
+    """The loader wrote (and compiles) its start tier (`shared.artifact.START_DIR`); False
+    where its packed weights are above the loader's `start_tier_max_weight_bytes`: its
+    OpenVINO engine then serves from the continuous-batching core from the first token."""
 
 
 class GenerationDefaults(Message, frozen=True):

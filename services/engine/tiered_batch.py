@@ -16,8 +16,11 @@ start tier serving everything, for good (it would fail again, a core-second or m
 time), and a request for structured output is then refused rather than run without its
 grammar.
 
-The start tier earns its place only where its cheap first token wins: removing it is removing
-`StartBatch` and the branches here that send requests to it.
+The start tier earns its place only where its cheap first token wins: an artifact whose packed
+weights are above the loader's `start_tier_max_weight_bytes` has none (`Artifact.start_tier`),
+and its batch (`CoreFirst`) builds the core at once, on the load, and serves every request
+from it from the first token (they wait for its build), but for those that need the logits:
+those run on the stateful STEADY tier (the packed weights), loaded when the first comes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
@@ -33,7 +37,8 @@ from services.engine.batch_types import Step
 from services.engine.core import CoreBatch, Turn, Turns, check_prompt, needs_core, needs_logits, no_turn
 from services.engine.worker_os import trim_heap
 from services.engine.worker_wire import TieredUp
-from shared.messages import SamplingParams, Tier
+from shared.artifact import model_xml
+from shared.messages import Artifact, SamplingParams, Tier
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -75,18 +80,30 @@ class _CoreBuild:
         self.done.set()
 
 
+@dataclass(frozen=True)
+class CoreFirst:
+    """What a `TieredBatch` over an artifact without a start tier opens with: no model loaded
+    (the core is built at once; the stateful tier only for a request that needs the logits)."""
+
+    artifact: Artifact
+    tokenizer: Detokenizer
+    vocab_size: int
+
+
 class TieredBatch:
     """The `Batch` of an OpenVINO worker. `loaded`: the start tier as loaded (on the start's
-    bounded share of threads); `reload`: the start tier loaded again (for requests that need
-    the logits once it was let go); `threads`: what the core is built with (`set_threads`);
-    `first_batch_done`: called once, when the start's first batch is over (the worker ends
-    the start's bounded share then, before the core's build); `idle`: called when the batch
-    has nothing left to run but not from a step (a cancel, a close), to take its posting at
-    the gate down."""
+    bounded share of threads), or `CoreFirst` (the artifact has none: the core's build starts
+    now and every request but the logits' waits for it); `reload`: the stateful tier loaded
+    (again: for requests that need the logits once it was let go, or where there is none);
+    `threads`: what the core is built with (`set_threads`); `first_batch_done`: called once,
+    when the start's first batch is over, or at once without a start tier (the worker ends the
+    start's bounded share then, before the core's build); `idle`: called when the batch has
+    nothing left to run but not from a step (a cancel, a close), to take its posting at the
+    gate down."""
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: LoadedModel | CoreFirst,
         reload: Callable[[], LoadedModel],
         device: str,
         threads: int,
@@ -98,11 +115,18 @@ class TieredBatch:
     ) -> None:
         self.artifact = loaded.artifact
         self.tokenizer: Detokenizer = loaded.tokenizer
-        self.loaded_from_cache = loaded.loaded_from_cache
+        self.core_first = isinstance(loaded, CoreFirst)
+        """No start tier: requests wait for the core (`CoreFirst`)."""
+        self.loaded_from_cache = False
         """The start tier's compiled blob was imported (`Loaded.loaded_from_cache`)."""
-        self.load_threads = int(loaded.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
+        self.load_threads = 0
         """The threads the start tier was compiled with (`Loaded.threads`)."""
-        self.vocab_size = vocab_size(loaded.compiled)
+        if isinstance(loaded, CoreFirst):
+            self.vocab_size = loaded.vocab_size
+        else:
+            self.loaded_from_cache = loaded.loaded_from_cache
+            self.load_threads = int(loaded.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
+            self.vocab_size = vocab_size(loaded.compiled)
         self.device = device
         self.threads = threads
         self.max_batch = max_batch
@@ -111,7 +135,7 @@ class TieredBatch:
         self._turns = Turns(turn)
         self._idle = idle
         self._first_batch_done: Callable[[], None] | None = first_batch_done
-        self.start: StartBatch | None = self._start_batch(loaded)
+        self.start: StartBatch | None = None if isinstance(loaded, CoreFirst) else self._start_batch(loaded)
         self.core: CoreBatch | None = None
         self.build: _CoreBuild | None = None
         self.build_failed = False
@@ -125,6 +149,8 @@ class TieredBatch:
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
         self._closed = False
+        if self.core_first:  # no start tier's batch to wait for: the start's share ends, the build begins
+            self._start_tiers_up()
 
     @classmethod
     def open(
@@ -141,16 +167,23 @@ class TieredBatch:
         idle: Callable[[], None] = lambda: None,
     ) -> TieredBatch:
         """The batch for a `Load`: its tier loaded on `share_threads` (the start's share), the
-        core built later on `threads`."""
-        from services.engine.instance import LoadedModel
+        core built later on `threads`; for an artifact without a start tier, no tier loaded
+        (`CoreFirst`: the core's build begins now, the STEADY tier's stateful model loads for
+        the first request that needs the logits)."""
+        from services.engine.instance import Detokenizer, LoadedModel
 
-        loaded = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, load.tier)
-        tokenizer = loaded.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
+        opened: LoadedModel | CoreFirst
+        tier = load.tier if load.artifact.start_tier else Tier.STEADY  # (the engine loads STEADY then)
+        if load.artifact.start_tier:
+            opened = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, tier)
+        else:
+            opened = CoreFirst(load.artifact, Detokenizer(load.artifact.path), ir_vocab_size(core, load.artifact))
+        tokenizer = opened.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
 
         def reload() -> LoadedModel:
-            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, load.tier, tokenizer)
+            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, tier, tokenizer)
 
-        return cls(loaded, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
+        return cls(opened, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
 
     @property
     def tier(self) -> Tier:
@@ -211,9 +244,10 @@ class TieredBatch:
             self.core.add(request_id, prompt_ids, params, deadline)
         elif params.guide is not None and self.build_failed:
             raise ValueError(NO_GRAMMAR)  # a grammar would be ignored on the start tier
-        elif needs_core(params) and not self.build_failed:
+        elif (needs_core(params) or self.core_first) and not self.build_failed:
             # The start tier has no grammar, and a seed names one sample of the core's sampler:
-            # the request waits for the core rather than run without what it asked for.
+            # the request waits for the core rather than run without what it asked for (and
+            # with no start tier, every request does).
             self._for_core[request_id] = request
             self._start_build()
         else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
@@ -375,3 +409,10 @@ class TieredBatch:
             self.start.close()
             self.start = None
             trim_heap()
+
+
+def ir_vocab_size(core: ov.Core, artifact: Artifact) -> int:
+    """The vocabulary of the artifact's (STEADY) IR, read without compiling it (its weights are
+    mapped, not loaded)."""
+    model = core.read_model(str(model_xml(artifact, Tier.STEADY)))
+    return int(model.output("logits").get_partial_shape()[-1].get_length())

@@ -4,10 +4,11 @@
 Two steps, each skipped when already done:
 1. GGUF → OpenVINO IR and compiled tokenizer/detokenizer (written into a temporary sibling
    and renamed into place, so a crash never leaves a half-written artifact that looks whole);
-2. materialization (MEDUSA §2.5, §6): write the start tier's IR (`start_ir.py`), compile both
-   tiers for the device into the artifact's `compiled/<device>[-start]` caches, exactly as the
-   engine will, run one forward pass through each to check it, and write each blob's block
-   manifest. A cold start then imports a blob instead of compiling;
+2. materialization (MEDUSA §2.5, §6): write the start tier's IR (`start_ir.py`; only for an
+   artifact whose packed weights are at most `LoaderSettings.start_tier_max_weight_bytes`, as
+   recorded in `Artifact.start_tier`), compile its tiers for the device into the artifact's
+   `compiled/<device>[-start]` caches, exactly as the engine will, run one forward pass
+   through each to check it, and write each blob's block manifest. A cold start then imports a blob instead of compiling;
 3. where the node's engine is torch (`python -m services.loader.convert ... torch`), a torch
    checkpoint from the same GGUF (`torch_checkpoint.py`) into the artifact's `torch/`.
 Runs in a process of its own so that its memory (the whole model, twice) goes back to the
@@ -27,12 +28,14 @@ import gguf
 import openvino as ov
 import openvino_genai as ov_genai
 
-from services.loader.start_ir import write_start_ir
+from services.loader.settings import START_TIER_MAX_WEIGHT_BYTES, LoaderSettings
+from services.loader.start_ir import start_tier_wins, write_start_ir
 from services.loader.store import IR_FILES, kv_bytes_per_token, read_artifact, write_artifact
 from shared.artifact import (
     START_DIR,
     compile_config,
     compiled_cache_dir,
+    compiled_tiers,
     first_pass,
     has_tier,
     has_torch_checkpoint,
@@ -41,7 +44,7 @@ from shared.artifact import (
     reads_torch_checkpoint,
     torch_checkpoint,
 )
-from shared.messages import COMPILED_TIERS, Artifact, Tier
+from shared.messages import Artifact, Tier
 
 SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "repetition_penalty"}
 """GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""
@@ -84,7 +87,15 @@ def gguf_facts(source: Path) -> GgufFacts:
     }
 
 
-def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> Artifact:
+def convert(
+    source: Path,
+    dest: Path,
+    source_sha256: str,
+    artifact_id: str,
+    start_tier_max_weight_bytes: int = START_TIER_MAX_WEIGHT_BYTES,
+) -> Artifact:
+    """`start_tier_max_weight_bytes`: the artifact gets a start tier (`materialize` writes it)
+    only where its packed weights are at most this (`start_ir.start_tier_wins`)."""
     facts = gguf_facts(source)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -107,16 +118,18 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
         missing = [f for f in IR_FILES if not (tmp / f).is_file()]
         if missing:
             raise RuntimeError(f"conversion did not write {missing}")
+        weight_bytes = (tmp / "openvino_model.bin").stat().st_size
         artifact = Artifact(
             artifact_id=artifact_id,
             path=str(dest.resolve()),
             source_sha256=source_sha256,
             context_length=int(facts["context_length"]),
             kv_bytes_per_token=kv_bytes_per_token(int(facts["layers"]), int(facts["kv_heads"]), int(facts["head_dim"])),
-            weight_bytes=(tmp / "openvino_model.bin").stat().st_size,
+            weight_bytes=weight_bytes,
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),
             sampling=dict(facts["sampling"]),
+            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes),
         )
         write_artifact(tmp, artifact)
         if dest.exists():
@@ -129,9 +142,10 @@ def convert(source: Path, dest: Path, source_sha256: str, artifact_id: str) -> A
 
 
 def _write_start_ir(artifact: Artifact) -> None:
-    """Into a temporary sibling, then renamed: a crash never leaves half a start tier."""
+    """Into a temporary sibling, then renamed: a crash never leaves half a start tier. None
+    for an artifact recorded without one (`Artifact.start_tier`)."""
     final = Path(artifact.path) / START_DIR
-    if model_xml(artifact, Tier.START).is_file():
+    if not artifact.start_tier or model_xml(artifact, Tier.START).is_file():
         return
     tmp = Path(tempfile.mkdtemp(prefix=f".{START_DIR}-", dir=artifact.path))
     try:
@@ -149,7 +163,7 @@ def materialize(artifact: Artifact, device: str, threads: int) -> None:
 
     _write_start_ir(artifact)
     core = ov.Core()
-    for tier in COMPILED_TIERS:
+    for tier in compiled_tiers(artifact):
         if has_tier(artifact, device, tier):
             continue
         cache = compiled_cache_dir(artifact, device, tier)
@@ -168,7 +182,9 @@ def main(argv: list[str]) -> None:
     src, dst, sha, aid, device, threads, *rest = argv
     backend = rest[0] if rest else "openvino"
     dest = Path(dst)
-    artifact = read_artifact(dest) or convert(Path(src), dest, sha, aid)
+    # The loader's settings reach this process through its environment (TESSERA_*).
+    max_start = LoaderSettings().start_tier_max_weight_bytes
+    artifact = read_artifact(dest) or convert(Path(src), dest, sha, aid, max_start)
     if reads_torch_checkpoint(backend):
         if not has_torch_checkpoint(artifact):
             from services.loader.torch_checkpoint import host_dtype, materialize_into

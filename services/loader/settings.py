@@ -6,6 +6,9 @@ from pydantic import Field
 
 from shared.settings import CommonSettings
 
+START_TIER_MAX_WEIGHT_BYTES = 512 * 1024**2
+"""`LoaderSettings.start_tier_max_weight_bytes`'s default."""
+
 
 class LoaderSettings(CommonSettings):
     http_port: int = 8103
@@ -29,3 +32,12 @@ class LoaderSettings(CommonSettings):
     over the network; empty: read the store directory."""
     allowed_model_dirs: list[Path] = Field(default_factory=list)
     """If set, imports may only read GGUFs under these directories."""
+    start_tier_max_weight_bytes: int = START_TIER_MAX_WEIGHT_BYTES
+    """Write (and compile) an artifact's start tier only where its packed weights
+    (`Artifact.weight_bytes`) are at most this; above it the artifact has none, and its
+    engine serves from the continuous-batching core from the first token. Measured
+    (bench/results/start_tier.json, SmolLM2 135M/360M/1.7B Q4): the start tier costs 3.4x the
+    GGUF in the store at every size and +1.9 GB RSS at 1.7B, and decodes 1.2-1.6x slower per
+    token; what it buys is a cheaper first token (a sixth to a third of the core's CPU), which
+    the core's faster decode overtakes after ≈ 180-190 tokens at 135M/360M (92 and 209 MB
+    packed) but ≈ 40 at 1.7B (917 MB) and 7.2B: worth it only for a small model."""

@@ -6,7 +6,8 @@ pass. For 4-bit weights that repack is slow: measured here (SmolLM2-135M Q4_1, 2
 the same 4-bit values one per byte (u8 instead of u4, zero points and scales untouched) makes
 the first pass 0.1–0.2 s, but decode reads more bytes per token and runs ≈ 16 % slower.
 
-So an artifact carries both: a start loads this tier, and the worker tiers up to the packed
+So a small artifact carries both (`start_tier_wins`: a large one only the packed tier, its
+start served by the continuous-batching core): a start loads this tier, and the worker tiers up to the packed
 4-bit one in the background once idle (a JIT's trick: run the cheap tier first, the fast one
 when it is ready). The values are the same numbers, so the two tiers' logits are identical
 (measured bit for bit on SmolLM2; tests check the values and that greedy
@@ -20,6 +21,13 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
+
+
+def start_tier_wins(weight_bytes: int, max_weight_bytes: int) -> bool:
+    """Whether an artifact whose packed weights take `weight_bytes` gets a start tier: only
+    where they are at most `max_weight_bytes` (`LoaderSettings.start_tier_max_weight_bytes`,
+    whose docstring has the measurements)."""
+    return weight_bytes <= max_weight_bytes
 
 
 def _unpack_u4(const: ov.Node) -> np.ndarray:
