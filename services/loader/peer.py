@@ -31,6 +31,7 @@ from typing import Protocol
 import msgspec
 
 from services.loader.blockset import BlockSet, block_ok, prepare, read_block, write_block
+from shared.tcp import listen
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,8 @@ class BlockServer:
             del self.sets[set_id]
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._serve, host, port)
-        sock = self._server.sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        self._server, address = await listen(self._serve, host, port)
+        return address
 
     async def close(self) -> None:
         if self._server is not None:

@@ -24,6 +24,7 @@ import torch
 from services.engine.sampling import Sampler
 from services.engine.torch_engine.stages import Stage
 from shared.messages import SamplingParams
+from shared.tcp import listen
 
 _LEN = struct.Struct(">I")
 TIMEOUT_S = 60.0
@@ -77,9 +78,8 @@ class StageServer:
         """One task per connection (asyncio's server runs each handler in a task)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._serve, host, port)
-        sock = self._server.sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
+        self._server, address = await listen(self._serve, host, port)
+        return address
 
     async def close(self) -> None:
         """Stop listening and end every connection (its sessions' caches go with it)."""
