@@ -78,7 +78,7 @@ def stages() -> Iterator[tuple[list[str], list[StageServer], list[Adds | Head]]]
         thread.join(10)
 
 
-def run_to_end(batch: PipelineBatch, ids: set[str], timeout_s: float = 30) -> dict[str, list[Step]]:
+def run_to_end(batch: PipelineBatch, ids: set[str], timeout_s: float = 300) -> dict[str, list[Step]]:
     out: dict[str, list[Step]] = {i: [] for i in ids}
     deadline = time.monotonic() + timeout_s
     while any(not s or (s[-1].finish is None and not s[-1].error) for s in out.values()):
