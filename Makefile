@@ -52,7 +52,7 @@ test: install check
 	$(PY) -m pytest -q -ra
 
 unit: install
-	$(PY) -m pytest -q -m "not e2e"
+	$(PY) -m pytest -q -m "not e2e and not integration"
 
 # llama-server (the peer) is built from source once, cached under ~/.cache/tessera.
 bench: install

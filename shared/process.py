@@ -7,6 +7,7 @@ Light on purpose: a spawned engine worker imports it before anything else, and
 from __future__ import annotations
 
 import ctypes
+import importlib
 import signal
 
 PR_SET_PDEATHSIG = 1
@@ -20,3 +21,14 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def run_worker(entry: str, *args: object) -> None:
+    """A spawned worker's first step, in the child: it dies with its parent and leaves SIGINT (a
+    terminal's Ctrl-C reaches the whole process group) to the parent, which decides when it
+    ends; then its entry function (`module:function`) is imported here, in the child, and called
+    with `args`. The parent names the entry and never imports it (nor the runtime it loads)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(*args)

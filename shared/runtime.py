@@ -1,7 +1,8 @@
 """The I/O shell every service shares: bus and Valkey connections, readiness, HTTP, signals.
 
-A service's `__main__` builds its settings, enters `ServiceRuntime`, wires its handlers and
-calls `serve`; SIGTERM or SIGINT sets `stopping` and everything is closed in reverse order.
+A service's `__main__` builds its settings and hands `run_service` the service to build on the
+runtime (or enters `ServiceRuntime`, wires its handlers and calls `serve` itself, as the gateway
+does); SIGTERM or SIGINT sets `stopping` and everything is closed in reverse order.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
+from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
@@ -19,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from shared.bus import Bus
-from shared.health import Readiness, http_server
+from shared.health import Readiness, health_app, http_server
 from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -92,3 +95,24 @@ class ServiceRuntime:
         await task
         stop.cancel()
         log.info("%s stopped", self.name)
+
+
+class Service(Protocol):
+    """What a node service's `__main__` runs: its handlers subscribed at `start`, its own tasks
+    ended at `close`."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def run_service(name: str, settings: CommonSettings, build: Callable[[ServiceRuntime], Service]) -> None:
+    """Run the service `build` makes on the runtime, serving its health endpoints until
+    SIGTERM/SIGINT, then close it before the runtime closes (its bus and Valkey connections)."""
+    async with ServiceRuntime(name, settings) as rt:
+        service = build(rt)
+        await service.start()
+        try:
+            await rt.serve(health_app(rt.readiness))
+        finally:
+            await service.close()

@@ -8,9 +8,8 @@ import os
 from services.engine.service import EngineService
 from services.engine.settings import EngineSettings, parse_cores
 from shared.cpu_quota import cpu_quota
-from shared.health import health_app
 from shared.logs import setup_logging
-from shared.runtime import ServiceRuntime
+from shared.runtime import run_service
 
 
 async def main() -> None:
@@ -20,13 +19,7 @@ async def main() -> None:
         # Workers are spawned from this process and inherit its cores.
         os.sched_setaffinity(0, parse_cores(settings.cpu_cores))
     with cpu_quota(settings.cpu_quota, settings.node_id):
-        async with ServiceRuntime("engine", settings) as rt:
-            engine = EngineService(settings, rt.bus)
-            await engine.start()
-            try:
-                await rt.serve(health_app(rt.readiness))
-            finally:
-                await engine.close()
+        await run_service("engine", settings, lambda rt: EngineService(settings, rt.bus))
 
 
 if __name__ == "__main__":

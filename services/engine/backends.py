@@ -70,7 +70,8 @@ class Backend:
     """Most requests its engine steps at once, fixed by the engine; None: the node's
     `max_batch` setting."""
     entry: str
-    """Its worker process's entry function, `module:function`."""
+    """Its worker process's entry function, `module:function`, imported and called in the
+    spawned process (`shared.process.run_worker`)."""
     process_name: str
     args: Callable[[WorkerSpec, Connection, int], tuple[object, ...]]
     """The entry function's arguments from the spec, the worker's end of its pipe and its slot
@@ -79,6 +80,7 @@ class Backend:
     """Environment the process is spawned with (it copies the engine's then)."""
 
     def entry_point(self) -> Callable[..., None]:
+        """The entry function itself (imported here: for a check, never by the engine)."""
         module, _, function = self.entry.partition(":")
         main: Callable[..., None] = getattr(importlib.import_module(module), function)
         return main
@@ -112,7 +114,7 @@ OPENVINO = Backend(
     # The continuous-batching core (`core.py`) serves every instance once built; the start
     # tier's batch before it lasts a couple of seconds.
     batch_limit=CORE_MAX_SEQS,
-    entry="services.engine.openvino_process:worker_main",
+    entry="services.engine.worker_process:serve",
     process_name="tessera-worker",
     args=lambda s, c, i: (c, s.device, s.threads, s.prefault_bytes, s.max_batch, s.join_recompute_tokens, s.gate, i),
     env=_openvino_env,

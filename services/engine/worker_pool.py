@@ -42,6 +42,7 @@ from services.engine.worker_wire import (
     TierUpNow,
 )
 from shared.messages import Artifact, Tier
+from shared.process import run_worker
 
 if TYPE_CHECKING:
     from services.engine.settings import EngineSettings
@@ -95,8 +96,8 @@ class Worker:
         self._slot = spec.gate.claim() if spec.gate is not None else -1
         """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
         self.process = ctx.Process(
-            target=backend.entry_point(),
-            args=backend.args(spec, child, self._slot),
+            target=run_worker,
+            args=(backend.entry, *backend.args(spec, child, self._slot)),
             daemon=True,
             name=backend.process_name,
         )

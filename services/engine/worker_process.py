@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -33,7 +32,6 @@ from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_os import prefault_heap, touch_kernels
 from services.engine.worker_wire import Load, Loaded, Ready, TieredUp
 from shared.messages import Tier
-from shared.process import die_with_parent
 
 BUILD_POLL_S = 0.05
 """How often an idle worker looks at a core build under way (its `TieredUp` goes out then)."""
@@ -151,8 +149,6 @@ def serve(
     gate: StepGate | None = None,
     slot: int = -1,
 ) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm: everything a start would otherwise import and initialise.
     import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)
 

@@ -6,17 +6,14 @@ import asyncio
 
 from services.loader.service import LoaderService
 from services.loader.settings import LoaderSettings
-from shared.health import health_app
 from shared.logs import setup_logging
-from shared.runtime import ServiceRuntime
+from shared.runtime import run_service
 
 
 async def main() -> None:
     settings = LoaderSettings()
     setup_logging("loader", settings.log_level)
-    async with ServiceRuntime("loader", settings) as rt:
-        await LoaderService(settings, rt.bus).start()
-        await rt.serve(health_app(rt.readiness))
+    await run_service("loader", settings, lambda rt: LoaderService(settings, rt.bus))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Protocol
 import msgspec
 
 from services.loader.blockset import BlockSet, block_ok, prepare, read_block, write_block
+from shared.tcp import Listener
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Holding:
         return True
 
 
-class BlockServer:
+class BlockServer(Listener):
     """Serves the blocks of the sets offered to it, over TCP, through a shaped uplink."""
 
     def __init__(
@@ -125,7 +126,6 @@ class BlockServer:
         """Set (and replaced) whenever a set is offered: wakes the requests waiting for one."""
         self.awaiting_offer = 0
         """Requests waiting for a set to be offered."""
-        self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._sending = asyncio.Lock()
         """One block on the wire at a time, in the order asked for: two sent at once share
@@ -147,18 +147,9 @@ class BlockServer:
         for set_id in [k for k in self.sets if k.split("/", 1)[0] == artifact_id]:
             del self.sets[set_id]
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._serve, host, port)
-        sock = self._server.sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            # Connections in progress end too: a closed server is a dead peer to its readers.
-            for w in list(self._writers):
-                w.close()
-            await self._server.wait_closed()
+    async def _end_connections(self) -> None:
+        for w in list(self._writers):
+            w.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)

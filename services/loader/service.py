@@ -124,6 +124,9 @@ class LoaderService:
         self._receiving: dict[str, asyncio.Future[None]] = {}
         """Multicasts under way, by artifact: a stage of it waits for the copy; a fill skips it."""
 
+    async def close(self) -> None:
+        """Nothing of its own to stop: its subscriptions end with the runtime's bus."""
+
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
         node = self.settings.node_id

@@ -6,17 +6,14 @@ import asyncio
 
 from services.memory_manager.service import MemoryManagerService
 from services.memory_manager.settings import MemoryManagerSettings
-from shared.health import health_app
 from shared.logs import setup_logging
-from shared.runtime import ServiceRuntime
+from shared.runtime import run_service
 
 
 async def main() -> None:
     settings = MemoryManagerSettings()
     setup_logging("memory_manager", settings.log_level)
-    async with ServiceRuntime("memory_manager", settings) as rt:
-        await MemoryManagerService(settings, rt.bus).start()
-        await rt.serve(health_app(rt.readiness))
+    await run_service("memory_manager", settings, lambda rt: MemoryManagerService(settings, rt.bus))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ class MemoryManagerService:
         """Regions the per-region gauge shows."""
         BUDGET.set(settings.memory_budget_bytes)
 
+    async def close(self) -> None:
+        """Nothing of its own to stop: its subscriptions end with the runtime's bus."""
+
     async def start(self) -> None:
         await self.bus.subscribe(subjects.memory_reserve(self.node), self.on_reserve)
         await self.bus.subscribe(subjects.memory_done(self.node), self.on_done)

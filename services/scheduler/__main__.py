@@ -6,22 +6,15 @@ import asyncio
 
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
-from shared.health import health_app
 from shared.logs import setup_logging
 from shared.registry import Registry
-from shared.runtime import ServiceRuntime
+from shared.runtime import run_service
 
 
 async def main() -> None:
     settings = SchedulerSettings()
     setup_logging("scheduler", settings.log_level)
-    async with ServiceRuntime("scheduler", settings) as rt:
-        scheduler = SchedulerService(settings, rt.bus, Registry(rt.valkey))
-        await scheduler.start()
-        try:
-            await rt.serve(health_app(rt.readiness))
-        finally:
-            await scheduler.close()
+    await run_service("scheduler", settings, lambda rt: SchedulerService(settings, rt.bus, Registry(rt.valkey)))
 
 
 if __name__ == "__main__":

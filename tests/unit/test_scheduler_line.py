@@ -43,6 +43,8 @@ RECORD = ModelRecord(
 # 20 ms a decode iteration alone, 80 ms in a batch of 4: with the 10 % overestimate a batch of
 # 4 fits the 0.1 s TPOT SLO (88 ms) and one of 5 does not (110 ms).
 PERF = PerfReport("a1", prefill=((64, 0.05),), decode=((1, 64, 0.02), (4, 64, 0.08)))
+HANG_S = 60.0
+"""How long a placement may take before the test calls it a hang: a safety bound, not a speed."""
 
 
 class OneModel(Registry):
@@ -98,13 +100,13 @@ async def test_requests_wait_for_room_and_are_placed_in_order_as_requests_end() 
     assert not first.done() and not second.done()
 
     await scheduler.on_heartbeat(heartbeat(running=3))  # type: ignore[arg-type]  # one ended: room for one
-    placed = await asyncio.wait_for(first, 5)
+    placed = await asyncio.wait_for(first, HANG_S)
     assert isinstance(placed, Placement) and placed.node_id == "a" and placed.request_id == "r1"
     await asyncio.sleep(0)  # sync-ok: a chance for r2 to be placed wrongly (nothing should happen)
     assert not second.done() and len(scheduler.line) == 1  # r1 took the room
 
     await scheduler.on_heartbeat(heartbeat(running=2))  # type: ignore[arg-type]
-    placed = await asyncio.wait_for(second, 5)
+    placed = await asyncio.wait_for(second, HANG_S)
     assert isinstance(placed, Placement) and placed.request_id == "r2"
     assert len(scheduler.line) == 0
 
@@ -112,7 +114,7 @@ async def test_requests_wait_for_room_and_are_placed_in_order_as_requests_end() 
 async def test_a_request_with_room_is_placed_at_once() -> None:
     scheduler = SchedulerService(SchedulerSettings(), None, OneModel())  # type: ignore[arg-type]
     await scheduler.on_heartbeat(heartbeat(running=3))  # type: ignore[arg-type]
-    placed = await asyncio.wait_for(scheduler.place(request("r1")), 5)
+    placed = await asyncio.wait_for(scheduler.place(request("r1")), HANG_S)
     assert isinstance(placed, Placement) and len(scheduler.line) == 0
 
 
@@ -120,7 +122,7 @@ async def test_with_admission_on_a_request_that_waited_its_bound_is_refused() ->
     # reject_over_slo 0.01: it may wait 0.01 × its 2 s TTFT SLO for room, and none comes.
     scheduler = SchedulerService(SchedulerSettings(reject_over_slo=0.01), None, OneModel())  # type: ignore[arg-type]
     await scheduler.on_heartbeat(heartbeat(running=4))  # type: ignore[arg-type]
-    refused = await asyncio.wait_for(scheduler.place(request("r1")), 5)
+    refused = await asyncio.wait_for(scheduler.place(request("r1")), HANG_S)
     assert isinstance(refused, Rejected) and refused.code == ErrorCode.OVERLOADED and refused.retry_after_s
     assert len(scheduler.line) == 0
 
@@ -129,7 +131,7 @@ async def test_without_admission_a_request_that_may_not_wait_queues_on_the_insta
     # The gateway left it no time to wait (wait_s 0): it goes to the instance, as before lines.
     scheduler = SchedulerService(SchedulerSettings(), None, OneModel())  # type: ignore[arg-type]
     await scheduler.on_heartbeat(heartbeat(running=4))  # type: ignore[arg-type]
-    placed = await asyncio.wait_for(scheduler.place(request("r1", wait_s=0.0)), 5)
+    placed = await asyncio.wait_for(scheduler.place(request("r1", wait_s=0.0)), HANG_S)
     assert isinstance(placed, Placement) and placed.node_id == "a"
 
 

@@ -1,17 +1,15 @@
-"""The torch worker process's entry point, apart from the worker itself so that the engine's
-main process can name it as a spawn target without importing torch (≈ 1.5 s and a few hundred
-MB that only the worker needs)."""
+"""The torch worker process's entry point (spawned by name: `shared.process.run_worker`), apart
+from the worker itself: its pre-warm imports torch (≈ 1.5 s and a few hundred MB that only the
+worker needs) before any model is bound."""
 
 from __future__ import annotations
 
 import os
-import signal
 from multiprocessing.connection import Connection
 
 from cuda_ext.memory import ArenaHandle
 from services.engine.step_gate import StepGate
 from services.engine.worker_wire import Ready
-from shared.process import die_with_parent
 
 
 def worker_main(
@@ -23,8 +21,6 @@ def worker_main(
     max_batch: int = 16,
     kv_tokens: int = 8192,
 ) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # The pre-warm (TIDAL §5): torch, transformers' model code and the arena, before any model
     # is bound, so that a start only reads and binds tensors.
     import torch

@@ -24,6 +24,7 @@ import torch
 from services.engine.sampling import Sampler
 from services.engine.torch_engine.stages import Stage
 from shared.messages import SamplingParams
+from shared.tcp import Listener
 
 _LEN = struct.Struct(">I")
 TIMEOUT_S = 60.0
@@ -66,29 +67,20 @@ async def _recv(reader: asyncio.StreamReader) -> tuple[StageFrame, bytes]:
     return frame, await reader.readexactly(frame.length) if frame.length else b""
 
 
-class StageServer:
-    """Serves one stage: one forward pass at a time (in a thread: the loop keeps reading)."""
+class StageServer(Listener):
+    """Serves one stage: one forward pass at a time (in a thread: the loop keeps reading).
+    Closed, it ends every connection (its sessions' caches go with it)."""
 
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self._lock = asyncio.Lock()
-        self._server: asyncio.Server | None = None
         self._askers: set[asyncio.Task[object]] = set()
         """One task per connection (asyncio's server runs each handler in a task)."""
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._server = await asyncio.start_server(self._serve, host, port)
-        sock = self._server.sockets[0].getsockname()
-        return f"{sock[0]}:{sock[1]}"
-
-    async def close(self) -> None:
-        """Stop listening and end every connection (its sessions' caches go with it)."""
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._askers):
-                task.cancel()
-            await asyncio.gather(*self._askers, return_exceptions=True)
-            await self._server.wait_closed()
+    async def _end_connections(self) -> None:
+        for task in list(self._askers):
+            task.cancel()
+        await asyncio.gather(*self._askers, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sessions: set[str] = set()  # dropped when the asker goes, whether it said so or not

@@ -1,15 +1,13 @@
-"""The vLLM worker process's entry point, apart from the worker so that the engine's main
-process can name it as a spawn target without importing vLLM."""
+"""The vLLM worker process's entry point (spawned by name: `shared.process.run_worker`), apart
+from the worker: its pre-warm imports vLLM and torch before any model is bound."""
 
 from __future__ import annotations
 
 import os
-import signal
 from multiprocessing.connection import Connection
 
 from services.engine.step_gate import StepGate
 from services.engine.worker_wire import Ready
-from shared.process import die_with_parent
 
 
 def worker_main(
@@ -20,8 +18,6 @@ def worker_main(
     max_batch: int = 16,
     kv_tokens: int = 8192,
 ) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a worker ends
     # vLLM's engine core in this process (the worker is already the engine's process for its
     # model), and its CPU threads left where a start's core share pins them.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -52,8 +52,9 @@ from shared.messages import (
 )
 from shared.registry import Registry
 
-LIMIT_S = 1.0
-"""Each request's own timeout: an unanswered request fails with "no reply ... within 1s"."""
+LIMIT_S = 60.0
+"""Each request's own timeout, a bound on a hang: a request nobody answered fails with "no reply
+... within 60s", which the checks tell from the bus's typed error by its message (not its time)."""
 
 
 @pytest.fixture(scope="module")
@@ -105,21 +106,19 @@ def boom(*_: Any, **__: Any) -> NoReturn:
     raise RuntimeError("boom: a bug in the handler")
 
 
-async def timed_request(caller: Bus, subject: str, message: Any, reply_type: Any) -> tuple[Any, float]:
-    t0 = time.monotonic()
+async def ask(caller: Bus, subject: str, message: Any, reply_type: Any) -> Any:
+    """The reply, or the error the request raised."""
     try:
-        reply = await caller.request(subject, message, reply_type, timeout=LIMIT_S)
+        return await caller.request(subject, message, reply_type, timeout=LIMIT_S)
     except TesseraError as e:
-        return e, time.monotonic() - t0
-    return reply, time.monotonic() - t0
+        return e
 
 
-def assert_bus_answered(outcome: Any, elapsed: float, names: str = "RuntimeError") -> TesseraError:
+def assert_bus_answered(outcome: Any, names: str = "RuntimeError") -> TesseraError:
     """The caller got the bus's typed error, not its own timeout."""
     assert isinstance(outcome, TesseraError), outcome
     assert "no reply" not in outcome.message, f"the caller waited for its own timeout: {outcome.message}"
     assert names in outcome.message, outcome.message
-    assert elapsed < LIMIT_S
     return outcome
 
 
@@ -141,8 +140,8 @@ async def test_a_handler_that_raises_is_answered_with_a_typed_error_logged_once(
     await service.subscribe("t.raise", handler)
 
     await settled(service)
-    outcome, elapsed = await timed_request(caller, "t.raise", ClusterStatusQuery(), ClusterStatus)
-    error = assert_bus_answered(outcome, elapsed)
+    outcome = await ask(caller, "t.raise", ClusterStatusQuery(), ClusterStatus)
+    error = assert_bus_answered(outcome)
     assert error.code == ErrorCode.UNAVAILABLE and error.retry_after_s == 1
     assert "boom: a bug in the handler" in error.message and "t.raise" in error.message
     await handlers_done(service)
@@ -173,8 +172,8 @@ async def test_a_tessera_error_that_escapes_keeps_its_code(buses: tuple[Bus, Bus
     await service.subscribe("t.typed", handler)
 
     await settled(service)
-    outcome, elapsed = await timed_request(caller, "t.typed", ClusterStatusQuery(), ClusterStatus)
-    error = assert_bus_answered(outcome, elapsed, names="no such model")
+    outcome = await ask(caller, "t.typed", ClusterStatusQuery(), ClusterStatus)
+    error = assert_bus_answered(outcome, names="no such model")
     assert error.code == ErrorCode.MODEL_NOT_FOUND and error.retry_after_s == 3
 
 
@@ -236,10 +235,8 @@ async def test_memory_manager_reserve_answers_an_unexpected_error(
     await settled(service)
     monkeypatch.setattr(mm.station, "size", boom)
     # As the engine asks before a load (`_reserve_memory`).
-    outcome, elapsed = await timed_request(
-        caller, subjects.memory_reserve("mm-node"), Reserve(owner="m:kv", nbytes=1), ReserveResult
-    )
-    assert_bus_answered(outcome, elapsed)
+    outcome = await ask(caller, subjects.memory_reserve("mm-node"), Reserve(owner="m:kv", nbytes=1), ReserveResult)
+    assert_bus_answered(outcome)
 
 
 class DownRegistry(Registry):
@@ -264,7 +261,6 @@ async def test_scheduler_place_and_status_answer_an_unexpected_error(
     await settled(service)
     try:
         # The gateway places with `Placement | Rejected` and raises the Rejected's code.
-        t0 = time.monotonic()
         placed = await caller.request(
             subjects.place(),
             PlaceRequest(request_id="r1", model="m", prompt_tokens=3, max_tokens=4),
@@ -273,12 +269,11 @@ async def test_scheduler_place_and_status_answer_an_unexpected_error(
         )
         assert isinstance(placed, Rejected), placed
         assert placed.code == ErrorCode.UNAVAILABLE and "ConnectionError" in placed.message
-        assert time.monotonic() - t0 < LIMIT_S
 
         # The admin API asks for `ClusterStatus` alone.
         monkeypatch.setattr(scheduler, "nodes", None)  # `.values()` of it raises AttributeError
-        outcome, elapsed = await timed_request(caller, subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus)
-        assert_bus_answered(outcome, elapsed, names="AttributeError")
+        outcome = await ask(caller, subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus)
+        assert_bus_answered(outcome, names="AttributeError")
     finally:
         await scheduler.close()
 
@@ -292,12 +287,12 @@ async def test_loader_cache_and_evict_answer_an_unexpected_error(
     await loader.start()
     await settled(service)
     monkeypatch.setattr(loader.cache, "evict_all", boom)
-    outcome, elapsed = await timed_request(caller, subjects.loader_evict("loader-node"), EvictHostCache(), Evicted)
-    assert_bus_answered(outcome, elapsed)
+    outcome = await ask(caller, subjects.loader_evict("loader-node"), EvictHostCache(), Evicted)
+    assert_bus_answered(outcome)
 
     monkeypatch.setattr(loader, "cache", None)  # `.entries` of it raises AttributeError
-    outcome, elapsed = await timed_request(caller, subjects.loader_cache("loader-node"), CacheQuery(), CacheStatus)
-    assert_bus_answered(outcome, elapsed, names="AttributeError")
+    outcome = await ask(caller, subjects.loader_cache("loader-node"), CacheQuery(), CacheStatus)
+    assert_bus_answered(outcome, names="AttributeError")
 
 
 async def test_engine_evict_and_generate_answer_an_unexpected_error(
@@ -312,8 +307,8 @@ async def test_engine_evict_and_generate_answer_an_unexpected_error(
     await settled(service)
     try:
         monkeypatch.setattr(engine.memory, "evict", boom)
-        outcome, elapsed = await timed_request(caller, subjects.engine_evict("engine-node"), EvictResidents(), Evicted)
-        assert_bus_answered(outcome, elapsed)
+        outcome = await ask(caller, subjects.engine_evict("engine-node"), EvictResidents(), Evicted)
+        assert_bus_answered(outcome)
 
         # The gateway sends with `GenerateAccepted | Failed`: a `Rejected` is neither.
         monkeypatch.setattr(engine.node, "instances", None)  # `.get` of it raises AttributeError
@@ -326,10 +321,8 @@ async def test_engine_evict_and_generate_answer_an_unexpected_error(
             params=SamplingParams(max_tokens=1),
             stream_subject="t.stream",
         )
-        outcome, elapsed = await timed_request(
-            caller, subjects.engine_generate("engine-node"), request, GenerateAccepted | Failed
-        )
-        assert_bus_answered(outcome, elapsed, names="AttributeError")
+        outcome = await ask(caller, subjects.engine_generate("engine-node"), request, GenerateAccepted | Failed)
+        assert_bus_answered(outcome, names="AttributeError")
     finally:
         await engine.close()
 
@@ -357,7 +350,7 @@ async def test_a_bus_whose_server_is_gone_closes_without_raising(
     bus = Bus("closing")
     await bus.connect(url)
     proc.terminate()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a safety bound on a hang, not a speed asked for
     while not bus.client.is_reconnecting:
         assert time.monotonic() < deadline, "the client never noticed its server had gone"
         await asyncio.sleep(0.05)  # sync-ok: polling a condition with a deadline
