@@ -142,7 +142,7 @@ def test_a_torch_node_serves_transformers_greedy_text_streamed_or_not_and_restar
     workers = torch_workers(torch_cluster)
     assert workers, "no engine worker runs torch"
     # A GPU machine's image may hold no OpenVINO: neither the torch node's engine nor its
-    # torch workers load it, having served (tests/unit/test_floors.py checks the imports).
+    # torch workers load it, having served (tests/integration/test_floors.py checks the imports).
     for pid in [torch_cluster.procs["engine@node-0"].pid, *workers]:
         assert "libopenvino" not in Path(f"/proc/{pid}/maps").read_text(), f"process {pid} loaded OpenVINO"
 
