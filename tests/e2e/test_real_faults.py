@@ -385,7 +385,15 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
                 rounds, 60, "node-0 busy with sm and big, and rounds measured for both", detail=lambda: seen
             )
             tpot = math.sqrt(crowded * alone)
-            register(c, "big", keep_alive_s=600.0, source=str(pair.big_source), ttft_slo_s=TTFT_SLO_S, tpot_slo_s=tpot)
+            register(
+                c,
+                "big",
+                keep_alive_s=600.0,
+                replace=True,
+                source=str(pair.big_source),
+                ttft_slo_s=TTFT_SLO_S,
+                tpot_slo_s=tpot,
+            )
             now = rounds()
             return tpot if now is not None and now[1] < tpot < now[0] else None
 
