@@ -38,8 +38,9 @@ import numpy as np
 import openvino as ov
 
 from services.engine.batch_types import Step
-from services.engine.core import Turn, Turns, check_prompt, most_urgent, no_turn, post
+from services.engine.core import check_prompt
 from services.engine.sampling import Sampler, token_logprob
+from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 PAD_ID = 0
@@ -189,7 +190,7 @@ class StartBatch:
         compiled: ov.CompiledModel,
         eos_ids: frozenset[int],
         kv_tokens: int,
-        turn: Turn = no_turn,
+        turn: TakeTurn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         idle: Callable[[], None] = lambda: None,

@@ -17,62 +17,18 @@ from __future__ import annotations
 
 import math
 import random
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from services.engine.batch_types import Step
 from services.engine.sampling import is_greedy
+from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
     import openvino_genai as ov_genai
-
-
-class Held(Protocol):
-    """What a turn yields (the step gate's `Turn`): `then`, set before the turn ends, is the
-    deadline of the batch's next pass, posted as it leaves so that the batch keeps its place
-    between passes (inf: it has none)."""
-
-    then: float
-
-
-Turn = Callable[[float], AbstractContextManager["Held | None"]]
-"""turn(deadline): held around every forward pass of a batch (the node's step gate, entered
-with the most urgent request's next-token deadline); tests pass `no_turn`."""
-
-
-def no_turn(deadline: float) -> AbstractContextManager[None]:
-    return nullcontext()
-
-
-class Turns:
-    """A batch's turns, and the seconds it spent waiting to enter them (`Batch.waited`).
-    Itself a `Turn`, so that batches inside another share its count."""
-
-    def __init__(self, turn: Turn) -> None:
-        self._turn = turn
-        self.waited = 0.0
-
-    @contextmanager
-    def __call__(self, deadline: float) -> Iterator[Held | None]:
-        t0 = time.monotonic()
-        with self._turn(deadline) as held:
-            self.waited += time.monotonic() - t0
-            yield held
-
-
-def post(held: Held | None, deadlines: Iterable[float]) -> None:
-    """End a turn posted with the most urgent of the deadlines of the batch's next pass."""
-    if held is not None:
-        held.then = most_urgent(deadlines)
-
-
-def most_urgent(deadlines: Iterable[float]) -> float:
-    return min(deadlines, default=math.inf)
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, kv_tokens: int) -> None:
@@ -237,7 +193,7 @@ class CoreBatch:
         eos_token_id: int,
         vocab_size: int,
         kv_tokens: int,
-        turn: Turn = no_turn,
+        turn: TakeTurn = no_turn,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
         self.pipeline = pipeline

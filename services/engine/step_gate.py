@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing.context import SpawnContext
-from typing import Any
+from typing import Any, Protocol
 
 SLOTS = 64
 """Workers a node's gate can hold (bound and pre-warmed); one without a slot runs ungated."""
@@ -58,6 +58,52 @@ class Turn:
     then: float = math.inf
     """The deadline of the worker's next iteration, posted as it leaves (set it before the
     turn ends: a batch that goes on keeps its place, `leave`); inf: none."""
+
+
+# --- a batch's side: the turns it takes around its forward passes ------------------------------
+
+
+class Held(Protocol):
+    """What a turn yields (a `Turn` at the node's gate): `then`, set before the turn ends, is the
+    deadline of the batch's next pass, posted as it leaves so that the batch keeps its place
+    between passes (inf: it has none)."""
+
+    then: float
+
+
+TakeTurn = Callable[[float], AbstractContextManager["Held | None"]]
+"""take_turn(deadline): held around every forward pass of a batch (the node's step gate, entered
+with the most urgent request's next-token deadline); tests pass `no_turn`."""
+
+
+def no_turn(deadline: float) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
+class Turns:
+    """A batch's turns, and the seconds it spent waiting to enter them (`Batch.waited`).
+    Itself a `TakeTurn`, so that batches inside another share its count."""
+
+    def __init__(self, turn: TakeTurn) -> None:
+        self._turn = turn
+        self.waited = 0.0
+
+    @contextmanager
+    def __call__(self, deadline: float) -> Iterator[Held | None]:
+        t0 = time.monotonic()
+        with self._turn(deadline) as held:
+            self.waited += time.monotonic() - t0
+            yield held
+
+
+def post(held: Held | None, deadlines: Iterable[float]) -> None:
+    """End a turn posted with the most urgent of the deadlines of the batch's next pass."""
+    if held is not None:
+        held.then = most_urgent(deadlines)
+
+
+def most_urgent(deadlines: Iterable[float]) -> float:
+    return min(deadlines, default=math.inf)
 
 
 class StepGate:

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
 from services.engine.batch_types import Step
-from services.engine.core import CoreBatch, Turn, Turns, check_prompt, needs_core, needs_logits, no_turn
+from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
+from services.engine.step_gate import TakeTurn, Turns, no_turn
 from services.engine.worker_os import trim_heap
 from services.engine.worker_wire import TieredUp
 from shared.artifact import model_xml
@@ -107,7 +108,7 @@ class TieredBatch:
         reload: Callable[[], LoadedModel],
         device: str,
         threads: int,
-        turn: Turn = no_turn,
+        turn: TakeTurn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         first_batch_done: Callable[[], None] = lambda: None,
@@ -160,7 +161,7 @@ class TieredBatch:
         device: str,
         threads: int,
         share_threads: int,
-        turn: Turn = no_turn,
+        turn: TakeTurn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
         first_batch_done: Callable[[], None] = lambda: None,

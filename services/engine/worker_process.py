@@ -17,16 +17,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
 
 import openvino as ov
 
 from services.engine.batch_types import Batch
-from services.engine.core import Held, no_turn
 from services.engine.cpu_share import pin_all_threads
-from services.engine.step_gate import StepGate
+from services.engine.step_gate import StepGate, TakeTurn, no_turn
 from services.engine.tiered_batch import TieredBatch
 from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_os import prefault_heap, touch_kernels
@@ -99,7 +96,7 @@ class OpenVinoBinding:
         )
         return self.batch
 
-    def _turn(self) -> Callable[[float], AbstractContextManager[Held | None]]:
+    def _turn(self) -> TakeTurn:
         gate, slot = self.gate, self.slot
         if gate is None:
             return no_turn

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.batch import StartBatch, vocab_size
-from services.engine.core import CoreBatch, Turn, no_turn
+from services.engine.core import CoreBatch
 from services.engine.instance import LoadedModel
+from services.engine.step_gate import TakeTurn, no_turn
 from services.engine.text import DecodeMany
 from services.engine.tiered_batch import TieredBatch
 from shared.messages import Artifact, Tier
@@ -70,7 +71,10 @@ def encode(text: str) -> list[int]:
 
 
 def start_batch_factory(
-    turn: Turn = no_turn, max_batch: int = 4, join_recompute_tokens: int = 512, idle: Callable[[], None] = lambda: None
+    turn: TakeTurn = no_turn,
+    max_batch: int = 4,
+    join_recompute_tokens: int = 512,
+    idle: Callable[[], None] = lambda: None,
 ) -> tuple[StartBatch, DecodeMany]:
     loaded = start_tier()
     batch = StartBatch(
@@ -79,7 +83,9 @@ def start_batch_factory(
     return batch, loaded.tokenizer.decode_many
 
 
-def core_batch_factory(turn: Turn = no_turn, idle: Callable[[], None] = lambda: None) -> tuple[CoreBatch, DecodeMany]:
+def core_batch_factory(
+    turn: TakeTurn = no_turn, idle: Callable[[], None] = lambda: None
+) -> tuple[CoreBatch, DecodeMany]:
     loaded = start_tier()  # its detokenizer and vocabulary are the model's
     batch = CoreBatch(
         core_pipeline(), loaded.tokenizer.eos_token_id, vocab_size(loaded.compiled), kv_tokens(), turn, idle
@@ -102,7 +108,7 @@ PROMPT = "The capital of France is"
 
 
 class TurnLog:
-    """Stands in for the node's step gate (`Turn`, `idle`): the deadline each turn was entered
+    """Stands in for the node's step gate (`TakeTurn`, `idle`): the deadline each turn was entered
     with, the one it was left posted with (`Held.then`), and how often the batch said it had
     nothing left to run."""
 
@@ -143,7 +149,7 @@ def token_ids(steps: list[Any]) -> list[int]:
 
 
 def tiered_batch_factory(
-    turn: Turn = no_turn, idle: Callable[[], None] = lambda: None
+    turn: TakeTurn = no_turn, idle: Callable[[], None] = lambda: None
 ) -> tuple[TieredBatch, DecodeMany]:
     """The worker's batch over both tiers: the start tier at once, its core built on a thread
     after the first batch (each such batch builds its own: ≈ 2.5 s of CPU)."""
