@@ -1,6 +1,6 @@
 """What the engine and its worker processes say to each other over a `multiprocessing` pipe:
 small dataclasses that never leave the node (so they are not bus messages). The engine's side
-is `worker_pool.py`, the worker's `worker_process.py`."""
+is `worker_pool.py`, the worker's `worker_loop.py`."""
 
 from __future__ import annotations
 
