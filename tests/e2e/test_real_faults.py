@@ -403,7 +403,13 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
             second = complete_in_background(client, True, **body("big", second_prompt, max_tokens=16)).ended(120)
         finally:
             register(
-                c, "big", keep_alive_s=600.0, source=str(pair.big_source), ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S
+                c,
+                "big",
+                keep_alive_s=600.0,
+                replace=True,
+                source=str(pair.big_source),
+                ttft_slo_s=TTFT_SLO_S,
+                tpot_slo_s=TPOT_SLO_S,
             )
         small.ended(180)
     finally:
