@@ -380,11 +380,7 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
             # apart: their fitted costs differ by the noise of their own measurements).
             return (crowded, alone) if crowded > 1.25 * alone > 0 else None
 
-        def tpot_set_between() -> float | None:
-            crowded, alone = wait_for(
-                rounds, 60, "node-0 busy with sm and big, and rounds measured for both", detail=lambda: seen
-            )
-            tpot = math.sqrt(crowded * alone)
+        def set_big_tpot_slo(tpot_slo_s: float) -> None:  # an operator's registration, replaced
             register(
                 c,
                 "big",
@@ -392,8 +388,15 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
                 replace=True,
                 source=str(pair.big_source),
                 ttft_slo_s=TTFT_SLO_S,
-                tpot_slo_s=tpot,
+                tpot_slo_s=tpot_slo_s,
             )
+
+        def tpot_set_between() -> float | None:
+            crowded, alone = wait_for(
+                rounds, 60, "node-0 busy with sm and big, and rounds measured for both", detail=lambda: seen
+            )
+            tpot = math.sqrt(crowded * alone)
+            set_big_tpot_slo(tpot)
             now = rounds()
             return tpot if now is not None and now[1] < tpot < now[0] else None
 
@@ -402,15 +405,7 @@ def test_the_scheduler_preempts_a_smaller_neighbour_crowding_a_bigger_batch_and_
             assert not small.done.is_set() and not first.done.is_set(), "a request ended early: make them longer"
             second = complete_in_background(client, True, **body("big", second_prompt, max_tokens=16)).ended(120)
         finally:
-            register(
-                c,
-                "big",
-                keep_alive_s=600.0,
-                replace=True,
-                source=str(pair.big_source),
-                ttft_slo_s=TTFT_SLO_S,
-                tpot_slo_s=TPOT_SLO_S,
-            )
+            set_big_tpot_slo(TPOT_SLO_S)
         small.ended(180)
     finally:
         first.stop.set()  # big's first request has served its purpose: its client leaves
