@@ -1,23 +1,15 @@
-"""Every running request's text in a worker: tokens in, `Chunk`s out. The one place tokens
-become streamed text, whatever engine made them (`worker_loop.py` feeds it each step's tokens).
+"""Every running request's text in a worker: tokens in, `Chunk`s out, whatever engine made them.
 
-Three stages per request: incremental detokenization (a token's text once it is whole UTF-8,
-`detokenize.py`), stop strings (the stop itself and anything after it never leave,
-`stops.py`), and coalescing into one chunk per stream interval, the first at once (each chunk
-wakes the engine, NATS, the gateway and the client: `EngineSettings.stream_interval_s`,
-vLLM's `stream_interval`), the interval stretched for a crowd (`CROWD_CHUNKS_PER_S`).
+Per request: incremental detokenization (a token's text once it is whole UTF-8), stop strings
+(the stop and anything after it never leave), and one chunk per stream interval, the first at
+once (each chunk wakes the engine, NATS, the gateway and the client: vLLM's
+`stream_interval`), the interval stretched for a crowd (`CROWD_CHUNKS_PER_S`).
 
-vLLM detokenizes a crowd's tokens off the engine's loop, in its frontend; here the worker's
-loop does it between steps, so what matters is the number of detokenizer runs: every request
-due is decoded in one `decode_many` call per flush (one detokenizer run per distinct window
-length) instead of two runs per request. Measured at 32 streams on the OpenVINO core:
-decoding each request's piece alone took a fifth of the loop. A request with stop strings is
-decoded at every flush, one token a round, so that it ends exactly at its stop (and its
-computation with it); one without is decoded only when a chunk of it is due (detokenizing
-each token cost ≈ 8 % of decode time on the start tier).
-
-Pure bookkeeping around a `decode_many` callable and a clock, so tests drive it with a toy
-vocabulary and a fake clock; it imports no runtime.
+Every request due is decoded in one `decode_many` call per flush (one detokenizer run per
+distinct window length): at 32 streams on the OpenVINO core, decoding each request alone took a
+fifth of the loop. A request with stop strings is decoded one token a round, so that it ends
+exactly at its stop; one without only when a chunk is due (detokenizing each token cost ≈ 8 %
+of decode time on the start tier). Pure bookkeeping: tests drive it with a toy vocabulary.
 """
 
 from __future__ import annotations
@@ -27,8 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.detokenize import IncrementalDetokenizer
-from services.engine.stops import StopMatcher
 from services.engine.worker_wire import Chunk
 from shared.messages import TokenLogprob
 
@@ -36,19 +26,15 @@ DecodeMany = Callable[[Sequence[Sequence[int]]], list[str]]
 """Each token sequence's text, in as few detokenizer runs as the library allows."""
 
 CROWD_CHUNKS_PER_S = 100.0
-"""Most chunks a worker's streams send per second together: with more streams than this many
-times their interval allows, each stream's interval stretches to `streams / rate`.
-
-Every chunk is a pipe read and a NATS publish in the engine, a NATS delivery and an SSE event
-in the gateway, and a read in the client, on the cores that also run the model; at 32 streams
-and 0.1 s that was ≈ 300 chunks/s and a tenth of the node's CPU. A client of a crowd then
-gets its text in pieces of a few tokens (at 32 streams every 0.32 s), which the total rate,
-TTFT and the text itself do not notice; a lone stream keeps its interval."""
+"""Most chunks a worker's streams send per second together: each stream's interval stretches to
+`streams / rate` past that. Every chunk costs a pipe read, a NATS publish and delivery and an
+SSE event on the model's cores: at 32 streams and 0.1 s that was ≈ 300 chunks/s and a tenth of
+the node's CPU. A crowd's client then gets a few tokens a piece; a lone stream keeps its
+interval."""
 
 
 def batch_decoder(tokenizer: Any) -> DecodeMany:
-    """`decode_many` over a Hugging Face tokenizer (`batch_decode`: one call for the lot),
-    with the text a client of `tokenizer.decode(ids, skip_special_tokens=True)` gets."""
+    """`decode_many` over a Hugging Face tokenizer: `decode(ids, skip_special_tokens=True)`'s text."""
 
     def decode_many(seqs: Sequence[Sequence[int]]) -> list[str]:
         if not seqs:
@@ -61,23 +47,83 @@ def batch_decoder(tokenizer: Any) -> DecodeMany:
     return decode_many
 
 
+class IncrementalDetokenizer:
+    """Text of each new token as soon as it is whole (vLLM's incremental detokenization): a
+    short window of recent tokens is decoded with and without the newest, and the difference
+    emitted once it no longer ends mid-character. (OpenVINO GenAI's TextStreamer holds the first
+    text for three tokens: ≈ 45 ms of TTFT here.) The caller decodes `windows()` (many
+    requests' in one run) and hands the texts to `settle`."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: text before it is final
+        self._read = 0  # tokens whose text has been emitted
+
+    @property
+    def holding(self) -> bool:
+        return self._read < len(self._ids)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._ids.extend(tokens)
+
+    def windows(self) -> tuple[list[int], list[int]]:
+        return self._ids[self._prefix : self._read], self._ids[self._prefix :]
+
+    def settle(self, before: str, after: str, final: bool = False) -> str:
+        """The new text ("" while it ends mid-character; `final`: whatever there is)."""
+        if final:
+            self._read = len(self._ids)
+            return after[len(before) :]
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""
+
+
+class StopMatcher:
+    """OpenAI's stop strings: neither the stop nor anything after it is sent; a suffix that may
+    begin a stop is held until the next piece decides it."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Add decoded text; return the part that can be sent now."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)]
+        keep = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end: whatever was held is plain text after all."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+
 @dataclass
 class _Stream:
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
     interval_s: float
+    stops: StopMatcher
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)
     undecoded: list[int] = field(default_factory=list)
-    """Tokens written, not yet through the detokenizer."""
     text: list[str] = field(default_factory=list)
     """Decoded text past its stop strings, not yet sent."""
     decoded: int = 0
     """Tokens behind `text` (and any the detokenizer holds mid-character), not yet sent."""
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """One per token not yet sent (decoded first, then undecoded); None where not asked for."""
+    """One per token not yet sent (decoded first, then undecoded)."""
     taken: int = 0
-    """Tokens it took through the detokenizer in all (up to its stop, once reached)."""
+    """Tokens taken through the detokenizer in all (up to its stop, once reached)."""
     last: float | None = None
-    """When its last chunk went out (None before the first: that one goes at once)."""
+    """When its last chunk went out (None: the first goes at once)."""
     ended: bool = False
 
 
@@ -85,12 +131,8 @@ class _Stream:
 class Flushed:
     chunks: list[Chunk]
     stopped: dict[str, int]
-    """Requests that reached a stop string, each with the tokens it took up to it: they end
-    ("stop") and their batch stops computing them. Their streams are gone."""
-
-
-def _never(ids: Sequence[int]) -> str:  # IncrementalDetokenizer's own decode is never used
-    raise AssertionError("StreamText decodes in batches")
+    """Requests that reached a stop string, with the tokens taken up to it (their streams are
+    gone; their batch stops computing them)."""
 
 
 @dataclass
@@ -101,10 +143,9 @@ class StreamText:
     _streams: dict[str, _Stream] = field(default_factory=dict, init=False)
 
     def open(self, request_id: str, interval_s: float, stops: Sequence[str] = ()) -> None:
-        self._streams[request_id] = _Stream(IncrementalDetokenizer(_never), StopMatcher(stops), interval_s)
+        self._streams[request_id] = _Stream(interval_s, StopMatcher(stops))
 
     def write(self, request_id: str, tokens: Sequence[tuple[int, TokenLogprob | None]]) -> None:
-        """New tokens of a request, each with its logprob where it asked for them."""
         stream = self._streams[request_id]
         stream.undecoded += [int(t) for t, _ in tokens]
         stream.logprobs += [lp for _, lp in tokens]
@@ -114,20 +155,15 @@ class StreamText:
         self._streams[request_id].ended = True
 
     def drop(self, request_id: str) -> None:
-        """Forget the request's stream and what it held (cancelled)."""
         self._streams.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._streams)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._streams
-
     def flush(self) -> Flushed:
-        """The chunks due now: a stream's first text at once, then at most one chunk per
-        interval (stretched for a crowd), the rest of every stream that ended (then forgotten),
-        and the text up to a stop string reached. A chunk that would end mid-character, or in
-        what may begin a stop string, waits for the next token."""
+        """The chunks due now: a stream's first text at once, then one per interval (stretched
+        for a crowd), the rest of every stream that ended, and the text up to a stop reached.
+        A chunk that would end mid-character, or in what may begin a stop, waits."""
         now = self.clock()
         crowd_s = len(self._streams) / self.chunks_per_s if self.chunks_per_s > 0 else 0.0
         due = {
@@ -151,7 +187,7 @@ class StreamText:
             elif rid not in due:
                 continue
             final = s.ended or s.stops.stopped
-            if s.ended:  # what was held as a possible stop is plain text after all
+            if s.ended:
                 s.text.append(s.stops.flush())
             text = "".join(s.text)
             if text or (final and s.decoded):
@@ -166,9 +202,9 @@ class StreamText:
         return Flushed(chunks, stopped)
 
     def _decode(self, work: list[_Stream]) -> None:
-        """Take `work`'s undecoded tokens through the detokenizer and the stop matcher: every
-        stream's in one `decode_many` call a round; a stream with stop strings one token a
-        round (it must stop at the token that completes one), the others all at once."""
+        """`work`'s undecoded tokens through the detokenizer and the stop matcher, every
+        stream's in one `decode_many` a round: one with stop strings a token a round (it must
+        stop at the token that completes one), the others all at once."""
         while work:
             windows: list[list[int]] = []
             for s in work:
@@ -183,7 +219,7 @@ class StreamText:
             for i, s in enumerate(work):
                 final = s.ended and not s.undecoded
                 s.text.append(s.stops.feed(s.detok.settle(texts[2 * i], texts[2 * i + 1], final=final)))
-                if s.stops.stopped:  # what came after the stop is dropped with its logprobs
+                if s.stops.stopped:  # what came after the stop goes, with its logprobs
                     s.undecoded.clear()
                     del s.logprobs[s.decoded :]
                 elif s.undecoded:

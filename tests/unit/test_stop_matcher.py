@@ -1,4 +1,4 @@
-from services.engine.stops import StopMatcher
+from services.engine.text import StopMatcher
 
 
 def feed_all(m: StopMatcher, pieces: list[str]) -> str:
