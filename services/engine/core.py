@@ -1,16 +1,8 @@
-"""The continuous-batching engine core: OpenVINO GenAI's `ContinuousBatchingPipeline` as one
-of the worker's `Batch`es (`batch_types.py`), and what the OpenVINO batches share.
-
-Paged KV cache, requests that join and leave at every step, chunked prefill (the library's
-`dynamic_split_fuse`, so a long prompt or a long generation never blocks short ones), prefix
-caching, and the library's sampling, penalties, end-of-sequence and max_tokens handling. What
-is left here is what a serving engine does around it (vLLM v1's `EngineCore`, OpenVINO Model
-Server's use of this same pipeline): add what arrived, `step()`, hand out each request's new
-token ids, and stop what a client gave up on. Text and stop strings are the worker loop's
-(one detokenizer and one stop matcher for every backend), so the library gets no stop strings.
-
-`step()` and `GenerationHandle.read()` hold the GIL and must not run beside another step, so
-the batch is stepped on its worker process's main thread and nothing else calls it.
+"""The continuous-batching core: OpenVINO GenAI's `ContinuousBatchingPipeline` as a `Batch`
+(paged KV cache, chunked prefill by `dynamic_split_fuse`, prefix caching, the library's sampler),
+and what the OpenVINO batches share. Around it, what vLLM v1's `EngineCore` does: add, `step()`,
+hand out new token ids, stop what a client gave up on; text and stop strings are the worker
+loop's. `step()` holds the GIL: only the worker's main thread calls the batch.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already 
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, kv_tokens: int) -> None:
-    """Refuse (ValueError, that request alone) a request no forward pass can take: an empty
-    prompt, an id outside the vocabulary (the library would embed it as garbage, not fail), or
-    more tokens than the KV cache holds (the gateway bounds requests by the model's context)."""
+    """Refuse (that request alone) what no forward pass can take: an id outside the vocabulary
+    would be embedded as garbage by the library, not refused."""
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     if len(prompt_ids) + max_tokens > kv_tokens:
@@ -49,26 +40,20 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int, vocab_size: int, kv
 
 CORE_MAX_SEQS = 256
 """Requests the pipeline runs at once (the library's `max_num_seqs` default)."""
-
 MAX_BATCHED_TOKENS = 256
-"""Tokens one step may compute (the library's default): a long prompt is prefilled in chunks
-of this many alongside the running decodes, so that it never stalls them for long."""
-
-
+"""Tokens one step computes: a long prompt is prefilled in chunks beside the decodes."""
 FLOAT32_TINY = 1e-30
 
 
 def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.GenerationConfig:
-    """The library's config for one request's sampling parameters."""
     import openvino_genai as ov_genai
 
     config = ov_genai.GenerationConfig()
     config.max_new_tokens = params.max_tokens
     config.set_eos_token_id(eos_token_id)
     config.ignore_eos = params.ignore_eos
-    # The library keeps these as float32 and checks them > 0: a positive double below float32's
-    # range would fail that check, so the smallest ones are raised to one it keeps (the same
-    # choice either way: only the most likely token survives such a temperature or top_p).
+    # The library checks these > 0 as float32: a smaller positive double is raised to one it
+    # keeps (the same choice: only the most likely token survives either).
     config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
     config.frequency_penalty = params.frequency_penalty
     config.presence_penalty = params.presence_penalty
@@ -79,8 +64,7 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
         if params.top_k > 0:
             config.top_k = params.top_k
         config.min_p = params.min_p
-        # Every request gets its own stream of random numbers: without a seed the library
-        # would start each one at the same default seed, and equal prompts would sample alike.
+        # Without a seed the library starts each request at one default: equal prompts alike.
         config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)
     else:
         config.do_sample = False
@@ -94,10 +78,9 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
 
 
 def needs_core(params: SamplingParams) -> bool:
-    """Whether only the core serves this request: the start tier has no grammar (structured
-    output), and a seed names one sample of the core's sampler; penalties, top-k and min-p
-    are the library's sampler's (the start tier's copies serve only requests that need the
-    logits). Such a request waits for the core."""
+    """Whether the request waits for the core: the start tier has no grammar, a seed names a
+    sample of the core's sampler, and the core's sampler is the one for penalties, top-k, min-p
+    (the start tier's copies serve only requests that need the logits)."""
     if needs_logits(params):
         return False
     return (
@@ -111,28 +94,18 @@ def needs_core(params: SamplingParams) -> bool:
 
 
 def needs_logits(params: SamplingParams) -> bool:
-    """Whether only the stateful tier serves this request: logit_bias and top_logprobs need
-    the logits, which the pipeline does not expose (vLLM reads both from the logits too).
-    The gateway refuses them together with a grammar."""
+    """Whether only the stateful tier serves it: logit_bias and top_logprobs need the logits,
+    which the pipeline does not expose (the gateway refuses them with a grammar)."""
     return bool(params.logit_bias) or params.logprobs > 0
 
 
 def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
-    """The pipeline on the artifact's IR, its KV cache allocated as the requests in it need.
-
-    The cache is the library's dynamic allocation (`num_kv_blocks = cache_size = 0`): it
-    starts at what the first requests need and grows in 256-token steps as rows grow, so it
-    holds what the requests the engine admitted use, and those are bounded by the memory
-    manager's KV grant (`service._kv_admit`: a request waits, or is refused, until the grant
-    covers it; one that outgrows it is evicted, §6.4). Freed blocks go back to the
-    pipeline's pool (prefix-cached ones are reused, measured: 12 rounds of 32 distinct
-    200-token prompts kept one size), not to the OS. A fixed block count instead had to guess
-    a size at build time, before the grant for later requests was known.
-
-    Measured here (OpenVINO GenAI 2026.4, SmolLM2-135M, 2 cores): ≈ 2.4 s, most of it the CPU
-    plugin compiling the paged-attention model; `CACHE_DIR` does not help (the plugin writes a
-    blob for such a model but never imports it back), which is why a start serves its first
-    tokens on the materialized stateful tier while this builds (`tiered_batch.py`)."""
+    """The pipeline on the artifact's IR. Its KV cache is the library's dynamic allocation: it
+    grows as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and
+    freed blocks are reused (12 rounds of 32 distinct 200-token prompts kept one size); a fixed
+    block count had to guess at build time. ≈ 2.4 s here (SmolLM2-135M, 2 cores), mostly the
+    plugin compiling paged attention, which `CACHE_DIR` does not save (the blob is written, never
+    imported): hence the start tier serves meanwhile (`tiered_batch.py`)."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
@@ -146,28 +119,44 @@ def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.Co
     return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device, **properties)
 
 
-WARM_UP_ROWS = 8
-"""Rows of the warm-up crowd a new core decodes before it serves (`warm_up`)."""
-
-
-def warm_up(pipeline: ov_genai.ContinuousBatchingPipeline, rows: int = WARM_UP_ROWS) -> None:
-    """Run a small crowd through a new core (TIDAL §5.1's proactive code loading with reduced
-    inputs), as part of its build: the first batched prefill and decode of a fresh pipeline
-    pay for the CPU plugin's kernels and the first KV blocks. Measured here (SmolLM2-135M,
-    one thread): the first 6 × 32-token crowd took 4.4 s on a fresh core and 2.0 s after; with
-    this warm-up (≈ 2.5 s, on the build's thread while the node is idle) the first took 1.7 s."""
+def warm_up(pipeline: ov_genai.ContinuousBatchingPipeline, rows: int = 8) -> None:
+    """A small crowd through a new core (TIDAL §5.1, proactive code loading with reduced
+    inputs): the first 6 × 32-token crowd took 4.4 s on a fresh core, 1.7 s after this."""
     import openvino_genai as ov_genai
 
     config = ov_genai.GenerationConfig()
     config.max_new_tokens = 2
     config.ignore_eos = True
-    # Prompts of 20 to 60 tokens, together past MAX_BATCHED_TOKENS: a full split-fuse prefill
-    # step and then smaller ones, the shapes a crowd's first steps have.
+    # 20 to 60 tokens each, together past MAX_BATCHED_TOKENS: a crowd's first steps' shapes.
     prompts = [f"Warm-up {i}: " + "the sea and the ships on it " * (3 + i % 6) for i in range(rows)]
     pipeline.generate(prompts, [config] * rows)
 
 
 _FINISH = {"LENGTH": FinishReason.LENGTH, "STOP": FinishReason.STOP}
+
+
+class OvBatch:
+    """What the OpenVINO batches share: their turns at the node's gate (`Batch.waited`), and
+    `idle`, called when nothing is left to run but not from a step (a cancel, a close), to take
+    the batch's posting at the gate down. Threads are fixed when a model is compiled."""
+
+    def __init__(self, turn: TakeTurn, idle: Callable[[], None]) -> None:
+        self._turns = Turns(turn)
+        self._idle = idle
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    def set_threads(self, threads: int) -> None:
+        pass
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        return 0
 
 
 @dataclass
@@ -179,13 +168,10 @@ class _Request:
     generated: int = 0
 
 
-class CoreBatch:
-    """The pipeline as a `Batch`: each `steps` call runs at most one `pipeline.step()` (inside
-    a turn of `turn`, with the most urgent request's deadline) and returns every request's
-    new token ids, and how those that ended ended. A cancelled request is stopped in the
-    library (its blocks are freed at the next step) and never heard of again. `kv_tokens`: the
-    most a request may hold (the model's context); `idle`: called when the batch has nothing
-    left to run but not from a step (a cancel, a close), to take its posting at the gate down."""
+class CoreBatch(OvBatch):
+    """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn
+    at the gate; a cancelled request is stopped in the library (its blocks freed at the next
+    step). `kv_tokens`: the most a request may hold (the model's context)."""
 
     def __init__(
         self,
@@ -196,12 +182,11 @@ class CoreBatch:
         turn: TakeTurn = no_turn,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
+        super().__init__(turn, idle)
         self.pipeline = pipeline
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.kv_tokens = kv_tokens
-        self._turns = Turns(turn)
-        self._idle = idle
         self._live: dict[str, _Request] = {}
         self._next_id = 0
         self._error = ""
@@ -211,24 +196,13 @@ class CoreBatch:
         return len(self._live)
 
     @property
-    def waited(self) -> float:
-        return self._turns.waited
-
-    @property
     def alive(self) -> bool:
-        """False once a step failed (every request on it failed; the pipeline may be broken)."""
+        """False once a step failed (the pipeline may be broken)."""
         return not self._error
-
-    def set_threads(self, threads: int) -> None:
-        """The pipeline's threads are fixed when it is built (`build_pipeline`)."""
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the pipeline's KV cache holds now (its dynamic allocation)."""
         return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
-
-    def device_bytes(self) -> int:
-        return 0
 
     def add(
         self,
@@ -260,8 +234,7 @@ class CoreBatch:
                 self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        """One step of the pipeline and the new tokens and ends it made (`timeout` is not
-        waited: with requests there is always a step to run, and without none)."""
+        """One step (`timeout` is not waited: with requests there is always a step to run)."""
         if not self.pipeline.has_non_finished_requests():
             return self._read_all()  # a stopped request's last words, if any
         try:
@@ -285,17 +258,15 @@ class CoreBatch:
         finish: FinishReason | None = None
         if request.handle.can_read():
             for result in request.handle.read().values():
-                ids = [int(t) for t in result.generated_ids]
-                logprobs = [float(lp) for lp in result.generated_log_probs] if request.params.logprobs >= 0 else []
+                lps = result.generated_log_probs if request.params.logprobs >= 0 else []
                 tokens += [
-                    (t, TokenLogprob(token=t, logprob=logprobs[i]) if i < len(logprobs) else None)
-                    for i, t in enumerate(ids)
+                    (int(t), TokenLogprob(token=int(t), logprob=float(lps[i])) if i < len(lps) else None)
+                    for i, t in enumerate(result.generated_ids)
                 ]
                 finish = _FINISH.get(result.finish_reason.name, finish)
         status = request.handle.get_status().name
         if finish is None and status == "IGNORED" and request.generated == 0 and not tokens:
-            # The step could schedule nothing: the KV cache was full. With others running it
-            # waits for their blocks (submitted again); alone, it can never fit.
+            # The KV cache was full: with others running it waits for their blocks; alone, never.
             if running > 1:
                 request.handle = self._submit(request.prompt_ids, request.params)
                 return None
@@ -304,7 +275,6 @@ class CoreBatch:
                 request_id, (), None, f"a prompt of {len(request.prompt_ids)} tokens does not fit in this KV cache"
             )
         if finish is None and status != "RUNNING":
-            # Ended without a reason (the handle was stopped or dropped): over either way.
             finish = FinishReason.STOP if status == "FINISHED" else FinishReason.CANCELLED
         if finish is not None and tokens and tokens[-1][0] == self.eos_token_id and not request.params.ignore_eos:
             tokens.pop()  # the end of sequence ends it; it is no token of the completion

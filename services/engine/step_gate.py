@@ -1,20 +1,14 @@
 """Token-level interleaving of a node's instances by headroom (LLM-Mesh §5.1).
 
-Each instance runs in its own worker process; left to the OS, instances sharing a node's cores
-decode side by side and each is slowed by the others however urgent its requests are. The
-gate makes the node run one iteration (a prefill, or one decode step of a batch) at a time
-per `capacity` (the node's cores over the threads an instance uses), and when several
-instances want the next one it goes to the one holding the most urgent request: the least
-headroom, eq. 1 (`policy/headroom.py`). At a common moment, least headroom is
-earliest deadline, ST + TTFT_SLO + TPOT_SLO · O, so a worker posts that deadline and the
-earliest goes first.
+Left to the OS, instances sharing a node's cores decode side by side, each slowed by the others
+however urgent its requests. The gate runs `capacity` iterations (a prefill, or one decode step
+of a batch) at a time, and the next goes to the worker holding the least headroom (eq. 1,
+`policy/headroom.py`): at a common moment, the earliest deadline ST + TTFT_SLO + TPOT_SLO · O.
 
-The state is shared memory (two arrays under a lock, and a semaphore per worker to wake it)
-created by the engine and handed to its workers when they are spawned. A worker claims a
-slot; the engine frees the slot of a worker that ends, so a worker that dies mid-iteration
-cannot block the node. The lock is only ever taken with a timeout: a process killed while
-holding it would otherwise stop every other instance on the node; past the timeout a worker
-runs ungated instead.
+The state is shared memory (two arrays under a lock, a semaphore per worker) made by the engine
+and handed to the workers it spawns. The engine frees the slot of a worker that ends, so one
+that dies mid-iteration cannot block the node; the lock is only taken with a timeout, past
+which a worker runs ungated (its holder was killed).
 """
 
 from __future__ import annotations
@@ -25,21 +19,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing.context import SpawnContext
-from typing import Any, Protocol
+from typing import Any
 
 SLOTS = 64
-"""Workers a node's gate can hold (bound and pre-warmed); one without a slot runs ungated."""
+"""Workers a node's gate can hold; one without a slot runs ungated."""
 WAIT_S = 0.05
-"""Longest wait before a waiting worker looks again by itself (it is woken when its turn may
-have come; this bounds any missed wake-up)."""
+"""Longest a waiting worker sleeps before it looks again (bounds a missed wake-up)."""
 LOCK_S = 1.0
-"""The lock guards a few array writes; not having it within this long means its holder died."""
+"""The lock guards a few array writes: not having it within this long means its holder died."""
 
 
 def may_step(slot: int, deadlines: Sequence[float], holding: Sequence[int], capacity: int) -> bool:
-    """Whether `slot`, waiting with deadline `deadlines[slot]`, runs its iteration now: fewer
-    than `capacity` iterations are running and no other waiting worker is more urgent (ties
-    go to the lower slot, so the choice is deterministic)."""
+    """Whether `slot` runs now: fewer than `capacity` iterations run and no other waiting
+    worker is more urgent (ties go to the lower slot)."""
     if sum(holding) >= capacity:
         return False
     mine = deadlines[slot]
@@ -51,29 +43,17 @@ def may_step(slot: int, deadlines: Sequence[float], holding: Sequence[int], capa
 
 @dataclass
 class Turn:
-    """One iteration's turn at the gate (`StepGate.turn`)."""
+    """One iteration's turn at the gate."""
 
     waited: float = 0.0
-    """Seconds it waited for the turn."""
     then: float = math.inf
-    """The deadline of the worker's next iteration, posted as it leaves (set it before the
-    turn ends: a batch that goes on keeps its place, `leave`); inf: none."""
+    """The deadline of the batch's next iteration, posted as it leaves, set before the turn ends
+    (so that a batch that goes on keeps its place between passes); inf: none."""
 
 
-# --- a batch's side: the turns it takes around its forward passes ------------------------------
-
-
-class Held(Protocol):
-    """What a turn yields (a `Turn` at the node's gate): `then`, set before the turn ends, is the
-    deadline of the batch's next pass, posted as it leaves so that the batch keeps its place
-    between passes (inf: it has none)."""
-
-    then: float
-
-
-TakeTurn = Callable[[float], AbstractContextManager["Held | None"]]
-"""take_turn(deadline): held around every forward pass of a batch (the node's step gate, entered
-with the most urgent request's next-token deadline); tests pass `no_turn`."""
+TakeTurn = Callable[[float], AbstractContextManager["Turn | None"]]
+"""take_turn(deadline): held around every forward pass of a batch, with its most urgent
+request's next-token deadline (`StepGate.turn`; tests pass `no_turn`)."""
 
 
 def no_turn(deadline: float) -> AbstractContextManager[None]:
@@ -81,23 +61,23 @@ def no_turn(deadline: float) -> AbstractContextManager[None]:
 
 
 class Turns:
-    """A batch's turns, and the seconds it spent waiting to enter them (`Batch.waited`).
-    Itself a `TakeTurn`, so that batches inside another share its count."""
+    """A batch's turns and the seconds it waited for them (`Batch.waited`); itself a
+    `TakeTurn`, so that batches inside another share its count."""
 
     def __init__(self, turn: TakeTurn) -> None:
         self._turn = turn
         self.waited = 0.0
 
     @contextmanager
-    def __call__(self, deadline: float) -> Iterator[Held | None]:
+    def __call__(self, deadline: float) -> Iterator[Turn | None]:
         t0 = time.monotonic()
         with self._turn(deadline) as held:
             self.waited += time.monotonic() - t0
             yield held
 
 
-def post(held: Held | None, deadlines: Iterable[float]) -> None:
-    """End a turn posted with the most urgent of the deadlines of the batch's next pass."""
+def post(held: Turn | None, deadlines: Iterable[float]) -> None:
+    """End a turn posted with the most urgent of the batch's next pass's deadlines."""
     if held is not None:
         held.then = most_urgent(deadlines)
 
@@ -114,25 +94,20 @@ class StepGate:
         self._lock = ctx.Lock()
         self._wake = [ctx.Semaphore(0) for _ in range(SLOTS)]
         self._deadlines: Any = ctx.RawArray("d", [math.inf] * SLOTS)
-        """Waiting workers' deadlines (time.monotonic(), comparable across processes); inf: not waiting."""
+        """Waiting workers' deadlines (time.monotonic(), comparable across processes)."""
         self._holding: Any = ctx.RawArray("b", SLOTS)
         """1 where that worker is running an iteration."""
         self._free = list(range(SLOTS - 1, -1, -1))  # the engine's side only
 
     def _wake_next(self) -> None:
         """Wake the most urgent waiter (under the lock): it checks `may_step` itself."""
-        d = list(self._deadlines)
-        for slot in range(SLOTS):
-            if self._holding[slot]:
-                d[slot] = math.inf  # posted for its next iteration while running this one
+        d = [math.inf if self._holding[slot] else self._deadlines[slot] for slot in range(SLOTS)]
         nxt = min(range(SLOTS), key=d.__getitem__)
         if not math.isinf(d[nxt]):
             self._wake[nxt].release()
 
-    # --- the engine's side ------------------------------------------------------------------
-
     def claim(self) -> int:
-        """A slot for a new worker; -1 when all are taken (that worker runs ungated)."""
+        """A slot for a new worker (the engine's side); -1: all taken, it runs ungated."""
         return self._free.pop() if self._free else -1
 
     def release(self, slot: int) -> None:
@@ -149,11 +124,8 @@ class StepGate:
         if slot not in self._free:
             self._free.append(slot)
 
-    # --- a worker's side --------------------------------------------------------------------
-
     def enter(self, slot: int, deadline: float) -> bool:
-        """Wait until this worker's iteration may run (see `may_step`). False: it runs
-        ungated (no slot, or the lock could not be had: call no `leave` then)."""
+        """Wait until this worker's iteration may run. False: it runs ungated (call no `leave`)."""
         if slot < 0:
             return False
         while True:
@@ -170,9 +142,9 @@ class StepGate:
             self._wake[slot].acquire(timeout=WAIT_S)
 
     def leave(self, slot: int, next_deadline: float = math.inf) -> None:
-        """The iteration is over. A worker whose batch goes on stays posted with the deadline
-        of its next iteration (`next_deadline`): the few hundred microseconds it spends
-        sampling between iterations must not hand its turn to a less urgent instance."""
+        """The iteration is over. A batch that goes on stays posted with its next deadline: the
+        few hundred microseconds it samples between iterations must not hand its turn to a
+        less urgent instance."""
         if slot < 0 or not self._lock.acquire(timeout=LOCK_S):
             return
         try:
@@ -184,8 +156,7 @@ class StepGate:
 
     @contextmanager
     def turn(self, slot: int, deadline: float) -> Iterator[Turn]:
-        """One iteration under the gate: waits for the turn (`enter`), leaves it as the block
-        ends, posted with `Turn.then` (an iteration that raised posts nothing: inf)."""
+        """One iteration under the gate, left posted with `Turn.then` (inf if it raised)."""
         t0 = time.monotonic()
         entered = self.enter(slot, deadline)
         turn = Turn(waited=time.monotonic() - t0)

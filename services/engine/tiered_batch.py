@@ -1,26 +1,19 @@
-"""One model's OpenVINO `Batch` over its two tiers: the start tier (`batch.StartBatch`, the
-materialized stateful IR: a start's first token is cheap) from the first request, and the
-continuous-batching core (`core.CoreBatch`) from when it is built.
+"""One model's OpenVINO `Batch` over its two tiers: the start tier (`batch.StartBatch`: a
+start's first token is cheap) from the first request, the continuous-batching core
+(`core.CoreBatch`) once built.
 
-TIDAL §3, §5: a start imports the start tier's compiled blob and serves at once. The core's
-pipeline cannot be materialized (≈ 2.4 s of CPU to build, `core.build_pipeline`), so it is
-built on a thread of its own: after the start's first batch is done, when more requests wait
-than the start tier's batch took, when a request comes that only the core serves
-(`core.needs_core`: a grammar, a seed of the core's sampler, penalties, top-k, min-p; such a
-request waits for it), or when the engine says the node is idle (`TierUpNow`: the build then
-runs its warm-up crowd too). Between two steps the built core takes over: every request but
-those that need the logits (`core.needs_logits`: only the start tier has them) moves to it,
-a running one going on from its next token (re-prefilled there with what it generated), and
-the start tier's memory goes back once nothing runs on it. A build that fails leaves the
-start tier serving everything, for good (it would fail again, a core-second or more each
-time), and a request for structured output is then refused rather than run without its
-grammar.
+TIDAL §3, §5: a start imports the start tier's compiled blob and serves at once; the core's
+pipeline cannot be materialized (≈ 2.4 s of CPU), so it builds on a thread: after the start's
+first batch, when more requests wait than the start tier's batch took, when a request only
+the core serves comes (`core.needs_core`; it waits), or when the node is idle (`TierUpNow`:
+with the warm-up crowd). Between two steps the built core takes over every request but those
+that need the logits, a running one going on from its next token. A failed build leaves the
+start tier serving for good (it would fail again), and a grammar is then refused, never
+ignored.
 
-The start tier earns its place only where its cheap first token wins: an artifact whose packed
-weights are above the loader's `start_tier_max_weight_bytes` has none (`Artifact.start_tier`),
-and its batch (`CoreFirst`) builds the core at once, on the load, and serves every request
-from it from the first token (they wait for its build), but for those that need the logits:
-those run on the stateful STEADY tier (the packed weights), loaded when the first comes.
+An artifact whose packed weights are above the loader's `start_tier_max_weight_bytes` has no
+start tier (`CoreFirst`): the core builds on the load and serves from the first token, but for
+requests that need the logits, served by the stateful STEADY tier loaded for the first.
 """
 
 from __future__ import annotations
@@ -34,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
 from services.engine.batch_types import Step
-from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
-from services.engine.step_gate import TakeTurn, Turns, no_turn
+from services.engine.core import CoreBatch, OvBatch, check_prompt, needs_core, needs_logits
+from services.engine.step_gate import TakeTurn, no_turn
 from services.engine.worker_os import trim_heap
 from services.engine.worker_wire import TieredUp
 from shared.artifact import model_xml
@@ -54,8 +47,7 @@ NO_GRAMMAR = "this instance cannot enforce structured output: its continuous-bat
 
 
 class _CoreBuild:
-    """The core's pipeline, built on a thread of its own while the start tier serves. The
-    library releases the GIL for the build and the warm-up, so the worker serves meanwhile."""
+    """The core's pipeline, built on a thread (the library releases the GIL meanwhile)."""
 
     def __init__(self, artifact_path: str, device: str, threads: int, warm: bool) -> None:
         self.pipeline: object | None = None
@@ -68,7 +60,7 @@ class _CoreBuild:
         ).start()
 
     def _run(self, artifact_path: str, device: str, threads: int, warm: bool) -> None:
-        from services.engine.core import build_pipeline, warm_up
+        from services.engine.core import build_pipeline, warm_up  # (tests stand in for the build)
 
         try:
             pipeline = build_pipeline(artifact_path, device, threads)
@@ -83,24 +75,18 @@ class _CoreBuild:
 
 @dataclass(frozen=True)
 class CoreFirst:
-    """What a `TieredBatch` over an artifact without a start tier opens with: no model loaded
-    (the core is built at once; the stateful tier only for a request that needs the logits)."""
+    """An artifact without a start tier: nothing loaded, the core built at once."""
 
     artifact: Artifact
     tokenizer: Detokenizer
     vocab_size: int
 
 
-class TieredBatch:
-    """The `Batch` of an OpenVINO worker. `loaded`: the start tier as loaded (on the start's
-    bounded share of threads), or `CoreFirst` (the artifact has none: the core's build starts
-    now and every request but the logits' waits for it); `reload`: the stateful tier loaded
-    (again: for requests that need the logits once it was let go, or where there is none);
-    `threads`: what the core is built with (`set_threads`); `first_batch_done`: called once,
-    when the start's first batch is over, or at once without a start tier (the worker ends the
-    start's bounded share then, before the core's build); `idle`: called when the batch has
-    nothing left to run but not from a step (a cancel, a close), to take its posting at the
-    gate down."""
+class TieredBatch(OvBatch):
+    """The `Batch` of an OpenVINO worker. `loaded`: the start tier (on the start's share of
+    threads), or `CoreFirst`; `reload`: the stateful tier loaded again (for requests that need
+    the logits once it was let go); `threads`: the core's; `first_batch_done`: called once, when
+    the start's first batch is over (or at once with `CoreFirst`): the start's share ends."""
 
     def __init__(
         self,
@@ -114,12 +100,11 @@ class TieredBatch:
         first_batch_done: Callable[[], None] = lambda: None,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
+        super().__init__(turn, idle)
         self.artifact = loaded.artifact
         self.tokenizer: Detokenizer = loaded.tokenizer
         self.core_first = isinstance(loaded, CoreFirst)
-        """No start tier: requests wait for the core (`CoreFirst`)."""
         self.loaded_from_cache = False
-        """The start tier's compiled blob was imported (`Loaded.loaded_from_cache`)."""
         self.load_threads = 0
         """The threads the start tier was compiled with (`Loaded.threads`)."""
         if isinstance(loaded, CoreFirst):
@@ -133,24 +118,22 @@ class TieredBatch:
         self.max_batch = max_batch
         self.join_recompute_tokens = join_recompute_tokens
         self._reload = reload
-        self._turns = Turns(turn)
-        self._idle = idle
         self._first_batch_done: Callable[[], None] | None = first_batch_done
         self.start: StartBatch | None = None if isinstance(loaded, CoreFirst) else self._start_batch(loaded)
         self.core: CoreBatch | None = None
         self.build: _CoreBuild | None = None
         self.build_failed = False
-        self._build_window = (math.inf, math.inf)
-        """When the core's last build began and ended (its CPU time slows what runs meanwhile)."""
+        self.build_window = (math.inf, math.inf)
+        """When the core's last build began and ended: a request that overlapped it ran beside
+        its ≈ 2.4 s of CPU, its times no measure of the model (`Done.beside_build`)."""
         self._for_core: dict[str, Request] = {}
-        """Requests that wait for the core while it builds (`core.needs_core`)."""
+        """Requests that wait for the core while it builds."""
         self._added: set[str] = set()
-        """Requests added and not ended."""
         self._failed: list[Step] = []
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
         self._closed = False
-        if self.core_first:  # no start tier's batch to wait for: the start's share ends, the build begins
+        if self.core_first:
             self._start_tiers_up()
 
     @classmethod
@@ -167,19 +150,16 @@ class TieredBatch:
         first_batch_done: Callable[[], None] = lambda: None,
         idle: Callable[[], None] = lambda: None,
     ) -> TieredBatch:
-        """The batch for a `Load`: its tier loaded on `share_threads` (the start's share), the
-        core built later on `threads`; for an artifact without a start tier, no tier loaded
-        (`CoreFirst`: the core's build begins now, the STEADY tier's stateful model loads for
-        the first request that needs the logits)."""
+        """The batch for a `Load`: its start tier loaded on `share_threads`, or `CoreFirst`."""
         from services.engine.instance import Detokenizer, LoadedModel
 
         opened: LoadedModel | CoreFirst
-        tier = load.tier if load.artifact.start_tier else Tier.STEADY  # (the engine loads STEADY then)
+        tier = load.tier if load.artifact.start_tier else Tier.STEADY
         if load.artifact.start_tier:
             opened = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, tier)
         else:
             opened = CoreFirst(load.artifact, Detokenizer(load.artifact.path), ir_vocab_size(core, load.artifact))
-        tokenizer = opened.tokenizer  # (the reload holds this alone: the start tier's model goes when let go)
+        tokenizer = opened.tokenizer  # the reload holds this alone: the start tier goes when let go
 
         def reload() -> LoadedModel:
             return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, tier, tokenizer)
@@ -188,43 +168,27 @@ class TieredBatch:
 
     @property
     def tier(self) -> Tier:
-        """STEADY once the core serves; START while the stateful tier does."""
         return Tier.STEADY if self.core is not None else Tier.START
 
     @property
     def building(self) -> bool:
-        """The core is being built: `poll_tier_up` will have news (look every few tens of ms)."""
         return self.build is not None
-
-    @property
-    def build_window(self) -> tuple[float, float]:
-        """When the core's last build began and ended (inf: none, or not yet ended): a request
-        that overlapped it ran beside its ≈ 2.4 s of CPU, its times no measure of the model."""
-        return self._build_window
 
     @property
     def active(self) -> int:
         return len(self._added)
 
     @property
-    def waited(self) -> float:
-        return self._turns.waited
-
-    @property
     def alive(self) -> bool:
         return not self._closed
 
     def set_threads(self, threads: int) -> None:
-        """The threads a core built from now on gets (the start tier's are fixed at its load)."""
+        """The threads a core built from now on gets (the start tier's are fixed)."""
         self.threads = threads
 
     @property
     def kv_bytes(self) -> int:
-        """The core's KV cache (the start tier's is its infer request's state: 0, as before)."""
         return self.core.kv_bytes if self.core is not None else 0
-
-    def device_bytes(self) -> int:
-        return 0
 
     def add(
         self,
@@ -234,21 +198,16 @@ class TieredBatch:
         deadline: Callable[[int], float] = lambda _: math.inf,
         kv_tokens: int = 0,
     ) -> None:
-        """`kv_tokens`: what its name's KV reservation covers (`worker_wire.Run.kv_tokens`; a
-        start tier's batch may hold that many positions, or one context)."""
         check_prompt(prompt_ids, params.max_tokens, self.vocab_size, max(self.artifact.context_length, kv_tokens))
         self._adopt_core()
         request = Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens)
-        if needs_logits(params):  # logit_bias, top_logprobs: only the start tier has the logits
+        if needs_logits(params):
             self._to_start(request)
         elif self.core is not None:
             self.core.add(request_id, prompt_ids, params, deadline)
         elif params.guide is not None and self.build_failed:
-            raise ValueError(NO_GRAMMAR)  # a grammar would be ignored on the start tier
+            raise ValueError(NO_GRAMMAR)
         elif (needs_core(params) or self.core_first) and not self.build_failed:
-            # The start tier has no grammar, and a seed names one sample of the core's sampler:
-            # the request waits for the core rather than run without what it asked for (and
-            # with no start tier, every request does).
             self._for_core[request_id] = request
             self._start_build()
         else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
@@ -267,8 +226,8 @@ class TieredBatch:
             self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        """A step of the start tier's batch and one of the core, where each has requests; with
-        only requests that wait for the core, up to `timeout` of waiting for its build."""
+        """A step of each tier that has requests; with only requests that wait for the core, up
+        to `timeout` of waiting for its build."""
         self._adopt_core()
         if self._for_core and self.build is not None and not self._running():
             self.build.done.wait(timeout)
@@ -277,14 +236,14 @@ class TieredBatch:
         start = self.start
         if start is not None and start.active:
             out += start.steps(timeout)
-            if not start.running:  # its batch is over: the core, now (the start's first token is out)
+            if not start.running:  # its batch is over (the start's first token is out): the core
                 self._start_tiers_up()
-            elif start.queue:  # more demand than the start tier's batch takes: the core, now
+            elif start.queue:  # more demand than the start tier's batch takes: the core
                 self._start_build()
         core = self.core
         if core is not None and core.active:
             out += core.steps(timeout)
-            if not core.alive:  # its requests failed; the start tier serves, and a new core is built
+            if not core.alive:  # its requests failed; the start tier serves, a new core is built
                 core.close()
                 self.core = None
         self._let_start_go()
@@ -294,35 +253,32 @@ class TieredBatch:
         return out
 
     def poll_tier_up(self) -> TieredUp | None:
-        """A finished build, once (the worker sends it to the engine): the core takes over, or
-        stays unbuilt for good. Call it between steps and while idle (`building`)."""
+        """A finished build, once (the worker tells the engine). Call between steps and idle."""
         self._adopt_core()
         self._let_start_go()
         up, self._tiered_up = self._tiered_up, None
         return up
 
     def tier_up_now(self) -> TieredUp | None:
-        """The engine's `TierUpNow` (the node is idle): build the core with its warm-up, its
-        `TieredUp` to come from `poll_tier_up`; or, with nothing to build, the answer now."""
+        """`TierUpNow` (the node is idle): build the core with its warm-up (`poll_tier_up`
+        answers), or with nothing to build, the answer now."""
         self._adopt_core()
         if self.core is None and self.build is None and not self.build_failed:
             self._start_build(idle=True)
-            return None
         if self.build is not None:
-            return None  # the build under way answers when it lands
+            return None
         return TieredUp(self.tier, 0.0, "" if self.core is not None else "its continuous-batching core failed to build")
 
     def release(self) -> bool:
-        """Let the start tier's idle infer request (the memory its state holds) go: a session
-        was dropped. True if memory went back (the heap is trimmed then)."""
+        """Let the start tier's idle infer request go (a session was dropped)."""
         if self.start is not None and self.start.release():
             trim_heap()
             return True
         return False
 
     def close(self) -> None:
-        """Every request goes; a build under way is waited for (its thread in the library's
-        code: a process that exits beside it aborts), at most `CLOSE_BUILD_S`."""
+        """A build under way is waited for, at most `CLOSE_BUILD_S`: a process that exits
+        beside the library's build thread aborts."""
         self._closed = True
         if self.build is not None:
             self.build.done.wait(CLOSE_BUILD_S)
@@ -334,8 +290,6 @@ class TieredBatch:
         self._for_core.clear()
         self._added.clear()
         self._idle()
-
-    # --- between steps ------------------------------------------------------------------------
 
     def _start_batch(self, loaded: LoadedModel) -> StartBatch:
         return StartBatch(
@@ -352,33 +306,24 @@ class TieredBatch:
             self.start = self._start_batch(self._reload())
         self.start.add(request.request_id, request.prompt_ids, request.params, request.deadline, request.kv_tokens)
 
-    def _to_core(self, request: Request) -> None:
-        assert self.core is not None
-        try:
-            self.core.add(request.request_id, request.prompt_ids, request.params, request.deadline)
-        except Exception as e:  # a spec the library refuses: that request fails alone
-            self._failed.append(Step(request.request_id, (), None, f"{type(e).__name__}: {e}"))
-
     def _running(self) -> bool:
         return bool((self.start is not None and self.start.active) or (self.core is not None and self.core.active))
 
     def _start_tiers_up(self) -> None:
-        """A start tier's batch is over. After the first, the start's bounded share ends, and
-        the core is built now. Not sooner: its ≈ 2.4 s of CPU beside the first token's prefill
-        cost the cold start ≈ 0.1 s (measured). Not later, only on an idle node (tried:
-        `TierUpNow` alone, or demand): builds then ran beside start-tier batches far more often."""
+        """After the start's first batch, its share ends and the core builds. Not sooner: its
+        CPU beside the first prefill cost the cold start ≈ 0.1 s. Not later, on an idle node
+        only: builds then ran beside start-tier batches far more often (measured)."""
         if self._first_batch_done is not None:
             done, self._first_batch_done = self._first_batch_done, None
             done()
         self._start_build()
 
     def _start_build(self, idle: bool = False) -> None:
-        """Only on an idle node does the build run its warm-up crowd too: beside requests, its
-        CPU would be theirs, and the requests that asked for the core warm it up themselves."""
+        """Only on an idle node does the build warm up too: beside requests, the CPU is theirs."""
         if self.build is not None or self.core is not None or self.build_failed or self._closed:
             return
         self.build = _CoreBuild(self.artifact.path, self.device, self.threads, warm=idle)
-        self._build_window = (self.build.began, math.inf)
+        self.build_window = (self.build.began, math.inf)
 
     def _adopt_core(self) -> None:
         """A finished build: the core takes over (or, failed, the start tier keeps everything)."""
@@ -386,22 +331,25 @@ class TieredBatch:
         if build is None or not build.done.is_set():
             return
         self.build = None
-        self._build_window = (self._build_window[0], time.monotonic())
+        self.build_window = (self.build_window[0], time.monotonic())
         waiting = list(self._for_core.values())
         self._for_core.clear()
         if build.pipeline is not None and not self._closed:
             self.core = CoreBatch(
                 build.pipeline, self.tokenizer.eos_token_id, self.vocab_size, self.artifact.context_length, self._turns
             )
-            for request in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
-                self._to_core(request)
+            for r in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
+                try:
+                    self.core.add(r.request_id, r.prompt_ids, r.params, r.deadline)
+                except Exception as e:  # a spec the library refuses: that request fails alone
+                    self._failed.append(Step(r.request_id, (), None, f"{type(e).__name__}: {e}"))
         else:
             self.build_failed = True
-            for request in waiting:
-                if request.params.guide is not None:
-                    self._failed.append(Step(request.request_id, (), None, NO_GRAMMAR))
+            for r in waiting:
+                if r.params.guide is not None:
+                    self._failed.append(Step(r.request_id, (), None, NO_GRAMMAR))
                 else:
-                    self._to_start(request)
+                    self._to_start(r)
         self._tiered_up = TieredUp(self.tier, build.seconds, build.error)
 
     def _let_start_go(self) -> None:
@@ -413,7 +361,6 @@ class TieredBatch:
 
 
 def ir_vocab_size(core: ov.Core, artifact: Artifact) -> int:
-    """The vocabulary of the artifact's (STEADY) IR, read without compiling it (its weights are
-    mapped, not loaded)."""
+    """The STEADY IR's vocabulary, read without compiling it."""
     model = core.read_model(str(model_xml(artifact, Tier.STEADY)))
     return int(model.output("logits").get_partial_shape()[-1].get_length())
