@@ -1,6 +1,5 @@
-"""What every engine's batch is, whatever its library: the `Batch` protocol the worker loop
-drives, the `Step` each request's new tokens travel in, and the helpers every batch shares.
-Backend-neutral: no backend module imports another; each imports this."""
+"""What every engine's batch is: the `Batch` the worker loop drives, the `Step` its tokens
+travel in, and shared helpers. Backend-neutral: each backend imports this, none another."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
-    """Refuse (ValueError, that request alone) a request longer than the batch's KV cache: in
-    the batch it would stop every request (the library has nothing to evict to make room)."""
+    """Refuse (that request alone) one longer than the KV cache: in the batch it would stop
+    every request (the library has nothing to evict)."""
     if prompt_tokens + max_tokens > kv_tokens:
         raise ValueError(
             f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this "
@@ -23,19 +22,12 @@ def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
 
 
 def ends_of_sequence(tokenizer: Any, config_eos: int | list[int] | None) -> frozenset[int]:
-    """The tokens that end a completion: the tokenizer's and the model config's ends of
-    sequence, and ChatML's end of turn where the vocabulary has it."""
-    ids = {tokenizer.eos_token_id, *(_as_list(config_eos))}
+    """The tokenizer's and the model config's ends of sequence, and ChatML's end of turn."""
+    ids = {tokenizer.eos_token_id, *([config_eos] if isinstance(config_eos, int) else config_eos or [])}
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(end, int) and end != tokenizer.unk_token_id:
         ids.add(end)
     return frozenset(i for i in ids if i is not None)
-
-
-def _as_list(x: int | list[int] | None) -> list[int]:
-    if x is None:
-        return []
-    return [x] if isinstance(x, int) else list(x)
 
 
 @dataclass(frozen=True)
@@ -47,8 +39,7 @@ class Step:
     finish: FinishReason | None = None
     error: str = ""
     prefill_tokens: int = 0
-    """Positions its prefill computed, where the batch knows better than its prompt's length
-    (a static batch pads every row to the longest); 0: its prompt's."""
+    """Positions its prefill computed where not its prompt's (a static batch pads); 0: its prompt's."""
 
 
 def merged(before: Step, after: Step) -> Step:
@@ -63,8 +54,8 @@ def merged(before: Step, after: Step) -> Step:
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
-    """The steps waiting in `steps` (waiting up to `timeout` for the first), by request, those
-    of one request merged in order into one; a request not `wanted` (cancelled) is skipped."""
+    """The steps waiting (up to `timeout` for the first), one per request, merged in order; a
+    request not `wanted` (cancelled) is skipped."""
     out: dict[str, Step] = {}
     wait: float | None = timeout
     while True:
@@ -82,11 +73,9 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
 
 
 class Batch(Protocol):
-    """What the worker's loop (`worker_loop.py`) drives: `ContinuousBatcher`, `VllmBatch`,
-    `PipelineBatch` (fakes in the unit tests). It makes tokens only: text, stop strings,
-    chunking and every figure of a request's `Done` are the loop's. `steps` reports each
-    request's end once (`finish`, or `error`: that request alone failed); `cancel` of a request
-    it no longer holds does nothing."""
+    """It makes tokens only: text, stop strings, chunking and `Done`'s figures are the loop's.
+    `steps` reports each request's end once (`finish`, or `error`: it alone failed); `cancel`
+    of a request it no longer holds does nothing."""
 
     @property
     def active(self) -> int: ...
@@ -101,11 +90,11 @@ class Batch(Protocol):
 
     @property
     def kv_bytes(self) -> int:
-        """Its KV cache, allocated in this process (0 where another process holds it)."""
+        """Its KV cache, allocated in this process."""
         ...
 
     def device_bytes(self) -> int:
-        """What this process holds on a GPU outside the node's arena (0 on the host)."""
+        """What this process holds on a GPU outside the node's arena."""
         ...
 
     def add(
@@ -116,8 +105,7 @@ class Batch(Protocol):
         deadline: Callable[[int], float],
         kv_tokens: int = 0,
     ) -> None:
-        """`deadline(generated)`: when its next token is due; `kv_tokens`: the positions the
-        engine's KV reservation for it covers (`Run.kv_tokens`; 0: the batch's own bound)."""
+        """`deadline(generated)`: when its next token is due; `kv_tokens`: `Run.kv_tokens`."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

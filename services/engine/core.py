@@ -57,8 +57,8 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
     config.repetition_penalty = max(params.repetition_penalty, FLOAT32_TINY)
     config.frequency_penalty = params.frequency_penalty
     config.presence_penalty = params.presence_penalty
-    if not is_greedy(params):  # decided once, in `sampling`, for every engine
-        config.do_sample = True
+    config.do_sample = not is_greedy(params)  # decided once, in `sampling`, for every engine
+    if config.do_sample:
         config.temperature = max(params.temperature, FLOAT32_TINY)
         config.top_p = max(params.top_p, FLOAT32_TINY)
         if params.top_k > 0:
@@ -66,8 +66,6 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
         config.min_p = params.min_p
         # Without a seed the library starts each request at one default: equal prompts alike.
         config.rng_seed = params.seed if params.seed is not None else random.getrandbits(32)
-    else:
-        config.do_sample = False
     if params.logprobs >= 0:
         config.logprobs = 1  # the library's: the chosen token's only (alternatives: `needs_logits`)
     if params.guide is not None:
@@ -81,9 +79,7 @@ def needs_core(params: SamplingParams) -> bool:
     """Whether the request waits for the core: the start tier has no grammar, a seed names a
     sample of the core's sampler, and the core's sampler is the one for penalties, top-k, min-p
     (the start tier's copies serve only requests that need the logits)."""
-    if needs_logits(params):
-        return False
-    return (
+    return not needs_logits(params) and (
         params.guide is not None
         or params.seed is not None
         or params.frequency_penalty != 0.0

@@ -1,10 +1,6 @@
-"""One model instance on OpenVINO: restore it from its materialized state, generate with it.
-
-The model is a stateful OpenVINO IR (the KV cache lives in the infer request's state). It is
-compiled once, at registration, with `CACHE_DIR` pointing into the artifact (MEDUSA §2.5, §6:
-do offline what every start would otherwise derive); a start imports that blob, which
-OpenVINO reports as `LOADED_FROM_CACHE`. The detokenizer loads on a second thread meanwhile.
-The start tier's batch (`batch.StartBatch`) generates with it.
+"""A stateful OpenVINO IR restored from its materialized state: compiled once, at
+registration, with `CACHE_DIR` in the artifact (MEDUSA §2.5, §6: do offline what every start
+would otherwise derive); a start imports the blob while the detokenizer loads beside it.
 """
 
 from __future__ import annotations
@@ -26,21 +22,16 @@ DETOKENIZER_XML = "openvino_detokenizer.xml"
 
 @functools.cache
 def _tokenizer_core() -> ov.Core:
-    """A Core with the string operations: importing openvino_tokenizers adds them to every
-    Core created after the import (a Core made earlier lacks them)."""
+    """A Core with the string operations (only a Core made after the import has them)."""
     import openvino_tokenizers  # noqa: F401
 
     return ov.Core()
 
 
 class Detokenizer:
-    """The artifact's compiled detokenizer alone: token ids in, text out.
-
-    The worker never encodes (the gateway sends token ids), so it skips the encoder and
-    `openvino_genai.Tokenizer`'s own set-up: measured ≈ 0.05 s to load against 0.18 s, on the
-    cores the model's import needs at the same moment. Same text: `skip_special_tokens` is
-    baked into the compiled detokenizer, as `Tokenizer.decode` uses it.
-    """
+    """The artifact's compiled detokenizer alone (the gateway sends token ids): ≈ 0.05 s to
+    load against `openvino_genai.Tokenizer`'s 0.18 s, on the cores the model's import needs.
+    Same text: `skip_special_tokens` is baked in, as `Tokenizer.decode` uses it."""
 
     def __init__(self, artifact_path: str) -> None:
         core = _tokenizer_core()
@@ -59,10 +50,8 @@ class Detokenizer:
         return str(out[0][0])
 
     def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
-        """Each sequence's text, in one detokenizer run per distinct length (rows of a run
-        must be equally long; padding would need a token the detokenizer is sure to skip).
-        A run costs ≈ 0.2 ms here whether it holds one row or 32: decoding a crowd's pieces
-        one by one took a fifth of the core's loop at 32 streams."""
+        """One detokenizer run per distinct length (padding would need a token it is sure to
+        skip): a run costs ≈ 0.2 ms whether it holds one row or 32."""
         texts = [""] * len(seqs)
         by_length: dict[int, list[int]] = {}
         for i, ids in enumerate(seqs):
@@ -77,9 +66,6 @@ class Detokenizer:
 
 @dataclass
 class LoadedModel:
-    """A compiled model and its tokenizer: the part of an instance that can stay resident
-    after the instance is gone, and that every name on the same artifact can share."""
-
     artifact: Artifact
     compiled: ov.CompiledModel
     tokenizer: Detokenizer
@@ -98,7 +84,6 @@ class LoadedModel:
         tier: Tier = Tier.STEADY,
         tokenizer: Detokenizer | None = None,
     ) -> LoadedModel:
-        """Import the tier's compiled blob (and load the tokenizer meanwhile, unless given)."""
         xml = str(model_xml(artifact, tier))
         config = compile_config(artifact, device, threads, cache_dir, tier)
         if tokenizer is None:
@@ -108,11 +93,5 @@ class LoadedModel:
                 tokenizer = pending.result()
         else:
             compiled = core.compile_model(xml, device, config)
-        return cls(
-            artifact=artifact,
-            compiled=compiled,
-            tokenizer=tokenizer,
-            eos_ids=frozenset({tokenizer.eos_token_id}),
-            loaded_from_cache=bool(compiled.get_property("LOADED_FROM_CACHE")),
-            tier=tier,
-        )
+        eos = frozenset({tokenizer.eos_token_id})
+        return cls(artifact, compiled, tokenizer, eos, bool(compiled.get_property("LOADED_FROM_CACHE")), tier)

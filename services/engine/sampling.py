@@ -1,17 +1,13 @@
-"""Choosing the next token from logits on the stateful tier: penalties, logit_bias, then
-greedy or temperature + top-k + nucleus (top-p) + min-p sampling; and the logprobs that a
-request asked for, read from the same logits.
-
-The continuous-batching core samples with the library's own sampler; this one serves the
-start tier and the requests that need the logits (`core.needs_logits`: logit_bias and
-top_logprobs, which the pipeline does not expose). Pure and seeded, so that the same seed
-gives the same sample (OpenAI's `seed`).
+"""The next token from logits, where the engine samples itself (the start tier, torch):
+penalties, logit_bias, then greedy or temperature + top-k + top-p + min-p; and the logprobs
+read from the same logits. Pure and seeded: one seed, one sample (OpenAI's `seed`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -30,39 +26,31 @@ class _Tempered(Protocol):
 
 
 def is_greedy(p: _Tempered) -> bool:
-    """Whether a request (its `SamplingParams`, a `Sampler`, a row of the device sampler)
-    takes the most likely token: decided here alone, for every engine."""
+    """Whether a request takes the most likely token: decided here alone, for every engine."""
     return p.temperature < SAMPLING_EPS
 
 
+@dataclass
 class Sampler:
-    def __init__(
-        self,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        repetition_penalty: float = 1.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        logit_bias: Sequence[tuple[int, float]] = (),
-    ) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.rng = np.random.default_rng(seed)
-        self.repetition_penalty = repetition_penalty
-        self.frequency_penalty = frequency_penalty
-        self.presence_penalty = presence_penalty
-        self.top_k = top_k
-        self.min_p = min_p
-        self.bias_ids = np.asarray([t for t, _ in logit_bias], dtype=np.int64)
-        self.bias = np.asarray([b for _, b in logit_bias], dtype=np.float32)
-        self.adjusted: npt.NDArray[np.float32] | None = None
-        """The last pick's logits after penalties and bias (what its logprobs are read from)."""
-        self.generated: Counter[int] = Counter()
-        """Tokens this sampler picked (what frequency and presence penalties count, as
-        OpenAI and OpenVINO GenAI count them: the completion's, not the prompt's)."""
+    temperature: float
+    top_p: float
+    seed: int | None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logit_bias: Sequence[tuple[int, float]] = ()
+    adjusted: npt.NDArray[np.float32] | None = field(default=None, init=False)
+    """The last pick's logits after penalties and bias (what its logprobs are read from)."""
+    generated: Counter[int] = field(default_factory=Counter, init=False)
+    """Tokens it picked: what frequency and presence penalties count (the completion's only,
+    as OpenAI and OpenVINO GenAI count them)."""
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.bias_ids = np.asarray([t for t, _ in self.logit_bias], dtype=np.int64)
+        self.bias = np.asarray([b for _, b in self.logit_bias], dtype=np.float32)
 
     @classmethod
     def of(cls, p: SamplingParams) -> Sampler:
@@ -77,10 +65,6 @@ class Sampler:
             p.min_p,
             p.logit_bias,
         )
-
-    @property
-    def greedy(self) -> bool:
-        return is_greedy(self)
 
     def _adjusted(self, logits: npt.NDArray[np.float32], context: list[int] | None) -> npt.NDArray[np.float32]:
         logits = logits.copy()
@@ -105,7 +89,7 @@ class Sampler:
         return token
 
     def _pick(self, logits: npt.NDArray[np.float32]) -> int:
-        if self.greedy:
+        if is_greedy(self):
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / self.temperature
         if 0 < self.top_k < z.size:
@@ -118,8 +102,7 @@ class Sampler:
             p[p < self.min_p * p.max()] = 0.0
             p /= p.sum()
         if self.top_p < 1.0:
-            # Most likely first; equal probabilities in vocabulary order (a stable sort), so
-            # that the batch's device sampler (`torch_engine/row_sampling.py`) orders them alike.
+            # Equal probabilities in vocabulary order, as the device sampler orders them.
             order = np.argsort(-p, kind="stable")
             cumulative = np.cumsum(p[order])
             # Smallest prefix whose mass reaches top_p (always at least the top token).
@@ -128,12 +111,10 @@ class Sampler:
         return self._inverse_cdf(p)
 
     def uniform(self) -> float:
-        """The one draw of this request's generator that a sampled token consumes."""
         return float(self.rng.random())
 
     def _inverse_cdf(self, p: npt.NDArray[np.float64]) -> int:
-        # What `Generator.choice(len(p), p=p)` computes, spelled out, so that a sampler that
-        # picks on the device from the same draw (`uniform`) picks the same token.
+        # `Generator.choice(len(p), p=p)` spelled out: the device sampler picks alike from `uniform`.
         cdf = np.cumsum(p)
         cdf /= cdf[-1]
         return int(cdf.searchsorted(self.uniform(), side="right"))
@@ -154,17 +135,14 @@ class Sampler:
 
 
 def token_logprob(logits: npt.NDArray[np.float32], token: int, top: int) -> TokenLogprob:
-    """`token`'s log-probability and the `top` most likely tokens', from the logits it was
-    chosen from: after penalties and logit_bias, before temperature (vLLM's
-    `processed_logprobs`), so that under greedy decoding the most likely token is the one
-    chosen, and a banned token shows as unlikely as it was made."""
+    """`token`'s log-probability and the `top` most likely, after penalties and bias, before
+    temperature (vLLM's `processed_logprobs`): under greedy the most likely is the one chosen."""
     z = logits.astype(np.float64)
     z -= z.max()
     log_norm = np.log(np.exp(z).sum())
     alternatives: tuple[tuple[int, float], ...] = ()
     if top > 0:
-        # Equal logits in vocabulary order, as greedy decoding's argmax takes them (logits of
-        # a low-precision model tie often): every token tied with the k-th is a candidate.
+        # Ties (frequent at low precision) in vocabulary order, as greedy's argmax takes them.
         kth = np.partition(z, z.size - min(top, z.size))[z.size - min(top, z.size)]
         ids = np.flatnonzero(z >= kth)
         ids = ids[np.lexsort((ids, -z[ids]))][:top]

@@ -20,11 +20,9 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def prefault_heap(nbytes: int) -> None:
-    """TIDAL §5: move what a start would pay for into the pre-warm. A start allocates
-    ≈ 200 MB (the imported model, then the CPU plugin's repacked weights on the first forward
-    pass), and a fresh process takes a page fault for every 4 KiB it first writes: measured
-    ≈ 54 000 faults, 0.06 s of a 0.28 s load + first pass. Touched here and freed into the
-    heap (kept by `openvino_process.MALLOC_ENV`), those pages are reused without faulting."""
+    """TIDAL §5: a start's ≈ 200 MB of allocations took ≈ 54 000 page faults, 0.06 s of a
+    0.28 s load + first pass; touched here and freed into the heap (kept by
+    `openvino_process.MALLOC_ENV`), those pages are reused without faulting."""
     libc = _libc()
     if libc is None or nbytes <= 0:
         return
@@ -41,18 +39,15 @@ def prefault_heap(nbytes: int) -> None:
 
 
 def trim_heap() -> None:
-    """Give the heap's free pages back to the system (after a tier swap or a dropped session:
-    `openvino_process.MALLOC_ENV` stops glibc from doing it on its own)."""
+    """Give the heap's free pages back (`MALLOC_ENV` stops glibc from doing it on its own)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
 
 
 def touch_kernels(core: ov.Core, device: str, threads: int) -> None:
-    """TIDAL §5.1, proactive code loading with reduced input dimensions: compile and run a tiny
-    matmul so that the device plugin, its thread pool and its JIT are initialised before any
-    start needs them (measured: the first real compile in the process then takes ≈ 0.05–0.09 s
-    less)."""
+    """TIDAL §5.1, proactive code loading with reduced inputs: a tiny matmul initialises the
+    plugin, its threads and its JIT (the first real compile then takes ≈ 0.05–0.09 s less)."""
     import numpy as np
     from openvino import opset13 as ops
 

@@ -1,15 +1,7 @@
-"""An OpenVINO worker process: the runtime imported and initialised, then bound to one model,
-served by the one worker loop (`worker_loop.py`) through `OpenVinoBinding`.
-
-TIDAL §3, §5: the engine keeps workers pre-warmed (OpenVINO, its CPU plugin and the tokenizer
-extension already loaded) so that a cold start's Init is off the critical path; a start binds
-one to a model. One worker holds one loaded model (an artifact) and serves every model name on
-that artifact. Unloading a model ends its worker, so its memory returns to the system whole.
-
-The model's batch is a `TieredBatch` (`tiered_batch.py`): the materialized start tier serves a
-start's first requests while the continuous-batching core builds on a thread, and the core
-takes over between two steps. The engine talks to the worker over a `multiprocessing` pipe
-(`worker_wire.py`).
+"""An OpenVINO worker process: the runtime imported and initialised (the pre-warm: TIDAL §3,
+§5 keep a cold start's Init off the critical path), then bound to one model, served by the
+worker loop through `OpenVinoBinding`. One worker holds one artifact and serves every name on
+it; unloading a model ends its worker, so its memory returns to the system whole.
 """
 
 from __future__ import annotations
@@ -21,9 +13,8 @@ from multiprocessing.connection import Connection
 
 import openvino as ov
 
-from services.engine.batch_types import Batch
 from services.engine.cpu_share import pin_all_threads
-from services.engine.step_gate import StepGate, TakeTurn, no_turn
+from services.engine.step_gate import StepGate, no_turn
 from services.engine.tiered_batch import TieredBatch
 from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_os import prefault_heap, touch_kernels
@@ -35,8 +26,8 @@ BUILD_POLL_S = 0.05
 
 
 class OpenVinoBinding:
-    """Binds models for the worker loop (`worker_loop.Binding`): a `Load` imports the start
-    tier's compiled blob into a `TieredBatch`, whose core then builds in the background."""
+    """A `Load` imports the start tier's compiled blob into a `TieredBatch`, whose core then
+    builds in the background (`worker_loop.Binding`)."""
 
     def __init__(
         self,
@@ -53,7 +44,7 @@ class OpenVinoBinding:
         self.threads = threads
         self.max_batch = max(1, max_batch)
         self.join_recompute_tokens = join_recompute_tokens
-        self.gate = gate if gate is not None and slot >= 0 else None
+        self.gate = gate if slot >= 0 else None
         self.slot = slot
         self.batch: TieredBatch | None = None
         self._load: Load | None = None
@@ -73,49 +64,34 @@ class OpenVinoBinding:
     def load(self, load: Load, threads: int) -> Bound:
         t0 = time.monotonic()
         self._load = load
-        batch = self._open(load, threads)
-        loaded = Loaded(
-            loaded_from_cache=batch.loaded_from_cache, load_s=time.monotonic() - t0, threads=batch.load_threads
-        )
+        batch = self.reopen(threads)
+        loaded = Loaded(batch.loaded_from_cache, time.monotonic() - t0, batch.load_threads)
         return Bound(loaded, batch, batch.tokenizer.decode_many)
 
-    def _open(self, load: Load, threads: int) -> TieredBatch:
-        # The start tier runs on `threads` (a start's bounded share, or all); the core, built
-        # once the first batch is done, gets every thread.
+    def reopen(self, threads: int) -> TieredBatch:
+        """The start tier on `threads` (a start's share, or all); the core gets every thread."""
+        if self._load is None:
+            raise RuntimeError("no model loaded in this worker")
+        gate, slot = self.gate, self.slot
         self.batch = TieredBatch.open(
             self.core,
-            load,
+            self._load,
             self.device,
             self.threads,
             threads,
-            self._turn(),
+            no_turn if gate is None else lambda deadline: gate.turn(slot, deadline),
             self.max_batch,
             self.join_recompute_tokens,
             first_batch_done=self._first_batch_done,
-            idle=self._idle,
+            idle=lambda: gate.idle(slot) if gate is not None else None,
         )
         return self.batch
 
-    def _turn(self) -> TakeTurn:
-        gate, slot = self.gate, self.slot
-        if gate is None:
-            return no_turn
-        return lambda deadline: gate.turn(slot, deadline)
-
     def _first_batch_done(self) -> None:
-        # The start's first token is out: its bounded share of cores ends (OpenVINO's threads
-        # are fixed per compiled model; the core, built next, gets every thread).
+        # The start's first token is out: its share of cores ends (the core, built next,
+        # gets every thread; OpenVINO's threads are fixed per compiled model).
         if os.sched_getaffinity(0) != self._all_cores:
             pin_all_threads(self._all_cores)
-
-    def _idle(self) -> None:
-        if self.gate is not None:
-            self.gate.idle(self.slot)
-
-    def reopen(self, threads: int) -> Batch:
-        if self._load is None:
-            raise RuntimeError("no model loaded in this worker")
-        return self._open(self._load, threads)
 
     def release(self) -> None:
         self.batch, self._load = None, None  # the loop closed it
@@ -146,7 +122,6 @@ def serve(
     gate: StepGate | None = None,
     slot: int = -1,
 ) -> None:
-    # The pre-warm: everything a start would otherwise import and initialise.
     import openvino_tokenizers  # noqa: F401  (the detokenizer's string operations)
 
     core = ov.Core()

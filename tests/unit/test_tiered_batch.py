@@ -151,7 +151,7 @@ def test_a_core_that_fails_to_build_leaves_the_start_tier_serving_and_refuses_gr
         guide = Guide(kind="regex", spec="[a-z]+")
         tiered.add("guided", STORY, SamplingParams(max_tokens=4, guide=guide))
         tiered.add("seeded", STORY, SamplingParams(max_tokens=4, temperature=0.9, seed=5))
-        assert tiered.building
+        assert tiered.building or tiered.build_failed  # a build of a missing path may fail at once
         steps = run_out(tiered)
         assert steps["guided"] == [steps["guided"][0]] and steps["guided"][0].error == NO_GRAMMAR
         assert len(token_ids(steps["seeded"])) == 4  # on the start tier's sampler, after all
