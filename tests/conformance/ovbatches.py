@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import atexit
 import functools
-import math
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.engine.batch import StartBatch, vocab_size
 from services.engine.core import CoreBatch
 from services.engine.instance import LoadedModel
-from services.engine.step_gate import TakeTurn, no_turn
+from services.engine.step_gate import TakeTurn, Turn, no_turn
 from services.engine.text import DecodeMany
 from services.engine.tiered_batch import TieredBatch
 from shared.messages import Artifact, Tier
@@ -109,12 +107,8 @@ PROMPT = "The capital of France is"
 
 class TurnLog:
     """Stands in for the node's step gate (`TakeTurn`, `idle`): the deadline each turn was entered
-    with, the one it was left posted with (`Held.then`), and how often the batch said it had
+    with, the one it was left posted with (`Turn.then`), and how often the batch said it had
     nothing left to run."""
-
-    @dataclass
-    class Held:
-        then: float = math.inf
 
     def __init__(self) -> None:
         self.entered: list[float] = []
@@ -122,9 +116,9 @@ class TurnLog:
         self.idles = 0
 
     @contextmanager
-    def __call__(self, deadline: float) -> Iterator[TurnLog.Held]:
+    def __call__(self, deadline: float) -> Iterator[Turn]:
         self.entered.append(deadline)
-        held = TurnLog.Held()
+        held = Turn()
         yield held
         self.left.append(held.then)
 
