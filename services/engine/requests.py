@@ -1,7 +1,5 @@
 """Generating: a request admitted to an instance's KV, run in its worker, its tokens streamed
-to the gateway as they come, its cancellation, and the measurements taken on the way (the
-performance samples sent with heartbeats, the cold start's record).
-"""
+to the gateway, its cancellation, and the measurements taken on the way."""
 
 from __future__ import annotations
 
@@ -14,18 +12,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
+from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.metrics import (
-    BATCHED_REQUESTS,
-    COLD_START_SECONDS,
-    DECODED_TOKENS,
-    GATE_WAIT,
-    KV_ALLOCATED,
-    PHASE_SECONDS,
-    QUEUE_WAIT,
-    REQUESTS,
-    TTFT,
-)
 from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
 from services.engine.settings import EngineSettings
 from services.engine.worker_wire import Chunk, Done, Run
@@ -61,7 +49,6 @@ class Requests:
     workers: WorkerPool
     """Told when a start has its first token (its replacement warms then)."""
     bus: Publisher
-    """The replies to the gateway and each request's stream."""
 
     async def on_cancel(self, msg: Msg) -> None:
         self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)
@@ -70,13 +57,9 @@ class Requests:
         req = decode(msg.data, Generate)
         inst = self.node.instances.get(req.model)
         if inst is None or inst.preempted:
+            why = f"{req.model} is not loaded on {self.node.id}"
             await self.bus.reply(
-                msg,
-                Failed(
-                    request_id=req.request_id,
-                    code=ErrorCode.INSTANCE_NOT_LOADED,
-                    message=f"{req.model} is not loaded on {self.node.id}",
-                ),
+                msg, Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
             )
             return
         cancelled = Cancelled()
@@ -91,7 +74,7 @@ class Requests:
             try:
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
-                REQUESTS.labels("error").inc()
+                metrics.REQUESTS.labels("error").inc()
                 await self.bus.publish(
                     req.stream_subject, Failed(request_id=req.request_id, code=e.code, message=e.message)
                 )
@@ -133,13 +116,13 @@ class Requests:
         try:
 
             def started(batch: int) -> None:
-                QUEUE_WAIT.observe(time.monotonic() - received)
-                BATCHED_REQUESTS.labels(str(batch)).inc()
+                metrics.QUEUE_WAIT.observe(time.monotonic() - received)
+                metrics.BATCHED_REQUESTS.labels(str(batch)).inc()
                 inst.held[req.request_id] = req.prompt_tokens
 
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
-                    DECODED_TOKENS.inc(out.tokens)
+                    metrics.DECODED_TOKENS.inc(out.tokens)
                     generated += out.tokens
                     if req.request_id in inst.held:
                         inst.held[req.request_id] = req.prompt_tokens + generated
@@ -150,15 +133,13 @@ class Requests:
                     )
                 elif isinstance(out, Done):
                     if received >= inst.warm_since and not out.beside_build:
-                        # Requests that arrived before the start's first token shared the
-                        # fresh worker's first pass and the start itself: their times are no
-                        # measure of the model (on 2/3-core nodes they made the scheduler
-                        # predict a 2 s prefill and scale out for it).
+                        # Requests that arrived before the start's first token shared the start:
+                        # no measure of the model (they made the scheduler predict a 2 s prefill).
                         self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
                     if self.settings.interleave:
-                        GATE_WAIT.observe(out.gated_s)
+                        metrics.GATE_WAIT.observe(out.gated_s)
                     if out.kv_allocated_bytes:
-                        KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
+                        metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
                         inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
                     if out.device_bytes:
                         inst.bound.device_bytes = out.device_bytes
@@ -169,7 +150,7 @@ class Requests:
                         completion_tokens=out.completion_tokens,
                     )
                     if out.first_token_at is not None:
-                        TTFT.observe(out.first_token_at - received)
+                        metrics.TTFT.observe(out.first_token_at - received)
                         await self._maybe_record_cold_start(inst, out.first_token_at)
             if (
                 (inst.preempted or req.request_id in inst.evicted)
@@ -183,12 +164,12 @@ class Requests:
                     else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
                 final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
-                REQUESTS.labels("preempted").inc()
+                metrics.REQUESTS.labels("preempted").inc()
             elif isinstance(final, Finished):
-                REQUESTS.labels(final.finish_reason.value).inc()
+                metrics.REQUESTS.labels(final.finish_reason.value).inc()
         except WorkerDied as e:
             log.error("worker of %s died during %s", inst.model, req.request_id)
-            REQUESTS.labels("error").inc()
+            metrics.REQUESTS.labels("error").inc()
             final = Failed(
                 request_id=req.request_id,
                 code=ErrorCode.ENGINE_FAILED,
@@ -197,7 +178,7 @@ class Requests:
             await self.memory.lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", req.request_id)
-            REQUESTS.labels("error").inc()
+            metrics.REQUESTS.labels("error").inc()
             final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
             if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
                 # A stage is gone (its node, or its worker): the pipeline serves nothing more.
@@ -225,8 +206,9 @@ class Requests:
         )
         total = first_token_at - pending.t0
         for name in ("init", "load", "profile", "prefill"):
-            PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
-        COLD_START_SECONDS.observe(total)
+            metrics.PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
+        metrics.COLD_START_SECONDS.observe(total)
+        loaded = pending.source != "resident"  # else no load of its own
         event = ColdStartRecorded(
             node_id=self.node.id,
             model=inst.model,
@@ -235,20 +217,11 @@ class Requests:
             total_s=total,
             loaded_from_cache=inst.bound.loaded_from_cache,
             source=pending.source,
-            stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
-            worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
-            load_threads=0 if pending.source == "resident" else inst.bound.load_threads,
+            stage_s=inst.bound.stage_s * loaded,
+            worker_load_s=inst.bound.worker_load_s * loaded,
+            load_threads=inst.bound.load_threads * loaded,
             tier=inst.bound.worker.tier or "",
         )
-        log.info(
-            "cold start of %s: %.2fs",
-            inst.model,
-            total,
-            extra={
-                "model": inst.model,
-                "phases": msgspec.structs.asdict(phases),
-                "source": pending.source,
-                "tier": inst.bound.worker.tier,
-            },
-        )
+        extra = {"model": inst.model, "phases": msgspec.structs.asdict(phases), "source": pending.source}
+        log.info("cold start of %s: %.2fs", inst.model, total, extra={**extra, "tier": inst.bound.worker.tier})
         await self.bus.publish(subjects.cold_start_recorded(), event)
