@@ -16,7 +16,7 @@ from services.engine import metrics
 from services.engine.memory import KvMemory
 from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
 from services.engine.settings import EngineSettings
-from services.engine.worker_wire import Chunk, Done, Run
+from services.engine.worker_wire import Chunk, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError
@@ -58,9 +58,8 @@ class Requests:
         inst = self.node.instances.get(req.model)
         if inst is None or inst.preempted:
             why = f"{req.model} is not loaded on {self.node.id}"
-            await self.bus.reply(
-                msg, Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
-            )
+            failed = Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
+            await self.bus.reply(msg, failed)
             return
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
@@ -75,9 +74,8 @@ class Requests:
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 metrics.REQUESTS.labels("error").inc()
-                await self.bus.publish(
-                    req.stream_subject, Failed(request_id=req.request_id, code=e.code, message=e.message)
-                )
+                failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
+                await self.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
@@ -94,100 +92,81 @@ class Requests:
                 self.node.went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
-        received = time.monotonic()
+        rid, received, interval = req.request_id, time.monotonic(), self.settings.stream_interval_s
+        slo = ttft_slo(inst, req.prompt_tokens)
         run = Run(
-            req.request_id,
+            rid,
             inst.model,
             req.prompt_ids,
             req.params,
-            self.settings.stream_interval_s,
+            interval,
             inst.kv.reserved_tokens,
             received,
-            ttft_slo(inst, req.prompt_tokens),
+            slo,
             inst.tpot_slo_s,
         )
-        generated = 0
-        final: Finished | Failed = Finished(
-            request_id=req.request_id,
-            finish_reason=FinishReason.CANCELLED,
-            prompt_tokens=req.prompt_tokens,
-            completion_tokens=0,
-        )
+        generated, completion, reason = 0, 0, FinishReason.CANCELLED
+        final: Failed | None = None
+
+        def started(batch: int) -> None:
+            metrics.QUEUE_WAIT.observe(time.monotonic() - received)
+            metrics.BATCHED_REQUESTS.labels(str(batch)).inc()
+            inst.held[rid] = req.prompt_tokens
+
         try:
-
-            def started(batch: int) -> None:
-                metrics.QUEUE_WAIT.observe(time.monotonic() - received)
-                metrics.BATCHED_REQUESTS.labels(str(batch)).inc()
-                inst.held[req.request_id] = req.prompt_tokens
-
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
                     metrics.DECODED_TOKENS.inc(out.tokens)
                     generated += out.tokens
-                    if req.request_id in inst.held:
-                        inst.held[req.request_id] = req.prompt_tokens + generated
-                    await self.memory.kv_progress(inst, req.request_id, generated)
-                    await self.bus.publish(
-                        req.stream_subject,
-                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens, logprobs=out.logprobs),
-                    )
-                elif isinstance(out, Done):
-                    if received >= inst.warm_since and not out.beside_build:
-                        # Requests that arrived before the start's first token shared the start:
-                        # no measure of the model (they made the scheduler predict a 2 s prefill).
-                        self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
-                    if self.settings.interleave:
-                        metrics.GATE_WAIT.observe(out.gated_s)
-                    if out.kv_allocated_bytes:
-                        metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
-                        inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
-                    if out.device_bytes:
-                        inst.bound.device_bytes = out.device_bytes
-                    final = Finished(
-                        request_id=req.request_id,
-                        finish_reason=out.finish_reason,
-                        prompt_tokens=req.prompt_tokens,
-                        completion_tokens=out.completion_tokens,
-                    )
-                    if out.first_token_at is not None:
-                        metrics.TTFT.observe(out.first_token_at - received)
-                        await self._maybe_record_cold_start(inst, out.first_token_at)
-            if (
-                (inst.preempted or req.request_id in inst.evicted)
-                and isinstance(final, Finished)
-                and final.finish_reason is FinishReason.CANCELLED
-                and not cancelled.by_client
-            ):
+                    if rid in inst.held:
+                        inst.held[rid] = req.prompt_tokens + generated
+                    await self.memory.kv_progress(inst, rid, generated)
+                    chunk = TokenChunk(request_id=rid, text=out.text, tokens=out.tokens, logprobs=out.logprobs)
+                    await self.bus.publish(req.stream_subject, chunk)
+                    continue
+                if received >= inst.warm_since and not out.beside_build:
+                    # Requests that arrived before the start's first token shared the start:
+                    # no measure of the model (they made the scheduler predict a 2 s prefill).
+                    self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
+                if self.settings.interleave:
+                    metrics.GATE_WAIT.observe(out.gated_s)
+                if out.kv_allocated_bytes:
+                    metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
+                    inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
+                inst.bound.device_bytes = out.device_bytes or inst.bound.device_bytes
+                reason, completion = out.finish_reason, out.completion_tokens
+                if out.first_token_at is not None:
+                    metrics.TTFT.observe(out.first_token_at - received)
+                    await self._maybe_record_cold_start(inst, out.first_token_at)
+            preempted = inst.preempted or rid in inst.evicted
+            if reason is FinishReason.CANCELLED and preempted and not cancelled.by_client:
                 why = (
                     f"the instance of {inst.model} on {self.node.id} was preempted"
                     if inst.preempted
                     else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
-                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
-                metrics.REQUESTS.labels("preempted").inc()
-            elif isinstance(final, Finished):
-                metrics.REQUESTS.labels(final.finish_reason.value).inc()
+                final = Failed(request_id=rid, code=ErrorCode.PREEMPTED, message=why)
+            metrics.REQUESTS.labels("preempted" if final else reason.value).inc()
         except WorkerDied as e:
-            log.error("worker of %s died during %s", inst.model, req.request_id)
+            log.error("worker of %s died during %s", inst.model, rid)
             metrics.REQUESTS.labels("error").inc()
-            final = Failed(
-                request_id=req.request_id,
-                code=ErrorCode.ENGINE_FAILED,
-                message=f"the worker serving {inst.model} died ({e}); retry the request",
-            )
+            why = f"the worker serving {inst.model} died ({e}); retry the request"
+            final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=why)
             await self.memory.lose_worker(inst.bound)
         except Exception as e:
-            log.exception("generation %s failed", req.request_id)
+            log.exception("generation %s failed", rid)
             metrics.REQUESTS.labels("error").inc()
-            final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
+            final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=str(e))
             if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
-                # A stage is gone (its node, or its worker): the pipeline serves nothing more.
-                # The scheduler hears of it now and sends the next requests to an instance.
+                # A stage is gone: the pipeline serves nothing more. The scheduler hears of it
+                # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
-        await self.bus.publish(req.stream_subject, final)
-        finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
-        await self.memory.kv_complete(inst, req.request_id, generated, finished)
+        ended = Finished(
+            request_id=rid, finish_reason=reason, prompt_tokens=req.prompt_tokens, completion_tokens=completion
+        )
+        await self.bus.publish(req.stream_subject, final or ended)
+        await self.memory.kv_complete(inst, rid, generated, not final and reason is not FinishReason.CANCELLED)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
         pending, inst.start = inst.start, None
