@@ -68,7 +68,6 @@ class Starts:
     memory: KvMemory
     workers: WorkerPool
     bus: Publisher
-    """The node's loader (staging, block checks, imports) and the replies to the scheduler."""
 
     async def tier_up_next(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
@@ -93,13 +92,9 @@ class Starts:
 
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
-        if name in self.node.instances:
-            return InstanceReady(
-                node_id=self.node.id,
-                model=name,
-                phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
-                loaded_from_cache=self.node.instances[name].bound.loaded_from_cache,
-            )
+        if (inst := self.node.instances.get(name)) is not None:
+            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded_from_cache
+            return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
         if name in self.node.starting:  # a second start of the same model waits for the first
             return await asyncio.shield(self.node.starting[name])
         fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
@@ -134,16 +129,8 @@ class Starts:
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         self.node.serve(record, bound, kv, PendingColdStart(t0, phases, "resident" if hit else bound.source))
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
-        log.info(
-            "instance of %s ready",
-            record.name,
-            extra={
-                "model": record.name,
-                **msgspec.structs.asdict(phases),
-                "resident": hit,
-                "worker_pid": bound.worker.pid,
-            },
-        )
+        extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
+        log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
         if not bound.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
@@ -153,21 +140,14 @@ class Starts:
     async def _materialized(self, record: ModelRecord) -> None:
         """A model registered by an OpenVINO node's loader has no torch checkpoint yet: on a
         node that reads one, this node's loader writes it from the GGUF once, for every node."""
-        if not self.node.backend.reads_torch_checkpoint:
-            return
-        if await asyncio.to_thread(has_torch_checkpoint, record.artifact):
+        backend = self.node.backend
+        if not backend.reads_torch_checkpoint or await asyncio.to_thread(has_torch_checkpoint, record.artifact):
             return
         log.info("%s has no torch checkpoint yet: this node's loader writes it", record.name)
-        reply = await self.bus.request(
-            subjects.loader_import(self.node.id),
-            ImportModel(source=record.source),
-            ModelImported | Rejected,
-            timeout=self.settings.load_timeout_s,
-        )
+        ask, timeout = ImportModel(source=record.source), self.settings.load_timeout_s
+        reply = await self.bus.request(subjects.loader_import(self.node.id), ask, ModelImported | Rejected, timeout)
         if isinstance(reply, Rejected):
-            raise TesseraError(
-                reply.code, f"{record.name} cannot start on a {self.node.backend.name} node: {reply.message}"
-            )
+            raise TesseraError(reply.code, f"{record.name} cannot start on a {backend.name} node: {reply.message}")
 
     def _start_cores(self) -> tuple[int, ...] | None:
         """A bounded share of cores for a start while other instances generate; else all."""

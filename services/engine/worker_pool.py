@@ -139,16 +139,10 @@ class Worker:
         elif isinstance(msg, Failure) and msg.request_id is None:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RuntimeError(msg.message))
-        elif isinstance(msg, Chunks):
-            for chunk in msg.items:
-                self._dispatch(chunk)
-        elif isinstance(msg, Chunk | Done | Failure | Started):
-            self._dispatch(msg)
-
-    def _dispatch(self, msg: Chunk | Done | Failure | Started) -> None:
-        stream = self._streams.get(str(msg.request_id))
-        if stream is not None:
-            stream.put_nowait(msg)
+        elif isinstance(msg, Chunks | Chunk | Done | Failure | Started):
+            for item in msg.items if isinstance(msg, Chunks) else (msg,):
+                if (stream := self._streams.get(str(item.request_id))) is not None:
+                    stream.put_nowait(item)
 
     def _free_slot(self) -> None:
         with self._slot_lock:  # the loop (on its death) and a stopping thread may both free it
