@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -285,18 +286,15 @@ class Worker:
             if not done and not self.dead:
                 self._send(CancelRun(run.request_id))  # nobody reads it any more
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop this request, queued or running; True if this worker has it."""
+    def cancel(self, request_id: str) -> None:
+        """Stop this request, queued or running."""
         if request_id in self._streams:
             self._send(CancelRun(request_id))
-            return True
-        return False
 
     def _send(self, msg: object) -> None:
-        try:
+        # The worker gone (TypeError: closed by a stop meanwhile): its reader thread reports it.
+        with contextlib.suppress(OSError, ValueError, TypeError):
             self._conn.send(msg)
-        except (OSError, ValueError, TypeError):  # TypeError: closed by a stop meanwhile
-            pass  # the worker is gone: its reader thread reports the death
 
     def tier_up(self) -> None:
         """Ask for the STEADY tier (`TierUpNow`); `tiering` until it answers."""
