@@ -378,7 +378,7 @@ class KvMemory:
             preemptor.active if preemptor else 0,
             extra={"model": inst.model},
         )
-        for rid in list(inst.requests):
+        for rid in list(inst.prompts):
             self.node.cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
         while inst.active > 0 and time.monotonic() < deadline:

@@ -132,7 +132,6 @@ class Served:
     active: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when its last request in flight ends."""
-    requests: set[str] = field(default_factory=set)
     preempted: bool = False
     """Preempted (LLM-Mesh §7.1): its requests end as PREEMPTED, new ones go elsewhere."""
     warm_since: float = 0.0
@@ -143,7 +142,7 @@ class Served:
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
     prompts: dict[str, int] = field(default_factory=dict)
-    """Its requests in flight: their prompt tokens."""
+    """Its requests in flight (ids): their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted from its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
     start: PendingColdStart | None = None

@@ -63,7 +63,6 @@ class Requests:
             return
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
-        inst.requests.add(req.request_id)
         inst.prompts[req.request_id] = req.prompt_tokens
         inst.active += 1
         inst.drained.clear()
@@ -80,7 +79,6 @@ class Requests:
             await self._generate(inst, req, cancelled)
         finally:
             inst.active -= 1
-            inst.requests.discard(req.request_id)
             inst.prompts.pop(req.request_id, None)
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
