@@ -6,10 +6,11 @@ the most headroom (§6.4), or evicts idle residents at the lowest cost (Tangram)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -255,6 +256,18 @@ class KvMemory:
                     f"node {self.node.id} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
                     retry_after_s=2,
                 )
+
+    @contextlib.asynccontextmanager
+    async def reserved(self, owner: str, nbytes: int) -> AsyncIterator[None]:
+        """`owner`'s reservation (room made as `reserve` makes it) for what the block does:
+        released if that fails, else reported done."""
+        await self.reserve(owner, nbytes)
+        try:
+            yield
+        except BaseException:
+            await self.release(owner)
+            raise
+        await self.done(owner)
 
     async def kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
         """Move `inst`'s reservation to `plan`'s size, else the requirement, else (`wait`) make

@@ -112,13 +112,8 @@ class Pipelines:
         waited = time.monotonic() - t0
         spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
         owner = f"stage:{req.model.artifact.artifact_id}:{req.lo}-{req.hi}"
-        await self.memory.reserve(owner, req.nbytes)  # refused when the node has no room: no pipeline
-        try:
+        async with self.memory.reserved(owner, req.nbytes):  # refused when the node has no room: no pipeline
             _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
-            await self.memory.done(owner)
-        except BaseException:
-            await self.memory.release(owner)
-            raise
         self._stage_memory[loaded.addr] = owner
         self.node.update_gauges()
         log.info(

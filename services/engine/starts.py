@@ -193,41 +193,32 @@ class Starts:
             weights = self.memory.footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
         else:
             weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
-        await self.memory.reserve(f"weights:{aid}", weights)
         try:
-            if missing:
-                self.memory.arena_granted = await self.memory.reserve(
-                    ARENA_REGION, self.memory.arena_target, held=lambda: self.memory.arena_granted
-                )
-                await self.memory.done(ARENA_REGION)
-            t_load = time.monotonic()
-            tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
-            # The blob first, then the worker: a stage waiting for a scale-out's multicast
-            # leaves the warm worker to the pipeline stages meanwhile. With every tensor in the
-            # node's arena, nothing is staged.
-            stage = StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True)
-            staged = None if in_arena else await self._loader(subjects.loader_stage(self.node.id), stage, aid)
-            stage_s = time.monotonic() - t_load
-            worker, warm = await self.workers.take()
-            if not warm:
-                metrics.COLD_WORKERS.inc()
-            worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-            try:
+            async with self.memory.reserved(f"weights:{aid}", weights):
+                if missing:
+                    self.memory.arena_granted = await self.memory.reserve(
+                        ARENA_REGION, self.memory.arena_target, held=lambda: self.memory.arena_granted
+                    )
+                    await self.memory.done(ARENA_REGION)
+                t_load = time.monotonic()
+                tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
+                # The blob first, then the worker: a stage waiting for a scale-out's multicast
+                # leaves the warm worker to the pipeline stages meanwhile. With every tensor in the
+                # node's arena, nothing is staged.
+                stage = StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True)
+                staged = None if in_arena else await self._loader(subjects.loader_stage(self.node.id), stage, aid)
+                stage_s = time.monotonic() - t_load
+                worker, warm = await self.workers.take()
+                if not warm:
+                    metrics.COLD_WORKERS.inc()
                 loaded, waited_s = await self._load(worker, artifact, tier, staged)
-            except BaseException:
-                await asyncio.to_thread(worker.stop)
-                raise
-            stage_s += waited_s
-            await self.memory.done(f"weights:{aid}")
-        except BaseException as e:
-            await self.memory.release(f"weights:{aid}")
-            if isinstance(e, ArenaFull):  # room for its bytes, but no range long enough
-                raise TesseraError(
-                    ErrorCode.NO_CAPACITY,
-                    f"artifact {aid} does not fit in node {self.node.id}'s tensor arena: {e}",
-                    retry_after_s=2,
-                ) from e
-            raise
+                stage_s += waited_s
+        except ArenaFull as e:  # room for its bytes, but no range long enough
+            raise TesseraError(
+                ErrorCode.NO_CAPACITY,
+                f"artifact {aid} does not fit in node {self.node.id}'s tensor arena: {e}",
+                retry_after_s=2,
+            ) from e
         finally:
             if tensors:  # what it placed (or, failing, left) there; a concurrent load may have evicted
                 await self.memory.sync_arena()
@@ -313,14 +304,11 @@ class Starts:
         old = self.node.bound.pop(key)  # no await since the check: nobody took it meanwhile
         await self.memory.release(f"weights:{key}")
         weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
-        await self.memory.reserve(f"weights:{aid}", weights)
         try:
-            old.worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-            loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
-            await self.memory.done(f"weights:{aid}")
-        except BaseException:
-            await self.memory.release(f"weights:{aid}")
-            await asyncio.to_thread(old.worker.stop)  # bound to neither model now
+            async with self.memory.reserved(f"weights:{aid}", weights):
+                loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
+        except BaseException:  # bound to neither model now
+            await asyncio.to_thread(old.worker.stop)
             raise
         log.info(
             "%s bound to the idle worker of %s: %d of its bytes were in that worker's arena",
@@ -343,6 +331,17 @@ class Starts:
         return tensors
 
     async def _load(
+        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
+    ) -> tuple[Loaded, float]:
+        """`_import`, the worker stopped if it fails (bound to no model then)."""
+        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+        try:
+            return await self._import(worker, artifact, tier, staged)
+        except BaseException:
+            await asyncio.to_thread(worker.stop)
+            raise
+
+    async def _import(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
     ) -> tuple[Loaded, float]:
         """Import the staged blob into the worker. On a deferred-verify hit the loader checks the
