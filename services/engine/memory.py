@@ -181,10 +181,8 @@ class KvMemory:
         """An instance stopped using the worker: it stays resident within the pool budget."""
         bound.resident.users -= 1
         bound.resident.last_used = time.time()
-        residents = [b.resident for b in self.node.bound.values()]
-        excess = over_budget(residents, self.settings.pool_budget_bytes)
-        if excess:
-            await self.evict(choose_evictions(residents, excess, time.time()))
+        excess = over_budget([b.resident for b in self.node.bound.values()], self.settings.pool_budget_bytes)
+        await self._evict_idle_residents(excess)
         self.node.update_gauges()
 
     async def evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:

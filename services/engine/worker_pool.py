@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -194,23 +195,16 @@ class Worker:
             placement = self.arena.place(self.owner, tensors, discard)
             self.arena.begin_fill(placement)  # no await since the placement: nothing came between
             others = self.arena.pending(placement)
-            if placement.copy and admit_bytes is not None:  # streamed: the worker follows the count
-                order = tuple(d for d in tensors if d in placement.copy)
-                number = self.progress.begin()
-
-                def admit() -> None:  # on the fill's thread
-                    self._loop.call_soon_threadsafe(admitted.set_result, None)
-
-                fill = asyncio.ensure_future(
-                    asyncio.to_thread(
-                        self.arena.fill, placement, load.checkpoint, order, self.progress, number, admit_bytes, admit
-                    )
-                )
-                load = replace(load, fill=FillSignal(self.progress.path, number, order))
-            elif placement.copy:  # whole before the load is done: one copy, nobody follows it
-                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
-            if placement.copy:  # the engine copies it: the worker reads none of it
-                placement = replace(placement, copy=frozenset(), filled=placement.copy)
+            if placement.copy:  # the engine copies it (whole before the load is done, unless streamed)
+                copy = functools.partial(self.arena.fill, placement, load.checkpoint)
+                if admit_bytes is not None:  # streamed: the worker follows the count
+                    order = tuple(d for d in tensors if d in placement.copy)
+                    number = self.progress.begin()
+                    admit = functools.partial(self._loop.call_soon_threadsafe, admitted.set_result, None)
+                    copy = functools.partial(copy, order, self.progress, number, admit_bytes, admit)
+                    load = replace(load, fill=FillSignal(self.progress.path, number, order))
+                fill = asyncio.ensure_future(asyncio.to_thread(copy))
+                placement = replace(placement, copy=frozenset(), filled=placement.copy)  # the worker reads none
             load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
         self._conn.send(load)
