@@ -1,14 +1,10 @@
-"""The engines a node may run (`TESSERA_ENGINE_BACKEND`), each one object that says what it is:
-what its workers read, whether it starts on a start tier, its batch limit, whether its weights
-live in a tensor arena, and the worker process it runs. The controller asks these attributes,
-never the backend's name (ServerlessLLM's backends, STYLE.md).
-
-A worker's entry point is named, not imported: the process is spawned by that name, and the
-engine never imports a backend it does not run (nor its libraries)."""
+"""The engines a node may run (`TESSERA_ENGINE_BACKEND`), each an object that says what it is;
+the controller asks these attributes, never the backend's name (ServerlessLLM's backends).
+A worker's entry point is named, not imported: the engine never imports a backend it does not
+run (nor its libraries)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -37,9 +33,7 @@ class WorkerSpec:
     arena_bytes: int = 0
     """Without the node's arena: the size of a torch worker's own."""
     kv_tokens: int = 8192
-    """Tokens of a torch or vLLM worker's paged KV cache."""
     arena: NodeArena | None = None
-    """The node's tensor arena, mapped by every worker of a backend that has `tensor_arena`."""
 
     @property
     def tensor_arena(self) -> ArenaHandle | int:
@@ -51,46 +45,30 @@ class WorkerSpec:
 class Backend:
     name: str
     reads_torch_checkpoint: bool
-    """Its workers read the artifact's torch checkpoint (written from the GGUF by the loader),
-    not its OpenVINO files (IR and compiled blobs)."""
+    """Its workers read the torch checkpoint (written from the GGUF by the loader), not IR/blobs."""
     start_tier: bool
-    """It may start a model on its START tier (cheapest first forward pass) and tier up to
-    STEADY once idle (`starts.py`)."""
+    """It may start a model on its START tier and tier up to STEADY once idle."""
     tensor_arena: bool
-    """Its workers hold weights in a tensor arena by content hash (the node's, or their own):
-    an idle one's tensors are reused by a start of a model sharing them (Tangram §3.1), and
-    the node reports which share of each stored artifact it holds."""
+    """Its workers hold weights in a tensor arena by content hash: an idle one's tensors are
+    reused by a start of a model sharing them (Tangram §3.1)."""
     pipeline_stages: bool
-    """It can run a layer range as a pipeline stage, and serve a model through stages
-    (FaaScale §4.3, `pipelines.py`)."""
+    """It can run a layer range as a pipeline stage, and serve a model through stages (FaaScale §4.3)."""
     lazy_host_kv: bool
-    """On the host, its KV cache is one allocation whose pages are committed as blocks fill:
-    how much of it a worker's RSS holds is unknown (the footprint true-up takes none off)."""
+    """On the host, its KV cache's pages are committed as blocks fill (how much of it the RSS
+    holds is unknown: the footprint true-up takes none off)."""
     batch_limit: int | None
-    """Most requests its engine steps at once, fixed by the engine; None: the node's
-    `max_batch` setting."""
+    """Most requests its engine steps at once; None: the node's `max_batch` setting."""
     entry: str
-    """Its worker process's entry function, `module:function`, imported and called in the
-    spawned process (`shared.process.run_worker`)."""
+    """Its worker's entry function, `module:function`, called in the spawned process."""
     process_name: str
     args: Callable[[WorkerSpec, Connection, int], tuple[object, ...]]
-    """The entry function's arguments from the spec, the worker's end of its pipe and its slot
-    in the node's step gate."""
+    """The entry's arguments from the spec, the worker's end of its pipe and its gate slot."""
     env: Callable[[WorkerSpec], dict[str, str]] = lambda spec: {}
-    """Environment the process is spawned with (it copies the engine's then)."""
-
-    def entry_point(self) -> Callable[..., None]:
-        """The entry function itself (imported here: for a check, never by the engine)."""
-        module, _, function = self.entry.partition(":")
-        main: Callable[..., None] = getattr(importlib.import_module(module), function)
-        return main
-
-    def max_batch(self, configured: int) -> int:
-        return self.batch_limit or configured
+    """Environment the process is spawned with."""
 
     def start_tier_of(self, artifact: Artifact, device: str, enabled: bool) -> Tier:
-        """TORCH for a backend reading the torch checkpoint (one form, never tiered up); START
-        when it has a start tier, it is `enabled` and the artifact has one compiled; else STEADY."""
+        """TORCH for a backend reading the torch checkpoint; START when it has a start tier,
+        `enabled` and compiled for the artifact; else STEADY."""
         if self.reads_torch_checkpoint:
             return Tier.TORCH
         if self.start_tier and enabled and has_tier(artifact, device, Tier.START):
@@ -111,8 +89,7 @@ OPENVINO = Backend(
     tensor_arena=False,
     pipeline_stages=False,
     lazy_host_kv=False,
-    # The continuous-batching core (`core.py`) serves every instance once built; the start
-    # tier's batch before it lasts a couple of seconds.
+    # The core (`core.py`) serves every instance once built; the start tier lasts seconds.
     batch_limit=CORE_MAX_SEQS,
     entry="services.engine.worker_process:serve",
     process_name="tessera-worker",

@@ -1,18 +1,17 @@
-"""The KV memory of the models serving on this node, kept within the memory manager's grants:
-a request is admitted when its KV fits (or waits, or is refused), a cache grows with its rows
-and shrinks when they end (the watermark of `policy/kv_watermark.py`), and when a grant
-cannot grow the engine preempts a neighbour (LLM-Mesh §7.1, `policy/defrag.py`), evicts the
-request with the most headroom (§6.4), or evicts idle residents at the lowest cost (Tangram).
-"""
+"""The node's memory within the memory manager's grants: a request is admitted when its KV
+fits, a cache grows with its rows and shrinks when they end (`policy/kv_watermark.py`), and when
+a grant cannot grow the engine preempts a neighbour (LLM-Mesh §7.1), evicts the request with
+the most headroom (§6.4), or evicts idle residents at the lowest cost (Tangram)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from policy.defrag import Neighbour, choose_preemption
@@ -20,17 +19,7 @@ from policy.eviction import Resident, choose_evictions, over_budget
 from policy.footprint import true_up
 from policy.kv_watermark import Action, KvPlan
 from policy.slo import ttft_slo
-from services.engine.metrics import (
-    INSTANCE_EVICTIONS,
-    KV_EVICTIONS,
-    KV_RESERVED,
-    KV_RESIZES,
-    KV_UNDERESTIMATES,
-    POOL_EVICTIONS,
-    PREEMPTIONS,
-    UNACCOUNTED_BYTES,
-    forget_kv_gauges,
-)
+from services.engine import metrics
 from services.engine.node import ARENA_REGION, Bound, Node, Publisher, Served
 from services.engine.settings import EngineSettings
 from shared import subjects
@@ -53,10 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class MemoryManager(Protocol):
-    """The node's memory manager (`services/memory_manager`), the book of what the node's parts
-    reserve within its budget: `reserve` moves `owner`'s reservation to `nbytes` if there is
-    room, `release` drops it (`*`: every one of this engine), `done` says the load or resize it
-    granted is finished. A test passes a book of its own."""
+    """The node's memory manager (`services/memory_manager`): `reserve` moves `owner`'s
+    reservation to `nbytes` if there is room, `release` drops it (`*`: all of this engine's),
+    `done` says the load or resize it granted is finished."""
 
     async def reserve(self, owner: str, nbytes: int) -> ReserveResult: ...
 
@@ -72,17 +60,15 @@ class BusMemoryManager:
         self.bus, self.node_id, self.timeout_s = bus, node_id, timeout_s
 
     async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
-        return await self._ask(subjects.memory_reserve(self.node_id), Reserve(owner=owner, nbytes=nbytes))
+        message = Reserve(owner=owner, nbytes=nbytes)
+        return await self.bus.request(subjects.memory_reserve(self.node_id), message, ReserveResult, self.timeout_s)
 
     async def release(self, owner: str) -> ReserveResult:
-        return await self._ask(subjects.memory_release(self.node_id), Release(owner=owner))
+        message = Release(owner=owner)
+        return await self.bus.request(subjects.memory_release(self.node_id), message, ReserveResult, self.timeout_s)
 
     async def done(self, owner: str) -> None:
         await self.bus.publish(subjects.memory_done(self.node_id), ReserveDone(owner=owner))
-
-    async def _ask(self, subject: str, message: Reserve | Release) -> ReserveResult:
-        result: ReserveResult = await self.bus.request(subject, message, ReserveResult, timeout=self.timeout_s)
-        return result
 
 
 class KvMemory:
@@ -90,41 +76,28 @@ class KvMemory:
     caches' growth and shrinking, and the evictions and preemptions that make room."""
 
     def __init__(
-        self,
-        settings: EngineSettings,
-        node: Node,
-        manager: MemoryManager,
-        bus: Publisher,
-        arena: NodeArena | None = None,
+        self, settings: EngineSettings, node: Node, manager: MemoryManager, bus: Publisher, arena: NodeArena | None
     ) -> None:
-        """`bus`: for the scheduler's word on which neighbours a preemption may move;
-        `arena`: the node's tensor arena, where it has one."""
-        self.settings = settings
-        self.node = node
-        self.manager = manager
-        self.bus = bus
-        self.arena = arena
+        """`bus`: the scheduler's word on which neighbours a preemption may move."""
+        self.settings, self.node, self.manager, self.bus, self.arena = settings, node, manager, bus, arena
         self.footprints: dict[str, int] = {}
-        """Per artifact, the weights reservation its last worker was trued up to: what the
-        next start reserves."""
+        """Per artifact, the weights its last worker was trued up to: what the next start reserves."""
         self.arena_wanted: Counter[str] = Counter()
-        """Digests the starts under way will bind in the node's arena: counted in its
-        reservation until they are in (once, however many starts want them), and never evicted
-        for memory meanwhile (one start's tensors for another's reservation)."""
+        """Digests the starts under way will bind in the node's arena: counted in its reservation
+        until they are in (once), and never evicted for memory meanwhile."""
         self.arena_sizes: dict[str, int] = {}
         """Bytes of each digest a start has wanted (a digest's size never changes)."""
         self.arena_granted = 0
         """The arena's reservation as the memory manager last granted it."""
 
     async def reserve_now(self, owner: str, nbytes: int) -> ReserveResult:
-        """One reservation asked, nothing made room for."""
+        """One reservation asked, no room made."""
         result = await self.manager.reserve(owner, nbytes)
         self.node.memory_seen = (result.budget_bytes, result.used_bytes)
         return result
 
     async def release(self, owner: str) -> None:
-        """Release and wait for the answer: a reservation sent next must see it (messages on
-        two subjects may be handled in either order)."""
+        """Release and wait for the answer: a reservation sent next must see it."""
         try:
             result = await self.manager.release(owner)
             self.node.memory_seen = (result.budget_bytes, result.used_bytes)
@@ -139,11 +112,8 @@ class KvMemory:
             log.warning("could not report memory of %s done", owner)
 
     async def sync_arena(self) -> None:
-        """The node arena's reservation (`ARENA_REGION`) moved to what it takes now, with what
-        starts under way are about to copy into it: shrunk after an eviction or a start's end
-        (what it placed may have evicted idle tensors, or its load failed)."""
-        arena = self.arena
-        if arena is None:
+        """The node arena's reservation moved to `arena_target` (after an eviction or a start)."""
+        if self.arena is None:
             return
         target = self.arena_target()
         if target == 0:
@@ -158,17 +128,14 @@ class KvMemory:
             log.warning("the node arena takes %d bytes, more than the memory manager grants it", target)
 
     def arena_target(self) -> int:
-        """What the node's arena reservation should be: what it takes, with what the starts
-        under way will copy into it."""
-        arena = self.arena
-        if arena is None:
+        """What the node's arena takes, with what the starts under way will copy into it."""
+        if self.arena is None:
             return 0
-        return arena.committed_bytes({d: self.arena_sizes[d] for d in self.arena_wanted})
+        return self.arena.committed_bytes({d: self.arena_sizes[d] for d in self.arena_wanted})
 
     async def evict(self, keys: list[str]) -> int:
-        """Stop the residents `keys`; on a node with one arena, their tensors go too, but those
-        another model holds or a start under way will bind (`arena_wanted`: the model a start
-        makes room for needs them)."""
+        """Stop the residents `keys`, and drop their tensors from the node's arena but those
+        another model holds or a start under way will bind."""
         freed = 0
         for key in keys:
             bound = self.node.bound.pop(key, None)
@@ -181,7 +148,7 @@ class KvMemory:
                 )
             freed += bound.resident.nbytes
             await self.release(f"weights:{key}")
-            POOL_EVICTIONS.inc()
+            metrics.POOL_EVICTIONS.inc()
             log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
         if freed and self.arena is not None:
             await self.sync_arena()  # once, for all it evicted there
@@ -196,7 +163,7 @@ class KvMemory:
 
     async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]
-        forget_kv_gauges(inst.model)
+        metrics.forget_kv_gauges(inst.model)
         await self.release(f"{inst.model}:kv")
         self.node.replaced(inst)  # a pipelined one: its worker and stages go
 
@@ -214,39 +181,32 @@ class KvMemory:
         """An instance stopped using the worker: it stays resident within the pool budget."""
         bound.resident.users -= 1
         bound.resident.last_used = time.time()
-        residents = [b.resident for b in self.node.bound.values()]
-        excess = over_budget(residents, self.settings.pool_budget_bytes)
-        if excess:
-            await self.evict(choose_evictions(residents, excess, time.time()))
+        excess = over_budget([b.resident for b in self.node.bound.values()], self.settings.pool_budget_bytes)
+        await self._evict_idle_residents(excess)
         self.node.update_gauges()
 
     async def evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:
-        """Make room by ending instances that serve nothing now, before their keep-alive
-        (Tangram §3.2: minimal-cost eviction; here of whole instances, whose KV cache and,
-        for the last name on a worker, weights go). `frees(instance, sole user of its
-        worker)`: what ending it frees of the memory wanted (default: the node's, its KV cache
+        """End idle instances before their keep-alive, at the lowest cost (Tangram §3.2).
+        `frees(instance, sole user of its worker)`: what ending it frees (default: its KV cache
         and a sole user's weights). False if the idle ones cannot free enough."""
-        now = time.time()
-        idle = [i for i in self.node.instances.values() if i.active == 0]
         users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         candidates = []
-        for i in idle:
-            sole = users.get(i.bound.artifact.artifact_id, 0) == 1
-            if frees is not None:
-                freed = frees(i, sole)
-            else:
-                freed = i.kv.reserved_bytes + (i.bound.resident.nbytes if sole else 0)
+        for i in self.node.instances.values():
+            if i.active:
+                continue
+            sole = users.get(i.bound.artifact.artifact_id) == 1
+            freed = frees(i, sole) if frees else i.kv.reserved_bytes + (i.bound.resident.nbytes if sole else 0)
             # Its restart costs a resident start at least, a full load if its weights go too.
             reload_s = i.bound.resident.reload_s if sole else 0.1
             candidates.append(Resident(i.model, freed, reload_s, i.loaded_at, i.last_used))
-        victims = choose_evictions(candidates, need, now)
+        victims = choose_evictions(candidates, need, time.time())
         if not victims:
             return False
         for model in victims:
             inst = self.node.instances.get(model)
             if inst is not None and inst.active == 0:
                 log.info("unloading idle %s to make room", model, extra={"model": model})
-                INSTANCE_EVICTIONS.inc()
+                metrics.INSTANCE_EVICTIONS.inc()
                 await self.unload(inst)
         return True
 
@@ -257,61 +217,59 @@ class KvMemory:
         preemptor: Served | None = None,
         held: Callable[[], int] | None = None,
     ) -> int:
-        """Reserve; if the node is full, evict idle tensors of the node's arena and idle
-        residents at the lowest cost, then idle instances (whose memory then turns into
-        residents, evicted in turn if need be). For the KV growth of a busy instance
-        (`preemptor`), then preempt smaller neighbours whose requests validate elsewhere
-        (LLM-Mesh §7.1). Else wait for an instance to go idle. `size` may be a function: the
-        reservation's size after what the evictions changed (the node arena's), and `held` what
-        `owner` holds granted already (the room to make is only the growth). The bytes granted."""
+        """Reserve, making room if the node is full: evict idle tensors of the node's arena and
+        idle residents at the lowest cost, then idle instances (whose memory turns into
+        residents, evicted in turn); for a busy instance's KV growth (`preemptor`), preempt
+        smaller neighbours whose requests validate elsewhere (LLM-Mesh §7.1); else wait for an
+        instance to go idle. `size` may be a function (the node arena's size changes as it
+        evicts); `held`: what `owner` holds granted already (the room to make is only the
+        growth). The bytes granted."""
         deadline = time.monotonic() + self.settings.memory_wait_s
+        rooms = (self._evict_idle_tensors, self._evict_idle_residents, self.evict_idle_instances)
+        short = 0
         while True:
             self.node.went_idle.clear()
-            nbytes = size() if callable(size) else size
-            result = await self.reserve_now(owner, nbytes)
-            if not result.granted and nbytes > result.budget_bytes:
-                # More than the node's whole budget: no eviction, preemption or wait makes room.
-                raise TesseraError(
-                    ErrorCode.NO_CAPACITY,
-                    f"{nbytes} bytes needed on node {self.node.id}, more than its whole memory budget "
-                    f"of {result.budget_bytes} bytes",
-                    retry_after_s=2,
-                )
-            for make_room in (
-                self._evict_idle_tensors,
-                self._evict_idle_residents,
-                self.evict_idle_instances,
-                self._evict_idle_residents,
-            ):
+            for make_room in (None, *rooms, self._evict_idle_residents):
+                if make_room is not None and not await make_room(short):
+                    continue
+                nbytes = size() if callable(size) else size
+                result = await self.reserve_now(owner, nbytes)
                 if result.granted:
                     return nbytes
-                if await make_room(nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)):
-                    nbytes = size() if callable(size) else size
-                    result = await self.reserve_now(owner, nbytes)
-            if result.granted:
-                return nbytes
-            short = nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)
+                if nbytes > result.budget_bytes:  # no eviction, preemption or wait makes room
+                    raise TesseraError(
+                        ErrorCode.NO_CAPACITY,
+                        f"{nbytes} bytes needed on node {self.node.id}, more than its whole memory budget "
+                        f"of {result.budget_bytes} bytes",
+                        retry_after_s=2,
+                    )
+                short = nbytes - (held() if held else 0) - (result.budget_bytes - result.used_bytes)
             if preemptor is not None and await self._preempt_for(preemptor, short):
                 continue  # the preempted instances are idle now: the next pass evicts them
-            # Everything that could go is busy: wait (up to a deadline) for an instance to
-            # finish its requests, rather than refuse a start that will fit in a moment.
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(self.node.went_idle.wait(), left)
-            except TimeoutError:
-                break
-        raise TesseraError(
-            ErrorCode.NO_CAPACITY,
-            f"node {self.node.id} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
-            retry_after_s=2,
-        )
+            # Everything that could go is busy: wait for an instance to finish its requests,
+            # rather than refuse a start that will fit in a moment.
+            if time.monotonic() >= deadline or not await self.node.wait_idle(deadline):
+                raise TesseraError(
+                    ErrorCode.NO_CAPACITY,
+                    f"node {self.node.id} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
+                    retry_after_s=2,
+                )
+
+    @contextlib.asynccontextmanager
+    async def reserved(self, owner: str, nbytes: int) -> AsyncIterator[None]:
+        """`owner`'s reservation (room made as `reserve` makes it) for what the block does:
+        released if that fails, else reported done."""
+        await self.reserve(owner, nbytes)
+        try:
+            yield
+        except BaseException:
+            await self.release(owner)
+            raise
+        await self.done(owner)
 
     async def kv_resize(self, inst: Served, plan: KvPlan, required: int, wait: bool) -> bool:
-        """Move `inst`'s reservation to `plan`: the recommended size, else (refused) the
-        requirement, else, with `wait`, make room or wait for it like a start does. False when
-        the node could not grant even the requirement."""
+        """Move `inst`'s reservation to `plan`'s size, else the requirement, else (`wait`) make
+        room like a start does. False when the node could not grant even the requirement."""
         owner = f"{inst.model}:kv"
         old = inst.kv.reserved_bytes
         targets = [plan.target_bytes] if plan.action is not Action.REFUSE else []
@@ -323,32 +281,25 @@ class KvMemory:
                 granted = target
                 break
         if granted is None and wait and required > old:
-            # It holds `old` already: the room to make is only the growth. Raises NO_CAPACITY
-            # once out of time.
+            # It holds `old` already: the room to make is only the growth.
             await self.reserve(owner, required, preemptor=inst, held=lambda: old)
             granted = required
         if granted is None:
             return False
         await self.done(owner)
         inst.kv.reserved_bytes = granted
-        KV_RESERVED.labels(inst.model).set(granted)
-        KV_RESIZES.labels("grow" if granted > old else "shrink").inc()
+        metrics.KV_RESERVED.labels(inst.model).set(granted)
+        metrics.KV_RESIZES.labels("grow" if granted > old else "shrink").inc()
         return True
 
     async def kv_admit(self, inst: Served, req: Generate) -> None:
-        """Count the request into its instance's KV reservation, growing it first if it falls
-        short (early, to the watermark). Raises NO_CAPACITY when the node cannot grant it."""
+        """Count the request into its instance's KV reservation, grown first (to the watermark)
+        if it falls short. Raises NO_CAPACITY when the node cannot grant it."""
         ctx = inst.bound.artifact.context_length
         cap = req.params.max_tokens if req.params.max_tokens > 0 else ctx - req.prompt_tokens
         async with inst.kv_lock:
-            plan = inst.kv.admit(
-                req.request_id,
-                req.prompt_tokens,
-                cap,
-                self.node.available(),
-                time.monotonic(),
-                ttft_slo(inst, req.prompt_tokens),
-            )
+            slo = ttft_slo(inst, req.prompt_tokens)
+            plan = inst.kv.admit(req.request_id, req.prompt_tokens, cap, self.node.available(), time.monotonic(), slo)
             if plan.action is Action.KEEP:
                 return
             try:
@@ -358,10 +309,9 @@ class KvMemory:
                 raise
 
     async def kv_progress(self, inst: Served, request_id: str, generated: int) -> None:
-        """A request decoding past what eq. 2 assumed for it (the mean output): grow the
-        reservation if the node can; if it cannot, count the underestimate and evict the
-        request with the most headroom (§6.4): it ends PREEMPTED and the gateway resumes it
-        on another node from the text it has streamed."""
+        """A request decoding past what eq. 2 assumed (the mean output): grow the reservation,
+        else evict the request with the most headroom (§6.4): it ends PREEMPTED and the gateway
+        resumes it elsewhere from the text it has streamed."""
         if inst.kv_lock.locked():
             return  # a resize is under way; the next chunk looks again
         async with inst.kv_lock:
@@ -370,12 +320,12 @@ class KvMemory:
                 return
             if await self.kv_resize(inst, plan, inst.kv.required(), wait=False):
                 return
-            KV_UNDERESTIMATES.inc()
+            metrics.KV_UNDERESTIMATES.inc()
             victim = inst.kv.evictee(inst.ttft_slo_s, inst.tpot_slo_s, time.monotonic())
             if victim is not None and victim not in inst.evicted:
                 inst.evicted.add(victim)
                 inst.kv.forget(victim)  # its rows leave the cache now; Ō learns nothing from it
-                KV_EVICTIONS.inc()
+                metrics.KV_EVICTIONS.inc()
                 log.info(
                     "evicting %s from %s's KV cache (most headroom; the node cannot grow it)",
                     victim,
@@ -395,7 +345,7 @@ class KvMemory:
     async def _preempt_for(self, preemptor: Served, need: int) -> bool:
         """Preempt neighbours of `preemptor` with a smaller batch, smallest first, whose requests
         validate on another node (the scheduler says which), until `need` bytes would be free.
-        False when no such set frees enough (nothing is preempted then)."""
+        False when no such set frees enough."""
         users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         neighbours = [
             Neighbour(
@@ -410,19 +360,15 @@ class KvMemory:
         if not neighbours:
             return False
         try:
+            query = RelocateQuery(node_id=self.node.id, models=tuple(n.key for n in neighbours))
             answer = await self.bus.request(
-                subjects.relocatable(),
-                RelocateQuery(node_id=self.node.id, models=tuple(n.key for n in neighbours)),
-                RelocateAnswer,
-                timeout=self.settings.memory_request_timeout_s,
+                subjects.relocatable(), query, RelocateAnswer, self.settings.memory_request_timeout_s
             )
         except TesseraError as e:
             log.warning("no relocation check (%s): preempting nobody", e.message)
             return False
         ok = set(answer.relocatable)
-        plan = choose_preemption(
-            preemptor.active, need, [dataclasses.replace(n, relocatable=n.key in ok) for n in neighbours]
-        )
+        plan = choose_preemption(preemptor.active, need, [replace(n, relocatable=n.key in ok) for n in neighbours])
         if plan is None or not plan.victims:
             return False
         for model in plan.victims:
@@ -434,7 +380,7 @@ class KvMemory:
     async def preempt(self, inst: Served, preemptor: Served | None) -> None:
         """End `inst`'s requests as PREEMPTED (the gateway resumes each elsewhere) and unload it."""
         inst.preempted = True
-        PREEMPTIONS.inc()
+        metrics.PREEMPTIONS.inc()
         log.info(
             "preempting %s (batch %d) for %s (batch %d)",
             inst.model,
@@ -443,47 +389,31 @@ class KvMemory:
             preemptor.active if preemptor else 0,
             extra={"model": inst.model},
         )
-        for rid in list(inst.requests):
+        for rid in list(inst.prompts):
             self.node.cancel(rid, by_client=False)
         deadline = time.monotonic() + self.settings.memory_wait_s
         while inst.active > 0 and time.monotonic() < deadline:
             self.node.went_idle.clear()
-            try:
-                await asyncio.wait_for(self.node.went_idle.wait(), deadline - time.monotonic())
-            except TimeoutError:
+            if not await self.node.wait_idle(deadline):
                 break
         if inst.active == 0 and self.node.instances.get(inst.model) is inst:
             await self.unload(inst)
 
-    async def true_ups(self) -> None:
-        """Now and then, every bound worker's weights reservation trued up to what it holds."""
-        while True:
-            await asyncio.sleep(self.settings.true_up_interval_s)
-            try:
-                await self.true_up_weights()
-            except Exception:
-                log.exception("memory true-up failed")
-
     async def true_up_weights(self) -> None:
-        """Each bound worker's weights reservation moved to its measured footprint
-        (`policy.footprint.true_up`), so that the node's memory budget bounds what its workers
-        really hold. Where the node has no room for it, the shortfall is counted
-        (`tessera_engine_unaccounted_bytes`) and nothing is evicted for it: the worker is
-        already there, and the next start of its artifact reserves its footprint up front."""
+        """Each bound worker's weights reservation moved to its measured footprint, so that the
+        budget bounds what workers really hold. Where there is no room, the shortfall is counted
+        (`tessera_engine_unaccounted_bytes`), nothing evicted: the next start reserves it."""
         unaccounted = 0
         for aid, bound in list(self.node.bound.items()):
             if bound.worker.dead:
                 continue
             # A model in the node's arena: its weights are the arena's reservation.
             floor = 0 if bound.worker.arena is not None else bound.artifact.weight_bytes
-            # On a GPU the node's budget is the device's: a worker's footprint is what it
-            # holds there (its host RSS is libraries and staging, not the budget's memory).
+            # On a GPU the budget is the device's (the host RSS is libraries and staging).
             measured = bound.device_bytes if self.node.on_cuda else bound.worker.rss_bytes()
-            # Taken off that measure: what the instances' KV reservations count of its KV cache
-            # (no more: a cache committed whole, as on a GPU, may hold more than they reserve,
-            # and the rest is the worker's). A torch cache on the host is one allocation whose
-            # pages are committed as its blocks fill: how much of it the RSS holds is unknown,
-            # and none is taken off (the safe side).
+            # Taken off: what the KV reservations count of its KV cache (a cache committed whole
+            # may hold more; the rest is the worker's). A lazily committed host cache: unknown
+            # how much the RSS holds, so none (the safe side).
             lazy = self.node.backend.lazy_host_kv and not self.node.on_cuda
             kv_reserved = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound)
             kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
@@ -506,13 +436,11 @@ class KvMemory:
                     await self.release(owner)
                     continue
                 bound.weights_reserved = self.footprints[aid] = target
-        UNACCOUNTED_BYTES.set(unaccounted)
+        metrics.UNACCOUNTED_BYTES.set(unaccounted)
 
     async def _evict_idle_tensors(self, need: int) -> bool:
-        """Make room by evicting tensors of the node's arena that no model holds (a model's
-        whose worker died, or that another model shared), the cheapest to reload first
-        (Tangram eq. 2); the arena's reservation shrinks with them. Not on CUDA, where the
-        arena's allocation is made whole at once: evicting frees no memory there."""
+        """Evict idle tensors of the node's arena, the cheapest to reload first (Tangram eq. 2).
+        Not on CUDA, where the arena is allocated whole: evicting frees no memory there."""
         arena = self.arena
         if arena is None or arena.handle.cuda or not arena.evict_cheapest(need, keep=self.arena_wanted.keys()):
             return False

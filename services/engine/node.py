@@ -1,13 +1,11 @@
-"""One engine node's state, which the engine's parts share (`memory.py`, `starts.py`,
-`pipelines.py`, `requests.py`, each built with it by `service.py`): the workers bound to
-artifacts (`Bound`), the model names serving on them (`Served`), the requests in flight, and
-what the node tells the scheduler (its status and gauges).
+"""One engine node's state, shared by the engine's parts (`memory.py`, `starts.py`,
+`pipelines.py`, `requests.py`): workers bound to artifacts (`Bound`), the model names serving on
+them (`Served`), the requests in flight, and what the node tells the scheduler.
 
-Instances run in worker processes (`worker_pool.py`), taken pre-warmed from a pool (TIDAL §5). A
-worker is bound to one artifact (a compiled model) and serves every model name registered on
-it, each with its own KV cache. When a name scales to zero its KV cache goes; the worker and
-its weights stay resident until evicted at the lowest cost (Tangram §3.1–3.2), and evicting
-ends the process, which hands its memory back whole.
+A worker, taken pre-warmed from a pool (TIDAL §5), is bound to one artifact and serves every
+model name registered on it, each with its own KV cache. A name scaled to zero loses its KV
+cache; the worker and its weights stay resident until evicted at the lowest cost (Tangram
+§3.1–3.2), and evicting ends the process, which hands its memory back whole.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,18 +24,7 @@ from policy.affinity import reusable_shares
 from policy.eviction import Resident
 from policy.kv_account import KvAccount
 from policy.kv_watermark import floor_tokens
-from services.engine.metrics import (
-    ARENA_BYTES,
-    BOUND_BY_TIER,
-    INSTANCES,
-    PIPELINED,
-    POOL_IDLE_BYTES,
-    PREWARMED,
-    PREWARMED_BYTES,
-    RESIDENT_BYTES,
-    STAGE_WORKERS,
-    WORKER_RSS_BYTES,
-)
+from services.engine import metrics
 from services.engine.settings import EngineSettings
 from shared import subjects
 from shared.artifact import stored_torch_checkpoints
@@ -61,9 +49,8 @@ log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
 """The node's one tensor arena among the idle holders of tensors (`idle_tensors`)."""
 ARENA_REGION = "weights:node-arena"
-"""The node arena's reservation with the memory manager: what its tensors take, held or
-idle (a model's own reservation, `weights:<artifact>`, is then its worker's memory alone)."""
-
+"""The node arena's reservation: its tensors, held or idle (a model's own, `weights:<artifact>`,
+is then its worker's memory alone)."""
 PERF_SAMPLES = 16
 """Measurements kept per artifact (the newest): enough to fit, small for a heartbeat."""
 
@@ -82,16 +69,26 @@ class WorkerDied(Exception):
     """Its worker process ended under a request or a load."""
 
 
+@dataclass
 class Cancelled:
     """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
 
-    def __init__(self) -> None:
-        self.flag = False
-        self.by_client = False
-        """The client asked (not a preemption)."""
+    flag: bool = False
+    by_client: bool = False
+    """The client asked (not a preemption)."""
 
     def __call__(self) -> bool:
         return self.flag
+
+
+async def every(period_s: float, step: Callable[[], Awaitable[None]], what: str) -> None:
+    """`step` every `period_s`, for ever; a failure is logged and the next one tried."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await step()
+        except Exception:
+            log.exception("%s failed", what)
 
 
 @dataclass
@@ -103,26 +100,20 @@ class Bound:
     loaded_from_cache: bool
     resident: Resident
     source: str
-    """Where its load read the blob: "host" (the loader's cache), "store", or "arena" (a
-    torch worker rebound from another model, its shared tensors already there)."""
+    """Where its load read the blob: "host" (the loader's cache), "store", "arena" (a torch
+    worker rebound, its shared tensors already there) or "pipeline"."""
     stage_s: float = 0.0
     worker_load_s: float = 0.0
     load_threads: int = 0
-    """The threads the worker's load ran on (`start_cores`: a share of the node's beside busy
-    instances)."""
     weights_reserved: int = 0
-    """What the node's memory manager holds for the worker beside KV caches: the artifact's
-    weights at first, trued up to the worker's measured footprint (`policy/footprint.py`)."""
+    """Reserved for the worker beside KV caches: the weights, trued up to its measured footprint."""
     kv_allocated_bytes: int = 0
-    """The worker's KV cache as its core last reported it (inside its RSS, or on a GPU inside
-    `device_bytes`; the instances' KV reservations count it)."""
+    """Its KV cache as its core last reported it (inside its RSS, or on a GPU `device_bytes`)."""
     device_bytes: int = 0
-    """On a GPU, what its worker holds on the device outside the node's arena, as it last
-    reported (0 on the host, and before its first request ends)."""
+    """On a GPU, what it holds on the device outside the node's arena, as last reported."""
     tensors: frozenset[str] = frozenset()
-    """Content hashes of what its worker's own tensor arena holds (a torch worker without the
-    node's arena; empty on OpenVINO's): another model sharing them may be bound to this worker
-    once it is idle."""
+    """Content hashes its own tensor arena holds: another model sharing them may be bound to it
+    once idle."""
 
 
 @dataclass
@@ -140,9 +131,7 @@ class Served:
     """A request's TTFT SLO is max(ttft_slo_s, prompt tokens × this): `policy/slo.py`."""
     active: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
-    """Clear while it has requests in flight (`active`), set when the last one ends."""
-    requests: set[str] = field(default_factory=set)
-    """Its requests in flight (ids)."""
+    """Set when its last request in flight ends."""
     preempted: bool = False
     """Preempted (LLM-Mesh §7.1): its requests end as PREEMPTED, new ones go elsewhere."""
     warm_since: float = 0.0
@@ -153,12 +142,12 @@ class Served:
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
     prompts: dict[str, int] = field(default_factory=dict)
-    """Its requests in flight: their prompt tokens."""
+    """Its requests in flight (ids): their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
-    """Requests evicted to make room in its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
+    """Requests evicted from its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
     start: PendingColdStart | None = None
-    """Its cold start until its first token (then recorded). Its own: a request a pipelined
-    instance was still serving when the replica took its place is no measure of the replica."""
+    """Its cold start until its first token (its own: a request a pipelined instance was still
+    serving when the replica took its place is no measure of the replica)."""
 
 
 @dataclass
@@ -172,8 +161,8 @@ class Samples:
         # A batch prefills every row at once: the positions it computed took that long.
         self.prefill.append((done.prefill_tokens or done.prompt_tokens, round(done.prefill_s, 5)))
         if done.completion_tokens >= 2 and done.decode_s > 0:
-            # Its iterations decoded the batch it ran in (rows that end early leave it, so
-            # this overstates a long row's batch: the iteration time errs long, the safe way).
+            # Rows that end early leave the batch, so this overstates a long row's batch: the
+            # iteration time errs long, the safe way.
             mean_length = done.prompt_tokens + done.completion_tokens // 2
             self.decode.append((done.batch, mean_length, round(done.decode_s / (done.completion_tokens - 1), 5)))
 
@@ -186,58 +175,57 @@ class PendingColdStart:
 
 
 class Node:
-    """The node's state, which every part of the engine reads and changes (one event loop: no
-    part awaits between a check and its change), and what it tells the scheduler: its status
-    and gauges. A pipelined instance's retirement is here too, as any part may end one."""
+    """The node's state, which every part reads and changes (one event loop: no part awaits
+    between a check and its change), and what it tells the scheduler."""
 
     def __init__(self, settings: EngineSettings, backend: Backend, workers: WorkerPool, bus: Publisher) -> None:
-        self.settings = settings
-        self.backend = backend
-        self.workers = workers
-        self.bus = bus
+        self.settings, self.backend, self.workers, self.bus = settings, backend, workers, bus
         self.id = settings.node_id
+        self.on_cuda = settings.device.upper().startswith("CUDA")
+        """The memory budget is a CUDA device's."""
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
         self.starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self.cancels: dict[str, tuple[Cancelled, Bound]] = {}
-        """Each request in flight: its cancel flag and the worker running it."""
         self.perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
         self.locks: dict[str, asyncio.Lock] = {}
         """One per artifact (and `stages:<artifact>`): its starts and true-ups in turn."""
         self.tensor_bytes: dict[str, dict[str, int]] = {}
-        """A tensor-arena node's artifacts (started here, or in the store): content hash →
-        bytes of each tensor."""
+        """A tensor-arena node's artifacts (started here, or in the store): digest → bytes."""
         self.core_build_s = 0.0
-        """How long the last core build on this node took (`TieredUp.load_s`): what a new
-        instance's build costs its neighbours' decode rounds, as placement prices it."""
+        """The last core build's time here: what a new instance's build costs its neighbours."""
         self.memory_seen = (0, 0)
-        """The node's memory budget and use as its memory manager last answered (0, 0: not yet)."""
+        """The memory budget and use as the memory manager last answered (0, 0: not yet)."""
         self.went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self.beat_due = asyncio.Event()
-        """Set when a request ends: the heartbeat goes out early, since the scheduler may hold
-        requests in line for the room it freed."""
+        """Set when a request ends: the scheduler may hold requests in line for its room."""
         self.stage_workers: dict[str, tuple[Worker, str]] = {}
-        """Workers running pipeline stages (`pipelines.py`) and their artifact, by stage address
-        (a worker runs every stage of one artifact on this node)."""
+        """Workers running pipeline stages and their artifact, by stage address."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
-        """Retirements of pipelined instances under way (kept from the collector)."""
 
     def lock(self, key: str) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
 
-    @property
-    def on_cuda(self) -> bool:
-        """Its models run on a CUDA GPU (`TESSERA_DEVICE=CUDA`): the memory budget is the
-        device's."""
-        return self.settings.device.upper().startswith("CUDA")
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` in the background (kept from the collector until it ends)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, deadline: float) -> bool:
+        """Until an instance goes idle (True) or time.monotonic() passes `deadline` (False)."""
+        try:
+            await asyncio.wait_for(self.went_idle.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
 
     def available(self) -> int:
-        """Bytes the node could still grant, as its memory manager last answered (the station
-        has the last word: a grow it refuses falls back to the requirement)."""
+        """Bytes the node could still grant, as its memory manager last answered."""
         budget, used = self.memory_seen
         return max(0, budget - used) if budget else 0
 
@@ -247,21 +235,12 @@ class Node:
 
     def serve(self, record: ModelRecord, bound: Bound, kv: KvAccount, start: PendingColdStart) -> None:
         """`record`'s model serves on `bound` from now, in place of the instance it had (a
-        pipelined one bridging this start retires); `start`: its cold start, recorded at its
-        first token. Its times measure the model from that token on (`warm_since`)."""
+        pipelined one bridging this start retires); `start` is recorded at its first token."""
         now = time.time()
         old = self.instances.get(record.name)
+        slo = (record.ttft_slo_s, record.tpot_slo_s, record.ttft_slo_per_token_s)
         self.instances[record.name] = Served(
-            record.name,
-            bound,
-            now,
-            now,
-            kv,
-            record.ttft_slo_s,
-            record.tpot_slo_s,
-            ttft_slo_per_token_s=record.ttft_slo_per_token_s,
-            warm_since=float("inf"),
-            start=start,
+            record.name, bound, now, now, kv, *slo, warm_since=float("inf"), start=start
         )
         self.replaced(old)
         self.update_gauges()
@@ -279,14 +258,10 @@ class Node:
         return any(w is worker for w, _ in self.stage_workers.values())
 
     def replaced(self, old: Served | None) -> None:
-        """`old` no longer takes requests (unloaded, or a local instance of its model took its
-        place): if it was a pipelined one, it retires once its requests in flight have ended,
-        and each stage's node is told to stop its stage (FaaScale §4.3)."""
-        if old is None or old.bound.source != "pipeline":
-            return
-        task = asyncio.create_task(self._retire(old))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """`old` takes no more requests: a pipelined one retires once its requests in flight
+        have ended, and each stage's node is told to stop its stage (FaaScale §4.3)."""
+        if old is not None and old.bound.source == "pipeline":
+            self.spawn(self._retire(old))
 
     async def _retire(self, inst: Served) -> None:
         stages = self.pipelined.pop(inst.model, ())
@@ -301,8 +276,8 @@ class Node:
         log.info("%s switched from its pipeline to local execution", inst.model, extra={"model": inst.model})
 
     def idle_tensors(self) -> dict[str, frozenset[str]]:
-        """Each idle bound worker (by its artifact) with what its tensor arena holds (nothing
-        without one); on a node with one arena, what that arena holds, whoever loaded it."""
+        """Each idle bound worker (by artifact) with what its tensor arena holds; on a node with
+        one arena, what that arena holds, whoever loaded it."""
         idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
         if self.workers.arena is not None:
             held = self.workers.arena.digests()
@@ -312,13 +287,9 @@ class Node:
         return idle
 
     def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
-        """Artifacts a start here would read nothing of, and those it would read part of (with
-        the share of their bytes it would not read). The first: those of idle bound workers,
-        and on a tensor-arena node those whose every tensor the node's arena (or an idle
-        worker's own) holds (a model whose worker stopped, or one with another's weights: a
-        start binds them, Tangram §3.1). The second: such a node's artifacts (those of the
-        store too, `learn_artifacts`) part of whose tensors it holds, such as a fine-tune
-        beside its base."""
+        """Artifacts a start here would read nothing of (idle bound workers', and those whose
+        every tensor an idle arena holds: Tangram §3.1), and those it would read part of, with
+        the share it would not read (a fine-tune beside its base, in the store too)."""
         idle = self.idle_tensors()
         shares = (
             reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
@@ -328,16 +299,13 @@ class Node:
         return tuple(sorted(resident)), partial
 
     async def learn_artifacts(self) -> None:
-        """On a tensor-arena node: the tensors of each artifact in the model store with a torch
-        checkpoint, read once each (an artifact never changes), so that the status says which
-        share of each an idle arena holds before the model was ever started here."""
-        if not self.backend.tensor_arena:
-            return
-        found = await asyncio.to_thread(stored_torch_checkpoints, self.settings.model_store, set(self.tensor_bytes))
-        self.tensor_bytes.update(found)
+        """On a tensor-arena node: the tensors of each stored torch checkpoint, read once, so
+        that the status says which share of each an idle arena holds before its first start."""
+        if self.backend.tensor_arena:
+            found = await asyncio.to_thread(stored_torch_checkpoints, self.settings.model_store, set(self.tensor_bytes))
+            self.tensor_bytes.update(found)
 
     async def beat(self) -> None:
-        """The status to the scheduler now (a heartbeat ahead of its time)."""
         await self.bus.publish(subjects.node_heartbeat(), self.status())
 
     def status(self) -> NodeStatus:
@@ -370,7 +338,7 @@ class Node:
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self.perf.items()
             ),
-            max_batch=self.backend.max_batch(self.settings.max_batch),
+            max_batch=self.backend.batch_limit or self.settings.max_batch,
             join_recompute_tokens=self.settings.join_recompute_tokens,
             prewarmed=len(self.workers.idle),
             continuous_batching=True,
@@ -378,20 +346,21 @@ class Node:
         )
 
     def update_gauges(self) -> None:
-        INSTANCES.set(len(self.instances))
-        PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
-        STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
-        RESIDENT_BYTES.set(sum(b.resident.nbytes for b in self.bound.values()))
-        POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in self.bound.values() if b.resident.users == 0))
-        PREWARMED.set(len(self.workers.idle))
-        PREWARMED_BYTES.set(self.workers.idle_rss_bytes())
+        bound = self.bound.values()
+        metrics.INSTANCES.set(len(self.instances))
+        metrics.PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
+        metrics.STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
+        metrics.RESIDENT_BYTES.set(sum(b.resident.nbytes for b in bound))
+        metrics.POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in bound if b.resident.users == 0))
+        metrics.PREWARMED.set(len(self.workers.idle))
+        metrics.PREWARMED_BYTES.set(sum(w.rss_bytes() for w in self.workers.idle))
         if self.workers.arena is not None:
             held, idle = self.workers.arena.held_bytes()
-            ARENA_BYTES.labels("held").set(held)
-            ARENA_BYTES.labels("idle").set(idle)
-        WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in self.bound.values()))
+            metrics.ARENA_BYTES.labels("held").set(held)
+            metrics.ARENA_BYTES.labels("idle").set(idle)
+        metrics.WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in bound))
         for tier in Tier:
-            BOUND_BY_TIER.labels(tier).set(sum(1 for b in self.bound.values() if b.worker.tier == tier))
+            metrics.BOUND_BY_TIER.labels(tier).set(sum(1 for b in bound if b.worker.tier == tier))
 
     def idle_since(self) -> float | None:
         """time.time() since which nothing has run on this node (None: something runs or starts)."""

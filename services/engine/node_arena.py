@@ -1,17 +1,13 @@
 """A torch node's one tensor arena per device (Tangram §4), owned by the engine's main process.
 
-The engine makes the memory (`cuda_ext.memory`: cuMemAlloc through the CUDA extension, or a
-shared host mapping) and keeps its book (`cuda_ext.ledger`); every torch worker maps the same
-memory at its pre-warm (CUDA IPC on a GPU) and binds models where the book places them. So the
-weights of a model whose worker stopped (scaled to zero, stopped for memory, crashed) stay
-resident, idle, until evicted by cost, and a start of that model, or of any model sharing its
-tensors, on any worker copies only what is missing (§3.1); the scheduler's affinity counts the
-arena's bytes (`NodeStatus.resident`, `reusable`). The main process imports no torch for it.
+The engine makes the memory (`cuda_ext.memory`) and keeps its book (`cuda_ext.ledger`); every
+torch worker maps it at its pre-warm (CUDA IPC on a GPU) and binds models where the book places
+them. So a stopped worker's weights stay resident, idle, until evicted by cost, and a start of
+any model sharing its tensors copies only what is missing (§3.1). No torch imported here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -20,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,8 +33,7 @@ _owners = itertools.count()
 
 
 def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's byte range in a safetensors file: an 8-byte little-endian header length,
-    the JSON header (name → dtype, shape, offsets from the end of the header), the data."""
+    """Each tensor's byte range in a safetensors file (8-byte header length, JSON header, data)."""
     with open(weights, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -50,46 +46,7 @@ def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
 
 
 FILL_BATCH_BYTES = 32 << 20
-"""What a fill copies between two counts of its progress: a transformer layer of a small model
-is a few MiB, of an 8B one ≈ 400 MiB (counted on its own)."""
-
-
-class Fill:
-    """One load's copy into the arena, as other loads that reuse its tensors wait for it."""
-
-    def __init__(self) -> None:
-        self._ended = threading.Event()
-        self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = []
-        self.ok = False
-
-    def end(self, ok: bool) -> None:  # on the fill's thread
-        with self._lock:
-            self.ok = ok
-            self._ended.set()
-            waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
-            loop.call_soon_threadsafe(_settle, future, ok)
-
-    @property
-    def result(self) -> bool | None:
-        """Whether it ended with every tensor in; None while it goes on."""
-        return self.ok if self._ended.is_set() else None
-
-    async def ended(self) -> bool:
-        """Whether it ended with every tensor in, once it has ended (no thread waits for it)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._ended.is_set():
-                return self.ok
-            future: asyncio.Future[bool] = loop.create_future()
-            self._waiters.append((loop, future))
-        return await future
-
-
-def _settle(future: asyncio.Future[bool], ok: bool) -> None:
-    if not future.done():
-        future.set_result(ok)
+"""What a fill copies between two counts of its progress (a small model's layer is a few MiB)."""
 
 
 _WATCH_S = 0.0005
@@ -101,8 +58,7 @@ def _fill_owner(owner: str) -> str:
 
 
 def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
-    """[first, last) index ranges of `sizes`, in order, each at least `batch_bytes` (but the
-    last) or a single item."""
+    """[first, last) index ranges of `sizes`, each at least `batch_bytes` (but the last)."""
     out, first, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n
@@ -129,20 +85,18 @@ class NodeArena:
         self._lock = threading.Lock()  # a worker's death is reported on its reader thread
         self._copied: dict[str, frozenset[str]] = {}
         """Per owner, the digests its last placement had it copy (what a reload discards)."""
-        self._filling: dict[str, Fill] = {}
-        """Digests being copied in, each by its fill: a load that finds one resident waits for
-        it, and its range is held by the fill (no eviction reuses it) until the copy ends."""
+        self._filling: dict[str, Future[bool]] = {}
+        """Digests being copied in, each by its fill (whether it ends with every tensor in): a
+        load that finds one resident waits for it; its range is held until the copy ends."""
         self._broken: set[str] = set()
         """Digests whose copy failed: never reused, evicted once nobody holds them."""
         self.fill_bps = 0.0
-        """Bytes per second the last fills copied at (0: none measured yet): the node's B_h2d
-        of TIDAL Eq. 1, measured, not assumed."""
+        """Bytes per second the last fills copied at (0: none yet): TIDAL Eq. 1's B_h2d, measured."""
 
     @classmethod
     def make(cls, capacity_bytes: int, device: str) -> NodeArena | None:
-        """The node's arena, or None (each worker then makes its own, as before) where this
-        machine cannot share one: a CUDA node without the extension built, or a device that
-        refuses the allocation."""
+        """The node's arena, or None (each worker makes its own) where this machine cannot
+        share one (a CUDA node without the extension built, or a refused allocation)."""
         try:
             return cls(capacity_bytes, device)
         except (NativeUnavailable, CudaError) as e:
@@ -159,10 +113,9 @@ class NodeArena:
         return f"worker-{next(_owners)}"
 
     def place(self, owner: str, tensors: Mapping[str, int], discard: bool = False) -> Placement:
-        """Where a worker's next model goes (its tensors as digest → bytes, in access order).
-        What `owner` held before is released first (a worker holds one model). `discard`: the
-        tensors its last placement copied are evicted first where nobody else holds them (the
-        copy they came from failed its check)."""
+        """Where a worker's next model goes (its tensors as digest → bytes, in access order),
+        `owner`'s last released first. `discard`: what its last placement copied is evicted
+        first where nobody else holds it (that copy failed its check)."""
         with self._lock:
             self._release(owner)
             if discard:
@@ -171,8 +124,7 @@ class NodeArena:
             try:
                 placement = self.ledger.place(list(tensors.items()), owner)
             finally:
-                # What it evicted (even for a placement that then failed) gives its pages back
-                # now, before any copy writes its range again.
+                # What it evicted (even for a failed placement) gives its pages back now.
                 self._discard([b for d, b in blocks.items() if d not in self.ledger.blocks])
             self._copied[owner] = placement.copy
             self._broken -= placement.copy  # evicted meanwhile, and copied afresh now
@@ -180,28 +132,26 @@ class NodeArena:
         return placement
 
     def begin_fill(self, placement: Placement) -> None:
-        """What `placement` copies is being filled from now until its `fill` ends: held by the
-        fill, whatever becomes of the worker meanwhile (no eviction hands its ranges to another
-        load mid-copy), and waited for by loads that find it resident (`pending`)."""
+        """What `placement` copies is held by its fill until `fill` ends, whatever becomes of the
+        worker (no eviction hands its ranges to another load mid-copy)."""
         if not placement.copy:
             return
         with self._lock:
             if self.ledger.holds(_fill_owner(placement.owner)):
                 raise RuntimeError(f"{placement.owner}'s last fill has not ended")  # its hold is one name
             self.ledger.place([(d, self.ledger.sizes[d]) for d in placement.copy], _fill_owner(placement.owner))
-            fill = Fill()
+            fill: Future[bool] = Future()
             for digest in placement.copy:
                 self._filling[digest] = fill
 
-    def pending(self, placement: Placement) -> list[Fill]:
-        """The fills of other loads still copying tensors `placement` found resident: its
-        worker may read them once these end well."""
+    def pending(self, placement: Placement) -> list[Future[bool]]:
+        """The fills of other loads still copying tensors `placement` found resident."""
         with self._lock:
             fills = {id(f): f for d in placement.offsets if d not in placement.copy and (f := self._filling.get(d))}
             broken = bool(self._broken & (set(placement.offsets) - placement.copy))
         if broken:  # held by a load whose copy failed, not evicted yet: never to be read
-            failed = Fill()
-            failed.end(False)
+            failed: Future[bool] = Future()
+            failed.set_result(False)
             return [failed]
         return list(fills.values())
 
@@ -215,15 +165,11 @@ class NodeArena:
         admit_bytes: int | None = None,
         on_admit: Callable[[], None] | None = None,
     ) -> Placement:
-        """Copy what `placement` says to copy from the checkpoint's file (the loader's host-cache
-        copy, or the store's) into the arena, here: on CUDA through the extension's pinned
-        staging, at the link's speed rather than the driver's pageable path; a worker's load
-        then reads nothing. In `order` (the digests to copy, in access order; by offset
-        otherwise), each counted on `progress` once it is in (the worker's forward pass waits
-        for its units there: on CUDA the extension counts them as they land, on the host they
-        are copied a batch at a time), and `on_admit()` called once `admit_bytes` are in (TIDAL
-        §5: the first request runs while the rest streams in behind it). The placement to send
-        the worker (those digests `filled`)."""
+        """Copy what `placement` says to copy from the checkpoint into the arena, here (on CUDA
+        through the extension's pinned staging, at the link's speed). In `order` (access order;
+        by offset otherwise), each counted on `progress` once in (the worker's forward pass
+        waits there), and `on_admit()` called once `admit_bytes` are in (TIDAL §5: the first
+        request runs while the rest streams in). The placement to send the worker."""
         if not placement.copy:
             return placement
         ok = False
@@ -269,7 +215,7 @@ class NodeArena:
                     self._broken |= placement.copy
                 self._release(_fill_owner(placement.owner))
             if fill is not None:
-                fill.end(ok)
+                fill.set_result(ok)
         return replace(placement, copy=frozenset(), filled=placement.copy)
 
     def _fill_in_batches(
@@ -304,9 +250,8 @@ class NodeArena:
         admit_bytes: int | None,
         on_admit: Callable[[], None] | None,
     ) -> int:
-        """CUDA's fill: every span in one call to the extension, which counts them on `progress`
-        as they land; admitted, from a watcher thread, once the first `admit_bytes` are in.
-        The bytes copied after."""
+        """CUDA's fill: one call to the extension, which counts spans on `progress` as they land;
+        admitted from a watcher thread once `admit_bytes` are in. The bytes copied after."""
         need, ahead = 0, 0
         if admit_bytes is not None:
             while need < len(spans) and ahead < admit_bytes:
@@ -351,17 +296,13 @@ class NodeArena:
         self._broken &= self.ledger.digests()
 
     def evict_idle(self, tensors: Mapping[str, int]) -> int:
-        """Evict those of `tensors` that nobody holds, and give their memory back (a model
-        stopped to make room: its weights go too, unless another model shares them); the
-        bytes freed."""
+        """Evict those of `tensors` that nobody holds, giving their memory back; the bytes freed."""
         with self._lock:
             return self._evict_idle(tensors)
 
     def evict_cheapest(self, nbytes: int, keep: AbstractSet[str] = frozenset()) -> int:
-        """Evict idle tensors but `keep` (those starts under way will bind), the cheapest to
-        reload first (Tangram eq. 2), until `nbytes` are freed (for the node's memory budget:
-        the arena's own room is `place`'s to make); the bytes freed, 0 where evicting every
-        such tensor would not free that much."""
+        """Evict idle tensors but `keep`, the cheapest to reload first (Tangram eq. 2), until
+        `nbytes` are freed for the node's budget; the bytes freed (0 where it cannot)."""
         with self._lock:
             blocks = dict(self.ledger.blocks)
             return self._discard([blocks[d] for d in self.ledger.evict_cheapest(nbytes, keep)])
@@ -380,11 +321,8 @@ class NodeArena:
         return sum(b.nbytes for b in blocks)
 
     def committed_bytes(self, wanted: Mapping[str, int] | None = None) -> int:
-        """The node memory the arena takes, with the `wanted` tensors (digest → bytes: those
-        starts under way will bind) that are not in it yet, about to be copied in: on CUDA its
-        whole allocation (made at once, whatever it holds); on the host the pages its tensors
-        fill (a page is taken when written and given back when discarded). A wanted tensor
-        counts once, placed or not."""
+        """The node memory the arena takes, with the `wanted` tensors not in it yet: on CUDA its
+        whole allocation (made at once); on the host the pages its tensors fill."""
         capacity = self.ledger.allocator.capacity
         if self.handle.cuda:
             return capacity
@@ -394,9 +332,8 @@ class NodeArena:
             return min(capacity, sum(b.nbytes for b in blocks.values()) + coming)
 
     def room_bytes(self, tensors: Mapping[str, int]) -> int:
-        """Bytes a load of `tensors` could copy into the arena: all but what loads hold and
-        what it will hold itself of what is resident (idle tensors of others are evicted for
-        it; its own are not)."""
+        """Bytes a load of `tensors` could copy in: all but what loads hold and its own resident
+        tensors (others' idle ones are evicted for it)."""
         with self._lock:
             idle = set(self.ledger.idle())
             held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)

@@ -1,16 +1,10 @@
 """Execution pipelines on torch nodes while a scale-out's blocks arrive (FaaScale §4.3).
 
-The scheduler, once a scale-out's targets together hold every layer of a model (planned by
-`policy.pipeline_stages`), has each chosen node run its layer range as a stage (`StartStage`):
-the node's loader answers when those blocks are in its copy, and a worker runs the range as
-a stage server over TCP. The first stage's node then serves the model through the stages
-(`StartPipelined`): an instance like any other to the scheduler and the gateway, whose worker
-picks each token over the last stage's logits (`torch_engine/pipeline_batch.py`).
-
-Mode switching (§4.3): when the node's own start of the model is done, its local instance
-takes the new requests; the pipelined one finishes those in flight, then its worker stops and
-each stage's node is told to stop its stage (`EndStage`).
-"""
+Once a scale-out's targets together hold every layer of a model, each chosen node runs its layer
+range as a stage server (`StartStage`), and the first stage's node serves the model through the
+stages (`StartPipelined`): an instance like any other. Mode switching (§4.3): when the node's
+own start of the model is done, its local instance takes the new requests, and the pipelined
+one finishes those in flight, then its stages end (`EndStage`)."""
 
 from __future__ import annotations
 
@@ -48,9 +42,8 @@ class Pipelines:
     memory: KvMemory
     workers: WorkerPool
     bus: Publisher
-    """The node's loader (the blocks of a scale-out) and the replies to the scheduler."""
     _stage_memory: dict[str, str] = field(default_factory=dict, init=False)
-    """Each stage's reservation with the node's memory manager (its owner), by address."""
+    """Each stage's reservation (its owner), by address."""
 
     async def on_start_stage(self, msg: Msg) -> None:
         await self.bus.reply(msg, await self.start_stage(decode(msg.data, StartStage)))
@@ -74,7 +67,7 @@ class Pipelines:
         log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
 
     def _stage_worker(self, artifact_id: str) -> Worker | None:
-        """The worker running this node's stages of the artifact, if any (alive)."""
+        """The live worker running this node's stages of the artifact, if any."""
         return next((w for w, a in self.node.stage_workers.values() if a == artifact_id and not w.dead), None)
 
     def _stages_only(self, what: str) -> None:
@@ -84,19 +77,15 @@ class Pipelines:
     async def _blocks(self, record: ModelRecord, blocks: tuple[int, ...]) -> str:
         """The node's copy of the model once `blocks` of it are here (the loader waits)."""
         timeout = self.settings.load_timeout_s
-        held = await self.bus.request(
-            subjects.loader_await_blocks(self.node.id),
-            AwaitBlocks(artifact=record.artifact, blocks=blocks, timeout_s=timeout),
-            BlocksHeld,
-            timeout=timeout + 5,
-        )
+        ask = AwaitBlocks(artifact=record.artifact, blocks=blocks, timeout_s=timeout)
+        held = await self.bus.request(subjects.loader_await_blocks(self.node.id), ask, BlocksHeld, timeout + 5)
         return held.cache_dir
 
     async def _load_into_worker(
         self, record: ModelRecord, cache_dir: str, stages: tuple[str, ...] = (), stage: StageSpec | None = None
     ) -> tuple[Worker, Loaded]:
-        """Into the worker running this node's stages of the model (one process a node: its
-        warm workers are few), else into a warm one."""
+        """Into the worker running this node's stages of the model (warm workers are few), else
+        into a warm one."""
         aid = record.artifact.artifact_id
         async with self.node.lock(f"stages:{aid}"):
             worker = self._stage_worker(aid)
@@ -104,15 +93,8 @@ class Pipelines:
             if worker is None:
                 worker, _ = await self.workers.take()
             try:
-                loaded = await worker.load(
-                    record.artifact,
-                    None,
-                    cache_dir,
-                    self.settings.load_timeout_s,
-                    Tier.TORCH,
-                    stages=stages,
-                    stage=stage,
-                )
+                timeout = self.settings.load_timeout_s
+                loaded = await worker.load(record.artifact, None, cache_dir, timeout, Tier.TORCH, stages, stage)
             except BaseException:
                 if fresh:
                     await asyncio.to_thread(worker.stop)
@@ -130,13 +112,8 @@ class Pipelines:
         waited = time.monotonic() - t0
         spec = StageSpec(req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.settings.stage_host)
         owner = f"stage:{req.model.artifact.artifact_id}:{req.lo}-{req.hi}"
-        await self.memory.reserve(owner, req.nbytes)  # refused when the node has no room: no pipeline
-        try:
+        async with self.memory.reserved(owner, req.nbytes):  # refused when the node has no room: no pipeline
             _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec)
-            await self.memory.done(owner)
-        except BaseException:
-            await self.memory.release(owner)
-            raise
         self._stage_memory[loaded.addr] = owner
         self.node.update_gauges()
         log.info(
@@ -154,7 +131,7 @@ class Pipelines:
 
     async def start_pipelined(self, req: StartPipelined) -> InstanceReady | Rejected:
         """Serve the model through `req.stages` until this node's own start of it is done;
-        refused when that start was done first (the asker then ends the stages)."""
+        refused when that start was done first."""
         self._stages_only("a pipelined instance")
         record, name = req.model, req.model.name
         done_first = Rejected(code=ErrorCode.UNAVAILABLE, message=f"{name} runs here already: nothing to bridge")
@@ -181,10 +158,8 @@ class Pipelines:
         now = time.time()
         # Not in the node's `bound`: it holds no weights, and no start may take it as the model's
         # resident worker.
-        bound = Bound(
-            worker, record.artifact, True, Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1), "pipeline"
-        )
-        bound.worker_load_s, bound.load_threads = loaded.load_s, loaded.threads
+        resident = Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1)
+        bound = Bound(worker, record.artifact, True, resident, "pipeline", 0.0, loaded.load_s, loaded.threads)
         self.node.pipelined[record.name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
         phases = ColdStartPhases(init_s=t1 - t0, load_s=time.monotonic() - t1, profile_s=0.0)
         # Never measured (`warm_since`): its times are the pipeline's, not the model's here.

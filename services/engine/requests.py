@@ -1,7 +1,5 @@
 """Generating: a request admitted to an instance's KV, run in its worker, its tokens streamed
-to the gateway as they come, its cancellation, and the measurements taken on the way (the
-performance samples sent with heartbeats, the cold start's record).
-"""
+to the gateway, its cancellation, and the measurements taken on the way."""
 
 from __future__ import annotations
 
@@ -14,21 +12,11 @@ import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
+from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.metrics import (
-    BATCHED_REQUESTS,
-    COLD_START_SECONDS,
-    DECODED_TOKENS,
-    GATE_WAIT,
-    KV_ALLOCATED,
-    PHASE_SECONDS,
-    QUEUE_WAIT,
-    REQUESTS,
-    TTFT,
-)
 from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
 from services.engine.settings import EngineSettings
-from services.engine.worker_wire import Chunk, Done, Run
+from services.engine.worker_wire import Chunk, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError
@@ -61,7 +49,6 @@ class Requests:
     workers: WorkerPool
     """Told when a start has its first token (its replacement warms then)."""
     bus: Publisher
-    """The replies to the gateway and each request's stream."""
 
     async def on_cancel(self, msg: Msg) -> None:
         self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)
@@ -70,18 +57,12 @@ class Requests:
         req = decode(msg.data, Generate)
         inst = self.node.instances.get(req.model)
         if inst is None or inst.preempted:
-            await self.bus.reply(
-                msg,
-                Failed(
-                    request_id=req.request_id,
-                    code=ErrorCode.INSTANCE_NOT_LOADED,
-                    message=f"{req.model} is not loaded on {self.node.id}",
-                ),
-            )
+            why = f"{req.model} is not loaded on {self.node.id}"
+            failed = Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
+            await self.bus.reply(msg, failed)
             return
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
-        inst.requests.add(req.request_id)
         inst.prompts[req.request_id] = req.prompt_tokens
         inst.active += 1
         inst.drained.clear()
@@ -91,15 +72,13 @@ class Requests:
             try:
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
-                REQUESTS.labels("error").inc()
-                await self.bus.publish(
-                    req.stream_subject, Failed(request_id=req.request_id, code=e.code, message=e.message)
-                )
+                metrics.REQUESTS.labels("error").inc()
+                failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
+                await self.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
             inst.active -= 1
-            inst.requests.discard(req.request_id)
             inst.prompts.pop(req.request_id, None)
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
@@ -111,102 +90,81 @@ class Requests:
                 self.node.went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
-        received = time.monotonic()
+        rid, received, interval = req.request_id, time.monotonic(), self.settings.stream_interval_s
+        slo = ttft_slo(inst, req.prompt_tokens)
         run = Run(
-            req.request_id,
+            rid,
             inst.model,
             req.prompt_ids,
             req.params,
-            self.settings.stream_interval_s,
+            interval,
             inst.kv.reserved_tokens,
             received,
-            ttft_slo(inst, req.prompt_tokens),
+            slo,
             inst.tpot_slo_s,
         )
-        generated = 0
-        final: Finished | Failed = Finished(
-            request_id=req.request_id,
-            finish_reason=FinishReason.CANCELLED,
-            prompt_tokens=req.prompt_tokens,
-            completion_tokens=0,
-        )
+        generated, completion, reason = 0, 0, FinishReason.CANCELLED
+        final: Failed | None = None
+
+        def started(batch: int) -> None:
+            metrics.QUEUE_WAIT.observe(time.monotonic() - received)
+            metrics.BATCHED_REQUESTS.labels(str(batch)).inc()
+            inst.held[rid] = req.prompt_tokens
+
         try:
-
-            def started(batch: int) -> None:
-                QUEUE_WAIT.observe(time.monotonic() - received)
-                BATCHED_REQUESTS.labels(str(batch)).inc()
-                inst.held[req.request_id] = req.prompt_tokens
-
             async for out in inst.bound.worker.generate(run, cancelled, started):
                 if isinstance(out, Chunk):
-                    DECODED_TOKENS.inc(out.tokens)
+                    metrics.DECODED_TOKENS.inc(out.tokens)
                     generated += out.tokens
-                    if req.request_id in inst.held:
-                        inst.held[req.request_id] = req.prompt_tokens + generated
-                    await self.memory.kv_progress(inst, req.request_id, generated)
-                    await self.bus.publish(
-                        req.stream_subject,
-                        TokenChunk(request_id=req.request_id, text=out.text, tokens=out.tokens, logprobs=out.logprobs),
-                    )
-                elif isinstance(out, Done):
-                    if received >= inst.warm_since and not out.beside_build:
-                        # Requests that arrived before the start's first token shared the
-                        # fresh worker's first pass and the start itself: their times are no
-                        # measure of the model (on 2/3-core nodes they made the scheduler
-                        # predict a 2 s prefill and scale out for it).
-                        self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
-                    if self.settings.interleave:
-                        GATE_WAIT.observe(out.gated_s)
-                    if out.kv_allocated_bytes:
-                        KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
-                        inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
-                    if out.device_bytes:
-                        inst.bound.device_bytes = out.device_bytes
-                    final = Finished(
-                        request_id=req.request_id,
-                        finish_reason=out.finish_reason,
-                        prompt_tokens=req.prompt_tokens,
-                        completion_tokens=out.completion_tokens,
-                    )
-                    if out.first_token_at is not None:
-                        TTFT.observe(out.first_token_at - received)
-                        await self._maybe_record_cold_start(inst, out.first_token_at)
-            if (
-                (inst.preempted or req.request_id in inst.evicted)
-                and isinstance(final, Finished)
-                and final.finish_reason is FinishReason.CANCELLED
-                and not cancelled.by_client
-            ):
+                    if rid in inst.held:
+                        inst.held[rid] = req.prompt_tokens + generated
+                    await self.memory.kv_progress(inst, rid, generated)
+                    chunk = TokenChunk(request_id=rid, text=out.text, tokens=out.tokens, logprobs=out.logprobs)
+                    await self.bus.publish(req.stream_subject, chunk)
+                    continue
+                if received >= inst.warm_since and not out.beside_build:
+                    # Requests that arrived before the start's first token shared the start:
+                    # no measure of the model (they made the scheduler predict a 2 s prefill).
+                    self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
+                if self.settings.interleave:
+                    metrics.GATE_WAIT.observe(out.gated_s)
+                if out.kv_allocated_bytes:
+                    metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
+                    inst.bound.kv_allocated_bytes = out.kv_allocated_bytes
+                inst.bound.device_bytes = out.device_bytes or inst.bound.device_bytes
+                reason, completion = out.finish_reason, out.completion_tokens
+                if out.first_token_at is not None:
+                    metrics.TTFT.observe(out.first_token_at - received)
+                    await self._maybe_record_cold_start(inst, out.first_token_at)
+            preempted = inst.preempted or rid in inst.evicted
+            if reason is FinishReason.CANCELLED and preempted and not cancelled.by_client:
                 why = (
                     f"the instance of {inst.model} on {self.node.id} was preempted"
                     if inst.preempted
                     else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
-                final = Failed(request_id=req.request_id, code=ErrorCode.PREEMPTED, message=why)
-                REQUESTS.labels("preempted").inc()
-            elif isinstance(final, Finished):
-                REQUESTS.labels(final.finish_reason.value).inc()
+                final = Failed(request_id=rid, code=ErrorCode.PREEMPTED, message=why)
+            metrics.REQUESTS.labels("preempted" if final else reason.value).inc()
         except WorkerDied as e:
-            log.error("worker of %s died during %s", inst.model, req.request_id)
-            REQUESTS.labels("error").inc()
-            final = Failed(
-                request_id=req.request_id,
-                code=ErrorCode.ENGINE_FAILED,
-                message=f"the worker serving {inst.model} died ({e}); retry the request",
-            )
+            log.error("worker of %s died during %s", inst.model, rid)
+            metrics.REQUESTS.labels("error").inc()
+            why = f"the worker serving {inst.model} died ({e}); retry the request"
+            final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=why)
             await self.memory.lose_worker(inst.bound)
         except Exception as e:
-            log.exception("generation %s failed", req.request_id)
-            REQUESTS.labels("error").inc()
-            final = Failed(request_id=req.request_id, code=ErrorCode.ENGINE_FAILED, message=str(e))
+            log.exception("generation %s failed", rid)
+            metrics.REQUESTS.labels("error").inc()
+            final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=str(e))
             if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
-                # A stage is gone (its node, or its worker): the pipeline serves nothing more.
-                # The scheduler hears of it now and sends the next requests to an instance.
+                # A stage is gone: the pipeline serves nothing more. The scheduler hears of it
+                # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
-        await self.bus.publish(req.stream_subject, final)
-        finished = isinstance(final, Finished) and final.finish_reason is not FinishReason.CANCELLED
-        await self.memory.kv_complete(inst, req.request_id, generated, finished)
+        ended = Finished(
+            request_id=rid, finish_reason=reason, prompt_tokens=req.prompt_tokens, completion_tokens=completion
+        )
+        await self.bus.publish(req.stream_subject, final or ended)
+        await self.memory.kv_complete(inst, rid, generated, not final and reason is not FinishReason.CANCELLED)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
         pending, inst.start = inst.start, None
@@ -225,8 +183,9 @@ class Requests:
         )
         total = first_token_at - pending.t0
         for name in ("init", "load", "profile", "prefill"):
-            PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
-        COLD_START_SECONDS.observe(total)
+            metrics.PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
+        metrics.COLD_START_SECONDS.observe(total)
+        loaded = pending.source != "resident"  # else no load of its own
         event = ColdStartRecorded(
             node_id=self.node.id,
             model=inst.model,
@@ -235,20 +194,11 @@ class Requests:
             total_s=total,
             loaded_from_cache=inst.bound.loaded_from_cache,
             source=pending.source,
-            stage_s=0.0 if pending.source == "resident" else inst.bound.stage_s,
-            worker_load_s=0.0 if pending.source == "resident" else inst.bound.worker_load_s,
-            load_threads=0 if pending.source == "resident" else inst.bound.load_threads,
+            stage_s=inst.bound.stage_s * loaded,
+            worker_load_s=inst.bound.worker_load_s * loaded,
+            load_threads=inst.bound.load_threads * loaded,
             tier=inst.bound.worker.tier or "",
         )
-        log.info(
-            "cold start of %s: %.2fs",
-            inst.model,
-            total,
-            extra={
-                "model": inst.model,
-                "phases": msgspec.structs.asdict(phases),
-                "source": pending.source,
-                "tier": inst.bound.worker.tier,
-            },
-        )
+        extra = {"model": inst.model, "phases": msgspec.structs.asdict(phases), "source": pending.source}
+        log.info("cold start of %s: %.2fs", inst.model, total, extra={**extra, "tier": inst.bound.worker.tier})
         await self.bus.publish(subjects.cold_start_recorded(), event)

@@ -1,9 +1,6 @@
-"""The engine service: it owns its parts, each built with the collaborators it needs (ollama's
-scheduler, STYLE.md): the node's state (`node.py`), its memory (`memory.py`, over the node's
-memory manager), starts (`starts.py`), pipelines (`pipelines.py`) and requests
-(`requests.py`), over one worker pool (`worker_pool.py`) of one backend (`backends.py`). It
-subscribes them to the node's subjects and sends heartbeats with the node's status.
-"""
+"""The engine service: it owns its parts, each built with the collaborators it needs (the
+node's state, its memory, starts, pipelines, requests, over one worker pool of one backend),
+subscribes them to the node's subjects and sends heartbeats with the node's status."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ import logging
 
 from services.engine.backends import BACKENDS
 from services.engine.memory import BusMemoryManager, KvMemory, MemoryManager
-from services.engine.node import Node
+from services.engine.node import Node, every
 from services.engine.pipelines import Pipelines
 from services.engine.requests import Requests
 from services.engine.settings import EngineSettings
@@ -36,8 +33,7 @@ class EngineService:
         workers: WorkerPool | None = None,
         memory_manager: MemoryManager | None = None,
     ) -> None:
-        """`workers` (default: the node's pool of its backend's processes) and `memory_manager`
-        (default: the node's, over `bus`): a test passes fakes of them."""
+        """`workers` and `memory_manager` default to the node's; a test passes fakes."""
         self.settings = settings
         self.bus = bus
         backend = BACKENDS[settings.engine_backend]
@@ -69,9 +65,11 @@ class EngineService:
         self.workers.refill()
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         if self.settings.true_up_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self.memory.true_ups()))
+            true_ups = every(self.settings.true_up_interval_s, self.memory.true_up_weights, "memory true-up")
+            self._tasks.append(asyncio.create_task(true_ups))
         if self.settings.start_tier:
-            self._tasks.append(asyncio.create_task(self.starts.tier_ups()))
+            tier_ups = every(min(0.1, self.settings.tier_up_idle_s), self.starts.tier_up_next, "tier-up check")
+            self._tasks.append(asyncio.create_task(tier_ups))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -94,8 +92,7 @@ class EngineService:
             except Exception:
                 log.exception("heartbeat failed")
             # Every interval, or sooner when a request ends (`beat_due`): the scheduler's line
-            # waits for that room. At most one early beat per EARLY_BEAT_GAP_S, so a crowd's
-            # many endings cost a few beats a second.
+            # waits for that room. At most one early beat per EARLY_BEAT_GAP_S.
             try:
                 await asyncio.wait_for(self.node.beat_due.wait(), self.settings.heartbeat_interval_s)
                 await asyncio.sleep(EARLY_BEAT_GAP_S)

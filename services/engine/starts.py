@@ -1,12 +1,7 @@
 """Starting and stopping instances: a start binds a pre-warmed worker to the artifact (or finds
-it resident), restores its materialized compiled model, sizes and reserves its KV, and tiers
-up from the start tier to the continuous-batching core; a stop, a preemption or an eviction
-undoes it.
-
-A cold start is timed in four phases (ARCHITECTURE, "A cold start"): Init (memory admission
-and binding a worker), Load (restoring the materialized compiled model), Profile (KV sizing
-and its reservation), Prefill (the first token of the request that caused the start).
-"""
+it resident), restores its compiled model, reserves its KV, and later tiers up to the
+continuous-batching core; a stop, a preemption or an eviction undoes it. A cold start is timed
+in four phases (ARCHITECTURE, "A cold start"): Init, Load, Profile, Prefill."""
 
 from __future__ import annotations
 
@@ -17,9 +12,10 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 from nats.aio.msg import Msg
 
 from cuda_ext.allocator import ArenaFull
@@ -27,15 +23,8 @@ from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from policy.prefetch import admission_bytes
+from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.metrics import (
-    COLD_WORKERS,
-    KV_RESERVED,
-    POOL_HITS,
-    REIMPORTS,
-    TIER_UP_SECONDS,
-    TIER_UPS,
-)
 from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Publisher, Served
 from services.engine.settings import EngineSettings
 from shared import subjects
@@ -72,41 +61,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Starts:
-    """Starts and stops of instances on the node, with the loader's copies and the memory
-    their workers reserve."""
+    """Starts and stops of instances on the node."""
 
     settings: EngineSettings
     node: Node
     memory: KvMemory
     workers: WorkerPool
     bus: Publisher
-    """The node's loader (staging, block checks, imports) and the replies to the scheduler."""
-    _preemptions: set[asyncio.Task[None]] = field(default_factory=set, init=False)
-    """Preemptions the scheduler ordered, under way (kept from the collector)."""
 
-    async def tier_ups(self) -> None:
+    async def tier_up_next(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
-        `tier_up_idle_s`: the tier-up takes ≈ 1 core-second, which on a node with other
-        instances decoding would be taken from them (measured on 1-core nodes: neighbours'
-        TPOT past their SLO). A busy node keeps serving from START meanwhile."""
-        period = min(0.1, self.settings.tier_up_idle_s)
-        while True:
-            await asyncio.sleep(period)
-            try:
-                live = {aid: b.worker for aid, b in self.node.bound.items() if not b.worker.dead}
-                key = next_tier_up(
-                    [
-                        StartTierWorker(aid, w.tier == Tier.START, w.tiering, w.tier_up_failed)
-                        for aid, w in live.items()
-                    ],
-                    self.node.idle_since(),
-                    time.time(),
-                    self.settings.tier_up_idle_s,
-                )
-                if key is not None:
-                    live[key].tier_up()
-            except Exception:
-                log.exception("tier-up check failed")
+        `tier_up_idle_s`: the ≈ 1 core-second it takes would otherwise be taken from decoding
+        neighbours (measured on 1-core nodes: their TPOT past their SLO)."""
+        live = {aid: b.worker for aid, b in self.node.bound.items() if not b.worker.dead}
+        workers = [StartTierWorker(aid, w.tier == Tier.START, w.tiering, w.tier_up_failed) for aid, w in live.items()]
+        key = next_tier_up(workers, self.node.idle_since(), time.time(), self.settings.tier_up_idle_s)
+        if key is not None:
+            live[key].tier_up()
 
     async def on_start(self, msg: Msg) -> None:
         req = decode(msg.data, StartInstance)
@@ -121,13 +92,9 @@ class Starts:
 
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
-        if name in self.node.instances:
-            return InstanceReady(
-                node_id=self.node.id,
-                model=name,
-                phases=ColdStartPhases(init_s=0, load_s=0, profile_s=0),
-                loaded_from_cache=self.node.instances[name].bound.loaded_from_cache,
-            )
+        if (inst := self.node.instances.get(name)) is not None:
+            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded_from_cache
+            return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
         if name in self.node.starting:  # a second start of the same model waits for the first
             return await asyncio.shield(self.node.starting[name])
         fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
@@ -150,8 +117,7 @@ class Starts:
         bound, hit, t1 = await self._acquire(record.artifact)
         t2 = time.monotonic()
         try:
-            # Profile: KV sizing was measured once at registration (bytes per token); here it
-            # only becomes a reservation for a full context.
+            # Profile: KV sizing was measured at registration; here it becomes a reservation.
             kv = self.node.kv_account(record.artifact)
             kv.reserved_bytes = kv.required()  # eq. 2 with nothing running: the L_min floor
             await self.memory.reserve(f"{record.name}:kv", kv.reserved_bytes)
@@ -162,19 +128,9 @@ class Starts:
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         self.node.serve(record, bound, kv, PendingColdStart(t0, phases, "resident" if hit else bound.source))
-        KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
-        log.info(
-            "instance of %s ready",
-            record.name,
-            extra={
-                "model": record.name,
-                "init_s": phases.init_s,
-                "load_s": phases.load_s,
-                "profile_s": phases.profile_s,
-                "resident": hit,
-                "worker_pid": bound.worker.pid,
-            },
-        )
+        metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
+        extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
+        log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
         if not bound.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
@@ -182,34 +138,25 @@ class Starts:
         )
 
     async def _materialized(self, record: ModelRecord) -> None:
-        """On a torch or vLLM node, a model registered by the loader of an OpenVINO node has no
-        torch checkpoint yet: this node's loader writes it from the model's GGUF, once (the
-        store keeps it for every node), before the first start here."""
-        if not self.node.backend.reads_torch_checkpoint:
-            return
-        if await asyncio.to_thread(has_torch_checkpoint, record.artifact):
+        """A model registered by an OpenVINO node's loader has no torch checkpoint yet: on a
+        node that reads one, this node's loader writes it from the GGUF once, for every node."""
+        backend = self.node.backend
+        if not backend.reads_torch_checkpoint or await asyncio.to_thread(has_torch_checkpoint, record.artifact):
             return
         log.info("%s has no torch checkpoint yet: this node's loader writes it", record.name)
-        reply = await self.bus.request(
-            subjects.loader_import(self.node.id),
-            ImportModel(source=record.source),
-            ModelImported | Rejected,
-            timeout=self.settings.load_timeout_s,
-        )
+        ask, timeout = ImportModel(source=record.source), self.settings.load_timeout_s
+        reply = await self.bus.request(subjects.loader_import(self.node.id), ask, ModelImported | Rejected, timeout)
         if isinstance(reply, Rejected):
-            raise TesseraError(
-                reply.code, f"{record.name} cannot start on a {self.node.backend.name} node: {reply.message}"
-            )
+            raise TesseraError(reply.code, f"{record.name} cannot start on a {backend.name} node: {reply.message}")
 
     def _start_cores(self) -> tuple[int, ...] | None:
-        """A bounded share of cores for a start while other instances are generating, so that
-        their decode keeps its pace; all cores when nothing else runs."""
+        """A bounded share of cores for a start while other instances generate; else all."""
         busy = any(i.active for i in self.node.instances.values())
         return start_cores(sorted(os.sched_getaffinity(0)), self.settings.start_cpu_share, busy)
 
     async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
-        """A worker bound to the artifact: the resident one, or a pre-warmed one loaded now.
-        Returns it, whether it was resident, and when Init ended (monotonic)."""
+        """A worker bound to the artifact (the resident one, or a pre-warmed one loaded now),
+        whether it was resident, and when Init ended (monotonic)."""
         aid = artifact.artifact_id
         async with self.node.lock(aid):
             now = time.time()
@@ -219,12 +166,11 @@ class Starts:
                 r.users += 1
                 r.uses += 1
                 r.last_used = now
-                POOL_HITS.inc()
+                metrics.POOL_HITS.inc()
                 return bound, True, time.monotonic()
             arena = self.workers.arena
             if self.node.backend.tensor_arena and arena is None:
-                # Without the node's one arena, reuse is only in an idle worker's own. With
-                # it, any worker's load reuses what the node holds, and idle instances stay.
+                # Without the node's one arena, reuse is only in an idle worker's own.
                 rebound = await self._rebind(artifact)
                 if rebound is not None:
                     return rebound, False, time.monotonic()
@@ -247,42 +193,32 @@ class Starts:
             weights = self.memory.footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
         else:
             weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
-        await self.memory.reserve(f"weights:{aid}", weights)
         try:
-            if missing:
-                self.memory.arena_granted = await self.memory.reserve(
-                    ARENA_REGION, self.memory.arena_target, held=lambda: self.memory.arena_granted
-                )
-                await self.memory.done(ARENA_REGION)
-            t_load = time.monotonic()
-            tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
-            # The blob first, then the worker: a stage that waits for a scale-out's
-            # multicast leaves the warm worker to the pipeline stages meanwhile (a stage
-            # answers at once otherwise, and taking a warm worker is instant).
-            # Every tensor in the node's arena: the checkpoint's small files are read
-            # where they are, and no copy of it is staged.
-            staged = None if in_arena else await self._stage(artifact, tier)
-            stage_s = time.monotonic() - t_load
-            worker, warm = await self.workers.take()
-            if not warm:
-                COLD_WORKERS.inc()
-            worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-            try:
+            async with self.memory.reserved(f"weights:{aid}", weights):
+                if missing:
+                    self.memory.arena_granted = await self.memory.reserve(
+                        ARENA_REGION, self.memory.arena_target, held=lambda: self.memory.arena_granted
+                    )
+                    await self.memory.done(ARENA_REGION)
+                t_load = time.monotonic()
+                tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
+                # The blob first, then the worker: a stage waiting for a scale-out's multicast
+                # leaves the warm worker to the pipeline stages meanwhile. With every tensor in the
+                # node's arena, nothing is staged.
+                stage = StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True)
+                staged = None if in_arena else await self._loader(subjects.loader_stage(self.node.id), stage, aid)
+                stage_s = time.monotonic() - t_load
+                worker, warm = await self.workers.take()
+                if not warm:
+                    metrics.COLD_WORKERS.inc()
                 loaded, waited_s = await self._load(worker, artifact, tier, staged)
-            except BaseException:
-                await asyncio.to_thread(worker.stop)
-                raise
-            stage_s += waited_s
-            await self.memory.done(f"weights:{aid}")
-        except BaseException as e:
-            await self.memory.release(f"weights:{aid}")
-            if isinstance(e, ArenaFull):  # room for its bytes, but no range long enough
-                raise TesseraError(
-                    ErrorCode.NO_CAPACITY,
-                    f"artifact {aid} does not fit in node {self.node.id}'s tensor arena: {e}",
-                    retry_after_s=2,
-                ) from e
-            raise
+                stage_s += waited_s
+        except ArenaFull as e:  # room for its bytes, but no range long enough
+            raise TesseraError(
+                ErrorCode.NO_CAPACITY,
+                f"artifact {aid} does not fit in node {self.node.id}'s tensor arena: {e}",
+                retry_after_s=2,
+            ) from e
         finally:
             if tensors:  # what it placed (or, failing, left) there; a concurrent load may have evicted
                 await self.memory.sync_arena()
@@ -290,19 +226,16 @@ class Starts:
         return self._bind(worker, artifact, loaded, source, stage_s, weights, now), False, t_load
 
     async def _arena_room(self, aid: str, tensors: dict[str, int]) -> int:
-        """Room in the node's arena for the bytes of `tensors` it lacks, which it returns.
-        Where what loads hold leaves too little: idle residents are stopped, the cheapest
-        first (their tensors then make way as the load is placed, but for those it shares),
-        then idle instances; else it waits for an instance to go idle, as a start waits for
-        memory (`KvMemory.reserve`). NO_CAPACITY once the models in use still leave too little."""
+        """Room in the node's arena for the bytes of `tensors` it lacks (returned): idle
+        residents stopped, cheapest first, then idle instances, else a wait for one to go idle
+        (as `KvMemory.reserve`). NO_CAPACITY once the models in use leave too little."""
         arena = self.workers.arena
         assert arena is not None
         deadline = time.monotonic() + self.settings.memory_wait_s
 
         def unshared(aid: str) -> int:
-            """What stopping a model's worker could free in the arena: what it holds that
-            neither this start, nor another start under way, nor a model in use holds too (its
-            worker's own memory is no room here)."""
+            """What stopping a model's worker could free in the arena: what neither a start
+            under way nor a model in use holds too."""
             kept = self.memory.arena_wanted.keys() | {
                 d
                 for k, b in self.node.bound.items()
@@ -312,8 +245,7 @@ class Starts:
             return sum(n for d, n in self.node.tensor_bytes.get(aid, {}).items() if d not in tensors and d not in kept)
 
         def ended(inst: Served, sole: bool) -> int:
-            # Its worker stays, an idle resident the next pass prices; only then can what it
-            # alone holds go. One whose tensors this start shares makes no room at all.
+            # Its worker stays, an idle resident the next pass prices.
             return unshared(inst.bound.artifact.artifact_id) if sole else 0
 
         # Again after each eviction: the evicted model's tensors may have been this one's too.
@@ -326,20 +258,17 @@ class Starts:
                 continue
             if await self.memory.evict_idle_instances(missing - room, ended):
                 continue
-            try:
-                await asyncio.wait_for(self.node.went_idle.wait(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            if not await self.node.wait_idle(deadline):
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
                     f"artifact {aid} needs {missing} bytes of node {self.node.id}'s tensor arena; the "
                     f"models in use there leave {room}",
                     retry_after_s=2,
-                ) from None
+                )
         return missing
 
     def _warm_worker_bytes(self) -> int:
-        """A pre-warmed worker's own memory (its runtime, no model): what a worker bound to a
-        model in the node's arena holds before its first true-up measures it."""
+        """A pre-warmed worker's own memory: a worker's in the node's arena until a true-up."""
         return max((w.rss_bytes() for w in self.workers.idle), default=0)
 
     def _bind(
@@ -364,10 +293,8 @@ class Starts:
 
     async def _rebind(self, artifact: Artifact) -> Bound | None:
         """Tangram §3.1 on a torch node: the idle worker whose arena holds the most of this
-        model's tensors by content hash (a fine-tune's base, or the same weights under another
-        artifact) is bound to it, reading only the rest; the model it held stops being
-        resident (its tensors stay in that arena, idle, until evicted). None where no idle
-        worker shares any tensor: a pre-warmed one loads it."""
+        model's tensors by content hash (a fine-tune's base) is bound to it, reading only the
+        rest. None where no idle worker shares any tensor: a pre-warmed one loads it."""
         aid = artifact.artifact_id
         tensors = await self._tensors(artifact)
         choice = most_reused(self.node.idle_tensors(), tensors)
@@ -377,14 +304,11 @@ class Starts:
         old = self.node.bound.pop(key)  # no await since the check: nobody took it meanwhile
         await self.memory.release(f"weights:{key}")
         weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
-        await self.memory.reserve(f"weights:{aid}", weights)
         try:
-            old.worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-            loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
-            await self.memory.done(f"weights:{aid}")
-        except BaseException:
-            await self.memory.release(f"weights:{aid}")
-            await asyncio.to_thread(old.worker.stop)  # bound to neither model now
+            async with self.memory.reserved(f"weights:{aid}", weights):
+                loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
+        except BaseException:  # bound to neither model now
+            await asyncio.to_thread(old.worker.stop)
             raise
         log.info(
             "%s bound to the idle worker of %s: %d of its bytes were in that worker's arena",
@@ -398,8 +322,7 @@ class Starts:
         return bound
 
     async def _tensors(self, artifact: Artifact) -> dict[str, int]:
-        """The artifact's torch tensors, digest → bytes in access order (read once: an
-        artifact never changes)."""
+        """The artifact's torch tensors, digest → bytes in access order (read once)."""
         tensors = self.node.tensor_bytes.get(artifact.artifact_id)
         if not tensors:  # none yet: its checkpoint may be written since
             tensors = await asyncio.to_thread(torch_tensor_bytes, artifact)
@@ -410,9 +333,19 @@ class Starts:
     async def _load(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
     ) -> tuple[Loaded, float]:
-        """Import the staged blob into the worker. On a deferred-verify hit the loader checks
-        the copy's blocks meanwhile; a copy found corrupt (or not confirmed) is imported
-        again once repaired, so nothing is served from bytes that failed their check.
+        """`_import`, the worker stopped if it fails (bound to no model then)."""
+        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+        try:
+            return await self._import(worker, artifact, tier, staged)
+        except BaseException:
+            await asyncio.to_thread(worker.stop)
+            raise
+
+    async def _import(
+        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
+    ) -> tuple[Loaded, float]:
+        """Import the staged blob into the worker. On a deferred-verify hit the loader checks the
+        copy meanwhile; one found corrupt (or unconfirmed) is imported again once repaired.
         Returns the load and how long it then waited for the check."""
         cores = self._start_cores()
         timeout = self.settings.load_timeout_s
@@ -421,7 +354,8 @@ class Starts:
         if staged is None or staged.verified:
             cache_dir = staged.cache_dir if staged else None
             return await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors, admit_bytes=admit), 0.0
-        check = asyncio.ensure_future(self._verified(artifact))
+        verify = VerifyStaged(artifact_id=artifact.artifact_id)
+        check = asyncio.ensure_future(self._loader(subjects.loader_verify(self.node.id), verify, artifact.artifact_id))
         try:
             # Not streamed: nothing is served from the copy before its check.
             loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier, tensors=tensors)
@@ -433,7 +367,7 @@ class Starts:
         waited = time.monotonic() - t0
         if checked is not None and checked.repaired_blocks == 0:
             return loaded, waited
-        REIMPORTS.inc()
+        metrics.REIMPORTS.inc()
         log.warning(
             "the host-cache copy of %s failed its check (%s); importing it again",
             artifact.artifact_id,
@@ -445,11 +379,9 @@ class Starts:
         return again, waited
 
     def _admit_bytes(self, artifact: Artifact, tensors: dict[str, int] | None) -> int | None:
-        """TIDAL Eq. 1 for a start into the node's arena: of the bytes it copies, those to be in
-        before its first request runs (`policy.prefetch.admission_bytes`: M_prefetch on a GPU),
-        the rest streaming in behind the forward pass. B_h2d is the node's measured fill
-        bandwidth and T_TTFT the quickest prefill measured for the model here (else for any
-        model here: the smaller, the more copied ahead)."""
+        """TIDAL Eq. 1 for a start into the node's arena: the bytes to copy before its first
+        request runs (M_prefetch), the rest streaming in behind; B_h2d is the node's measured
+        fill bandwidth, T_TTFT the quickest prefill measured for the model (else any) here."""
         arena = self.workers.arena
         if arena is None or not tensors:
             return None
@@ -458,88 +390,54 @@ class Starts:
         ttft = min((seconds for _, seconds in samples), default=None)
         return admission_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps, arena.handle.cuda)
 
-    async def _verified(self, artifact: Artifact) -> Staged | None:
+    async def _loader(self, subject: str, message: StageArtifact | VerifyStaged, aid: str) -> Staged | None:
+        """The loader's host-cache copy (staged, or checked); None where the loader cannot be
+        reached or refuses: the start then reads the store's copy, never depending on the cache."""
         try:
-            reply = await self.bus.request(
-                subjects.loader_verify(self.node.id),
-                VerifyStaged(artifact_id=artifact.artifact_id),
-                Staged | Rejected,
-                timeout=self.settings.load_timeout_s,
-            )
+            reply = await self.bus.request(subject, message, Staged | Rejected, self.settings.load_timeout_s)
         except TesseraError as e:
-            log.warning("no block check of %s (%s)", artifact.artifact_id, e.message)
+            reply = Rejected(code=e.code, message=e.message)
+        if isinstance(reply, Rejected):
+            log.warning("no host-cache copy of %s (%s): reading the store's", aid, reply.message)
             return None
-        return reply if isinstance(reply, Staged) else None
+        return reply
 
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
         self.node.update_gauges()
         if msg.error:
-            TIER_UPS.labels("failed").inc()
+            metrics.TIER_UPS.labels("failed").inc()
             log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
             return
-        TIER_UPS.labels("done").inc()
-        TIER_UP_SECONDS.observe(msg.load_s)
+        metrics.TIER_UPS.labels("done").inc()
+        metrics.TIER_UP_SECONDS.observe(msg.load_s)
         self.node.core_build_s = msg.load_s
-        log.info(
-            "%s tiered up to %s in %.2fs",
-            artifact.artifact_id,
-            msg.tier,
-            msg.load_s,
-            extra={"artifact": artifact.artifact_id},
-        )
-
-    async def _stage(self, artifact: Artifact, tier: Tier) -> Staged | None:
-        """The verified form in host memory (the compiled blob, or on a torch or vLLM node the
-        torch checkpoint), from this node's loader; None (read the store's copy) if the loader
-        cannot be reached, so a start never depends on the cache."""
-        try:
-            staged = await self.bus.request(
-                subjects.loader_stage(self.node.id),
-                StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True),
-                Staged | Rejected,
-                timeout=self.settings.load_timeout_s,
-            )
-        except TesseraError as e:
-            log.warning("host cache unavailable (%s); loading %s from the store", e.message, artifact.artifact_id)
-            return None
-        if isinstance(staged, Rejected):
-            log.warning("host cache refused %s (%s); loading from the store", artifact.artifact_id, staged.message)
-            return None
-        return staged
+        aid = artifact.artifact_id
+        log.info("%s tiered up to %s in %.2fs", aid, msg.tier, msg.load_s, extra={"artifact": aid})
 
     async def on_evict(self, msg: Msg) -> None:
         req = decode(msg.data, EvictResidents)
-        keys = [
-            k
-            for k, b in self.node.bound.items()
-            if b.resident.users == 0 and (not req.artifact_id or k == req.artifact_id)
-        ]
+        idle = [k for k, b in self.node.bound.items() if b.resident.users == 0]
+        keys = [k for k in idle if not req.artifact_id or k == req.artifact_id]
         freed = await self.memory.evict(keys)
         await self.bus.reply(msg, Evicted(node_id=self.node.id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     async def on_stop(self, msg: Msg) -> None:
         req = decode(msg.data, StopInstance)
         inst = self.node.instances.get(req.model)
-        if inst is None:
-            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="not loaded")
-        elif inst.active > 0 or inst.last_used > req.idle_since:
-            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="busy")
-        else:
+        reason = "not loaded" if inst is None else "busy" if inst.active or inst.last_used > req.idle_since else ""
+        if inst is not None and not reason:
             await self.memory.unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
-            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=True)
-        await self.bus.reply(msg, reply)
+        await self.bus.reply(
+            msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=not reason, reason=reason)
+        )
 
     async def on_preempt(self, msg: Msg) -> None:
-        """The scheduler makes room for a bigger neighbour (LLM-Mesh §7.1): the instance's
-        requests end PREEMPTED now, and it unloads once they have."""
+        """The scheduler makes room for a bigger neighbour (LLM-Mesh §7.1)."""
         req = decode(msg.data, PreemptInstance)
         inst = self.node.instances.get(req.model)
-        if inst is None or inst.preempted:
-            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=False, reason="not loaded")
-        else:
-            task = asyncio.create_task(self.memory.preempt(inst, self.node.instances.get(req.for_model)))
-            self._preemptions.add(task)
-            task.add_done_callback(self._preemptions.discard)
-            reply = InstanceStopped(node_id=self.node.id, model=req.model, stopped=True, reason="preempted")
-        await self.bus.reply(msg, reply)
+        ok = inst is not None and not inst.preempted
+        if inst is not None and ok:
+            self.node.spawn(self.memory.preempt(inst, self.node.instances.get(req.for_model)))
+        reason = "preempted" if ok else "not loaded"
+        await self.bus.reply(msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=ok, reason=reason))

@@ -1,29 +1,28 @@
-"""The engine's side of its worker processes: start them pre-warmed, bind, drive, end.
-
-Each `Worker` reads its pipe on a thread of its own and hands what arrives to the event loop;
-`generate` yields the chunks of one request at a time (a worker runs one generation at once).
-`WorkerPool` keeps `size` workers warm and bound to nothing, and refills in the background
-whenever a start takes one (TIDAL §5: the process pool).
-"""
+"""The engine's side of its worker processes: each `Worker` reads its pipe on a thread of its
+own and hands what arrives to the event loop; `WorkerPool` keeps `size` workers warm and bound
+to nothing, refilled in the background whenever a start takes one (TIDAL §5: the process pool)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
+from unittest import mock
 
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillFailed, FillProgress, FillSignal
 from services.engine.backends import Backend, WorkerSpec
 from services.engine.node import Cancelled, WorkerDied
-from services.engine.node_arena import Fill, NodeArena
+from services.engine.node_arena import NodeArena
 from services.engine.step_gate import StepGate
 from services.engine.worker_wire import (
     CancelRun,
@@ -52,21 +51,6 @@ log = logging.getLogger(__name__)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-@contextlib.contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """`extra` in os.environ while a process is spawned (it copies the environment then)."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _shmem_bytes(pid: int) -> int:
     """Resident shared memory (shmem and memfd pages) of a process: /proc/<pid>/status's
     RssShmem, in kB."""
@@ -79,14 +63,12 @@ def _shmem_bytes(pid: int) -> int:
 
 class Worker:
     def __init__(self, backend: Backend, spec: WorkerSpec) -> None:
-        """A process of `backend` (its `entry`), started with `spec`; every backend speaks
-        `worker_wire`."""
+        """A process of `backend` started with `spec`; every backend speaks `worker_wire`."""
         self.arena = spec.arena if backend.tensor_arena else None
         self.owner = NodeArena.owner()
         """Its holdings' name in the node arena's book."""
         self.progress = FillProgress() if self.arena is not None else None
-        """How far the engine's copy of its model's tensors has come (its forward pass waits
-        there for each unit's tensors while the rest streams in)."""
+        """How far the engine's copy of its model's tensors has come (its forward pass waits on it)."""
         self._fill: asyncio.Future[Placement] | None = None
         """Its model's copy, still streaming in behind the first requests."""
         ctx = multiprocessing.get_context("spawn")
@@ -101,7 +83,7 @@ class Worker:
             daemon=True,
             name=backend.process_name,
         )
-        with _environment(backend.env(spec)):
+        with mock.patch.dict(os.environ, backend.env(spec)):  # a spawned process copies it
             self.process.start()
         child.close()
         self._loop = asyncio.get_running_loop()
@@ -118,7 +100,7 @@ class Worker:
         self.tiering = False
         """A tier-up was asked for and has not answered yet."""
         self.tier_up_failed = False
-        """Its tier-up failed: it stays on START (asking again would fail again, a core-second each)."""
+        """It stays on START (asking again would fail again, a core-second each)."""
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
 
     @property
@@ -126,8 +108,7 @@ class Worker:
         return int(self.process.pid or 0)
 
     def rss_bytes(self) -> int:
-        """Its resident memory; with the node's arena mapped, less the arena's pages it has
-        touched (shared memory the arena's own reservation counts, once for every worker)."""
+        """Its resident memory, less the node arena's pages (the arena's reservation counts them)."""
         try:
             with open(f"/proc/{self.pid}/statm") as f:
                 rss = int(f.read().split()[1]) * _PAGE
@@ -160,16 +141,10 @@ class Worker:
         elif isinstance(msg, Failure) and msg.request_id is None:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RuntimeError(msg.message))
-        elif isinstance(msg, Chunks):
-            for chunk in msg.items:
-                self._dispatch(chunk)
-        elif isinstance(msg, Chunk | Done | Failure | Started):
-            self._dispatch(msg)
-
-    def _dispatch(self, msg: Chunk | Done | Failure | Started) -> None:
-        stream = self._streams.get(str(msg.request_id))
-        if stream is not None:
-            stream.put_nowait(msg)
+        elif isinstance(msg, Chunks | Chunk | Done | Failure | Started):
+            for item in msg.items if isinstance(msg, Chunks) else (msg,):
+                if (stream := self._streams.get(str(item.request_id))) is not None:
+                    stream.put_nowait(item)
 
     def _free_slot(self) -> None:
         with self._slot_lock:  # the loop (on its death) and a stopping thread may both free it
@@ -205,47 +180,38 @@ class Worker:
         discard: bool = False,
         admit_bytes: int | None = None,
     ) -> Loaded:
-        """`tensors` (a torch model's, digest → bytes in access order): where the node has one
-        arena, the worker binds the model where its book places them (`NodeArena.place`, with
-        `discard`), and the engine copies what is missing meanwhile. The load is done once the
-        worker has bound it and the first `admit_bytes` of the copy are in (TIDAL Eq. 1's
-        M_prefetch; None: all of it): the rest streams in behind the first requests, each unit
-        of the worker's forward pass waiting for its own tensors."""
+        """`tensors` (digest → bytes in access order): where the node has one arena, the worker
+        binds the model where its book places them, and the engine copies what is missing
+        meanwhile. Done once the first `admit_bytes` are in (TIDAL Eq. 1's M_prefetch; None:
+        all): the rest streams in behind the first requests."""
         load = Load(artifact, cores, cache_dir, tier, stages, stage)
         placement = None
         fill: asyncio.Future[Placement] | None = None
         admitted: asyncio.Future[None] = self._loop.create_future()
-        others: list[Fill] = []
+        others: list[concurrent.futures.Future[bool]] = []
         if self.arena is not None and self.progress is not None and tensors and not stages and stage is None:
             if self._fill is not None:  # the last load's copy first (a reload after a failed check)
                 await asyncio.wait([self._fill])
             placement = self.arena.place(self.owner, tensors, discard)
             self.arena.begin_fill(placement)  # no await since the placement: nothing came between
             others = self.arena.pending(placement)
-            if placement.copy and admit_bytes is not None:  # streamed: the worker follows the count
-                order = tuple(d for d in tensors if d in placement.copy)
-                number = self.progress.begin()
-
-                def admit() -> None:  # on the fill's thread
-                    self._loop.call_soon_threadsafe(admitted.set_result, None)
-
-                fill = asyncio.ensure_future(
-                    asyncio.to_thread(
-                        self.arena.fill, placement, load.checkpoint, order, self.progress, number, admit_bytes, admit
-                    )
-                )
-                load = replace(load, fill=FillSignal(self.progress.path, number, order))
-            elif placement.copy:  # whole before the load is done: one copy, nobody follows it
-                fill = asyncio.ensure_future(asyncio.to_thread(self.arena.fill, placement, load.checkpoint))
-            if placement.copy:  # the engine copies it: the worker reads none of it
-                placement = replace(placement, copy=frozenset(), filled=placement.copy)
+            if placement.copy:  # the engine copies it (whole before the load is done, unless streamed)
+                copy = functools.partial(self.arena.fill, placement, load.checkpoint)
+                if admit_bytes is not None:  # streamed: the worker follows the count
+                    order = tuple(d for d in tensors if d in placement.copy)
+                    number = self.progress.begin()
+                    admit = functools.partial(self._loop.call_soon_threadsafe, admitted.set_result, None)
+                    copy = functools.partial(copy, order, self.progress, number, admit_bytes, admit)
+                    load = replace(load, fill=FillSignal(self.progress.path, number, order))
+                fill = asyncio.ensure_future(asyncio.to_thread(copy))
+                placement = replace(placement, copy=frozenset(), filled=placement.copy)  # the worker reads none
             load = replace(load, placement=placement)
         self._waiter = self._loop.create_future()
         self._conn.send(load)
         try:
             loaded = await asyncio.wait_for(self._waiter, timeout_s)
             for other in others:  # tensors another load is copying in: whole before any is read
-                if not await asyncio.wait_for(other.ended(), timeout_s):
+                if not await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(other)), timeout_s):
                     raise FillFailed("tensors this model shares with another load did not arrive")
             if fill is not None:
                 await asyncio.wait((fill, admitted), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -269,9 +235,7 @@ class Worker:
         return loaded
 
     def _streamed(self, fill: asyncio.Future[Placement]) -> None:
-        """The rest of a load's copy, streamed behind its first requests, ended. If it failed,
-        the model this worker serves lacks tensors: the worker is stopped (its requests fail
-        and the next start loads the model anew)."""
+        """The rest of a load's copy ended; failed, the model lacks tensors: the worker stops."""
         if self._fill is fill:
             self._fill = None
         if fill.cancelled() or fill.exception() is None:
@@ -282,8 +246,7 @@ class Worker:
     async def generate(
         self, run: Run, is_cancelled: Cancelled, on_start: Callable[[int], None] | None = None
     ) -> AsyncIterator[Chunk | Done]:
-        """Chunks of one generation, then its `Done`. The worker queues it and runs it in its
-        next batch (`on_start(batch size)` is called when that begins)."""
+        """Chunks of one generation, then its `Done`; `on_start(batch size)` once it runs."""
         if is_cancelled():
             return
         if self.dead:
@@ -317,18 +280,15 @@ class Worker:
             if not done and not self.dead:
                 self._send(CancelRun(run.request_id))  # nobody reads it any more
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop this request, queued or running; True if this worker has it."""
+    def cancel(self, request_id: str) -> None:
+        """Stop this request, queued or running."""
         if request_id in self._streams:
             self._send(CancelRun(request_id))
-            return True
-        return False
 
     def _send(self, msg: object) -> None:
-        try:
+        # The worker gone (TypeError: closed by a stop meanwhile): its reader thread reports it.
+        with contextlib.suppress(OSError, ValueError, TypeError):
             self._conn.send(msg)
-        except (OSError, ValueError, TypeError):  # TypeError: closed by a stop meanwhile
-            pass  # the worker is gone: its reader thread reports the death
 
     def tier_up(self) -> None:
         """Ask for the STEADY tier (`TierUpNow`); `tiering` until it answers."""
@@ -341,9 +301,8 @@ class Worker:
             self._send(DropSession(session))
 
     def stop(self) -> None:
-        """End the process; idempotent, and safe from any thread (a failed streamed copy stops
-        it from an executor thread while its owner may stop it too). A second caller returns
-        once the first has finished: its model's tensors are released by then."""
+        """End the process; idempotent and safe from any thread (a second caller returns once
+        the first has finished: its model's tensors are released by then)."""
         with self._ending:
             if self._stopped:
                 return
@@ -374,12 +333,10 @@ class WorkerPool:
         refill_delay_s: float = 0.0,
         spawn: Callable[[], Worker] | None = None,
     ) -> None:
-        """`spawn` starts one worker (a process of `backend` started with `spec` by default;
-        tests pass a fake). `spec.gate`: the node's headroom gate, shared by every worker."""
+        """`spawn` starts one worker (by default a process of `backend` with `spec`)."""
         self.size = size
         self._spawn = spawn or (lambda: Worker(backend, spec))
         self.arena = spec.arena
-        """The node's tensor arena its workers share (None: each makes its own, or has none)."""
         self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
         self.ready_timeout_s = ready_timeout_s
@@ -422,16 +379,13 @@ class WorkerPool:
 
     async def take(self) -> tuple[Worker, bool]:
         """A warm worker if there is one (True), else a new one started now (False)."""
-        # The replacement warms once this start has its first token (or after the delay at
-        # the latest): importing the runtime takes ≈ 0.3 s of CPU, which would otherwise slow
-        # the very start that took the warm worker (measured: its Load ≈ 0.25 s longer).
+        # The replacement warms once this start has its first token (or after the delay):
+        # importing the runtime (≈ 0.3 s of CPU) would slow this very start's Load ≈ 0.25 s.
         while self.idle:
             worker = self.idle.pop()
             if not worker.dead:
-                # Only this start's first token may release the replacement: a kick left by
-                # an earlier start that took no warm worker (a resident model's) would warm it
-                # at once, on the cores this start needs (measured: every later start from
-                # the host cache ≈ 0.2 s slower, for as long as the stale kick was passed on).
+                # Only this start's first token may release the replacement: a stale kick would
+                # warm it at once, on the cores this start needs (measured: starts ≈ 0.2 s slower).
                 self._kick.clear()
                 self.refill(self.refill_delay_s)
                 return worker, True
@@ -439,9 +393,6 @@ class WorkerPool:
         await worker.ready(self.ready_timeout_s)
         self.refill(self.refill_delay_s)
         return worker, False
-
-    def idle_rss_bytes(self) -> int:
-        return sum(w.rss_bytes() for w in self.idle)
 
     def close(self) -> None:
         """End every worker this pool started, warm or still warming."""
@@ -454,9 +405,8 @@ class WorkerPool:
 
 
 def node_pool(settings: EngineSettings, backend: Backend) -> WorkerPool:
-    """The node's pool of `backend` workers, as its settings say: with the node's headroom gate
-    (one iteration at a time per share of cores one instance's threads fill) and, for a
-    tensor-arena backend, the node's one arena."""
+    """The node's pool of `backend` workers, with the node's headroom gate (one iteration at a
+    time per share of cores one instance's threads fill) and, where it has one, arena."""
     cores = len(os.sched_getaffinity(0))
     if settings.cpu_quota > 0:
         cores = min(cores, max(1, int(settings.cpu_quota)))

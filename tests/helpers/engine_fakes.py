@@ -167,9 +167,6 @@ class FakePool:
     def start_done(self) -> None:
         self.starts_done += 1
 
-    def idle_rss_bytes(self) -> int:
-        return 0
-
     def refill(self) -> None:
         pass
 

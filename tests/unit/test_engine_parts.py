@@ -5,6 +5,7 @@ a script (no process, no model)."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 
 import pytest
@@ -219,7 +220,8 @@ def test_a_torch_node_refuses_a_model_whose_checkpoint_its_loader_cannot_write()
 
 def test_every_backend_names_a_worker_entry_function_that_exists() -> None:
     for backend in BACKENDS.values():
-        assert callable(backend.entry_point()), backend.name
+        module, _, function = backend.entry.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), backend.name
 
 
 async def test_the_controller_built_on_fakes_starts_its_parts_and_serves() -> None:

@@ -130,9 +130,9 @@ def test_a_fills_tensors_are_held_until_it_ends_even_when_its_worker_dies(tmp_pa
     assert arena.held_bytes() == (sum(sizes.values()), 0)  # no eviction may take the ranges yet
     other = arena.place("w2", sizes)  # another load of the same model finds them resident ...
     (pending,) = arena.pending(other)
-    assert pending.result is None  # ... and waits for the copy
+    assert not pending.done()  # ... and waits for the copy
     arena.fill(placement, path)
-    assert pending.result is True
+    assert pending.result() is True
     arena.release("w2")
     assert arena.held_bytes() == (0, sum(sizes.values()))
 
@@ -146,12 +146,12 @@ def test_a_failed_fill_fails_the_loads_sharing_it_and_its_tensors_are_copied_afr
     (path / "model.safetensors").unlink()  # the copy it came from went
     with pytest.raises(OSError):
         arena.fill(placement, path, (), progress, load)
-    assert pending.result is False  # the sharing load fails rather than read them
+    assert pending.result() is False  # the sharing load fails rather than read them
     waiter = FillWaiter(FillSignal(progress.path, load, tuple(sizes)), [list(sizes)])
     assert waiter.done() == FAILED
     with pytest.raises(FillFailed):
         waiter.wait(0)
-    assert arena.pending(arena.place("w3", sizes))[0].result is False  # held still by w2: never read
+    assert arena.pending(arena.place("w3", sizes))[0].result() is False  # held still by w2: never read
     for owner in ("w1", "w2", "w3"):  # their loads failed
         arena.release(owner)
     path, _ = checkpoint(tmp_path, tensors)
