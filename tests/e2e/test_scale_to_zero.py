@@ -46,9 +46,10 @@ def test_idle_model_is_unloaded_after_keep_alive_and_comes_back(cluster: LocalCl
         assert start["total_s"] >= sum(phases[p] for p in PHASES) * 0.99
     assert metric(cluster, "engine@node-0", "tessera_coldstart_phase_seconds_count", phase="load") == loads_before + 2
     # Materialized state was restored, not rebuilt: OpenVINO imported the blob, which no start
-    # rewrote (MEDUSA: nothing a start derives is derived again).
+    # rewrote (MEDUSA: nothing a start derives is derived again). A start may add a file (the
+    # loader writes a form's block set the first time a node asks for it), never change one.
     assert all(start["loaded_from_cache"] for start in starts)
-    assert blob_files(record) == blobs
+    assert blobs.items() <= blob_files(record).items()
     log = (cluster.home / "logs" / "engine@node-0.log").read_text()
     logged = [json.loads(line) for line in log.splitlines() if line.startswith("{") and name in line]
     assert sum(1 for e in logged if e.get("message", "").startswith(f"cold start of {name}")) == 2
