@@ -190,7 +190,7 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     params = SamplingParams(max_tokens=8, temperature=0.0)
     whole = TorchEngine.start(ckpt, TensorArena(16 << 20, device="cpu"))
     prompt = list(b"hello")
-    expected = whole.generate(prompt, params).token_ids
+    expected = [t for t, _ in whole.steps(prompt, params)]
 
     sizes = checkpoint_tensor_bytes(ckpt)
     arena, placement = begun(sizes, 16 << 20)
@@ -202,7 +202,7 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     sent = replace(placement, copy=frozenset(), filled=placement.copy)
     engine = TorchEngine.start(ckpt, TensorArena.attach(arena.handle), sent, FillSignal(progress.path, load, order))
     got: list[list[int]] = []
-    forward = threading.Thread(target=lambda: got.append(engine.generate(prompt, params).token_ids))
+    forward = threading.Thread(target=lambda: got.append([t for t, _ in engine.steps(prompt, params)]))
     forward.start()
     forward.join(0.3)
     assert forward.is_alive() and not got  # waiting for its first unit's tensors
