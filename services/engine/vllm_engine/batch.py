@@ -1,12 +1,12 @@
-"""One model's continuous batch on vLLM's engine (`LLMEngine`, the v1 engine core in this
-process): the worker's `Batch` (`batch_types.py`, driven by `worker_loop.py`), as the torch engine's `ContinuousBatcher` is.
+"""vLLM behind the worker loop: `VllmBatch`, one model's continuous batch on vLLM's engine
+(`LLMEngine`, its v1 core in this process), and `VllmBinding`, which binds it (`worker_loop.py`).
 
-vLLM schedules, pages the KV cache, samples (each request with its own seed), applies
-penalties, logit bias and structured output, and returns each step's new tokens per request
-(`RequestOutputKind.DELTA`). Every engine call is made on the batch's own thread: `add` and
-`cancel` queue a command that the thread takes before its next step, so vLLM is never entered
-from two threads. Each step passes the node's headroom gate (`step_gate.py`), posted with the
-most urgent running request's next-token deadline.
+vLLM schedules, pages the KV cache, samples (each request with its own seed), applies penalties,
+logit bias and structured output, and returns each step's new tokens (`RequestOutputKind.DELTA`).
+vLLM is entered from the batch's thread alone: `add` and `cancel` queue commands it takes before
+its next step. Each step passes the node's headroom gate (`step_gate.py`), posted with the most
+urgent running request's next-token deadline. vLLM keeps its own weights (the arena's reuse is
+the torch engine's); a `Load` of another model frees this one's engine and cache.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import json
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from vllm import EngineArgs
@@ -29,14 +30,17 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 from services.engine.batch_types import Step, check_fits, drain, ends_of_sequence
 from services.engine.step_gate import StepGate
+from services.engine.text import batch_decoder
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from services.engine.worker_loop import Bound
+from services.engine.worker_wire import Load, Loaded, TieredUp
+from shared.messages import FinishReason, SamplingParams, Tier, TokenLogprob
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 KV_SLACK_TOKENS = 512
-"""Cache beyond the tokens promised: vLLM counts it in whole blocks (up to 128 tokens each on a
-CPU) and keeps one back, and refuses a longest request that would not fit."""
+"""Cache beyond the tokens promised: vLLM counts whole blocks (up to 128 tokens on a CPU), keeps
+one back, and refuses a longest request that would not fit."""
 
 
 @dataclass
@@ -46,16 +50,10 @@ class _Request:
     generated: int = 0
 
 
-@dataclass(frozen=True)
-class _Add:
+class _Add(NamedTuple):
     request_id: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: list[int]
     params: VllmSamplingParams
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
 
 
 class VllmBatch:
@@ -91,11 +89,11 @@ class VllmBatch:
         self.gate = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
         self.waited = 0.0
-        """Seconds the batch's thread has waited for the gate, in all."""
         self.threads = 0
         self._requests: dict[str, _Request] = {}
-        """Requests added and not ended (read by both threads; a dict's single operations are atomic)."""
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        """Added and not ended (read by both threads; a dict's single operations are atomic)."""
+        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
+        """Adds, cancels (a request id) and the close (None), for the batch's thread."""
         self._out: queue.Queue[Step] = queue.Queue()
         self._error = ""
         self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-batch")
@@ -110,12 +108,10 @@ class VllmBatch:
         return self._thread.is_alive()
 
     def set_threads(self, threads: int) -> None:
-        """The runtime threads its steps run on, from the next step."""
         self.threads = threads
 
-    # vLLM's engine core allocates its cache and its GPU memory in a process of its own: what
-    # the worker reports of them is 0 (on the host the node's true-up measures this process's
-    # RSS alone; on a GPU it has no measure and keeps the reservation).
+    # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
+    # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
     kv_bytes = 0
 
     def device_bytes(self) -> int:
@@ -139,14 +135,13 @@ class VllmBatch:
             output_kind=RequestOutputKind.DELTA,
         )
         self._requests[request_id] = _Request(params, deadline)
-        self._commands.put(_Add(request_id, tuple(prompt_ids), vllm_params))
+        self._commands.put(_Add(request_id, list(prompt_ids), vllm_params))
 
     def cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(request_id)
 
     def steps(self, timeout: float) -> list[Step]:
-        """Every request's progress since the last call, waiting up to `timeout` for the first."""
         out = drain(self._out, timeout, lambda rid: rid in self._requests)  # not the cancelled
         for rid, step in out.items():
             if step.finish is not None or step.error:
@@ -187,23 +182,19 @@ class VllmBatch:
     def _take_commands(self, block: bool) -> bool:
         """Apply the queued commands (waiting for one when idle); False once closed."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while command is not None:
-            if isinstance(command, _Add):
-                if command.request_id in self._requests:  # not cancelled while queued
+            command = self._commands.get(block=block)
+            while command is not None:
+                if isinstance(command, str):
+                    self.engine.abort_request([command])
+                elif command.request_id in self._requests:  # not cancelled while queued
                     try:
-                        prompt = TokensPrompt(prompt_token_ids=list(command.prompt_ids))
+                        prompt = TokensPrompt(prompt_token_ids=command.prompt_ids)
                         self.engine.add_request(command.request_id, prompt, command.params)
                     except Exception as e:  # a spec vLLM refuses: that request fails alone
                         self._out.put(Step(command.request_id, (), None, f"{type(e).__name__}: {e}"))
-            else:
-                self.engine.abort_request([command.request_id])
-            try:
                 command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+        except queue.Empty:
+            return True
         return False
 
     def _step(self) -> None:
@@ -231,9 +222,6 @@ class VllmBatch:
             return None
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
-        logprobs = [
-            _logprob(t, d, request.params.logprobs) for t, d in zip(tokens, completion.logprobs or (), strict=False)
-        ]
         finish = None
         if output.finished:
             reason = completion.finish_reason
@@ -241,10 +229,10 @@ class VllmBatch:
                 tokens.pop()  # the end of sequence ends it; it is not part of the text
             finish = FinishReason.LENGTH if reason == "length" else FinishReason.STOP
         request.generated += len(tokens)
-        picked: list[tuple[int, TokenLogprob | None]] = [
-            (t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(tokens)
-        ]
-        return Step(output.request_id, tuple(picked), finish)
+        lps = completion.logprobs or ()
+        top = request.params.logprobs
+        picked = tuple((t, _logprob(t, lps[i], top) if i < len(lps) else None) for i, t in enumerate(tokens))
+        return Step(output.request_id, picked, finish)
 
 
 def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob | None:
@@ -254,3 +242,55 @@ def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob
         return None
     ranked = sorted(alternatives.items(), key=lambda item: item[1].rank or math.inf)
     return TokenLogprob(token, float(chosen.logprob), tuple((t, float(lp.logprob)) for t, lp in ranked[:top]))
+
+
+class VllmBinding:
+    """Binds models for the worker loop (`worker_loop.Binding`) on vLLM's engine. One tier:
+    `TierUpNow` is answered at once."""
+
+    wake_s: float | None = None
+    build_window = (math.inf, math.inf)
+
+    def __init__(
+        self, gate: StepGate | None = None, slot: int = -1, max_batch: int = 16, kv_tokens: int = 8192
+    ) -> None:
+        self.gate = gate if gate is not None and slot >= 0 else None
+        self.slot = slot
+        self.max_batch = max(1, max_batch)
+        self.kv_tokens = kv_tokens
+        self.checkpoint: Path | None = None
+
+    def load_beside(self, load: Load) -> Loaded | None:
+        if load.stage is not None or load.stages:
+            raise ValueError("a vLLM worker serves no pipeline stages (the torch engine's)")
+        load.torch_checkpoint()  # refused before the bound model goes
+        return None
+
+    def load(self, load: Load, threads: int) -> Bound:
+        t0 = time.monotonic()
+        self.checkpoint = load.torch_checkpoint()
+        batch = self.reopen(threads)
+        loaded = Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
+        return Bound(loaded, batch, batch_decoder(batch.tokenizer))
+
+    def reopen(self, threads: int) -> VllmBatch:
+        if self.checkpoint is None:
+            raise RuntimeError("no model loaded in this worker")
+        batch = VllmBatch(self.checkpoint, self.max_batch, self.kv_tokens, self.gate, self.slot)
+        batch.set_threads(threads)
+        return batch
+
+    def release(self) -> None:
+        self.checkpoint = None
+
+    def tier_up(self) -> TieredUp:
+        return TieredUp(Tier.TORCH, 0.0, "" if self.checkpoint is not None else "no model loaded")
+
+    def tiered(self) -> TieredUp | None:
+        return None
+
+    def drop_session(self, session: str) -> None:
+        pass  # vLLM's prefix cache is its own; no session state outlives a request
+
+    def close(self) -> None:
+        pass
