@@ -3,23 +3,21 @@
 
 vLLM schedules, pages the KV cache, samples (each request with its own seed), applies penalties,
 logit bias and structured output, and returns each step's new tokens (`RequestOutputKind.DELTA`).
-vLLM is entered from the batch's thread alone: `add` and `cancel` queue commands it takes before
-its next step. Each step passes the node's headroom gate (`step_gate.py`), posted with the most
-urgent running request's next-token deadline. vLLM keeps its own weights (the arena's reuse is
-the torch engine's); a `Load` of another model frees this one's engine and cache.
+As the OpenVINO core (`core.py`), it steps on the worker loop's thread, one `engine.step()` a
+`steps` call in a turn of the node's headroom gate (`step_gate.py`), so vLLM is never entered
+from two threads. vLLM keeps its own weights (the arena's reuse is the torch engine's); a `Load`
+of another model frees this one's engine and cache.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from vllm import EngineArgs
@@ -28,8 +26,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from services.engine.batch_types import Step, check_fits, drain, ends_of_sequence
-from services.engine.step_gate import StepGate
+from services.engine.batch_types import Step, check_fits, ends_of_sequence
+from services.engine.step_gate import StepGate, Turns, most_urgent, no_turn, post
 from services.engine.text import batch_decoder
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
 from services.engine.worker_loop import Bound
@@ -50,14 +48,9 @@ class _Request:
     generated: int = 0
 
 
-class _Add(NamedTuple):
-    request_id: str
-    prompt_ids: list[int]
-    params: VllmSamplingParams
-
-
 class VllmBatch:
-    """`add` requests, read their `steps`, `cancel`, `close`; `tokenizer` is the model's."""
+    """`add` requests, read their `steps`, `cancel`, `close`; `tokenizer` is the model's. A
+    request vLLM refuses raises at `add`, alone."""
 
     def __init__(
         self,
@@ -86,29 +79,27 @@ class VllmBatch:
         self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer: Any = self.engine.get_tokenizer()
         self.ends = sorted(ends_of_sequence(self.tokenizer, config.get("eos_token_id")))
-        self.gate = gate if gate is not None and gate_slot >= 0 else None
+        self.gate = on = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
-        self.waited = 0.0
-        self.threads = 0
+        self._turns = Turns(no_turn if on is None else lambda deadline: on.turn(gate_slot, deadline))
         self._requests: dict[str, _Request] = {}
-        """Added and not ended (read by both threads; a dict's single operations are atomic)."""
-        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
-        """Adds, cancels (a request id) and the close (None), for the batch's thread."""
-        self._out: queue.Queue[Step] = queue.Queue()
         self._error = ""
-        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-batch")
-        self._thread.start()
 
     @property
     def active(self) -> int:
         return len(self._requests)
 
     @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """False once a step failed (every request on it failed)."""
+        return not self._error
 
     def set_threads(self, threads: int) -> None:
-        self.threads = threads
+        pass  # it steps on the loop's thread, whose count the loop sets
 
     # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
     # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
@@ -134,87 +125,45 @@ class VllmBatch:
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        self.engine.add_request(request_id, prompt, vllm_params)
         self._requests[request_id] = _Request(params, deadline)
-        self._commands.put(_Add(request_id, list(prompt_ids), vllm_params))
 
     def cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
-            self._commands.put(request_id)
+            self.engine.abort_request([request_id])
+            if not self._requests:
+                self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        out = drain(self._out, timeout, lambda rid: rid in self._requests)  # not the cancelled
-        for rid, step in out.items():
-            if step.finish is not None or step.error:
-                self._requests.pop(rid, None)
-        if not self.alive:
-            for rid in list(self._requests):
-                out[rid] = Step(rid, (), None, f"the vLLM batch stopped: {self._error}")
-                self._requests.pop(rid, None)
-        return list(out.values())
+        """At most one engine step (`timeout` is not waited: with requests there is always a
+        step to run, and without none)."""
+        if not self._requests:
+            return []
+        try:
+            with self._turns(most_urgent(r.deadline(r.generated) for r in self._requests.values())) as held:
+                out = [step for step in map(self._convert, self.engine.step()) if step is not None]
+                for step in out:
+                    if step.finish is not None:
+                        self._requests.pop(step.request_id, None)
+                post(held, (r.deadline(r.generated) for r in self._requests.values()))
+        except Exception as e:  # vLLM failed: every request fails with it (the worker makes a new batch)
+            self._error = f"{type(e).__name__}: {e}"
+            failed = [Step(rid, (), None, f"the vLLM batch stopped: {self._error}") for rid in self._requests]
+            self._requests.clear()
+            return failed
+        return out
 
     def close(self) -> None:
-        self._commands.put(None)
-        self._thread.join(timeout=30)
         self._requests.clear()
-        if self.gate is not None:
-            self.gate.idle(self.gate_slot)
+        self._idle()
         shutdown = getattr(self.engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
 
-    # The batch's thread.
-
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._take_commands(block=not busy):
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                elif self.gate is not None:
-                    self.gate.idle(self.gate_slot)
-        except Exception as e:  # vLLM failed: every running request fails with it (the worker makes a new batch)
-            self._error = f"{type(e).__name__}: {e}"
-            if self.gate is not None:
-                self.gate.idle(self.gate_slot)
-
-    def _take_commands(self, block: bool) -> bool:
-        """Apply the queued commands (waiting for one when idle); False once closed."""
-        try:
-            command = self._commands.get(block=block)
-            while command is not None:
-                if isinstance(command, str):
-                    self.engine.abort_request([command])
-                elif command.request_id in self._requests:  # not cancelled while queued
-                    try:
-                        prompt = TokensPrompt(prompt_token_ids=command.prompt_ids)
-                        self.engine.add_request(command.request_id, prompt, command.params)
-                    except Exception as e:  # a spec vLLM refuses: that request fails alone
-                        self._out.put(Step(command.request_id, (), None, f"{type(e).__name__}: {e}"))
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        return False
-
-    def _step(self) -> None:
-        if self.threads and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
-        if self.gate is None:
-            outputs = self.engine.step()
-        else:
-            with self.gate.turn(self.gate_slot, self._deadline()) as turn:
-                self.waited += turn.waited
-                outputs = self.engine.step()
-                turn.then = self._deadline()
-        for output in outputs:
-            step = self._convert(output)
-            if step is not None:
-                self._out.put(step)
-
-    def _deadline(self) -> float:
-        going = [r.deadline(r.generated) for r in list(self._requests.values())]
-        return min(going, default=math.inf)
+    def _idle(self) -> None:
+        if self.gate is not None:
+            self.gate.idle(self.gate_slot)
 
     def _convert(self, output: Any) -> Step | None:
         request = self._requests.get(output.request_id)
@@ -276,9 +225,7 @@ class VllmBinding:
     def reopen(self, threads: int) -> VllmBatch:
         if self.checkpoint is None:
             raise RuntimeError("no model loaded in this worker")
-        batch = VllmBatch(self.checkpoint, self.max_batch, self.kv_tokens, self.gate, self.slot)
-        batch.set_threads(threads)
-        return batch
+        return VllmBatch(self.checkpoint, self.max_batch, self.kv_tokens, self.gate, self.slot)
 
     def release(self) -> None:
         self.checkpoint = None
