@@ -104,9 +104,8 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self._turn: tuple[ExitStack, Turn] | None = None
         self.waited = 0.0
         self.lock = threading.Lock()
-        self.rows = 0
-        """Rows of the step that get a token (the library puts them first)."""
         self.slots: list[int] = []
+        """The request of each row of the step that gets a token (the library puts them first)."""
         self.host_rows: list[int] = []
         self.branches = ALL
         self.pending = False
@@ -116,7 +115,7 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.staging = torch.zeros((COLUMNS, max_rows), dtype=torch.float64, pin_memory=device.type == "cuda")
         self.table = self.staging.to(device)
         self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device) if graphed else None
-        self.step_logits: torch.Tensor | None = None
+        """The step's logits: a graph's copy of them, or the eager step's own (until `after_step`)."""
         self.threads = 0
         """Runtime threads for the library's thread (torch counts them per thread); 0: as it is."""
         self.closing = False
@@ -134,7 +133,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             self.hook()
             self.hook = None
         self.slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
-        self.rows = len(self.slots)
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         sequences = [self.sequences.get(slot) for slot in self.slots]
@@ -149,11 +147,11 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
         # Tensor operations alone: under a CUDA graph this runs once, at capture.
-        n = scores.size(0) if self.graphed else min(self.rows, scores.size(0))
-        if self.logits is not None:
+        n = scores.size(0) if self.graphed else min(len(self.slots), scores.size(0))
+        if self.logits is not None and self.graphed:
             self.logits[:n].copy_(scores[:n])
         else:
-            self.step_logits = scores
+            self.logits = scores
         tokens = pick_rows(scores[:n], self.table, self.branches)
         picked = torch.full_like(scores, -math.inf)  # the rows past n are the library's to drop
         picked[:n].scatter_(1, tokens.unsqueeze(1), 0.0)
@@ -167,13 +165,13 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         if stream is not None:
             stream.synchronize()
         if self.host_rows:
-            logits = self.logits if self.logits is not None else self.step_logits
-            assert logits is not None
-            host = logits[self.host_rows].detach().float().cpu().numpy()  # one copy for those rows
+            assert self.logits is not None
+            host = self.logits[self.host_rows].detach().float().cpu().numpy()  # one copy for those rows
             picks = [self._pick(self.slots[row], host[i]) for i, row in enumerate(self.host_rows)]
             output_ids[0, self.host_rows] = torch.tensor(picks, dtype=output_ids.dtype).to(output_ids.device)
-        self.step_logits = None
-        tokens: list[int] = output_ids[0, : self.rows].tolist()
+        if not self.graphed:
+            self.logits = None
+        tokens: list[int] = output_ids[0, : len(self.slots)].tolist()
         on_host = set(self.host_rows)
         for row, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
             seq = self.sequences.get(slot)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 # The pre-warm (TIDAL §5): torch, transformers' model code and the arena are imported as the
 # worker spawns, before any model is bound, so that a start only reads and binds tensors.
@@ -32,12 +31,11 @@ from services.engine.step_gate import StepGate
 from services.engine.text import batch_decoder
 from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine
+from services.engine.torch_engine.stage_wire import LoopThread, PipelineBatch, StageServer
+from services.engine.torch_engine.stages import LayerRange, Stage
 from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_wire import Load, Loaded, Ready, StageSpec, TieredUp
 from shared.messages import Tier
-
-if TYPE_CHECKING:
-    from services.engine.torch_engine.stage_wire import LoopThread, StageServer
 
 
 class TorchBinding:
@@ -119,8 +117,6 @@ class TorchBinding:
     def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Bound:
         """Serve the model through remote stages: only its tokenizer and config are read here
         (their files come first in a multicast)."""
-        from services.engine.torch_engine.stage_wire import PipelineBatch
-
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         config = AutoConfig.from_pretrained(checkpoint)
         eos = ends_of_sequence(tokenizer, config.eos_token_id)
@@ -135,9 +131,6 @@ class TorchBinding:
     def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
         """Serve a layer range of the checkpoint (maybe still arriving: only the range's tensors
         are read) beside this worker's other stages and model (one worker a node, not a stage)."""
-        from services.engine.torch_engine.stage_wire import LoopThread, StageServer
-        from services.engine.torch_engine.stages import LayerRange, Stage
-
         stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
         if self._stage_loop is None:
             self._stage_loop = LoopThread("stage-servers")

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from services.engine.sampling import SAMPLING_EPS, Sampler, is_greedy
 
 
-@dataclass(frozen=True)
-class RowDraw:
-    """One row's sampling settings and the uniform its request drew for this token."""
+class RowDraw(NamedTuple):
+    """One row's sampling settings and the uniform its request drew for this token (a column of
+    a step's table, in this order)."""
 
     temperature: float
     top_k: int
@@ -40,8 +41,7 @@ class RowDraw:
 GREEDY = RowDraw(0.0, 0, 1.0, 0.0, 0.0)
 """A row whose device pick nobody reads (cancelled, or picked on the host)."""
 
-COLUMNS = 5
-"""A step's table: one column per row; its rows are temperature, top_k, top_p, min_p, draw."""
+COLUMNS = len(RowDraw._fields)
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,8 @@ ALL = Branches()
 
 def fill_table(table: torch.Tensor, rows: Sequence[RowDraw]) -> None:
     """Write `rows` into the first columns of `table` ([COLUMNS, >= len(rows)], float64)."""
-    values = [[r.temperature, float(r.top_k), r.top_p, r.min_p, r.uniform] for r in rows]
-    if values:
-        table[:, : len(values)] = torch.tensor(values, dtype=torch.float64).T
+    if rows:
+        table[:, : len(rows)] = torch.tensor(rows, dtype=torch.float64).T
 
 
 def table_of(rows: Sequence[RowDraw], device: torch.device | str = "cpu") -> torch.Tensor:

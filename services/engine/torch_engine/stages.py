@@ -98,11 +98,12 @@ class Stage:
         if r.last and tied:
             state[HEAD] = state[EMBED]
         model.load_state_dict(state, strict=False, assign=True)
-        inner = model.model
         if not r.last:
-            inner.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
+            model.model.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
         materialize_buffers(model, torch.device(device))  # the rotary frequencies, built on meta
-        left = [n for n, p in model.named_parameters() if p.is_meta and not _unused(n, r)]
+        # It never runs the embedding if fed hidden states, nor the head if not last.
+        unused = {name for name, runs in ((EMBED, r.first), (HEAD, r.last)) if not runs}
+        left = [n for n, p in model.named_parameters() if p.is_meta and n not in unused]
         if left:
             raise RuntimeError(f"stage [{r.lo}, {r.hi}) is missing {left[:3]}")
         return cls(model.eval(), r, read)
@@ -118,15 +119,7 @@ class Stage:
             out = self.model.model(**kwargs, past_key_values=cache, use_cache=True)
             self.caches[session] = out.past_key_values
             hidden = out.last_hidden_state
-            if not self.range.last:
-                return hidden
-            return self.model.lm_head(hidden[:, -1]).float()[0]
+            return self.model.lm_head(hidden[:, -1]).float()[0] if self.range.last else hidden
 
     def drop(self, session: str) -> None:
         self.caches.pop(session, None)
-
-
-def _unused(name: str, r: LayerRange) -> bool:
-    """Parameters a stage never runs: the embedding of a stage that takes hidden states, the
-    head of one that is not last."""
-    return (name == EMBED and not r.first) or (name == HEAD and not r.last)
