@@ -70,38 +70,39 @@ def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in(c
     waiter = FillWaiter(FillSignal(progress.path, load, ("a", "b")), [["a"], ["b"]])
     waiter.around = sampling.aside
     progress.advance(load, 1)
-    sampling._enter()  # the step's turn, the node's only one
-    waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
-    assert sampling.holding
-    failed: list[BaseException] = []
+    sampling.pending = True  # a step was formed
+    with sampling.turn():  # the step's turn, the node's only one
+        waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
+        assert sampling.holding
+        failed: list[BaseException] = []
 
-    def forward_pass() -> None:
-        try:
-            waiter.wait(1)
-        except FillFailed as e:
-            failed.append(e)
+        def forward_pass() -> None:
+            try:
+                waiter.wait(1)
+            except FillFailed as e:
+                failed.append(e)
 
-    forward = threading.Thread(target=forward_pass)
-    forward.start()
-    entered = threading.Event()
+        forward = threading.Thread(target=forward_pass)
+        forward.start()
+        entered = threading.Event()
 
-    def neighbour() -> None:
-        if gate.enter(other, 0.0):
-            entered.set()
+        def neighbour() -> None:
+            if gate.enter(other, 0.0):
+                entered.set()
 
-    threading.Thread(target=neighbour, daemon=True).start()
-    assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
-    assert forward.is_alive()  # still waiting: unit 1's tensor is not in
-    if copy_fails:
-        progress.fail(load)
-        forward.join(60)
-        assert not forward.is_alive() and failed and not sampling.holding
+        threading.Thread(target=neighbour, daemon=True).start()
+        assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
+        assert forward.is_alive()  # still waiting: unit 1's tensor is not in
+        if copy_fails:
+            progress.fail(load)
+            forward.join(60)
+            assert not forward.is_alive() and failed and not sampling.holding
+            gate.leave(other)
+            return
+        progress.advance(load, 2)
         gate.leave(other)
-        return
-    progress.advance(load, 2)
-    gate.leave(other)
-    forward.join(60)
-    assert not forward.is_alive() and not failed and sampling.holding  # back in its turn for the rest of the step
+        forward.join(60)
+        assert not forward.is_alive() and not failed and sampling.holding  # back in its turn for the rest of the step
 
 
 def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix(

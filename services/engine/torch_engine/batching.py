@@ -15,8 +15,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from services.engine.batch_types import Step, check_fits
 from services.engine.sampling import Sampler
-from services.engine.step_gate import StepGate, Turn
+from services.engine.step_gate import StepGate, Turns, no_turn, post
 from services.engine.torch_engine.engine import TorchEngine
 from services.engine.torch_engine.guides import Guided, Guides, pick
 from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
@@ -78,9 +78,8 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
     pass (tensor operations only, so the step can be captured in a CUDA graph), and `after_step`
     once it is done (the other rows are picked on the host over the library's output).
 
-    It holds the node's headroom gate (`step_gate.py`) from the step's forming to its tokens,
-    posted with the batch's next deadline. Every gate call is made under `lock`, which `forget`
-    takes too, so a cancel from the worker's thread never leaves a posting behind."""
+    A formed step's forward pass and picks run in a turn of the node's headroom gate
+    (`step_gate.py`, `turn`), posted with the batch's next deadline as it leaves."""
 
     def __init__(
         self,
@@ -99,11 +98,14 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.graphed = graphed
         """Steps replay CUDA graphs: each takes every branch and keeps its logits in `logits`."""
         self.sequences: dict[int, _Sequence] = {}
-        self.gate = gate if gate is not None and gate_slot >= 0 else None
+        self.gate = on = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
-        self._turn: tuple[ExitStack, Turn] | None = None
-        self.waited = 0.0
+        self.turns = Turns(no_turn if on is None else lambda deadline: on.turn(gate_slot, deadline))
+        self.holding = False
+        """The library's thread is in a turn (left and taken back around a copy's wait, `aside`)."""
         self.lock = threading.Lock()
+        """Taken by the library's thread as it leaves a turn and by `forget`: a cancel from the
+        worker's thread never leaves a posting behind."""
         self.slots: list[int] = []
         """The request of each row of the step that gets a token (the library puts them first)."""
         self.host_rows: list[int] = []
@@ -120,10 +122,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         """Runtime threads for the library's thread (torch counts them per thread); 0: as it is."""
         self.closing = False
         """The batch is being stopped: its last steps pass no gate."""
-
-    @property
-    def holding(self) -> bool:
-        return self._turn is not None
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(-1)
@@ -142,7 +140,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         self.table.copy_(self.staging)  # waits for the copy: the step reads it on another stream
         self.branches = ALL if self.graphed else Branches.of(draws, self.vocab)
         self.pending = True
-        self._enter()
         return torch.tensor(self.slots, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
@@ -178,9 +175,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             if seq is not None and row not in on_host:
                 seq.sampler.record(token)
                 self._record(seq, token, None)
-        if self.gate is not None:
-            with self.lock:
-                self._end_turn(self._deadline())
 
     def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
         seq = self.sequences.get(slot)
@@ -204,46 +198,47 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
         return min(going, default=math.inf)
 
-    def _enter(self) -> None:
-        if self.gate is None or self.closing:
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """A formed step (not a warm-up, nor one of a batch stopping) in a turn of the gate; once
+        none of its requests goes on (or a cancel took the last meanwhile) the posting comes down."""
+        if self.gate is None or self.closing or not self.pending:
+            yield
             return
-        with self.lock:
-            self._end_turn(math.inf)  # a step formed with no token to pick (a prefill chunk)
-            deadline = self._deadline()
-        # The turn spans two of the library's calls (entered here, left in `after_step`).
-        stack = ExitStack()
-        turn = stack.enter_context(
-            self.gate.turn(self.gate_slot, deadline if math.isfinite(deadline) else time.monotonic())
-        )
-        self.waited += turn.waited
-        with self.lock:
-            self._turn = (stack, turn)
-            if self.closing:  # released while it waited: hold nothing past the stop
-                self._end_turn(math.inf)
-                self.gate.idle(self.gate_slot)
+        try:
+            with self.turns(self._due()) as held:
+                self.holding = True
+                yield
+                post(held, [self._deadline()])
+        finally:
+            with self.lock:
+                self.holding = False
+                if self.closing or math.isinf(self._deadline()):
+                    self.gate.idle(self.gate_slot)
 
-    def _end_turn(self, then: float) -> None:
-        """Leave the turn held, if any, posted with `then` (under `lock`)."""
-        if self._turn is not None:
-            (stack, turn), self._turn = self._turn, None
-            turn.then = then
-            stack.close()
+    def _due(self) -> float:
+        deadline = self._deadline()
+        return deadline if math.isfinite(deadline) else time.monotonic()
 
     def aside(self, wait: Callable[[], None]) -> None:
         """Run `wait` (the forward pass waiting for its tensors' copy, TIDAL §5) out of the gate,
         so other instances step meanwhile; a copy that failed takes no turn again."""
+        gate = self.gate
         with self.lock:
-            held = self._turn is not None
-            self._end_turn(math.inf)
+            held, self.holding = self.holding, False
+            if held and gate is not None:
+                gate.leave(self.gate_slot)
         wait()
-        if held:
-            self._enter()
+        if held and gate is not None:
+            t0 = time.monotonic()
+            gate.enter(self.gate_slot, self._due())
+            self.turns.waited += time.monotonic() - t0
+            self.holding = True
 
     def release(self) -> None:
         """Give back whatever this batch holds of the gate (its thread is gone or going)."""
         with self.lock:
             self.closing = True
-            self._end_turn(math.inf)
             if self.gate is not None:
                 self.gate.idle(self.gate_slot)
 
@@ -251,7 +246,7 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         """A request left the batch: when it was the last, take the worker's posting down."""
         with self.lock:
             self.sequences.pop(slot, None)
-            if self.gate is not None and self._turn is None and not self.sequences:
+            if self.gate is not None and not self.holding and not self.sequences:
                 self.gate.idle(self.gate_slot)
 
 
@@ -304,17 +299,18 @@ class ContinuousBatcher:
         self.manager.start()
 
     def _hook(self) -> None:
-        """Run `EngineSampling.after_step` after each forward pass: the runner (made on the
-        library's thread at its first step) has its `compute_batch` wrapped; transformers is
-        pinned (`constraints.txt`)."""
+        """Run each forward pass in a gate's turn and `EngineSampling.after_step` after it: the
+        runner (made on the library's thread at its first step) has its `compute_batch` wrapped;
+        transformers is pinned (`constraints.txt`)."""
         processor: Any = self.manager.batch_processor
         runner = processor.model_runner
         compute = runner.compute_batch
 
         def compute_batch(model: Any, batch_data: dict[str, Any]) -> None:
-            compute(model, batch_data)
-            io = processor.inputs_and_outputs
-            self.sampling.after_step(io.get_cb_kwargs()[2], io.compute_stream)
+            with self.sampling.turn():
+                compute(model, batch_data)
+                io = processor.inputs_and_outputs
+                self.sampling.after_step(io.get_cb_kwargs()[2], io.compute_stream)
 
         runner.compute_batch = compute_batch
 
@@ -324,7 +320,7 @@ class ContinuousBatcher:
 
     @property
     def waited(self) -> float:
-        return self.sampling.waited
+        return self.sampling.turns.waited
 
     @property
     def alive(self) -> bool:

@@ -15,8 +15,10 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import ClassVar
 
 # The pre-warm (TIDAL §5): torch, transformers' model code and the arena are imported as the
 # worker spawns, before any model is bound, so that a start only reads and binds tensors.
@@ -38,30 +40,22 @@ from services.engine.worker_wire import Load, Loaded, Ready, StageSpec, TieredUp
 from shared.messages import Tier
 
 
+@dataclass
 class TorchBinding:
     """Binds models for the worker loop (`worker_loop.Binding`) on the tensor arena."""
 
-    wake_s: float | None = None
-    build_window = (math.inf, math.inf)
-
-    def __init__(
-        self,
-        arena: TensorArena,
-        gate: StepGate | None = None,
-        slot: int = -1,
-        max_batch: int = 16,
-        kv_tokens: int = 8192,
-    ) -> None:
-        self.arena = arena
-        self.gate = gate if gate is not None and slot >= 0 else None
-        self.slot = slot
-        self.max_batch = max(1, max_batch)
-        self.kv_tokens = kv_tokens
-        self.engine: TorchEngine | None = None
-        self._make: Callable[[int], Batch] | None = None
-        """Makes the bound model's batch (on so many threads); None: no model."""
-        self._stages: list[StageServer] = []
-        self._stage_loop: LoopThread | None = None
+    arena: TensorArena
+    gate: StepGate | None = None
+    slot: int = -1
+    max_batch: int = 16
+    kv_tokens: int = 8192
+    engine: TorchEngine | None = None
+    _make: Callable[[int], Batch] | None = None
+    """Makes the bound model's batch (on so many threads); None: no model."""
+    _stages: list[StageServer] = field(default_factory=list)
+    _stage_loop: LoopThread | None = None
+    wake_s: ClassVar[float | None] = None
+    build_window: ClassVar[tuple[float, float]] = (math.inf, math.inf)
 
     def load_beside(self, load: Load) -> Loaded | None:
         checkpoint = load.torch_checkpoint()  # a load without one is refused here
@@ -87,7 +81,7 @@ class TorchBinding:
 
     def _batch(self, threads: int) -> Batch:
         assert self.engine is not None
-        batch = ContinuousBatcher(self.engine, self.max_batch, self.kv_tokens, self.gate, self.slot)
+        batch = ContinuousBatcher(self.engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot)
         batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
         return batch
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm import EngineArgs
@@ -193,21 +193,18 @@ def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob
     return TokenLogprob(token, float(chosen.logprob), tuple((t, float(lp.logprob)) for t, lp in ranked[:top]))
 
 
+@dataclass
 class VllmBinding:
     """Binds models for the worker loop (`worker_loop.Binding`) on vLLM's engine. One tier:
     `TierUpNow` is answered at once."""
 
-    wake_s: float | None = None
-    build_window = (math.inf, math.inf)
-
-    def __init__(
-        self, gate: StepGate | None = None, slot: int = -1, max_batch: int = 16, kv_tokens: int = 8192
-    ) -> None:
-        self.gate = gate if gate is not None and slot >= 0 else None
-        self.slot = slot
-        self.max_batch = max(1, max_batch)
-        self.kv_tokens = kv_tokens
-        self.checkpoint: Path | None = None
+    gate: StepGate | None = None
+    slot: int = -1
+    max_batch: int = 16
+    kv_tokens: int = 8192
+    checkpoint: Path | None = None
+    wake_s: ClassVar[float | None] = None
+    build_window: ClassVar[tuple[float, float]] = (math.inf, math.inf)
 
     def load_beside(self, load: Load) -> Loaded | None:
         if load.stage is not None or load.stages:
