@@ -86,20 +86,20 @@ class VllmBatch:
         self._error = ""
 
     @property
-    def active(self) -> int:
-        return len(self._requests)
-
-    @property
-    def waited(self) -> float:
-        return self._turns.waited
-
-    @property
     def alive(self) -> bool:
         """False once a step failed (every request on it failed)."""
         return not self._error
 
+    @property
+    def active(self) -> int:
+        return len(self._requests)
+
     def set_threads(self, threads: int) -> None:
         pass  # it steps on the loop's thread, whose count the loop sets
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
 
     # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
     # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
