@@ -86,8 +86,19 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        """End what runs on it (each task unwinds: a pipeline drops its sessions), then the loop."""
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(shutdown(), 10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
 
 
 class StageServer(Listener):
@@ -242,18 +253,7 @@ class PipelineBatch:
         return list(drain(self._out, timeout).values())
 
     def close(self) -> None:
-        """End every request (their stage sessions are dropped as they unwind) and the loop."""
-
-        async def shutdown() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self._loop.run(shutdown(), 10)
-        finally:
-            self._loop.stop()
+        self._loop.stop()
 
     async def _run(self, request_id: str, context: list[int], params: SamplingParams, guided: Guided | None) -> None:
         try:
