@@ -85,8 +85,8 @@ def test_a_start_after_scale_to_zero_reads_no_weight(checkpoint: Path, arena: Te
     cold.close()  # scaled to zero: resident, idle
     warm = TorchEngine.start(checkpoint, arena)
     try:
-        assert warm.read_bytes == 0 and warm.loaded.copied_bytes == 0
-        assert warm.loaded.reused_bytes == sum(s.nbytes for s in read_manifest(checkpoint))
+        assert warm.read_bytes == 0 and warm.bound.loaded.copied_bytes == 0
+        assert warm.bound.loaded.reused_bytes == sum(s.nbytes for s in read_manifest(checkpoint))
         assert solo(warm, prompt, SamplingParams(max_tokens=6, temperature=0.0)) == expected
     finally:
         warm.close()

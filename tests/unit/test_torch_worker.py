@@ -35,7 +35,7 @@ class FakeEngine:
     """Stands in for `TorchEngine.start`'s result."""
 
     tokenizer = FakeTokenizer()
-    loaded = type("Loaded", (), {"reused_bytes": 7})()
+    bound = type("Bound", (), {"loaded": type("Loaded", (), {"reused_bytes": 7})()})()
     closed = False
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
-from cuda_ext import Loaded, TensorArena, TensorSpec
+from cuda_ext import TensorArena, TensorSpec
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal, FillWaiter
 from services.engine.batch_types import ends_of_sequence
@@ -47,10 +47,6 @@ class TorchEngine:
         self.eos_ids = ends_of_sequence(tokenizer, self.model.config.eos_token_id)
         self.fill = fill
         """Where its forward pass waits for tensors another process still copies; None: all in."""
-
-    @property
-    def loaded(self) -> Loaded:
-        return self.bound.loaded
 
     @classmethod
     def start(

@@ -73,7 +73,7 @@ class TorchBinding:
             loaded_from_cache=True,  # nothing is compiled: the checkpoint was materialized at registration
             load_s=time.monotonic() - t0,
             threads=torch.get_num_threads(),
-            reused_bytes=engine.loaded.reused_bytes,
+            reused_bytes=engine.bound.loaded.reused_bytes,
             # The node's arena's book is the engine's: it knows what is resident.
             resident=tuple(sorted(self.arena.digests())) if self.arena.ledger is not None else (),
         )
