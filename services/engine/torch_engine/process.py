@@ -1,12 +1,9 @@
-"""A torch worker process (spawned by name: `shared.process.run_worker`): the torch engine under the
-worker loop (`worker_loop.py`), one model at a time, in one continuous batch (`batching.py`).
-
-A model is bound from the artifact's torch checkpoint into the node's tensor arena (mapped from
-the engine, which places it and copies what is missing; or an arena of the worker's own); a `Load`
-of another model releases the first to the arena, where its tensors stay resident, idle, so the
-next start copies only what is missing (Tangram §3.1). Beside its model a worker may serve
-pipeline stages (`Load.stage`), and a `Load.stages` serves a model through stages on other nodes
-while its own replica is still arriving (FaaScale §4.3). One tier: `TierUpNow` is answered at once.
+"""A torch worker process (spawned by name: `shared.process.run_worker`): one model at a time under
+the worker loop, in one continuous batch (`batching.py`), bound in the node's tensor arena (or
+one of its own). A `Load` of another model releases the first to the arena, its tensors resident,
+so the next start copies only what is missing (Tangram §3.1). A worker may serve pipeline stages
+beside it (`Load.stage`), or serve a model through other nodes' stages while its own replica
+arrives (`Load.stages`, FaaScale §4.3). One tier: `TierUpNow` is answered at once.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""Stages over TCP (FaaScale §4.3: nodes holding complementary parts of a model serve together
-before any holds all of it): `StageServer` runs one `Stage`; `Pipeline` is one generation through
-a list of them; `PipelineBatch` is the worker's batch over pipelines, what a node serves a model
-with while its own replica is still arriving.
+"""Stages over TCP (FaaScale §4.3: nodes holding complementary parts of a model serve it before
+any holds all of it): `StageServer` runs one `Stage`; `Pipeline` is one generation through them;
+`PipelineBatch`, the worker's batch over pipelines, serves a model while its replica arrives.
 
-A frame is a 4-byte length, a msgpack `StageFrame`, then the tensor's raw bytes. The pipeline is
-the hub: each step sends the new token ids to the first stage and each stage's hidden states to
-the next (one more hop per stage, but a stage knows no other); the last answers with the logits
-of the last position, and the batch picks the token with the engine's own sampler and grammar,
-as the local batch picks a host row (same seed, same token). Requests run as sessions of their
-own, interleaved on the stages (§4.3's 2-D pipelining).
+A frame is a 4-byte length, a msgpack `StageFrame`, then the tensor's bytes. The pipeline is the
+hub (one more hop per stage, but a stage knows no other); the batch picks each token from the last
+stage's logits as the local batch picks a host row (same seed, same token). Requests interleave
+on the stages as sessions of their own (§4.3's 2-D pipelining).
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 (`LLMEngine`, its v1 core in this process), and `VllmBinding`, which binds it (`worker_loop.py`).
 
 vLLM schedules, pages the KV cache, samples (each request with its own seed), applies penalties,
-logit bias and structured output, and returns each step's new tokens (`RequestOutputKind.DELTA`).
-As the OpenVINO core (`core.py`), it steps on the worker loop's thread, one `engine.step()` a
-`steps` call in a turn of the node's headroom gate (`step_gate.py`), so vLLM is never entered
-from two threads. vLLM keeps its own weights (the arena's reuse is the torch engine's); a `Load`
-of another model frees this one's engine and cache.
+logit bias and structured output. As the OpenVINO core, it steps on the worker loop's thread (one
+`engine.step()` a `steps` call, in a turn of the node's gate), so vLLM is never entered from two
+threads. vLLM keeps its own weights: a `Load` of another model frees this one's engine and cache.
 """
 
 from __future__ import annotations
