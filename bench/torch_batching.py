@@ -178,9 +178,9 @@ def first_tokens(engine: TorchEngine, modes: list[str]) -> dict[str, dict[str, f
 
 
 def run_one_at_a_time(engine: TorchEngine, batch: list[list[int]], tokens: int) -> float:
-    engine.generate(batch[0], params(0, min(WARM_TOKENS, tokens)))
+    list(engine.steps(batch[0], params(0, min(WARM_TOKENS, tokens))))
     t0 = time.perf_counter()
-    made = sum(len(engine.generate(p, params(i, tokens)).token_ids) for i, p in enumerate(batch))
+    made = sum(len(list(engine.steps(p, params(i, tokens)))) for i, p in enumerate(batch))
     return made / (time.perf_counter() - t0)
 
 

@@ -1,6 +1,6 @@
 """The default model served by a pipeline of stages (FaaScale §4.3): each stage a process of
 its own holding only its layer range, the hidden states passed over TCP, the last stage's
-logits sampled by the engine's sampler. Greedy text is transformers' own; a seeded sample is
+logits sampled by the engine's sampler (the worker's pipeline batch). Greedy text is transformers' own; a seeded sample is
 the one the whole model gives; a stage that dies fails the generation with a named error
 instead of hanging it."""
 
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
-from services.engine.torch_engine.stage_wire import Pipeline, StageFailed, StageServer
+from services.engine.torch_engine.stage_wire import PipelineBatch, StageServer
 from services.engine.torch_engine.stages import LayerRange, Stage, split
 from services.loader.torch_checkpoint import materialize
 from shared.messages import SamplingParams
@@ -84,9 +84,20 @@ def stages(checkpoint: Path) -> Iterator[list[tuple[str, int, multiprocessing.Pr
                 p.kill()
 
 
-async def generate(addrs: list[str], prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
-    async with Pipeline(addrs) as pipeline:
-        return [t async for t in pipeline.generate(prompt, params, eos)]
+def generate(addrs: list[str], prompt: list[int], params: SamplingParams, engine: TorchEngine) -> tuple[list[int], str]:
+    """The request's tokens through the stages as the worker's pipeline batch serves it, and its
+    error ("" where it ended)."""
+    batch = PipelineBatch(addrs, engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids, kv_tokens=4096)
+    tokens: list[int] = []
+    try:
+        batch.add("r", prompt, params)
+        while True:
+            for step in batch.steps(1.0):
+                tokens += [t for t, _ in step.tokens]
+                if step.finish is not None or step.error:
+                    return tokens, step.error
+    finally:
+        batch.close()
 
 
 def test_two_stages_serve_the_default_model_as_the_whole_model_does(
@@ -102,7 +113,8 @@ def test_two_stages_serve_the_default_model_as_the_whole_model_does(
 
     prompt = engine.chat_ids(QUESTION)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
-    mine = asyncio.run(generate(addrs, prompt, greedy, engine.eos_ids))
+    mine, error = generate(addrs, prompt, greedy, engine)
+    assert not error, error
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.inference_mode():
         theirs = plain.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
@@ -111,9 +123,7 @@ def test_two_stages_serve_the_default_model_as_the_whole_model_does(
     assert "Paris" in engine.tokenizer.decode(mine)
 
     sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
-    assert asyncio.run(generate(addrs, prompt, sampled, engine.eos_ids)) == [
-        t for t, _ in engine.steps(prompt, sampled)
-    ]
+    assert generate(addrs, prompt, sampled, engine) == ([t for t, _ in engine.steps(prompt, sampled)], "")
 
 
 def test_a_stage_that_dies_fails_the_generation_by_name(
@@ -122,5 +132,5 @@ def test_a_stage_that_dies_fails_the_generation_by_name(
     addrs = [addr for addr, _, _ in stages]
     stages[1][2].kill()
     stages[1][2].join(10)
-    with pytest.raises(StageFailed, match=addrs[1]):
-        asyncio.run(generate(addrs, engine.chat_ids(QUESTION), SamplingParams(max_tokens=4), engine.eos_ids))
+    tokens, error = generate(addrs, engine.chat_ids(QUESTION), SamplingParams(max_tokens=4), engine)
+    assert tokens == [] and "StageFailed" in error and addrs[1] in error

@@ -47,6 +47,11 @@ def engine(checkpoint: Path, arena: TensorArena) -> Iterator[TorchEngine]:
     engine.close()
 
 
+def solo(engine: TorchEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The one-request path's tokens."""
+    return [t for t, _ in engine.steps(prompt, params)]
+
+
 def test_the_materialized_checkpoint_names_every_tensor_with_its_digest(checkpoint: Path) -> None:
     specs = read_manifest(checkpoint)
     assert specs[0].name == "model.embed_tokens.weight"  # access order: the embedding is read first
@@ -56,34 +61,33 @@ def test_the_materialized_checkpoint_names_every_tensor_with_its_digest(checkpoi
 
 def test_greedy_decoding_is_transformers_own(engine: TorchEngine, checkpoint: Path) -> None:
     prompt = engine.chat_ids(QUESTION)
-    mine = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    mine = solo(engine, prompt, SamplingParams(max_tokens=12, temperature=0.0))
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = plain.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     theirs = out[0, len(prompt) :].tolist()
-    n = min(len(mine.token_ids), len(theirs))
-    assert n >= 4 and mine.token_ids[:n] == theirs[:n]
-    assert "Paris" in mine.text
+    n = min(len(mine), len(theirs))
+    assert n >= 4 and mine[:n] == theirs[:n]
+    assert "Paris" in engine.tokenizer.decode(mine, skip_special_tokens=True)
 
 
 def test_a_seeded_sample_repeats_and_stops_at_its_length(engine: TorchEngine) -> None:
     prompt = engine.chat_ids(QUESTION)
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-    first, again = engine.generate(prompt, params), engine.generate(prompt, params)
-    assert first == again
-    assert first.finish_reason == "length" and len(first.token_ids) == 8
+    first, again = list(engine.steps(prompt, params)), list(engine.steps(prompt, params))
+    assert first == again and len(first) == 8  # ignore_eos: it ends at its length
 
 
 def test_a_start_after_scale_to_zero_reads_no_weight(checkpoint: Path, arena: TensorArena) -> None:
     cold = TorchEngine.start(checkpoint, arena)
     prompt = cold.chat_ids(QUESTION)
-    expected = cold.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    expected = solo(cold, prompt, SamplingParams(max_tokens=6, temperature=0.0))
     cold.close()  # scaled to zero: resident, idle
     warm = TorchEngine.start(checkpoint, arena)
     try:
-        assert warm.read_bytes == 0 and warm.loaded.copied_bytes == 0
-        assert warm.loaded.reused_bytes == sum(s.nbytes for s in read_manifest(checkpoint))
-        assert warm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)) == expected
+        assert warm.read_bytes == 0 and warm.bound.loaded.copied_bytes == 0
+        assert warm.bound.loaded.reused_bytes == sum(s.nbytes for s in read_manifest(checkpoint))
+        assert solo(warm, prompt, SamplingParams(max_tokens=6, temperature=0.0)) == expected
     finally:
         warm.close()
 
@@ -132,10 +136,10 @@ def test_a_crowd_in_one_batch_gets_what_each_request_gets_alone(engine: TorchEng
     short = SamplingParams(max_tokens=3, temperature=0.0)
     plain = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=30, seed=5, ignore_eos=True)
     alone = {
-        "p": engine.generate(prompts[0], plain).token_ids,
-        "g0": engine.generate(prompts[0], greedy).token_ids,
-        "g1": engine.generate(prompts[1], greedy).token_ids,
-        "short": engine.generate(prompts[2], short).token_ids,
+        "p": solo(engine, prompts[0], plain),
+        "g0": solo(engine, prompts[0], greedy),
+        "g1": solo(engine, prompts[1], greedy),
+        "short": solo(engine, prompts[2], short),
     }
     alone_sample = list(engine.steps(prompts[1], sampled))
 
@@ -184,7 +188,7 @@ def test_a_cancelled_request_leaves_the_batch_and_its_blocks_serve_the_next(engi
         assert "doomed" not in got and batch.active == 0
     finally:
         batch.close()
-    expected = engine.generate(prompt, params).token_ids
+    expected = solo(engine, prompt, params)
     assert all(got[rid][0] == expected for rid in ids)
 
 
@@ -202,7 +206,7 @@ def test_structured_output_in_a_crowd_follows_each_requests_grammar(engine: Torc
         [{"role": "user", "content": "Describe Paris as JSON: its name, and whether it is a capital."}]
     )
     plain = SamplingParams(max_tokens=12, temperature=0.0)
-    alone = engine.generate(ask, plain).token_ids
+    alone = solo(engine, ask, plain)
     guided = {
         "json": SamplingParams(
             max_tokens=80, temperature=0.0, guide=Guide(kind="json_schema", spec=json.dumps(schema))

@@ -1,4 +1,4 @@
-"""The batch a pipelined instance serves with (services/engine/torch_engine/pipeline_batch.py):
+"""The batch a pipelined instance serves with (services/engine/torch_engine/stage_wire.py):
 real stage servers over TCP, each running a stand-in stage whose logits favour a known token,
 so that what the driver picks, streams and ends is known exactly."""
 
@@ -16,8 +16,7 @@ pytest.importorskip("torch", reason="the torch engine needs torch")
 import torch
 
 from services.engine.batch_types import Step
-from services.engine.torch_engine.pipeline_batch import PipelineBatch
-from services.engine.torch_engine.stage_wire import StageServer
+from services.engine.torch_engine.stage_wire import PipelineBatch, StageServer
 from shared.messages import FinishReason, Guide, SamplingParams
 from tests.helpers.cluster import wait_for
 

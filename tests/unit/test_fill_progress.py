@@ -70,38 +70,39 @@ def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in(c
     waiter = FillWaiter(FillSignal(progress.path, load, ("a", "b")), [["a"], ["b"]])
     waiter.around = sampling.aside
     progress.advance(load, 1)
-    sampling._enter()  # the step's turn, the node's only one
-    waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
-    assert sampling.holding
-    failed: list[BaseException] = []
+    sampling.pending = True  # a step was formed
+    with sampling.turn():  # the step's turn, the node's only one
+        waiter.wait(0)  # its tensors are in: no wait, and the turn is kept
+        assert sampling.holding
+        failed: list[BaseException] = []
 
-    def forward_pass() -> None:
-        try:
-            waiter.wait(1)
-        except FillFailed as e:
-            failed.append(e)
+        def forward_pass() -> None:
+            try:
+                waiter.wait(1)
+            except FillFailed as e:
+                failed.append(e)
 
-    forward = threading.Thread(target=forward_pass)
-    forward.start()
-    entered = threading.Event()
+        forward = threading.Thread(target=forward_pass)
+        forward.start()
+        entered = threading.Event()
 
-    def neighbour() -> None:
-        if gate.enter(other, 0.0):
-            entered.set()
+        def neighbour() -> None:
+            if gate.enter(other, 0.0):
+                entered.set()
 
-    threading.Thread(target=neighbour, daemon=True).start()
-    assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
-    assert forward.is_alive()  # still waiting: unit 1's tensor is not in
-    if copy_fails:
-        progress.fail(load)
-        forward.join(60)
-        assert not forward.is_alive() and failed and not sampling.holding
+        threading.Thread(target=neighbour, daemon=True).start()
+        assert entered.wait(60), "the forward pass waiting for its copy kept the node's only turn"
+        assert forward.is_alive()  # still waiting: unit 1's tensor is not in
+        if copy_fails:
+            progress.fail(load)
+            forward.join(60)
+            assert not forward.is_alive() and failed and not sampling.holding
+            gate.leave(other)
+            return
+        progress.advance(load, 2)
         gate.leave(other)
-        return
-    progress.advance(load, 2)
-    gate.leave(other)
-    forward.join(60)
-    assert not forward.is_alive() and not failed and sampling.holding  # back in its turn for the rest of the step
+        forward.join(60)
+        assert not forward.is_alive() and not failed and sampling.holding  # back in its turn for the rest of the step
 
 
 def test_the_fill_counts_its_batches_in_access_order_and_admits_after_the_prefix(
@@ -190,7 +191,7 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     params = SamplingParams(max_tokens=8, temperature=0.0)
     whole = TorchEngine.start(ckpt, TensorArena(16 << 20, device="cpu"))
     prompt = list(b"hello")
-    expected = whole.generate(prompt, params).token_ids
+    expected = [t for t, _ in whole.steps(prompt, params)]
 
     sizes = checkpoint_tensor_bytes(ckpt)
     arena, placement = begun(sizes, 16 << 20)
@@ -202,7 +203,7 @@ def test_a_model_bound_before_its_tensors_arrive_computes_what_a_whole_one_does(
     sent = replace(placement, copy=frozenset(), filled=placement.copy)
     engine = TorchEngine.start(ckpt, TensorArena.attach(arena.handle), sent, FillSignal(progress.path, load, order))
     got: list[list[int]] = []
-    forward = threading.Thread(target=lambda: got.append(engine.generate(prompt, params).token_ids))
+    forward = threading.Thread(target=lambda: got.append([t for t, _ in engine.steps(prompt, params)]))
     forward.start()
     forward.join(0.3)
     assert forward.is_alive() and not got  # waiting for its first unit's tensors

@@ -1,4 +1,4 @@
-"""The torch worker's binding (`torch_engine/worker.py`) under the worker loop, with the engine
+"""The torch worker's binding (`torch_engine/process.py`) under the worker loop, with the engine
 and its batch stood in for (`FakeBatch`: no model; the real ones run in
 tests/conformance/test_batch_conformance.py and tests/e2e/test_torch_engine.py): a load binds
 the engine and makes its batch on the load's threads; a load with no torch checkpoint is
@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("torch", reason="the torch engine needs torch")
 
 from cuda_ext import TensorArena
-from services.engine.torch_engine import worker as worker_module
-from services.engine.torch_engine.worker import TorchBinding
+from services.engine.torch_engine import process as worker_module
+from services.engine.torch_engine.process import TorchBinding
 from services.engine.worker_loop import WorkerLoop
 from services.engine.worker_wire import Done, Failure, Load, Loaded, Run, TieredUp, TierUpNow
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint
@@ -35,7 +35,7 @@ class FakeEngine:
     """Stands in for `TorchEngine.start`'s result."""
 
     tokenizer = FakeTokenizer()
-    loaded = type("Loaded", (), {"reused_bytes": 7})()
+    bound = type("Bound", (), {"loaded": type("Loaded", (), {"reused_bytes": 7})()})()
     closed = False
 
     def close(self) -> None:

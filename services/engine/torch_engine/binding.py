@@ -1,11 +1,8 @@
-"""A model bound to arena memory: skeleton on the meta device, parameters as arena views.
-
-Building a transformers model the usual way allocates and initializes every weight and then
-loads the checkpoint over them; a bound model allocates nothing: its skeleton is made on the
-meta device (≈ 13 ms for SmolLM2-135M or an 8B Llama, measured here) and each parameter is
-replaced by a view of the tensor the arena already holds or is copying. Compute waits on the
-device for each unit's copy (a decoder layer, the embedding, the final norm), so the first
-layers run while the last ones are still on the link (TIDAL §5).
+"""A model bound to arena memory: its skeleton built on the meta device (≈ 13 ms for a 135M or an
+8B Llama, where building it the usual way allocates and initializes every weight), each parameter
+a view of the tensor the arena holds or is copying. Compute waits for each unit's copy (a decoder
+layer, the embedding, the final norm), so the first layers run while the last are still on the
+link (TIDAL §5).
 """
 
 from __future__ import annotations
@@ -31,17 +28,13 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
-def unit_of(name: str) -> str:
-    """The module whose forward reads parameter `name` first: its decoder layer, else its own."""
-    layer = _LAYER.match(name)
-    return layer.group(1) if layer else name.rpartition(".")[0]
-
-
 def units_in_order(names: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """Parameter names (in access order) grouped by unit, units in order of first access."""
+    """Parameter names (in access order) grouped by the module whose forward reads them first (a
+    decoder layer, else the parameter's own), units in order of first access."""
     units: dict[str, list[str]] = {}
     for name in names:
-        units.setdefault(unit_of(name), []).append(name)
+        layer = _LAYER.match(name)
+        units.setdefault(layer.group(1) if layer else name.rpartition(".")[0], []).append(name)
     return list(units.items())
 
 
@@ -54,7 +47,7 @@ def access_order(model: torch.nn.Module, *inputs: torch.Tensor) -> list[str]:
     for n, p in model.named_parameters(remove_duplicate=False):
         params_of.setdefault(id(p), n)  # a tied weight goes by its first name, as checkpoints save it
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False)]
+        own = list(module.parameters(recurse=False))
         if own:
 
             def hook(_m: torch.nn.Module, _args: object, own: list[torch.nn.Parameter] = own) -> None:
@@ -93,10 +86,9 @@ def bind(
     units: Sequence[str] | None = None,
     fill_wait: Callable[[int], None] | None = None,
 ) -> BoundModel:
-    """Point `model`'s parameters at `loaded`'s views. With `units` (the load's groups, in
-    order), each unit's forward first waits on the device for its group's copy, and with
-    `fill_wait` for another process's copy of its tensors (`fill_wait(unit's index)` returns
-    once they are in: the engine's fill of the node's arena)."""
+    """Point `model`'s parameters at `loaded`'s views. With `units` (the load's groups, in order),
+    each unit's forward first waits on the device for its group's copy, and `fill_wait(its
+    index)` for the engine's copy of its tensors into the node's arena."""
     for name, tensor in loaded.tensors.items():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)

@@ -1,16 +1,11 @@
-"""Structured output on the torch engine: the request's `Guide` enforced token by token by
-llguidance (the grammar engine behind vLLM's `guidance` backend and llama.cpp's), the same
-kinds the OpenVINO engine enforces with xgrammar: `json_schema`, `regex`, and `grammar`
-(xgrammar's EBNF, GBNF's dialect, turned into Lark by llguidance's own converter).
-
-Before each pick the grammar's allowed tokens mask the row's logits (everything else -inf);
-the engine's sampler then picks as usual, and the grammar consumes the pick. Once the grammar
-is complete it allows only an end of sequence, which ends the request.
-"""
+"""Structured output on the torch engine, enforced token by token by llguidance (vLLM's `guidance`
+backend, llama.cpp's): `json_schema`, `regex`, and `grammar` (xgrammar's EBNF, which the OpenVINO
+engine takes, turned into Lark by llguidance's converter); and the host's pick of one token."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cached_property
 from typing import Any
 
 import llguidance
@@ -20,23 +15,24 @@ import numpy as np
 import numpy.typing as npt
 from llguidance.gbnf_to_lark import any_to_lark
 
-from shared.messages import Guide
+from services.engine.sampling import Sampler, token_logprob
+from shared.messages import Guide, SamplingParams, TokenLogprob
 
 
 class GuideError(ValueError):
-    """The guide's spec does not compile (the gateway checks specs first; this names what
-    slipped through, for that request alone)."""
+    """A spec that slipped past the gateway's check and does not compile: that request fails."""
 
 
 class Guided:
-    """One request's grammar state."""
+    """One request's grammar state: it masks each row before the pick and consumes the pick."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """The row with every token the grammar does not allow next at -inf (a copy)."""
+        """A copy of the row, -inf wherever the grammar allows no token (once it is complete it
+        allows only an end of sequence)."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         row = np.array(logits, dtype=np.float32, copy=True)
         llguidance.numpy.apply_token_bitmask_inplace(row, self.bitmask)
@@ -48,19 +44,16 @@ class Guided:
 
 
 class Guides:
-    """Compiles guides against one model's tokenizer (its conversion, ≈ 0.5 s here, is made
-    at the first guided request and kept)."""
+    """Compiles guides against one model's tokenizer (converted, ≈ 0.5 s, at the first one)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self._ll: llguidance.LLTokenizer | None = None
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll is None:
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids)
-        return self._ll
+    @cached_property
+    def _ll(self) -> llguidance.LLTokenizer:
+        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids)
 
     def start(self, guide: Guide) -> Guided:
         if guide.kind == "json_schema":
@@ -74,7 +67,20 @@ class Guides:
                 raise GuideError(f"grammar: {e}") from e
         else:
             raise GuideError(f"unknown guide kind {guide.kind!r}")
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
+        matcher = llguidance.LLMatcher(self._ll, grammar)
         if matcher.is_error():
             raise GuideError(f"{guide.kind}: {matcher.get_error()}")
         return Guided(matcher, self.vocab_size)
+
+
+def pick(
+    sampler: Sampler, params: SamplingParams, logits: npt.NDArray[np.float32], context: list[int], guided: Guided | None
+) -> tuple[int, TokenLogprob | None]:
+    """One request's token on the host (the batch's host rows, the pipeline, the one-request path
+    alike, so a seed gives one token on each): masked by its grammar, with its logprob if asked."""
+    token = sampler.pick(logits if guided is None else guided.mask(logits), context)
+    if guided is not None:
+        guided.accept(token)
+    if params.logprobs < 0 or sampler.adjusted is None:
+        return token, None
+    return token, token_logprob(sampler.adjusted, token, params.logprobs)

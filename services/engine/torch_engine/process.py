@@ -1,15 +1,145 @@
-"""The torch worker process's entry point (spawned by name: `shared.process.run_worker`), apart
-from the worker itself: its pre-warm imports torch (≈ 1.5 s and a few hundred MB that only the
-worker needs) before any model is bound."""
+"""A torch worker process (spawned by name: `shared.process.run_worker`): one model at a time under
+the worker loop, in one continuous batch (`batching.py`), bound in the node's tensor arena (or
+one of its own). A `Load` of another model releases the first to the arena, its tensors resident,
+so the next start copies only what is missing (Tangram §3.1). A worker may serve pipeline stages
+beside it (`Load.stage`), or serve a model through other nodes' stages while its own replica
+arrives (`Load.stages`, FaaScale §4.3). One tier: `TierUpNow` is answered at once.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import ClassVar
 
+# The pre-warm (TIDAL §5): torch, transformers' model code and the arena are imported as the
+# worker spawns, before any model is bound, so that a start only reads and binds tensors.
+import torch
+import transformers.models.llama.modeling_llama  # noqa: F401  (the default model's decoder code)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+from cuda_ext import TensorArena
 from cuda_ext.memory import ArenaHandle
+from services.engine.batch_types import Batch, ends_of_sequence
 from services.engine.step_gate import StepGate
-from services.engine.worker_wire import Ready
+from services.engine.text import batch_decoder
+from services.engine.torch_engine.batching import ContinuousBatcher
+from services.engine.torch_engine.engine import TorchEngine
+from services.engine.torch_engine.stage_wire import LoopThread, PipelineBatch, StageServer
+from services.engine.torch_engine.stages import LayerRange, Stage
+from services.engine.worker_loop import Bound, WorkerLoop
+from services.engine.worker_wire import Load, Loaded, Ready, StageSpec, TieredUp
+from shared.messages import Tier
+
+
+@dataclass
+class TorchBinding:
+    """Binds models for the worker loop (`worker_loop.Binding`) on the tensor arena."""
+
+    arena: TensorArena
+    gate: StepGate | None = None
+    slot: int = -1
+    max_batch: int = 16
+    kv_tokens: int = 8192
+    engine: TorchEngine | None = None
+    _make: Callable[[int], Batch] | None = None
+    """Makes the bound model's batch (on so many threads); None: no model."""
+    _stages: list[StageServer] = field(default_factory=list)
+    _stage_loop: LoopThread | None = None
+    wake_s: ClassVar[float | None] = None
+    build_window: ClassVar[tuple[float, float]] = (math.inf, math.inf)
+
+    def load_beside(self, load: Load) -> Loaded | None:
+        checkpoint = load.torch_checkpoint()  # a load without one is refused here
+        return None if load.stage is None else self._serve_stage(checkpoint, load.stage, time.monotonic())
+
+    def load(self, load: Load, threads: int) -> Bound:
+        t0 = time.monotonic()
+        checkpoint = load.torch_checkpoint()
+        if load.stages:  # the stages this worker runs may be among them: they stay
+            return self._open_pipeline(checkpoint, load.stages, t0)
+        self._end_stages()
+        self.engine = engine = TorchEngine.start(checkpoint, self.arena, load.placement, load.fill)
+        self._make = self._batch
+        loaded = Loaded(
+            loaded_from_cache=True,  # nothing is compiled: the checkpoint was materialized at registration
+            load_s=time.monotonic() - t0,
+            threads=torch.get_num_threads(),
+            reused_bytes=engine.bound.loaded.reused_bytes,
+            # The node's arena's book is the engine's: it knows what is resident.
+            resident=tuple(sorted(self.arena.digests())) if self.arena.ledger is not None else (),
+        )
+        return Bound(loaded, self._batch(threads), batch_decoder(engine.tokenizer))
+
+    def _batch(self, threads: int) -> Batch:
+        assert self.engine is not None
+        batch = ContinuousBatcher(self.engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot)
+        batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
+        return batch
+
+    def reopen(self, threads: int) -> Batch:
+        if self._make is None:
+            raise RuntimeError("no model loaded in this worker")
+        return self._make(threads)
+
+    def release(self) -> None:
+        self._make = None
+        if self.engine is not None:
+            self.engine.close()  # its tensors stay resident, idle: shared ones are not copied again
+            self.engine = None
+
+    def tier_up(self) -> TieredUp:
+        return TieredUp(Tier.TORCH, 0.0, "" if self._make is not None else "no model loaded")
+
+    def tiered(self) -> TieredUp | None:
+        return None
+
+    def drop_session(self, session: str) -> None:
+        pass  # no state outlives a request here: its KV blocks are freed as it ends
+
+    def close(self) -> None:
+        self._end_stages()
+
+    def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Bound:
+        """Serve the model through remote stages: only its tokenizer and config are read here
+        (their files come first in a multicast)."""
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        config = AutoConfig.from_pretrained(checkpoint)
+        eos = ends_of_sequence(tokenizer, config.eos_token_id)
+
+        def make(threads: int) -> Batch:
+            return PipelineBatch(stages, tokenizer, config.vocab_size, eos, self.kv_tokens)
+
+        self._make = make
+        loaded = Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
+        return Bound(loaded, make(0), batch_decoder(tokenizer))
+
+    def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
+        """Serve a layer range of the checkpoint (maybe still arriving: only the range's tensors
+        are read) beside this worker's other stages and model (one worker a node, not a stage)."""
+        stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
+        if self._stage_loop is None:
+            self._stage_loop = LoopThread("stage-servers")
+        server = StageServer(stage)
+        addr = self._stage_loop.run(server.start(spec.host, 0), 30)
+        self._stages.append(server)
+        return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
+
+    def _end_stages(self) -> None:
+        """Stop the stage servers this worker runs (their sessions end with them)."""
+        loop, self._stage_loop = self._stage_loop, None
+        servers, self._stages = self._stages, []
+        if loop is not None:
+            try:
+                for server in servers:
+                    loop.run(server.close(), 10)
+            finally:
+                loop.stop()
 
 
 def worker_main(
@@ -21,16 +151,7 @@ def worker_main(
     max_batch: int = 16,
     kv_tokens: int = 8192,
 ) -> None:
-    # The pre-warm (TIDAL §5): torch, transformers' model code and the arena, before any model
-    # is bound, so that a start only reads and binds tensors.
-    import torch
-
-    from cuda_ext import TensorArena
-    from services.engine.torch_engine.worker import TorchBinding, prewarm
-    from services.engine.worker_loop import WorkerLoop
-
     torch.set_num_threads(max(1, threads))
-    prewarm()
     # The node's arena (mapped: CUDA IPC on a GPU), or one of its own of that many bytes.
     tensors = TensorArena.attach(arena) if isinstance(arena, ArenaHandle) else TensorArena(arena)
     conn.send(Ready(pid=os.getpid()))

@@ -1,31 +1,29 @@
 """A step's tokens for many rows at once, on the logits' device: the engine's `Sampler`
-(temperature, top-k, min-p, top-p, or greedy) as tensor operations over the whole batch.
+(temperature, top-k, min-p, top-p, greedy) as tensor operations over the whole batch, where the
+host's costs a device→host copy and ≈ 1.4 ms of numpy (a vocabulary sort) per sampled row.
 
-The host sampler costs a device→host copy of each row and ≈ 1.4 ms of numpy per sampled row
-(a sort of the vocabulary for top-p); 32 rows would spend more on it than a GPU spends on the
-step. Here one sort serves every row. Each row's randomness is still its own request's: the
-caller passes one uniform per row drawn from that request's generator (`Sampler.uniform`), and
-the token is the inverse CDF of that draw over the same distribution in the same order as the
-host's (float64, ties in vocabulary order), so a seed gives the same token on either path.
-
-Rows with penalties, a logit bias, logprobs or a grammar stay on the host (`Sampler.pick`).
-Each row's settings and draw travel in a small table (`fill_table`) that the step reads on the
-device, so the same kernels serve every step: what a CUDA graph needs.
+Each row's randomness is its own request's: one uniform per row drawn from that request's
+generator (`Sampler.uniform`), the token the inverse CDF of that draw over the host's distribution
+in the host's order (float64, ties in vocabulary order), so a seed gives one token on either path.
+Rows with penalties, a logit bias, logprobs or a grammar stay on the host. Settings and draws
+travel in a small table the step reads on the device, so every step runs the same kernels: what a
+CUDA graph needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from services.engine.sampling import SAMPLING_EPS, Sampler, is_greedy
 
 
-@dataclass(frozen=True)
-class RowDraw:
-    """One row's sampling settings and the uniform its request drew for this token."""
+class RowDraw(NamedTuple):
+    """One row's sampling settings and the uniform its request drew for this token (a column of
+    a step's table, in this order)."""
 
     temperature: float
     top_k: int
@@ -41,17 +39,15 @@ class RowDraw:
 
 
 GREEDY = RowDraw(0.0, 0, 1.0, 0.0, 0.0)
-"""A row whose pick nobody reads (cancelled since the step was formed, or picked on the host)."""
+"""A row whose device pick nobody reads (cancelled, or picked on the host)."""
 
-COLUMNS = 5
-"""A step's table: one column per row; its rows are temperature, top_k, top_p, min_p, draw."""
+COLUMNS = len(RowDraw._fields)
 
 
 @dataclass(frozen=True)
 class Branches:
-    """Which parts of the sampler a step needs. Decided on the host from the rows, so that no
-    branch waits for the device; a step replayed as a CUDA graph takes them all (`ALL`): a
-    graph is the same kernels every time."""
+    """The parts of the sampler a step needs, decided on the host so no branch waits for the
+    device; a step replayed as a CUDA graph takes them all (`ALL`)."""
 
     sampled: bool = True
     top_k: bool = True
@@ -77,9 +73,8 @@ ALL = Branches()
 
 def fill_table(table: torch.Tensor, rows: Sequence[RowDraw]) -> None:
     """Write `rows` into the first columns of `table` ([COLUMNS, >= len(rows)], float64)."""
-    values = [[r.temperature, float(r.top_k), r.top_p, r.min_p, r.uniform] for r in rows]
-    if values:
-        table[:, : len(values)] = torch.tensor(values, dtype=torch.float64).T
+    if rows:
+        table[:, : len(rows)] = torch.tensor(rows, dtype=torch.float64).T
 
 
 def table_of(rows: Sequence[RowDraw], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -89,10 +84,9 @@ def table_of(rows: Sequence[RowDraw], device: torch.device | str = "cpu") -> tor
 
 
 def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = ALL) -> torch.Tensor:
-    """The token of each of `logits`' rows ([n, vocab], any float dtype, on any device), as a
-    long tensor beside them; `table` ([COLUMNS, n], float64, same device) holds each row's
-    settings and draw. Tensor operations only (no wait for the device, no host tensor), so that
-    a step can be captured in a CUDA graph and replayed with a new table."""
+    """The token of each of `logits`' rows ([n, vocab]) as a long tensor beside them; `table`
+    ([COLUMNS, n], float64, same device) holds each row's settings and draw. Tensor operations
+    only (no wait for the device), so a CUDA graph can capture it and replay it on a new table."""
     n, vocab = logits.shape
     argmax = logits.argmax(dim=-1)  # the first of equal maxima, as numpy's
     if not branches.sampled:

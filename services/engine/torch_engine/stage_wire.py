@@ -1,31 +1,36 @@
-"""Stages over TCP: `StageServer` runs one `Stage` for its askers; `Pipeline` generates through
-a list of them (FaaScale §4.3: nodes that hold complementary parts of a model serve together
-before any holds all of it).
+"""Stages over TCP (FaaScale §4.3: nodes holding complementary parts of a model serve it before
+any holds all of it): `StageServer` runs one `Stage`; `Pipeline` is one generation through them;
+`PipelineBatch`, the worker's batch over pipelines, serves a model while its replica arrives.
 
-A frame is a 4-byte length, a msgpack `StageFrame`, then the tensor's raw bytes. Each step of
-a generation sends the new token ids to the first stage, its hidden states to the next, and so
-on; the last stage answers with the logits of the last position, and the pipeline's sampler
-(the engine's own) picks the token. The pipeline is the hub: activations go through it rather
-than stage to stage (one more hop per stage; what it buys is that a stage needs to know no
-other).
+A frame is a 4-byte length, a msgpack `StageFrame`, then the tensor's bytes. The pipeline is the
+hub (one more hop per stage, but a stage knows no other); the batch picks each token from the last
+stage's logits as the local batch picks a host row (same seed, same token). Requests interleave
+on the stages as sessions of their own (§4.3's 2-D pipelining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import queue
 import struct
+import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import torch
 
+from services.engine.batch_types import Step, check_fits, drain
 from services.engine.sampling import Sampler
+from services.engine.torch_engine.guides import Guided, Guides, pick
 from services.engine.torch_engine.stages import Stage
-from shared.messages import SamplingParams
+from shared.messages import FinishReason, SamplingParams
 from shared.tcp import Listener
 
+T = TypeVar("T")
 _LEN = struct.Struct(">I")
 TIMEOUT_S = 60.0
 """Longest a stage may take to answer one step (a prefill of a long prompt on a busy node)."""
@@ -51,8 +56,7 @@ def _to_bytes(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def _from_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(getattr(torch, dtype)).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
 async def _send(writer: asyncio.StreamWriter, frame: StageFrame, data: bytes = b"") -> None:
@@ -67,15 +71,41 @@ async def _recv(reader: asyncio.StreamReader) -> tuple[StageFrame, bytes]:
     return frame, await reader.readexactly(frame.length) if frame.length else b""
 
 
+class LoopThread:
+    """An event loop on a thread of its own, for the worker's synchronous side."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """End what runs on it (each task unwinds: a pipeline drops its sessions), then the loop."""
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(shutdown(), 10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
 class StageServer(Listener):
-    """Serves one stage: one forward pass at a time (in a thread: the loop keeps reading).
-    Closed, it ends every connection (its sessions' caches go with it)."""
+    """Serves one stage, one forward pass at a time (in a thread: the loop keeps reading). Closed,
+    it ends every connection, and its sessions' caches with them."""
 
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self._lock = asyncio.Lock()
         self._askers: set[asyncio.Task[object]] = set()
-        """One task per connection (asyncio's server runs each handler in a task)."""
 
     async def _end_connections(self) -> None:
         for task in list(self._askers):
@@ -116,10 +146,12 @@ class StageServer(Listener):
 
 
 class Pipeline:
-    """A generation through stages (addresses in layer order), over one connection each."""
+    """One generation (a session) through stages (addresses in layer order), a connection each;
+    leaving it drops the session's KV caches on every stage still there."""
 
     def __init__(self, addrs: Sequence[str]) -> None:
         self.addrs = list(addrs)
+        self.session = uuid.uuid4().hex
         self._conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def __aenter__(self) -> Pipeline:
@@ -128,58 +160,114 @@ class Pipeline:
             try:
                 self._conns.append(await asyncio.wait_for(asyncio.open_connection(host, int(port)), TIMEOUT_S))
             except (OSError, TimeoutError) as e:
-                await self.__aexit__()
+                self._close()
                 raise StageFailed(f"stage {addr}: {type(e).__name__}: {e}") from e
         return self
 
     async def __aexit__(self, *_: object) -> None:
+        for reader, writer in self._conns:
+            try:
+                await _send(writer, StageFrame(self.session, "drop"))
+                await asyncio.wait_for(_recv(reader), TIMEOUT_S)
+            except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+                pass  # a stage gone has no caches left
+        self._close()
+
+    def _close(self) -> None:
         for _reader, writer in self._conns:
             writer.close()
         self._conns.clear()
 
-    async def step(self, session: str, x: torch.Tensor) -> torch.Tensor:
-        """One forward pass of `session` through every stage: token ids [1, T] in, the last
-        position's logits [V] out (each stage keeps the session's KV cache)."""
+    async def step(self, x: torch.Tensor) -> torch.Tensor:
+        """One forward pass through every stage: token ids [1, T] in, the last position's
+        logits [V] out (each stage keeps the session's KV cache)."""
         for (reader, writer), addr in zip(self._conns, self.addrs, strict=True):
             dtype, shape, data = _to_bytes(x)
             try:
-                await _send(writer, StageFrame(session, "forward", dtype, shape, len(data)), data)
+                await _send(writer, StageFrame(self.session, "forward", dtype, shape, len(data)), data)
                 frame, out = await asyncio.wait_for(_recv(reader), TIMEOUT_S)
             except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
-                # A late answer would be read as the next one's: no connection is used again.
-                await self.__aexit__()
+                self._close()  # a late answer would be read as the next one's
                 raise StageFailed(f"stage {addr}: {type(e).__name__}: {e}") from e
             if frame.error:
                 raise StageFailed(f"stage {addr}: {frame.error}")
             x = _from_bytes(frame.dtype, frame.shape, out)
         return x
 
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, eos_ids: frozenset[int] = frozenset()
-    ) -> AsyncIterator[int]:
-        """The completion's tokens, one per step through every stage (ending before an end of
-        sequence, or after `max_tokens`); the stages' KV caches for it are dropped after."""
-        session = uuid.uuid4().hex
-        sampler = Sampler.of(params)
-        context = list(prompt_ids)
-        x = torch.tensor([context], dtype=torch.long)
-        try:
-            for _ in range(params.max_tokens):
-                logits = await self.step(session, x)
-                token = sampler.pick(np.asarray(logits, dtype=np.float32), context)
-                if token in eos_ids and not params.ignore_eos:
-                    return
-                context.append(token)
-                yield token
-                x = torch.tensor([[token]], dtype=torch.long)
-        finally:
-            await self.drop(session)
 
-    async def drop(self, session: str) -> None:
-        """End the session's KV caches on every stage (best effort: a stage gone has none)."""
-        for reader, writer in self._conns:
-            try:
-                await _send(writer, StageFrame(session, "drop"))
-                await asyncio.wait_for(_recv(reader), TIMEOUT_S)
-            except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-                pass
+class PipelineBatch:
+    """A `batch_types.Batch` whose forward passes run on remote stages: no gate, no KV cache
+    here (the stages' nodes hold and run them)."""
+
+    waited = 0.0
+    kv_bytes = 0
+
+    def __init__(
+        self, stages: Sequence[str], tokenizer: object, vocab_size: int, eos_ids: Iterable[int], kv_tokens: int
+    ) -> None:
+        self.stages = list(stages)
+        self.eos_ids = frozenset(eos_ids)
+        self.kv_tokens = kv_tokens
+        self.guides = Guides(tokenizer, vocab_size, self.eos_ids)
+        self._out: queue.Queue[Step] = queue.Queue()
+        self._runs: dict[str, concurrent.futures.Future[None]] = {}
+        self._loop = LoopThread("pipeline")
+
+    @property
+    def active(self) -> int:
+        return len(self._runs)
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.thread.is_alive()
+
+    def set_threads(self, threads: int) -> None:
+        pass  # nothing heavy runs here: the sampler's work per token
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float] | None = None,
+        kv_tokens: int = 0,
+    ) -> None:
+        check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
+        guided = self.guides.start(params.guide) if params.guide is not None else None
+        coro = self._run(request_id, list(prompt_ids), params, guided)
+        self._runs[request_id] = run = asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+        run.add_done_callback(lambda _: self._runs.pop(request_id, None))
+
+    def cancel(self, request_id: str) -> None:
+        run = self._runs.pop(request_id, None)
+        if run is not None:
+            run.cancel()
+
+    def steps(self, timeout: float) -> list[Step]:
+        return list(drain(self._out, timeout).values())
+
+    def close(self) -> None:
+        self._loop.stop()
+
+    async def _run(self, request_id: str, context: list[int], params: SamplingParams, guided: Guided | None) -> None:
+        try:
+            async with Pipeline(self.stages) as pipe:
+                sampler = Sampler.of(params)
+                x = torch.tensor([context], dtype=torch.long)
+                for n in range(params.max_tokens):
+                    logits = np.asarray(await pipe.step(x), dtype=np.float32)
+                    token, logprob = pick(sampler, params, logits, context, guided)
+                    context.append(token)
+                    if token in self.eos_ids and not params.ignore_eos:  # it ends it; it is not text
+                        self._out.put(Step(request_id, (), FinishReason.STOP))
+                        return
+                    finish = FinishReason.LENGTH if n + 1 >= params.max_tokens else None
+                    self._out.put(Step(request_id, ((token, logprob),), finish))
+                    x = torch.tensor([[token]], dtype=torch.long)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # this request fails (a stage gone, a grammar refusal); others go on
+            self._out.put(Step(request_id, (), None, f"{type(e).__name__}: {e}"))

@@ -1,15 +1,8 @@
-"""A layer range of a model, run on its own (FaaScale §4.3, pipelined multicast inference).
-
-While a model's blocks are still being multicast, nodes that hold complementary parts of it
-can serve together: each runs its range of decoder layers and hands the hidden states on, the
-last one turning them into logits. A stage is the model's own code (transformers) on a config
-with only its layers, renumbered from 0, so that the KV cache, positions and masks work as in
-a whole model; it reads from the checkpoint only the tensors its range needs
-(`stage_tensors`). The first stage embeds the tokens; the others take hidden states; the last
-applies the final norm and the head (a tied head is the embedding, which it then reads too).
-
-`StageServer` serves a stage over TCP and `Pipeline` drives a generation through a list of
-them (`stage_wire.py`).
+"""A layer range of a model, run on its own (FaaScale §4.3, pipelined multicast inference): the
+model's own code (transformers) on a config with only its layers, renumbered from 0, so that the
+KV cache, positions and masks work as in a whole model, reading only the tensors its range needs.
+The first stage embeds the tokens; the last applies the final norm and the head (a tied head is
+the embedding, which it then reads too). Served over TCP by `stage_wire.py`.
 """
 
 from __future__ import annotations
@@ -45,12 +38,6 @@ class LayerRange:
         alone = self.lo == self.hi == self.layers and self.head
         if not (0 <= self.lo <= self.hi <= self.layers and (self.lo < self.hi or alone)):
             raise ValueError(f"layers [{self.lo}, {self.hi}) are not a range of a {self.layers}-layer model")
-
-    @classmethod
-    def of_units(cls, lo: int, hi: int, layers: int) -> LayerRange:
-        """Units [lo, hi) as `policy.pipeline_stages` counts them: the layers, then the head
-        as unit `layers`."""
-        return cls(lo, min(hi, layers), layers, head=hi > layers)
 
     @property
     def first(self) -> bool:
@@ -92,7 +79,6 @@ class Stage:
         self.model = model
         self.range = r
         self.read_bytes = read_bytes
-        """Bytes of weights it read: its share of the model."""
         self.caches: dict[str, Any] = {}
 
     @classmethod
@@ -112,19 +98,19 @@ class Stage:
         if r.last and tied:
             state[HEAD] = state[EMBED]
         model.load_state_dict(state, strict=False, assign=True)
-        inner = model.model
         if not r.last:
-            inner.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
+            model.model.norm = torch.nn.Identity()  # the next stage's layers take the raw residual stream
         materialize_buffers(model, torch.device(device))  # the rotary frequencies, built on meta
-        left = [n for n, p in model.named_parameters() if p.is_meta and not _unused(n, r)]
+        # It never runs the embedding if fed hidden states, nor the head if not last.
+        unused = {name for name, runs in ((EMBED, r.first), (HEAD, r.last)) if not runs}
+        left = [n for n, p in model.named_parameters() if p.is_meta and n not in unused]
         if left:
             raise RuntimeError(f"stage [{r.lo}, {r.hi}) is missing {left[:3]}")
         return cls(model.eval(), r, read)
 
     def forward(self, session: str, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [1, T] (the first stage) or hidden states [1, T, H] (the others) in; the
-        next stage's hidden states [1, T, H] out, or, from the last, the logits of the last
-        position [V] (float32)."""
+        """Token ids [1, T] (the first stage) or hidden states [1, T, H] in; hidden states out,
+        or from the last stage the last position's logits [V] (float32)."""
         cache = self.caches.get(session)
         with torch.inference_mode():
             if self.range.lo == self.range.hi:  # the head alone: no layer, no KV cache
@@ -133,15 +119,7 @@ class Stage:
             out = self.model.model(**kwargs, past_key_values=cache, use_cache=True)
             self.caches[session] = out.past_key_values
             hidden = out.last_hidden_state
-            if not self.range.last:
-                return hidden
-            return self.model.lm_head(hidden[:, -1]).float()[0]
+            return self.model.lm_head(hidden[:, -1]).float()[0] if self.range.last else hidden
 
     def drop(self, session: str) -> None:
         self.caches.pop(session, None)
-
-
-def _unused(name: str, r: LayerRange) -> bool:
-    """Parameters a stage never runs: the embedding of a stage that takes hidden states, the
-    head of one that is not last."""
-    return (name == EMBED and not r.first) or (name == HEAD and not r.last)

@@ -1,24 +1,21 @@
-"""One model's continuous batch on vLLM's engine (`LLMEngine`, the v1 engine core in this
-process): the worker's `Batch` (`batch_types.py`, driven by `worker_loop.py`), as the torch engine's `ContinuousBatcher` is.
+"""vLLM behind the worker loop: `VllmBatch`, one model's continuous batch on vLLM's engine
+(`LLMEngine`, its v1 core in this process), and `VllmBinding`, which binds it (`worker_loop.py`).
 
-vLLM schedules, pages the KV cache, samples (each request with its own seed), applies
-penalties, logit bias and structured output, and returns each step's new tokens per request
-(`RequestOutputKind.DELTA`). Every engine call is made on the batch's own thread: `add` and
-`cancel` queue a command that the thread takes before its next step, so vLLM is never entered
-from two threads. Each step passes the node's headroom gate (`step_gate.py`), posted with the
-most urgent running request's next-token deadline.
+vLLM schedules, pages the KV cache, samples (each request with its own seed), applies penalties,
+logit bias and structured output. As the OpenVINO core, it steps on the worker loop's thread (one
+`engine.step()` a `steps` call, in a turn of the node's gate), so vLLM is never entered from two
+threads. vLLM keeps its own weights: a `Load` of another model frees this one's engine and cache.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import queue
-import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm import EngineArgs
@@ -27,16 +24,19 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from services.engine.batch_types import Step, check_fits, drain, ends_of_sequence
-from services.engine.step_gate import StepGate
+from services.engine.batch_types import Step, check_fits, ends_of_sequence
+from services.engine.step_gate import StepGate, Turns, most_urgent, no_turn, post
+from services.engine.text import batch_decoder
 from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from services.engine.worker_loop import Bound
+from services.engine.worker_wire import Load, Loaded, TieredUp
+from shared.messages import FinishReason, SamplingParams, Tier, TokenLogprob
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 KV_SLACK_TOKENS = 512
-"""Cache beyond the tokens promised: vLLM counts it in whole blocks (up to 128 tokens each on a
-CPU) and keeps one back, and refuses a longest request that would not fit."""
+"""Cache beyond the tokens promised: vLLM counts whole blocks (up to 128 tokens on a CPU), keeps
+one back, and refuses a longest request that would not fit."""
 
 
 @dataclass
@@ -46,20 +46,9 @@ class _Request:
     generated: int = 0
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: VllmSamplingParams
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
 class VllmBatch:
-    """`add` requests, read their `steps`, `cancel`, `close`; `tokenizer` is the model's."""
+    """`add` requests, read their `steps`, `cancel`, `close`; `tokenizer` is the model's. A
+    request vLLM refuses raises at `add`, alone."""
 
     def __init__(
         self,
@@ -88,34 +77,30 @@ class VllmBatch:
         self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer: Any = self.engine.get_tokenizer()
         self.ends = sorted(ends_of_sequence(self.tokenizer, config.get("eos_token_id")))
-        self.gate = gate if gate is not None and gate_slot >= 0 else None
+        self.gate = on = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
-        self.waited = 0.0
-        """Seconds the batch's thread has waited for the gate, in all."""
-        self.threads = 0
+        self._turns = Turns(no_turn if on is None else lambda deadline: on.turn(gate_slot, deadline))
         self._requests: dict[str, _Request] = {}
-        """Requests added and not ended (read by both threads; a dict's single operations are atomic)."""
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
-        self._out: queue.Queue[Step] = queue.Queue()
         self._error = ""
-        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-batch")
-        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """False once a step failed (every request on it failed)."""
+        return not self._error
 
     @property
     def active(self) -> int:
         return len(self._requests)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def set_threads(self, threads: int) -> None:
-        """The runtime threads its steps run on, from the next step."""
-        self.threads = threads
+        pass  # it steps on the loop's thread, whose count the loop sets
 
-    # vLLM's engine core allocates its cache and its GPU memory in a process of its own: what
-    # the worker reports of them is 0 (on the host the node's true-up measures this process's
-    # RSS alone; on a GPU it has no measure and keeps the reservation).
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
+    # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
     kv_bytes = 0
 
     def device_bytes(self) -> int:
@@ -138,92 +123,45 @@ class VllmBatch:
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        self.engine.add_request(request_id, prompt, vllm_params)
         self._requests[request_id] = _Request(params, deadline)
-        self._commands.put(_Add(request_id, tuple(prompt_ids), vllm_params))
 
     def cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
-            self._commands.put(_Abort(request_id))
+            self.engine.abort_request([request_id])
+            if not self._requests:
+                self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        """Every request's progress since the last call, waiting up to `timeout` for the first."""
-        out = drain(self._out, timeout, lambda rid: rid in self._requests)  # not the cancelled
-        for rid, step in out.items():
-            if step.finish is not None or step.error:
-                self._requests.pop(rid, None)
-        if not self.alive:
-            for rid in list(self._requests):
-                out[rid] = Step(rid, (), None, f"the vLLM batch stopped: {self._error}")
-                self._requests.pop(rid, None)
-        return list(out.values())
+        """At most one engine step (`timeout` is not waited: with requests there is always a
+        step to run, and without none)."""
+        if not self._requests:
+            return []
+        try:
+            with self._turns(most_urgent(r.deadline(r.generated) for r in self._requests.values())) as held:
+                out = [step for step in map(self._convert, self.engine.step()) if step is not None]
+                for step in out:
+                    if step.finish is not None:
+                        self._requests.pop(step.request_id, None)
+                post(held, (r.deadline(r.generated) for r in self._requests.values()))
+        except Exception as e:  # vLLM failed: every request fails with it (the worker makes a new batch)
+            self._error = f"{type(e).__name__}: {e}"
+            failed = [Step(rid, (), None, f"the vLLM batch stopped: {self._error}") for rid in self._requests]
+            self._requests.clear()
+            return failed
+        return out
 
     def close(self) -> None:
-        self._commands.put(None)
-        self._thread.join(timeout=30)
         self._requests.clear()
-        if self.gate is not None:
-            self.gate.idle(self.gate_slot)
+        self._idle()
         shutdown = getattr(self.engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
 
-    # The batch's thread.
-
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._take_commands(block=not busy):
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                elif self.gate is not None:
-                    self.gate.idle(self.gate_slot)
-        except Exception as e:  # vLLM failed: every running request fails with it (the worker makes a new batch)
-            self._error = f"{type(e).__name__}: {e}"
-            if self.gate is not None:
-                self.gate.idle(self.gate_slot)
-
-    def _take_commands(self, block: bool) -> bool:
-        """Apply the queued commands (waiting for one when idle); False once closed."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while command is not None:
-            if isinstance(command, _Add):
-                if command.request_id in self._requests:  # not cancelled while queued
-                    try:
-                        prompt = TokensPrompt(prompt_token_ids=list(command.prompt_ids))
-                        self.engine.add_request(command.request_id, prompt, command.params)
-                    except Exception as e:  # a spec vLLM refuses: that request fails alone
-                        self._out.put(Step(command.request_id, (), None, f"{type(e).__name__}: {e}"))
-            else:
-                self.engine.abort_request([command.request_id])
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-        return False
-
-    def _step(self) -> None:
-        if self.threads and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
-        if self.gate is None:
-            outputs = self.engine.step()
-        else:
-            with self.gate.turn(self.gate_slot, self._deadline()) as turn:
-                self.waited += turn.waited
-                outputs = self.engine.step()
-                turn.then = self._deadline()
-        for output in outputs:
-            step = self._convert(output)
-            if step is not None:
-                self._out.put(step)
-
-    def _deadline(self) -> float:
-        going = [r.deadline(r.generated) for r in list(self._requests.values())]
-        return min(going, default=math.inf)
+    def _idle(self) -> None:
+        if self.gate is not None:
+            self.gate.idle(self.gate_slot)
 
     def _convert(self, output: Any) -> Step | None:
         request = self._requests.get(output.request_id)
@@ -231,9 +169,6 @@ class VllmBatch:
             return None
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
-        logprobs = [
-            _logprob(t, d, request.params.logprobs) for t, d in zip(tokens, completion.logprobs or (), strict=False)
-        ]
         finish = None
         if output.finished:
             reason = completion.finish_reason
@@ -241,10 +176,10 @@ class VllmBatch:
                 tokens.pop()  # the end of sequence ends it; it is not part of the text
             finish = FinishReason.LENGTH if reason == "length" else FinishReason.STOP
         request.generated += len(tokens)
-        picked: list[tuple[int, TokenLogprob | None]] = [
-            (t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(tokens)
-        ]
-        return Step(output.request_id, tuple(picked), finish)
+        lps = completion.logprobs or ()
+        top = request.params.logprobs
+        picked = tuple((t, _logprob(t, lps[i], top) if i < len(lps) else None) for i, t in enumerate(tokens))
+        return Step(output.request_id, picked, finish)
 
 
 def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob | None:
@@ -254,3 +189,50 @@ def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob
         return None
     ranked = sorted(alternatives.items(), key=lambda item: item[1].rank or math.inf)
     return TokenLogprob(token, float(chosen.logprob), tuple((t, float(lp.logprob)) for t, lp in ranked[:top]))
+
+
+@dataclass
+class VllmBinding:
+    """Binds models for the worker loop (`worker_loop.Binding`) on vLLM's engine. One tier:
+    `TierUpNow` is answered at once."""
+
+    gate: StepGate | None = None
+    slot: int = -1
+    max_batch: int = 16
+    kv_tokens: int = 8192
+    checkpoint: Path | None = None
+    wake_s: ClassVar[float | None] = None
+    build_window: ClassVar[tuple[float, float]] = (math.inf, math.inf)
+
+    def load_beside(self, load: Load) -> Loaded | None:
+        if load.stage is not None or load.stages:
+            raise ValueError("a vLLM worker serves no pipeline stages (the torch engine's)")
+        load.torch_checkpoint()  # refused before the bound model goes
+        return None
+
+    def load(self, load: Load, threads: int) -> Bound:
+        t0 = time.monotonic()
+        self.checkpoint = load.torch_checkpoint()
+        batch = self.reopen(threads)
+        loaded = Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
+        return Bound(loaded, batch, batch_decoder(batch.tokenizer))
+
+    def reopen(self, threads: int) -> VllmBatch:
+        if self.checkpoint is None:
+            raise RuntimeError("no model loaded in this worker")
+        return VllmBatch(self.checkpoint, self.max_batch, self.kv_tokens, self.gate, self.slot)
+
+    def release(self) -> None:
+        self.checkpoint = None
+
+    def tier_up(self) -> TieredUp:
+        return TieredUp(Tier.TORCH, 0.0, "" if self.checkpoint is not None else "no model loaded")
+
+    def tiered(self) -> TieredUp | None:
+        return None
+
+    def drop_session(self, session: str) -> None:
+        pass  # vLLM's prefix cache is its own; no session state outlives a request
+
+    def close(self) -> None:
+        pass

@@ -9,9 +9,8 @@ from typing import Any
 from shared.messages import Guide, SamplingParams
 
 STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "grammar": "grammar"}
-"""Our guide kinds and vLLM's `StructuredOutputsParams` field for each. A `grammar` is
-xgrammar's EBNF, what the OpenVINO engine takes too; vLLM's default backend compiles it with
-xgrammar."""
+"""Our guide kinds and vLLM's `StructuredOutputsParams` field for each (a `grammar` is xgrammar's
+EBNF, which vLLM's default backend compiles with xgrammar, as the OpenVINO engine does)."""
 
 
 def structured_kwargs(guide: Guide) -> dict[str, str]:
@@ -22,13 +21,10 @@ def structured_kwargs(guide: Guide) -> dict[str, str]:
 
 
 def sampling_kwargs(p: SamplingParams, ends: Sequence[int]) -> dict[str, Any]:
-    """vLLM `SamplingParams` arguments for `p`, less the structured output and the output kind
-    (vLLM's own classes: `batch.py` adds them). `ends`: the model's ends of sequence beyond the
-    tokenizer's own (a chat's end of turn), which stop it unless it ignores them.
-
-    Stop strings are not passed: the worker's text stream matches them on the text it sends
-    (`text.StreamText`), as on every engine, and cancels the rest. Tokens are not detokenized by
-    vLLM for the same reason. Logprobs are vLLM's default, the model's before any processing."""
+    """vLLM `SamplingParams` arguments for `p`, less its own classes' (`batch.py` adds them);
+    `ends`: the model's ends of sequence (a chat's end of turn too). No stop strings and no
+    detokenizing: the worker loop's text does both, as for every engine. Logprobs are vLLM's
+    default: the model's, before any processing."""
     return {
         "n": 1,
         "max_tokens": p.max_tokens,

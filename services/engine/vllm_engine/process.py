@@ -1,5 +1,5 @@
-"""The vLLM worker process's entry point (spawned by name: `shared.process.run_worker`), apart
-from the worker: its pre-warm imports vLLM and torch before any model is bound."""
+"""The vLLM worker process's entry point (spawned by name: `shared.process.run_worker`): vLLM's
+settings are made before its pre-warm imports it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def worker_main(
     import torch
 
     # The pre-warm (TIDAL §5): vLLM and torch imported before any model is bound.
-    from services.engine.vllm_engine.worker import VllmBinding
+    from services.engine.vllm_engine.batch import VllmBinding
     from services.engine.worker_loop import WorkerLoop
 
     torch.set_num_threads(max(1, threads))
