@@ -338,7 +338,7 @@ class RegisterModel(BaseModel):
     chat_template: Text = Field(default="", max_length=65_536)
     replace: bool = False
     """Replace a model registered under this name (else registering a taken name is a 409)."""
-    weight_format: WeightFormat | None = None
+    weight_format: Annotated[WeightFormat, Field(strict=False)] | None = None
     """What a Hugging Face checkpoint's weights are compressed to (NNCF): int4, int8, f16 or f32;
     left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
     a 400), as does a GGUF (naming one is a 400)."""

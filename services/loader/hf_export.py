@@ -158,3 +158,16 @@ def export(checkpoint: Path, out: Path, weight_format: WeightFormat) -> None:
         if (checkpoint / name).is_file():
             shutil.copyfile(checkpoint / name, out / name)
     tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m services.loader.hf_export CHECKPOINT OUT WEIGHT_FORMAT`: what
+    `optimum-cli export openvino --weight-format` writes, by the loader's exporter."""
+    checkpoint, out, weight_format = argv
+    export(Path(checkpoint), Path(out), WeightFormat(weight_format))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops.localcluster import LocalCluster
+from ops.localcluster import LocalCluster, default_model_path
 from tests.helpers.checkpoints import export_ir, make_hf_checkpoint
 from tests.helpers.cluster import register
 
@@ -117,6 +117,9 @@ def test_bad_model_directories_are_400s_that_say_why_and_leave_nothing_in_the_st
     assert "architecture 'tessera-unknown-arch'" in _refused(cluster, unknown)
 
     assert "int4" in _refused(cluster, ir_dir, weight_format="int4")  # an IR is served as exported
+    assert "weight_format applies to a Hugging Face checkpoint" in _refused(
+        cluster, default_model_path(), weight_format="int8"
+    )
 
     assert cluster.store is not None and {p.name for p in cluster.store.iterdir()} == store_listing
     names = [m["name"] for m in httpx.get(f"{cluster.base_url}/admin/models", timeout=10).json()]
