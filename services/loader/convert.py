@@ -127,6 +127,7 @@ def convert(
         if missing:
             raise RuntimeError(f"conversion did not write {missing}")
         weight_bytes = (tmp / "openvino_model.bin").stat().st_size
+        found = ir_weight_format(tmp / "openvino_model.xml")
         artifact = Artifact(
             artifact_id=artifact_id,
             path=str(dest.resolve()),
@@ -137,8 +138,8 @@ def convert(
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),
             sampling=dict(facts["sampling"]),
-            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes),
-            weight_format=ir_weight_format(tmp / "openvino_model.xml"),
+            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes, found),
+            weight_format=found,
         )
         write_artifact(tmp, artifact)
         if dest.exists():
@@ -245,7 +246,7 @@ def convert_directory(
             architecture=str(facts["architecture"]),
             openvino_version=ov.get_version(),
             sampling=dict(facts["sampling"]),  # type: ignore[call-overload]
-            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes),
+            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes, found),
             source_format=kind,
             weight_format=found,
         )
