@@ -507,7 +507,7 @@ class LoaderService:
             return path, source_format(f.name for f in path.iterdir() if f.is_file())
         if path.suffix.lower() != ".gguf" or not path.is_file():
             raise ImportRefused(
-                f"source {shown(source)} is neither a readable .gguf file nor a model directory "
+                f"source {shown(source)} is not a readable .gguf file, nor a model directory "
                 "(a Hugging Face checkpoint or an OpenVINO IR)"
             )
         with path.open("rb") as f:
