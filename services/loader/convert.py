@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import gguf
 import openvino as ov
@@ -58,8 +58,8 @@ SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "penalty_repeat": "rep
 """GGUF's recommended-sampling keys (`general.sampling.*`) and the defaults they set."""
 
 
-class GgufFacts(TypedDict):
-    """What an artifact needs from a GGUF's metadata."""
+class ModelFacts(TypedDict):
+    """What an artifact needs from a GGUF's metadata or a checkpoint's config."""
 
     sampling: dict[str, float]
     architecture: str
@@ -69,7 +69,7 @@ class GgufFacts(TypedDict):
     head_dim: int
 
 
-def gguf_facts(source: Path) -> GgufFacts:
+def gguf_facts(source: Path) -> ModelFacts:
     reader = gguf.GGUFReader(str(source))
     fields = reader.fields
 
@@ -123,32 +123,56 @@ def convert(
         pipe = ov_genai.LLMPipeline(str(link), "CPU", enable_save_ov_model=True)
         del pipe
         link.unlink()
-        missing = [f for f in IR_FILES if not (tmp / f).is_file()]
-        if missing:
-            raise RuntimeError(f"conversion did not write {missing}")
-        weight_bytes = (tmp / "openvino_model.bin").stat().st_size
-        found = ir_weight_format(tmp / "openvino_model.xml")
-        artifact = Artifact(
-            artifact_id=artifact_id,
-            path=str(dest.resolve()),
-            source_sha256=source_sha256,
-            context_length=int(facts["context_length"]),
-            kv_bytes_per_token=kv_bytes_per_token(int(facts["layers"]), int(facts["kv_heads"]), int(facts["head_dim"])),
-            weight_bytes=weight_bytes,
-            architecture=str(facts["architecture"]),
-            openvino_version=ov.get_version(),
-            sampling=dict(facts["sampling"]),
-            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes, found),
-            weight_format=found,
+        return _place(
+            tmp, dest, Meta(source_sha256, artifact_id, SourceFormat.GGUF, start_tier_max_weight_bytes), facts
         )
-        write_artifact(tmp, artifact)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-        return artifact
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Meta(NamedTuple):
+    """What an artifact is besides its model's facts."""
+
+    source_sha256: str
+    artifact_id: str
+    source_format: SourceFormat
+    start_tier_max_weight_bytes: int
+
+
+def _place(tmp: Path, dest: Path, meta: Meta, facts: ModelFacts, asked: WeightFormat | None = None) -> Artifact:
+    """The artifact of the IR converted into `tmp`, written there, and `tmp` renamed to `dest`
+    (a crash never leaves a half-written artifact that looks whole). `asked`: the weight format
+    the IR must hold (`NotImportable` where it holds another)."""
+    missing = [f for f in IR_FILES if not (tmp / f).is_file()]
+    if missing:
+        raise RuntimeError(f"conversion did not write {missing}")
+    found = ir_weight_format(tmp / "openvino_model.xml")
+    if asked is not None and found != asked:
+        raise NotImportable(
+            f"the OpenVINO IR holds {found} weights, not {asked}: an IR is served as it was "
+            "exported (export it with that --weight-format, or register its Hugging Face checkpoint)"
+        )
+    weight_bytes = (tmp / "openvino_model.bin").stat().st_size
+    artifact = Artifact(
+        artifact_id=meta.artifact_id,
+        path=str(dest.resolve()),
+        source_sha256=meta.source_sha256,
+        context_length=facts["context_length"],
+        kv_bytes_per_token=kv_bytes_per_token(facts["layers"], facts["kv_heads"], facts["head_dim"]),
+        weight_bytes=weight_bytes,
+        architecture=facts["architecture"],
+        openvino_version=ov.get_version(),
+        sampling=dict(facts["sampling"]),
+        start_tier=start_tier_wins(weight_bytes, meta.start_tier_max_weight_bytes, found),
+        source_format=meta.source_format,
+        weight_format=found,
+    )
+    write_artifact(tmp, artifact)
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return artifact
 
 
 def ir_weight_format(model_xml: Path) -> WeightFormat:
@@ -165,7 +189,7 @@ GENERATION_KEYS = ("temperature", "top_p", "repetition_penalty")
 """generation_config.json's sampling defaults an artifact keeps (as a GGUF's `general.sampling.*`)."""
 
 
-def checkpoint_facts(directory: Path) -> dict[str, object]:
+def checkpoint_facts(directory: Path) -> ModelFacts:
     """What an artifact needs from a checkpoint's (or an exported IR's) config.json, and its
     generation_config.json's sampling where it samples."""
     config = json.loads((directory / "config.json").read_text())
@@ -223,38 +247,9 @@ def convert_directory(
             for f in source.iterdir():
                 if f.is_file():
                     shutil.copyfile(f, tmp / f.name)
-        missing = [f for f in IR_FILES if not (tmp / f).is_file()]
-        if missing:
-            raise RuntimeError(f"conversion did not write {missing}")
-        found = ir_weight_format(tmp / "openvino_model.xml")
-        if weight_format is not None and found != weight_format:
-            raise NotImportable(
-                f"the OpenVINO IR holds {found} weights, not {weight_format}: an IR is served as it was "
-                "exported (export it with that --weight-format, or register its Hugging Face checkpoint)"
-            )
         facts = checkpoint_facts(tmp if (tmp / "config.json").is_file() else source)
-        weight_bytes = (tmp / "openvino_model.bin").stat().st_size
-        artifact = Artifact(
-            artifact_id=artifact_id,
-            path=str(dest.resolve()),
-            source_sha256=source_sha256,
-            context_length=int(str(facts["context_length"])),
-            kv_bytes_per_token=kv_bytes_per_token(
-                int(str(facts["layers"])), int(str(facts["kv_heads"])), int(str(facts["head_dim"]))
-            ),
-            weight_bytes=weight_bytes,
-            architecture=str(facts["architecture"]),
-            openvino_version=ov.get_version(),
-            sampling=dict(facts["sampling"]),  # type: ignore[call-overload]
-            start_tier=start_tier_wins(weight_bytes, start_tier_max_weight_bytes, found),
-            source_format=kind,
-            weight_format=found,
-        )
-        write_artifact(tmp, artifact)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-        return artifact
+        meta = Meta(source_sha256, artifact_id, kind, start_tier_max_weight_bytes)
+        return _place(tmp, dest, meta, facts, weight_format if kind is SourceFormat.OPENVINO else None)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

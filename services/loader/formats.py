@@ -38,7 +38,7 @@ def source_format(names: Iterable[str]) -> SourceFormat:
     neither (`NotImportable`, saying what is missing)."""
     files = set(names)
     if IR_MODEL in files:
-        missing = [f for f in (IR_MODEL.replace(".xml", ".bin"), *IR_TOKENIZERS) if f not in files]
+        missing = [f for f in (IR_MODEL.replace(".xml", ".bin"), *IR_TOKENIZERS, "config.json") if f not in files]
         if missing:
             raise NotImportable(
                 f"an OpenVINO IR directory without {', '.join(missing)} (export it with `optimum-cli export "

@@ -32,7 +32,9 @@ def test_an_ir_beside_safetensors_is_still_an_ir() -> None:
     assert source_format([*IR, "model.safetensors"]) is SourceFormat.OPENVINO
 
 
-@pytest.mark.parametrize("missing", ["openvino_tokenizer.xml", "openvino_detokenizer.xml", "openvino_model.bin"])
+@pytest.mark.parametrize(
+    "missing", ["openvino_tokenizer.xml", "openvino_detokenizer.xml", "openvino_model.bin", "config.json"]
+)
 def test_an_ir_missing_a_part_is_refused_naming_it(missing: str) -> None:
     with pytest.raises(NotImportable, match=missing):
         source_format([f for f in IR if f != missing])
