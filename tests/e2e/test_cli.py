@@ -112,6 +112,15 @@ def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert gone.exit_code == 1 and "404" in gone.output
 
 
+def test_models_add_passes_the_weight_format_on(tessera: CliRunner, secure: LocalCluster) -> None:
+    """`--weight-format` reaches the loader: a GGUF keeps its own quantization, so naming one is
+    the loader's 400 (a checkpoint's export at a format: tests/e2e/test_formats.py)."""
+    args = ["models", "add", "cli-wf", str(default_model_path()), "--weight-format", "int4"]
+    where = ["--url", secure.base_url, "--home", str(secure.home)]
+    refused = tessera.invoke(cli.app, [*args, *where], env={"TESSERA_ADMIN_KEY": ""})
+    assert refused.exit_code == 1 and "400" in refused.output and "weight_format" in refused.output
+
+
 def test_a_wrong_admin_key_is_refused_with_the_gateways_message(tessera: CliRunner, secure: LocalCluster) -> None:
     result = tessera.invoke(cli.app, ["keys", "ls", "--url", secure.base_url, "--admin-key", "tsk-nope"])
     assert result.exit_code == 1
