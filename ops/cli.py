@@ -156,7 +156,14 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
     with _admin(url, admin_key, home) as http:
         found = _ok(http.get("/admin/models"))
     table = Table(
-        "name", "artifact", "context", "keep-alive s", "TTFT SLO s (L prompt tokens)", "TPOT SLO s", "defaults"
+        "name",
+        "artifact",
+        "format",
+        "context",
+        "keep-alive s",
+        "TTFT SLO s (L prompt tokens)",
+        "TPOT SLO s",
+        "defaults",
     )
     for m in found:
         d = m.get("defaults", {})
@@ -167,6 +174,8 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         table.add_row(
             m["name"],
             m["artifact"]["artifact_id"],
+            # What it was registered from and the weights it keeps (older gateways: the GGUF's).
+            f"{m['artifact'].get('source_format', 'gguf')} {m['artifact'].get('weight_format', '')}".strip(),
             str(m["artifact"]["context_length"]),
             f"{m['keep_alive_s']:g}",
             _ttft_slo_text(m),

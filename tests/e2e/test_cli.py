@@ -95,6 +95,7 @@ def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert "registered cli-model" in out
     row = next(line for line in run(tessera, secure, "models", "ls").splitlines() if "cli-model" in line)
     assert " 30 " in row and " 3 " in row and "0.5" in row and "max_tokens 7" in row
+    assert "gguf int4" in row  # the default GGUF's Q4_1 weights, as the artifact records them
     admin = {"Authorization": f"Bearer {load_admin_key(secure.home)}"}
     found = {m["name"]: m for m in httpx.get(f"{secure.base_url}/admin/models", headers=admin, timeout=10).json()}
     assert found["cli-model"]["ttft_slo_s"] == 3 and found["cli-model"]["ttft_slo_per_token_s"] == 0
