@@ -29,7 +29,7 @@ from ops.localcluster import (
     core_shares,
     load_admin_key,
 )
-from shared.messages import TTFT_SLO_PER_TOKEN_S
+from shared.messages import TTFT_SLO_PER_TOKEN_S, WeightFormat
 
 app = typer.Typer(help="Tessera: serverless LLM inference.", no_args_is_help=True)
 models = typer.Typer(help="Register, list and remove models.", no_args_is_help=True)
@@ -156,7 +156,14 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
     with _admin(url, admin_key, home) as http:
         found = _ok(http.get("/admin/models"))
     table = Table(
-        "name", "artifact", "context", "keep-alive s", "TTFT SLO s (L prompt tokens)", "TPOT SLO s", "defaults"
+        "name",
+        "artifact",
+        "format",
+        "context",
+        "keep-alive s",
+        "TTFT SLO s (L prompt tokens)",
+        "TPOT SLO s",
+        "defaults",
     )
     for m in found:
         d = m.get("defaults", {})
@@ -167,6 +174,8 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         table.add_row(
             m["name"],
             m["artifact"]["artifact_id"],
+            # What it was registered from and the weights it keeps (older gateways: the GGUF's).
+            f"{m['artifact'].get('source_format', 'gguf')} {m['artifact'].get('weight_format', '')}".strip(),
             str(m["artifact"]["context_length"]),
             f"{m['keep_alive_s']:g}",
             _ttft_slo_text(m),
@@ -208,11 +217,18 @@ def models_add(
         None, exists=True, dir_okay=False, help="A Jinja chat template file replacing the GGUF's own."
     ),
     replace: bool = typer.Option(False, help="Replace a model already registered as NAME (else that is an error)."),
+    weight_format: WeightFormat | None = typer.Option(
+        None,
+        help="What a Hugging Face checkpoint's weights are compressed to (default: int8 up to 3B "
+        "parameters, int4 above); an IR or a GGUF keeps its own.",
+    ),
     url: str = URL,
     admin_key: str | None = ADMIN_KEY,
     home: Path = HOME,
 ) -> None:
-    """Register NAME on a GGUF; the sampling options set its defaults for requests that omit them."""
+    """Register NAME on a GGUF, a Hugging Face checkpoint directory or an OpenVINO IR directory
+    (`optimum-cli export openvino`); the sampling options set its defaults for requests that
+    omit them."""
     overrides = {
         k: v
         for k, v in (
@@ -223,7 +239,7 @@ def models_add(
         )
         if v is not None
     }
-    with _admin(url, admin_key, home) as http, _working(f"importing {source} (GGUF → IR → compiled tiers)"):
+    with _admin(url, admin_key, home) as http, _working(f"importing {source} (→ IR → compiled tiers)"):
         r = http.post(
             "/admin/models",
             timeout=900,
@@ -235,6 +251,7 @@ def models_add(
                 "ttft_slo_per_token_s": ttft_slo_per_token_s,
                 "tpot_slo_s": tpot_slo_s,
                 "replace": replace,
+                **({"weight_format": str(weight_format)} if weight_format else {}),
                 **({"chat_template": chat_template.read_text()} if chat_template else {}),
                 **overrides,
             },

@@ -61,11 +61,36 @@ COMPILED_TIERS = (Tier.START, Tier.STEADY)
 # --- the model registry -------------------------------------------------------------------
 
 
+class WeightFormat(StrEnum):
+    """The element type an artifact keeps its weights in (optimum-cli's `--weight-format`):
+    what a registration of a Hugging Face checkpoint asks NNCF for, and what the artifact of
+    any source was found to hold."""
+
+    INT4 = "int4"
+    """4-bit asymmetric (`int4_asym`) with 8-bit embeddings, NNCF's default group size."""
+    INT8 = "int8"
+    """8-bit asymmetric, per output channel."""
+    F16 = "f16"
+    F32 = "f32"
+
+
+class SourceFormat(StrEnum):
+    """What a registration's source was."""
+
+    GGUF = "gguf"
+    HF = "hf"
+    """A Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer files."""
+    OPENVINO = "openvino"
+    """An OpenVINO IR directory as `optimum-cli export openvino` writes it."""
+
+
 class Artifact(Message, frozen=True):
-    """A GGUF converted once into the model store; shared by every name registered on it."""
+    """A source (GGUF, Hugging Face checkpoint, OpenVINO IR) converted once into the model
+    store; shared by every name registered on it."""
 
     artifact_id: str
-    """sha256 of the GGUF (16 hex) + OpenVINO version: a new runtime gets a new conversion."""
+    """sha256 of the source (16 hex; of a directory: of its files' names and contents, and the
+    weight format asked for) + OpenVINO version: a new runtime gets a new conversion."""
     path: str
     """Directory holding the OpenVINO IR and the compiled tokenizer/detokenizer."""
     source_sha256: str
@@ -83,6 +108,10 @@ class Artifact(Message, frozen=True):
     """The loader wrote (and compiles) its start tier (`shared.artifact.START_DIR`); False
     where its packed weights are above the loader's `start_tier_max_weight_bytes`: its
     OpenVINO engine then serves from the continuous-batching core from the first token."""
+    source_format: SourceFormat = SourceFormat.GGUF
+    weight_format: str = ""
+    """A `WeightFormat`, as found in the IR's weights (a GGUF's Q4_1 reads as int4); "" in an
+    artifact written before it was recorded."""
 
 
 class GenerationDefaults(Message, frozen=True):
@@ -128,9 +157,14 @@ class ModelRecord(Message, frozen=True):
 
 
 class ImportModel(Message, frozen=True):
-    """Convert a GGUF into the store, or find the conversion already there."""
+    """Convert a source (a GGUF, a Hugging Face checkpoint or an OpenVINO IR directory) into
+    the store, or find the conversion already there."""
 
     source: str
+    weight_format: WeightFormat | None = None
+    """What a Hugging Face checkpoint's weights are compressed to (None: by its size,
+    `services.loader.formats.default_weight_format`); an IR or a GGUF keeps its own, and
+    naming another is refused."""
 
 
 class ModelImported(Message, frozen=True):

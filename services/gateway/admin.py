@@ -93,7 +93,7 @@ class Admin:
             raise _taken(req.name)
         imported = await self.bus.request(
             subjects.import_model(),
-            ImportModel(source=req.source),
+            ImportModel(source=req.source, weight_format=req.weight_format),
             ModelImported | Rejected,
             timeout=self.settings.import_timeout_s,
         )

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.tools import Tool, check_tool_choice
-from shared.messages import TTFT_SLO_PER_TOKEN_S
+from shared.messages import TTFT_SLO_PER_TOKEN_S, WeightFormat
 
 
 def _unicode(v: str) -> str:
@@ -307,14 +307,19 @@ MAX_SLO_S = 3_600.0
 
 
 class RegisterModel(BaseModel):
-    """Admin API: register a model name on a GGUF file."""
+    """Admin API: register a model name on a GGUF file, a Hugging Face checkpoint directory or
+    an OpenVINO IR directory."""
 
     model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
     is a name, not empty, `.` or `..` (which clients and proxies resolve away)."""
-    source: Text = Field(min_length=1, max_length=4096, description="Absolute path of a .gguf file")
+    source: Text = Field(
+        min_length=1,
+        max_length=4096,
+        description="Absolute path of a .gguf file, a Hugging Face checkpoint directory or an OpenVINO IR directory",
+    )
     """At most PATH_MAX (4096 on Linux) characters."""
     ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
     # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
@@ -333,6 +338,10 @@ class RegisterModel(BaseModel):
     chat_template: Text = Field(default="", max_length=65_536)
     replace: bool = False
     """Replace a model registered under this name (else registering a taken name is a 409)."""
+    weight_format: Annotated[WeightFormat, Field(strict=False)] | None = None
+    """What a Hugging Face checkpoint's weights are compressed to (NNCF): int4, int8, f16 or f32;
+    left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
+    a 400), as does a GGUF (naming one is a 400)."""
 
     @field_validator("name")
     @classmethod
@@ -347,7 +356,7 @@ class RegisterModel(BaseModel):
         # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
         # raise instead of answering (the import would wait for its timeout).
         if "\x00" in v or not v.startswith(("/", "~/")):
-            raise ValueError("must be an absolute path to a .gguf file")
+            raise ValueError("must be an absolute path to a .gguf file or a model directory")
         return v
 
 

@@ -1,4 +1,5 @@
-"""Loader bus handlers: import a GGUF into the model store, once per content and runtime."""
+"""Loader bus handlers: import a source (a GGUF, a Hugging Face checkpoint, an OpenVINO IR
+directory) into the model store, once per content, weight format and runtime."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from policy.multicast import STORE, pipecast
+from services.loader.formats import REFUSED_EXIT, NotImportable, checkpoint_params, default_weight_format, source_format
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
 from services.loader.layout import stage_layout
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
-from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of
+from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of, sha256_of_dir
 from shared import subjects
 from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
@@ -34,10 +36,12 @@ from shared.messages import (
     Multicast,
     MulticastDone,
     Rejected,
+    SourceFormat,
     StageArtifact,
     Staged,
     Tier,
     VerifyStaged,
+    WeightFormat,
 )
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld, LayoutQuery, StageLayout
 
@@ -478,34 +482,59 @@ class LoaderService:
         self._update_gauges()
         await self.bus.reply(msg, Evicted(node_id=self.settings.node_id, artifact_ids=tuple(keys), freed_bytes=freed))
 
-    def _check_source(self, source: str) -> Path:
+    def _check_source(self, source: str) -> tuple[Path, SourceFormat]:
         try:
-            return self._readable_gguf(source)
+            return self._readable_source(source)
         except RuntimeError:  # pathlib's "Symlink loop from ..." (Python 3.11)
             raise ImportRefused(f"source {shown(source)} cannot be read: a symlink loop") from None
+        except NotImportable as e:
+            raise ImportRefused(f"source {shown(source)} is {e}") from None
         except OSError as e:  # too long a name, a loop, no permission: the error's words, not its path
             why = e.strerror or type(e).__name__
             raise ImportRefused(f"source {shown(source)} cannot be read: {why}") from None
 
-    def _readable_gguf(self, source: str) -> Path:
+    def _readable_source(self, source: str) -> tuple[Path, SourceFormat]:
         path = Path(source).expanduser()
         if not path.is_absolute():
-            raise ImportRefused(f"source must be an absolute path to a .gguf file, got {shown(source)}")
+            raise ImportRefused(
+                f"source must be an absolute path to a .gguf file or a model directory, got {shown(source)}"
+            )
         path = path.resolve()
         allowed = [d.resolve() for d in self.settings.allowed_model_dirs]
         if allowed and not any(path.is_relative_to(d) for d in allowed):
             raise ImportRefused(f"source {shown(source)} is outside the allowed model directories")
+        if path.is_dir():
+            return path, source_format(f.name for f in path.iterdir() if f.is_file())
         if path.suffix.lower() != ".gguf" or not path.is_file():
-            raise ImportRefused(f"source {shown(source)} is not a readable .gguf file")
+            raise ImportRefused(
+                f"source {shown(source)} is not a readable .gguf file, nor a model directory "
+                "(a Hugging Face checkpoint or an OpenVINO IR)"
+            )
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":
                 raise ImportRefused(f"source {shown(source)} is not a GGUF file (bad magic)")
-        return path
+        return path, SourceFormat.GGUF
 
-    async def import_model(self, source: str) -> ModelImported:
+    @staticmethod
+    def _weight_format(path: Path, kind: SourceFormat, asked: WeightFormat | None) -> WeightFormat | None:
+        """What the import keeps: a checkpoint's asked-for format or its size's default; an IR's
+        asked-for one (checked against what it holds); a GGUF keeps its own quantization."""
+        if kind is SourceFormat.GGUF and asked is not None:
+            raise ImportRefused(
+                "weight_format applies to a Hugging Face checkpoint (a GGUF keeps its own quantization)"
+            )
+        if kind is SourceFormat.HF and asked is None:
+            return default_weight_format(checkpoint_params(path))
+        return asked
+
+    async def import_model(self, source: str, weight_format: WeightFormat | None = None) -> ModelImported:
         t0 = time.perf_counter()
-        path = self._check_source(source)
-        sha = await asyncio.to_thread(sha256_of, path)
+        path, kind = self._check_source(source)
+        keep = self._weight_format(path, kind, weight_format)
+        if kind is SourceFormat.GGUF:
+            sha = await asyncio.to_thread(sha256_of, path)
+        else:  # the weight format asked for is part of what the artifact is
+            sha = await asyncio.to_thread(sha256_of_dir, path, str(keep or ""))
         aid = artifact_id(sha, ov.get_version())
         dest = artifact_dir(self.store, aid)
         async with self._locks.setdefault(aid, asyncio.Lock()):
@@ -513,7 +542,7 @@ class LoaderService:
             if existing is not None and is_materialized(existing, self.settings.device, self.settings.engine_backend):
                 IMPORT_SECONDS.labels("false").observe(time.perf_counter() - t0)
                 return ModelImported(artifact=existing, converted=False, seconds=time.perf_counter() - t0)
-            log.info("importing %s into %s", path, dest)
+            log.info("importing %s (%s) into %s", path, kind, dest)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -525,6 +554,8 @@ class LoaderService:
                 self.settings.device,
                 str(self.settings.inference_threads),
                 self.settings.engine_backend,
+                kind,
+                str(keep or ""),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -535,12 +566,15 @@ class LoaderService:
                 await proc.wait()
                 raise ImportRefused(f"conversion of {shown(source)} timed out") from None
             artifact = read_artifact(dest)
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            if proc.returncode == REFUSED_EXIT:
+                reason = tail[0].removeprefix("refused: ")[: 2 * SHOWN_SOURCE_CHARS]
+                raise ImportRefused(f"source {shown(source)} cannot be imported: {reason}")
             if (
                 proc.returncode != 0
                 or artifact is None
                 or not is_materialized(artifact, self.settings.device, self.settings.engine_backend)
             ):
-                tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
                 raise ImportRefused(f"conversion of {shown(source)} failed: {tail[0][:SHOWN_SOURCE_CHARS]}")
         seconds = time.perf_counter() - t0
         IMPORT_SECONDS.labels("true").observe(seconds)
@@ -550,7 +584,7 @@ class LoaderService:
     async def on_import(self, msg: Msg) -> None:
         req = decode(msg.data, ImportModel)
         try:
-            reply: ModelImported | Rejected = await self.import_model(req.source)
+            reply: ModelImported | Rejected = await self.import_model(req.source, req.weight_format)
         except ImportRefused as e:  # bad input, handled: the client is told why
             log.warning("import refused: %s", e)
             reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=str(e))

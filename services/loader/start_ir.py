@@ -22,12 +22,15 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
+from shared.messages import WeightFormat
 
-def start_tier_wins(weight_bytes: int, max_weight_bytes: int) -> bool:
+
+def start_tier_wins(weight_bytes: int, max_weight_bytes: int, weight_format: WeightFormat = WeightFormat.INT4) -> bool:
     """Whether an artifact whose packed weights take `weight_bytes` gets a start tier: only
     where they are at most `max_weight_bytes` (`LoaderSettings.start_tier_max_weight_bytes`,
-    whose docstring has the measurements)."""
-    return weight_bytes <= max_weight_bytes
+    whose docstring has the measurements), and only for 4-bit weights: int8 or f16 weights
+    have no u4 to widen, so a start tier would be a second copy of the same IR and blob."""
+    return weight_format is WeightFormat.INT4 and weight_bytes <= max_weight_bytes
 
 
 def _unpack_u4(const: ov.Node) -> np.ndarray:

@@ -1,7 +1,8 @@
 """The model store on disk: where an artifact lives, what it is called, what it costs.
 
-An artifact is keyed by the GGUF's content and the OpenVINO version that converted it, so a
-runtime upgrade gets a fresh conversion instead of a stale one.
+An artifact is keyed by the source's content (a directory's: with the weight format asked
+for) and the OpenVINO version that converted it, so a runtime upgrade gets a fresh conversion
+instead of a stale one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ def sha256_of(path: Path) -> str:
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_of_dir(directory: Path, salt: str = "") -> str:
+    """Of a model directory: its files' names and contents (in name order), then `salt` (what
+    else makes the artifact: the weight format asked for)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    h.update(salt.encode())
     return h.hexdigest()
 
 

@@ -95,6 +95,7 @@ def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
     assert "registered cli-model" in out
     row = next(line for line in run(tessera, secure, "models", "ls").splitlines() if "cli-model" in line)
     assert " 30 " in row and " 3 " in row and "0.5" in row and "max_tokens 7" in row
+    assert "gguf int4" in row  # the default GGUF's Q4_1 weights, as the artifact records them
     admin = {"Authorization": f"Bearer {load_admin_key(secure.home)}"}
     found = {m["name"]: m for m in httpx.get(f"{secure.base_url}/admin/models", headers=admin, timeout=10).json()}
     assert found["cli-model"]["ttft_slo_s"] == 3 and found["cli-model"]["ttft_slo_per_token_s"] == 0
@@ -110,6 +111,15 @@ def test_models_add_ls_rm(tessera: CliRunner, secure: LocalCluster) -> None:
         env={"TESSERA_ADMIN_KEY": ""},
     )
     assert gone.exit_code == 1 and "404" in gone.output
+
+
+def test_models_add_passes_the_weight_format_on(tessera: CliRunner, secure: LocalCluster) -> None:
+    """`--weight-format` reaches the loader: a GGUF keeps its own quantization, so naming one is
+    the loader's 400 (a checkpoint's export at a format: tests/e2e/test_formats.py)."""
+    args = ["models", "add", "cli-wf", str(default_model_path()), "--weight-format", "int4"]
+    where = ["--url", secure.base_url, "--home", str(secure.home)]
+    refused = tessera.invoke(cli.app, [*args, *where], env={"TESSERA_ADMIN_KEY": ""})
+    assert refused.exit_code == 1 and "400" in refused.output and "weight_format" in refused.output
 
 
 def test_a_wrong_admin_key_is_refused_with_the_gateways_message(tessera: CliRunner, secure: LocalCluster) -> None:

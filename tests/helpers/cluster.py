@@ -63,10 +63,12 @@ def register(
     keep_alive_s: float = 300.0,
     source: str | None = None,
     replace: bool = False,
+    weight_format: str | None = None,
     **slo: float,
 ) -> dict[str, object]:
-    """Register `name` (the default model unless `source`; `replace`: over a registration of
-    the same name); `slo`: ttft_slo_s, ttft_slo_per_token_s, tpot_slo_s."""
+    """Register `name` (the default model unless `source`, a GGUF or a model directory;
+    `replace`: over a registration of the same name; `weight_format`: a checkpoint's); `slo`:
+    ttft_slo_s, ttft_slo_per_token_s, tpot_slo_s."""
     from ops.localcluster import default_model_path
 
     def post() -> httpx.Response | None:
@@ -77,6 +79,7 @@ def register(
                 "source": source or str(default_model_path()),
                 "keep_alive_s": keep_alive_s,
                 "replace": replace,
+                **({"weight_format": weight_format} if weight_format else {}),
                 **slo,
             },
             timeout=600,

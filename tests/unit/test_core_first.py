@@ -30,7 +30,7 @@ from services.loader.settings import LoaderSettings
 from services.loader.start_ir import start_tier_wins
 from services.loader.store import read_artifact
 from shared.artifact import START_DIR, compiled_cache_dir, has_tier, is_materialized
-from shared.messages import Artifact, SamplingParams, Tier
+from shared.messages import Artifact, SamplingParams, Tier, WeightFormat
 from tests.conformance.ovbatches import THREADS, encode, run_out, token_ids
 
 MIB = 1024**2
@@ -49,6 +49,9 @@ def test_the_start_tier_is_kept_only_up_to_the_limit() -> None:
     assert start_tier_wins(92 * MIB, limit)  # SmolLM2-135M's packed weights
     assert start_tier_wins(limit, limit)
     assert not start_tier_wins(limit + 1, limit)
+    # No u4 to widen: the start tier would be the same IR twice.
+    assert not start_tier_wins(92 * MIB, limit, WeightFormat.INT8)
+    assert not start_tier_wins(92 * MIB, limit, WeightFormat.F16)
     assert not start_tier_wins(917 * 1000**2, limit)  # SmolLM2-1.7B's
     assert not start_tier_wins(1, 0)
 
