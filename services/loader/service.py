@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,10 @@ STAGE_SECONDS = Histogram(
 STAGE_WAITS_FOR_MULTICAST_S = 60.0
 """Longest a start's stage waits for a multicast of its artifact under way before it reads
 the store instead."""
+
+
+HF_EXPORT_MODULES = ("torch", "transformers", "nncf")
+"""What exporting a Hugging Face checkpoint needs (`hf_export.py`): the `hf` extra, not a base install."""
 
 
 class ImportRefused(Exception):
@@ -522,6 +527,11 @@ class LoaderService:
         if kind is SourceFormat.GGUF and asked is not None:
             raise ImportRefused(
                 "weight_format applies to a Hugging Face checkpoint (a GGUF keeps its own quantization)"
+            )
+        if kind is SourceFormat.HF and (missing := [m for m in HF_EXPORT_MODULES if find_spec(m) is None]):
+            raise ImportRefused(
+                f"this loader cannot export a Hugging Face checkpoint: {', '.join(missing)} not installed "
+                "(install tessera[hf]; or register the checkpoint's OpenVINO IR or a GGUF)"
             )
         if kind is SourceFormat.HF and asked is None:
             return default_weight_format(checkpoint_params(path))

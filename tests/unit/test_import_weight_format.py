@@ -38,3 +38,18 @@ def test_a_gguf_refuses_a_weight_format(tmp_path: Path) -> None:
     assert LoaderService._weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, None) is None
     with pytest.raises(ImportRefused, match="keeps its own quantization"):
         LoaderService._weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, WeightFormat.INT4)
+
+
+def test_a_checkpoint_on_a_loader_without_the_exporter_is_refused_naming_what_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base install (no `hf` extra) answers a 400 that says what to install, not a failed
+    conversion; an IR still registers there."""
+    from importlib.util import find_spec
+
+    from services.loader import service
+
+    monkeypatch.setattr(service, "find_spec", lambda name: None if name == "nncf" else find_spec(name))
+    with pytest.raises(ImportRefused, match=r"nncf not installed.*tessera\[hf\]"):
+        LoaderService._weight_format(_checkpoint(tmp_path, 135_000_000), SourceFormat.HF, None)
+    assert LoaderService._weight_format(tmp_path, SourceFormat.OPENVINO, None) is None
