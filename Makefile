@@ -48,8 +48,11 @@ check: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Two workers, a test module each (pytest-xdist): an end-to-end test mostly waits on its cluster,
+# and the other worker runs meanwhile. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install check
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 unit: install
 	$(PY) -m pytest -q -m "not e2e and not integration"
