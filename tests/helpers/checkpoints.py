@@ -41,9 +41,10 @@ def save_default_tokenizer(dest: Path) -> Any:
 def make_tiny_checkpoint(dest: Path) -> Path:
     """A Llama of the default model's tokenizer and vocabulary but a tiny shape (hidden 64,
     2 layers, 4 heads over 2 KV heads; ≈ 3.2 M parameters, nearly all the tied embedding), its
-    weights random from a fixed seed, saved as safetensors: what registration and export do to
-    a checkpoint, in seconds rather than the minutes the 135 M model's export takes. Random
-    weights: its greedy text is not language, but it is the same for the same weights."""
+    weights random from a fixed seed (and a wider `initializer_range`: below), saved as
+    safetensors: what registration and export do to a checkpoint, in seconds rather than the
+    minutes the 135 M model's export takes. Random weights: its greedy text is not language,
+    but it is the same for the same weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,6 +58,11 @@ def make_tiny_checkpoint(dest: Path) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=CONTEXT_LENGTH,
         tie_word_embeddings=True,
+        # At transformers' default (0.02) the layers add little to the residual stream, and a
+        # tied head's best token is then the last one read: the greedy text repeats the prompt's
+        # last token ("\n" after a chat template), which would make two forms' texts equal
+        # whatever they compute. At 0.2 each new token depends on the context.
+        initializer_range=0.2,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,

@@ -77,14 +77,20 @@ def test_the_f32_export_computes_transformers_logits(checkpoint: Path, tmp_path:
     np.testing.assert_allclose(got_step, step, rtol=0, atol=1e-4)
 
 
-INT8_BOUND = 0.05
-"""The int8 IR's logits are within this fraction of the largest logit of transformers'.
-NNCF's INT8_ASYM keeps each weight row on 256 levels between its min and max: for a row of
-64-128 normal weights (≈ 5 σ wide) a step of ≈ 0.02 σ, an error of ≈ 0.6 % of the weights' RMS
-per matrix; over the two layers' seven matrices and the tied head, the logits' largest error is
-≈ 1.3 % of the largest logit on this checkpoint (measured while writing this). 5 % leaves room
-for another seed or CPU and is still far below what a wrong export gives (logits of another
-function: errors of the logits' own size)."""
+INT8_BOUND = 0.15
+"""The int8 IR's logits are within this relative error (the error's norm over the logits' norm,
+over the vocabulary) of transformers'. NNCF's INT8_ASYM keeps each weight row on 256 levels
+between its min and max: for a row of 64-128 normal weights (≈ 5 σ wide) a step of ≈ 0.02 σ, a
+rounding error of ≈ 0.6 % of the weights' RMS per matrix. The tiny checkpoint's weights are wide
+(σ = 0.2: each matrix has a gain of ≈ 1.6-2.3), and its attention's softmax sharp, so the error
+grows through the two layers' seven matrices and the tied head: 2.1-2.9 % at each prefill
+position and 4.2 % at the decode step here (measured while writing this; the f32 export: 5e-7).
+15 % leaves room for another CPU's kernels and is still far below what a wrong export gives
+(another function's logits: a relative error near 1 or above)."""
+
+
+def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 @pytest.mark.timeout(600)
@@ -92,7 +98,6 @@ def test_the_int8_export_is_within_its_quantization_error(checkpoint: Path, tmp_
     ids, prefill, step = _reference(checkpoint)
     got_prefill, got_step = _ir_logits(export_ir(checkpoint, tmp_path / "ir", "int8"), ids, int(prefill[-1].argmax()))
     assert got_prefill.shape == prefill.shape
-    for got, want in ((got_prefill, prefill), (got_step, step)):
-        err = float(np.abs(got - want).max())
-        # Above the f32 export's tolerance: the weights were compressed, not kept as they are.
-        assert 1e-4 < err <= INT8_BOUND * float(np.abs(want).max())
+    for got, want in (*zip(got_prefill, prefill, strict=True), (got_step, step)):
+        # Above the f32 export's error: the weights were compressed, not kept as they are.
+        assert 1e-4 < _relative_error(got, want) <= INT8_BOUND
