@@ -74,7 +74,9 @@ def test_a_checkpoint_and_its_ir_register_and_serve_the_same_greedy_text(
         # int8 weights have no u4 to widen: no start tier (a second copy of the same IR) is kept.
         assert artifact["start_tier"] is False
     text = _greedy(cluster, "fmt-hf")
-    assert text.strip()
+    # Not one token repeated (what a degenerate random model says whatever it computes), so that
+    # the two forms' equal texts mean equal functions.
+    assert len(set(text.split())) > 1
     assert _greedy(cluster, "fmt-ir") == text
 
 
