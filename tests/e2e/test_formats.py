@@ -2,16 +2,20 @@
 each is served, and each bad directory is a 400 that says what is wrong, with nothing left in
 the store.
 
-One checkpoint per session (made from the real default model: `tests/helpers/checkpoints.py`),
-one IR exported from it. The checkpoint is registered at its default weight format (int8 at
-135 M parameters) and the IR exported at int8 too, by the same exporter and NNCF: the two
-forms hold the same weights, and their greedy output is the same.
+One tiny checkpoint per session (the default model's tokenizer, a 2-layer Llama with random
+weights: `tests/helpers/checkpoints.py`), one IR exported from it: registration and serving do
+the same work at any size, and the export takes seconds where the 135 M model's takes minutes.
+The checkpoint is registered at its default weight format (int8 below 3 B parameters) and the
+IR exported at int8 too, by the same exporter and NNCF: the two forms hold the same weights,
+and their greedy text is the same. Random weights say nothing about the text itself; that the
+exporter computes transformers' function of a checkpoint is
+`tests/integration/test_hf_export.py`'s test.
 
 The GGUF form is not compared for equality: OpenVINO GenAI's GGUF reader builds its own graph
-from the Q4_1 blocks, and its logits differ from transformers' reading of the same file (which
-the checkpoint holds, in float32) by up to ≈ 15 at f32 precision on a 12-token chat prompt
-(measured while writing this; the exported checkpoint's IR differs from transformers by 0.0 at
-prefill). Same file, two readers, two functions: their greedy texts part after a few tokens.
+from the Q4_1 blocks, and its logits differ from transformers' reading of the same file by up
+to ≈ 15 at f32 precision on a 12-token chat prompt (measured on the 135 M model, while writing
+the first version of this test). Same file, two readers, two functions: their greedy texts
+part after a few tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import httpx
 import pytest
 
 from ops.localcluster import LocalCluster, default_model_path
-from tests.helpers.checkpoints import export_ir, make_hf_checkpoint
+from tests.helpers.checkpoints import export_ir, make_tiny_checkpoint
 from tests.helpers.cluster import register
 
 PROMPT = "What is the capital of France?"
@@ -32,7 +36,7 @@ PROMPT = "What is the capital of France?"
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(tmp_path_factory.mktemp("hf-checkpoint"))
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("hf-checkpoint"))
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +74,9 @@ def test_a_checkpoint_and_its_ir_register_and_serve_the_same_greedy_text(
         # int8 weights have no u4 to widen: no start tier (a second copy of the same IR) is kept.
         assert artifact["start_tier"] is False
     text = _greedy(cluster, "fmt-hf")
-    assert "Paris" in text
+    # Not one token repeated (what a degenerate random model says whatever it computes), so that
+    # the two forms' equal texts mean equal functions.
+    assert len(set(text.split())) > 1
     assert _greedy(cluster, "fmt-ir") == text
 
 
