@@ -53,10 +53,32 @@ def median_index(xs: list[float]) -> int:
     return order[(len(xs) - 1) // 2]
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+"""The instruction sets the engines' kernels pick from: results are compared only between runs
+on the same set."""
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and which of `ISA_FLAGS` it has, from /proc/cpuinfo."""
+    model, flags = "", set[str]()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def machine_info(load_before: tuple[float, float, float]) -> dict[str, Any]:
-    """CPU count, platform, Python, and the load average before (given) and now."""
+    """CPU count, model and instruction sets, platform, Python, and the load average before
+    (given) and now."""
     return {
         "cpu_count": os.cpu_count(),
+        **cpu_description(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),

@@ -3,8 +3,9 @@
     python -m bench.serving [--duration 20] [--concurrency 1,8,32,64] [--out bench/results]
         [--only tessera|pipeline|llama_server]
 
-One run, one system after the other, same model (the default GGUF), same prompts, same
-machine, every system on 2 inference threads:
+One run, same model (the default GGUF), same prompts, same machine, every system on 2
+inference threads; Tessera and the pipeline level by level (each level's two runs back to
+back, so that their ratio does not measure the host's drift), then llama-server:
 
 - `tessera`: a `LocalCluster` in a temporary home, the model registered with a generous SLO
   (TTFT 10 s, TPOT 1 s) and a long keep-alive, warmed with one request, then driven through
@@ -76,12 +77,30 @@ def attempt(res: dict[str, Any], system: str, bench: Callable[[], Measured]) -> 
         res["failed"][system] = f"{type(e).__name__}: {e}"
 
 
+def interleaved(
+    cluster: LocalCluster, reg: dict[str, Any], ir: Path, levels: list[int], duration_s: float
+) -> tuple[Measured, Measured]:
+    """Tessera and the pipeline level by level, each level's two runs back to back, then their
+    mixed runs: this host's speed drifts over a run of many minutes, and a ratio of two runs
+    taken a quarter of an hour apart would measure the drift. The cluster stays up (idle, its
+    model loaded) while the pipeline runs."""
+    t_levels: dict[str, Any] = {}
+    p_levels: dict[str, Any] = {}
+    p_config: dict[str, Any] = {}
+    for c in levels:
+        t_levels.update(bench_tessera(cluster, reg, [c], duration_s, mixed_run=False)[0])
+        found, _, p_config = bench_pipeline(ir, [c], duration_s, mixed_run=False)
+        p_levels.update(found)
+    _, t_mixed, t_setup = bench_tessera(cluster, reg, [], duration_s)
+    _, p_mixed, _ = bench_pipeline(ir, [], duration_s)
+    return (t_levels, t_mixed, t_setup), (p_levels, p_mixed, p_config)
+
+
 def run_systems(systems: list[str], levels: list[int], duration_s: float, home: Path) -> dict[str, Any]:
-    """Tessera first (its registration converts the IR the pipeline then loads; the cluster is
-    stopped before the others run), the pipeline, llama-server."""
+    """Tessera and the pipeline (on the IR Tessera's registration converted) level by level
+    (`interleaved`), then llama-server with the cluster stopped."""
     gguf = default_model_path()
     res: dict[str, Any] = {"mixed": {}, "setup": {}, "failed": {}}
-    ir: Path | None = None
     if "tessera" in systems or "pipeline" in systems:
         cluster = LocalCluster(
             home=home / "home", store=home / "store", env={"TESSERA_INFERENCE_THREADS": str(THREADS), **EXTRA_ENV}
@@ -91,15 +110,26 @@ def run_systems(systems: list[str], levels: list[int], duration_s: float, home: 
             reg = register(cluster, gguf)
             ir = Path(reg["artifact"]["path"])
             log(f"cluster up at {cluster.base_url}, {MODEL_NAME} registered; IR in {ir}")
-            if "tessera" in systems:
+            if "tessera" in systems and "pipeline" in systems:
+                both: list[Measured] = []
+
+                def pair() -> Measured:
+                    t, p = interleaved(cluster, reg, ir, levels, duration_s)
+                    both.append(p)
+                    return t
+
+                attempt(res, "tessera", pair)
+                if both:
+                    attempt(res, "pipeline", lambda: both[0])
+            elif "tessera" in systems:
                 attempt(res, "tessera", lambda: bench_tessera(cluster, reg, levels, duration_s))
+            else:
+                attempt(res, "pipeline", lambda: bench_pipeline(ir, levels, duration_s))
         except Exception as e:  # the cluster did not start, or registration failed
             log(f"cluster failed: {type(e).__name__}: {e}")
             res["failed"]["cluster"] = f"{type(e).__name__}: {e}"
         finally:
             cluster.stop()
-    if "pipeline" in systems and ir is not None:
-        attempt(res, "pipeline", lambda: bench_pipeline(ir, levels, duration_s))
     if "llama_server" in systems:
         attempt(res, "llama_server", lambda: bench_llama_server(gguf, levels, duration_s))
     return res

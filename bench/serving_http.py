@@ -114,9 +114,16 @@ async def finish_long(task: asyncio.Task[Outcome] | None, chat: ChatStream) -> O
 
 
 def bench_http(
-    base_url: str, model: str, levels: list[int], duration_s: float, pids: Callable[[], Iterable[int]], label: str
+    base_url: str,
+    model: str,
+    levels: list[int],
+    duration_s: float,
+    pids: Callable[[], Iterable[int]],
+    label: str,
+    mixed_run: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every concurrency level, then the mixed run (alone, then with the long request)."""
+    """Every concurrency level, then (with `mixed_run`) the mixed run (alone, then with the
+    long request)."""
     out: dict[str, Any] = {}
     for c in levels:
         with RssSampler(pids) as rss:
@@ -124,6 +131,8 @@ def bench_http(
         run.peak_rss_bytes = rss.peak
         out[str(c)] = summarize(run, MAX_TOKENS)
         log_level(label, c, out[str(c)])
+    if not mixed_run:
+        return out, {}
     alone = asyncio.run(http_run(base_url, model, MIXED_SHORT_CLIENTS, duration_s))
     mixed = asyncio.run(http_run(base_url, model, MIXED_SHORT_CLIENTS, duration_s, LONG_TOKENS))
     result = summarize_mixed(alone, mixed)

@@ -266,8 +266,9 @@ def run_pipeline(
     return run, {"scheduler": answer["scheduler"], "kv_blocks": answer["kv_blocks"]}
 
 
-def bench_pipeline(ir: Path, levels: list[int], duration_s: float) -> Measured:
-    """A fresh process per run (each level, the mixed run alone and with the long request)."""
+def bench_pipeline(ir: Path, levels: list[int], duration_s: float, mixed_run: bool = True) -> Measured:
+    """A fresh process per run (each level, then with `mixed_run` the mixed run alone and with
+    the long request)."""
     kv_clients = max(64, *levels)  # one KV size for every run, as one server would have
     out: dict[str, Any] = {}
     config: dict[str, Any] = {}
@@ -275,6 +276,8 @@ def bench_pipeline(ir: Path, levels: list[int], duration_s: float) -> Measured:
         run, config = run_pipeline(ir, c, duration_s, kv_clients)
         out[str(c)] = summarize(run, MAX_TOKENS)
         log_level("pipeline", c, out[str(c)])
+    if not mixed_run:
+        return out, {}, config
     alone, _ = run_pipeline(ir, MIXED_SHORT_CLIENTS, duration_s, kv_clients)
     mixed, _ = run_pipeline(ir, MIXED_SHORT_CLIENTS, duration_s, kv_clients, LONG_TOKENS)
     result = summarize_mixed(alone, mixed)

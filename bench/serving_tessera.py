@@ -64,7 +64,9 @@ def _on_core(cluster: LocalCluster) -> bool:
     return any(i["tier"] == "steady" for n in status["nodes"] for i in n["instances"])
 
 
-def bench_tessera(cluster: LocalCluster, reg: dict[str, Any], levels: list[int], duration_s: float) -> Measured:
+def bench_tessera(
+    cluster: LocalCluster, reg: dict[str, Any], levels: list[int], duration_s: float, mixed_run: bool = True
+) -> Measured:
     """Through the gateway; memory = the engine service's worker processes."""
     warm(cluster.base_url, MODEL_NAME, "tessera")
     # Steady state is what is compared: a start serves its first requests on the start tier
@@ -74,7 +76,7 @@ def bench_tessera(cluster: LocalCluster, reg: dict[str, Any], levels: list[int],
         time.sleep(0.2)  # sync-ok: polling a condition with a deadline
     engine_pid = cluster.procs["engine@node-0"].pid
     by_level, mixed = bench_http(
-        cluster.base_url, MODEL_NAME, levels, duration_s, lambda: descendants(engine_pid), "tessera"
+        cluster.base_url, MODEL_NAME, levels, duration_s, lambda: descendants(engine_pid), "tessera", mixed_run
     )
     return by_level, mixed, {"registration": {k: reg.get(k) for k in ("name", *TESSERA_REGISTRATION)}}
 

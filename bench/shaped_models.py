@@ -11,7 +11,11 @@ Weights are random (a fixed seed: the same bytes every time), scaled like an ini
 model (std ≈ 0.02) so activations stay finite; greedy output is noise, but every matmul
 reads the same bytes a real model of that shape would.
 
-`python -m bench.shaped_models --shape smollm2-1.7b` writes it once into
+The same model in Hugging Face form (`hf_form`: safetensors in bf16, `config.json`, the
+tokenizer) is read from that GGUF by transformers' own GGUF reader, so both forms hold the same
+weights (the 4-bit values dequantized); for the real 135M it is the real model's weights.
+
+`python -m bench.shaped_models --shape smollm2-1.7b [--form hf]` writes it once into
 `~/.cache/tessera/shaped/` (or `$TESSERA_SHAPED_DIR`) and prints its path.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +197,46 @@ def ensure(name: str) -> Path:
     return path
 
 
+def hf_form(name: str) -> Path:
+    """The Hugging Face checkpoint directory of `name`, written once from its GGUF."""
+    dest = cache_dir() / f"{name}-hf"
+    if (dest / "config.json").is_file():
+        return dest
+    gguf_path = ensure(name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=cache_dir()))
+    try:
+        _write_hf(gguf_path, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)  # config.json last in, whole directory in at once
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _write_hf(gguf_path: Path, dest: Path) -> None:
+    """transformers' GGUF reader (config, dequantized tensors) into a model built on the meta
+    device, saved in bf16 as checkpoints on the hub are; the tokenizer as a checkpoint holds it.
+    (`from_pretrained(gguf_file=...)` would do the same but needs `accelerate`.)"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.helpers.checkpoints import save_default_tokenizer
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in tensors.items()}, strict=False, assign=True)
+    del tensors
+    model.tie_weights()
+    unset = [n for n, p in model.named_parameters() if p.is_meta]
+    if unset:
+        raise RuntimeError(f"the GGUF left {len(unset)} parameters unset: {unset[:5]}")
+    model.save_pretrained(dest, safe_serialization=True)
+    save_default_tokenizer(dest)
+
+
 def params_of(name: str) -> int:
     """Parameter count of a shape (the real 135M counted from its file)."""
     if name in SHAPES:
@@ -203,8 +248,9 @@ def params_of(name: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=[REAL, *SHAPES], required=True)
+    parser.add_argument("--form", choices=["gguf", "hf"], default="gguf")
     args = parser.parse_args()
-    print(ensure(args.shape))
+    print(hf_form(args.shape) if args.form == "hf" else ensure(args.shape))
 
 
 if __name__ == "__main__":
