@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import importlib.util
 import json
 import os
 import subprocess
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=15.0, help="seconds each c=1 / c=8 load runs")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
+    if args.hf_sizes and importlib.util.find_spec("transformers") is None:
+        log("transformers is not installed (`pip install -e '.[hf]'`): the GGUF form only")
+        args.hf_sizes = []
     load_before = os.getloadavg()
     started = time.perf_counter()
     sizes: dict[str, Any] = {}
