@@ -33,6 +33,7 @@ from services.gateway.tokenizers import Tokenizers
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint, torch_tensor_bytes
 from shared.messages import Artifact
 from tests.conftest import start_cluster
+from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.cluster import cold_starts, engine_workers, loaded_models, metric, register, wait_for
 
 NAME = "smollm-torch"
@@ -392,3 +393,19 @@ def test_a_model_the_arena_has_no_room_for_stops_idle_ones_and_copies_only_its_o
         assert "tensor arena" in str(refused.value.message), refused.value.message
     finally:
         busy.close()
+
+
+def test_a_torch_node_serves_a_hugging_face_checkpoint_as_transformers_does(
+    torch_cluster: LocalCluster, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """A Hugging Face checkpoint directory registered on a torch node is loaded as it is (its
+    tensors in the node's dtype, no conversion to another format): greedy text is transformers'
+    own on the checkpoint directory the user gave."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny")
+    record = register(torch_cluster, "torch-hf", keep_alive_s=1.0, source=str(checkpoint))
+    hf_artifact = msgspec.convert(record["artifact"], Artifact)
+    assert hf_artifact.source_format == "hf"
+    expected, tokens, finish = transformers_greedy(checkpoint, gateway_prompt_ids(hf_artifact))
+    answer = client.chat.completions.create(model="torch-hf", messages=QUESTION, **GREEDY)  # type: ignore[call-overload]
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.completion_tokens == tokens and answer.choices[0].finish_reason == finish
