@@ -15,6 +15,7 @@ Runs in the converter's process (`convert.py`): torch, transformers and NNCF are
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,17 @@ def _compress(ov_model: ov.Model, weight_format: WeightFormat) -> ov.Model:
     return nncf.compress_weights(ov_model, mode=mode)
 
 
+def _load_dtype(checkpoint: Path, weight_format: WeightFormat) -> torch.dtype:
+    """The checkpoint's own 16-bit type where its weights are compressed to 8 or 4 bits anyway
+    (NNCF reads them as they are); float32 where the IR keeps floating-point weights."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype")  # transformers 5's key, then 4's
+    sixteen = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    if weight_format in (WeightFormat.INT8, WeightFormat.INT4) and declared in sixteen:
+        return sixteen[declared]
+    return torch.float32
+
+
 def export(checkpoint: Path, out: Path, weight_format: WeightFormat) -> None:
     """Write the IR directory of `checkpoint` into `out` (created), its weights in `weight_format`."""
     from openvino_tokenizers import convert_tokenizer
@@ -149,8 +161,16 @@ def export(checkpoint: Path, out: Path, weight_format: WeightFormat) -> None:
     tok, detok = convert_tokenizer(tokenizer, with_detokenizer=True, skip_special_tokens=True)
     ov.save_model(tok, str(out / "openvino_tokenizer.xml"))
     ov.save_model(detok, str(out / "openvino_detokenizer.xml"))
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=_load_dtype(checkpoint, weight_format), attn_implementation="sdpa"
+    )
     model.eval()
+    if model.dtype != torch.float32:
+        # optimum-intel's way with a 16-bit checkpoint: its weights stay 16-bit constants in the
+        # graph (no f32 copy: half the memory), and the trace runs placeholder matmuls.
+        from openvino.frontend.pytorch.patch_model import __make_16bit_traceable as make_16bit_traceable
+
+        make_16bit_traceable(model)
     ov_model = _compress(_trace(model), weight_format)
     del model
     ov.save_model(ov_model, str(out / "openvino_model.xml"), compress_to_fp16=weight_format != WeightFormat.F32)

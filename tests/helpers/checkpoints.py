@@ -38,13 +38,14 @@ def save_default_tokenizer(dest: Path) -> Any:
     return tokenizer
 
 
-def make_tiny_checkpoint(dest: Path) -> Path:
+def make_tiny_checkpoint(dest: Path, dtype: str = "float32") -> Path:
     """A Llama of the default model's tokenizer and vocabulary but a tiny shape (hidden 64,
     2 layers, 4 heads over 2 KV heads; ≈ 3.2 M parameters, nearly all the tied embedding), its
     weights random from a fixed seed (and a wider `initializer_range`: below), saved as
     safetensors: what registration and export do to a checkpoint, in seconds rather than the
     minutes the 135 M model's export takes. Random weights: its greedy text is not language,
-    but it is the same for the same weights."""
+    but it is the same for the same weights. `dtype`: the checkpoint's (`bfloat16`, as most on the
+    hub are, or `float32`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,7 +69,7 @@ def make_tiny_checkpoint(dest: Path) -> Path:
         pad_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(dest, safe_serialization=True)
     return dest
 

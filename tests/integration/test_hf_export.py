@@ -101,3 +101,22 @@ def test_the_int8_export_is_within_its_quantization_error(checkpoint: Path, tmp_
     for got, want in (*zip(got_prefill, prefill, strict=True), (got_step, step)):
         # Above the f32 export's error: the weights were compressed, not kept as they are.
         assert 1e-4 < _relative_error(got, want) <= INT8_BOUND
+
+
+@pytest.mark.timeout(600)
+def test_a_bfloat16_checkpoint_is_exported_from_its_own_precision(tmp_path: Path) -> None:
+    """A 16-bit checkpoint compressed to int8 is traced with its weights as they are (no f32
+    copy of the model: half the exporter's memory, which at 7-8 B parameters is what fits), and
+    the IR still computes transformers' function within int8's error."""
+    import torch
+
+    from services.loader.hf_export import _load_dtype
+    from shared.messages import WeightFormat
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16")
+    assert _load_dtype(checkpoint, WeightFormat.INT8) is torch.bfloat16
+    assert _load_dtype(checkpoint, WeightFormat.F32) is torch.float32  # kept as float: no 16-bit detour
+    ids, prefill, step = _reference(checkpoint)
+    got_prefill, got_step = _ir_logits(export_ir(checkpoint, tmp_path / "ir", "int8"), ids, int(prefill[-1].argmax()))
+    for got, want in (*zip(got_prefill, prefill, strict=True), (got_step, step)):
+        assert 1e-4 < _relative_error(got, want) <= INT8_BOUND
