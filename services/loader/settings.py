@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field
@@ -10,13 +11,21 @@ START_TIER_MAX_WEIGHT_BYTES = 512 * 1024**2
 """`LoaderSettings.start_tier_max_weight_bytes`'s default."""
 
 
+def default_host_cache_bytes() -> int:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(4 * 1024**3, physical // 4)
+
+
 class LoaderSettings(CommonSettings):
     http_port: int = 8103
     import_timeout_s: float = 600.0
     """Longest a GGUF conversion may take before the import fails."""
     host_cache_dir: Path = Path("/dev/shm/tessera")
     """tmpfs directory of the host block cache (one subdirectory per node)."""
-    host_cache_bytes: int = 4 * 1024**3
+    host_cache_bytes: int = Field(default_factory=lambda: default_host_cache_bytes())
+    """What the host block cache may hold: by default a quarter of the machine's memory, and at
+    least 4 GiB. A fixed 4 GiB held a 1.7B model's compiled blob (1.2 GB) but not a 7-8B one's
+    (4.8 GB at int4, bench/results/start_tier.json), whose every cold start then read the disk."""
     fill_delay_s: float = 2.0
     """After a miss, wait this long before copying the blob into the host cache, so that the
     copy does not compete with the start that is reading it for the node's cores and disk."""
