@@ -1,12 +1,8 @@
-"""One engine node's state, shared by the engine's parts (`memory.py`, `starts.py`,
-`pipelines.py`, `requests.py`): workers bound to artifacts (`Bound`), the model names serving on
-them (`Served`), the requests in flight, and what the node tells the scheduler.
-
-A worker, taken pre-warmed from a pool (TIDAL §5), is bound to one artifact and serves every
-model name registered on it, each with its own KV cache. A name scaled to zero loses its KV
-cache; the worker and its weights stay resident until evicted at the lowest cost (Tangram
-§3.1–3.2), and evicting ends the process, which hands its memory back whole.
-"""
+"""One engine node's state, shared by the engine's parts: workers bound to artifacts (`Bound`),
+the model names serving on them (`Served`), the requests in flight, and what the node tells the
+scheduler. A worker, taken pre-warmed from a pool (TIDAL §5), serves every model name registered
+on its artifact, each with its own KV cache; scaled to zero, a name loses its cache while the
+worker stays resident until evicted at the lowest cost (Tangram §3.1–3.2), its process ending."""
 
 from __future__ import annotations
 
@@ -71,11 +67,10 @@ class WorkerDied(Exception):
 
 @dataclass
 class Cancelled:
-    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
+    """A request's cancel flag (it may be cancelled while still queued)."""
 
     flag: bool = False
-    by_client: bool = False
-    """The client asked (not a preemption)."""
+    by_client: bool = False  # not a preemption
 
     def __call__(self) -> bool:
         return self.flag
@@ -106,14 +101,13 @@ class Bound:
     worker_load_s: float = 0.0
     load_threads: int = 0
     weights_reserved: int = 0
-    """Reserved for the worker beside KV caches: the weights, trued up to its measured footprint."""
+    """Its weights' reservation, trued up to its measured footprint."""
     kv_allocated_bytes: int = 0
-    """Its KV cache as its core last reported it (inside its RSS, or on a GPU `device_bytes`)."""
+    """Its KV cache as last reported (inside its RSS, or on a GPU `device_bytes`)."""
     device_bytes: int = 0
     """On a GPU, what it holds on the device outside the node's arena, as last reported."""
     tensors: frozenset[str] = frozenset()
-    """Content hashes its own tensor arena holds: another model sharing them may be bound to it
-    once idle."""
+    """Content hashes its own tensor arena holds (another model sharing them may rebind it)."""
 
 
 @dataclass
@@ -142,12 +136,12 @@ class Served:
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
     prompts: dict[str, int] = field(default_factory=dict)
-    """Its requests in flight (ids): their prompt tokens."""
+    """Its requests in flight: their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted from its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
     start: PendingColdStart | None = None
-    """Its cold start until its first token (its own: a request a pipelined instance was still
-    serving when the replica took its place is no measure of the replica)."""
+    """Its own cold start until its first token (a pipelined instance's request is no measure of
+    the replica that took its place)."""
 
 
 @dataclass
@@ -181,8 +175,7 @@ class Node:
     def __init__(self, settings: EngineSettings, backend: Backend, workers: WorkerPool, bus: Publisher) -> None:
         self.settings, self.backend, self.workers, self.bus = settings, backend, workers, bus
         self.id = settings.node_id
-        self.on_cuda = settings.device.upper().startswith("CUDA")
-        """The memory budget is a CUDA device's."""
+        self.on_cuda = settings.device.upper().startswith("CUDA")  # the budget is the device's
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
         self.starting: dict[str, asyncio.Future[InstanceReady]] = {}
@@ -201,8 +194,8 @@ class Node:
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self.beat_due = asyncio.Event()
         """Set when a request ends: the scheduler may hold requests in line for its room."""
-        self.stage_workers: dict[str, tuple[Worker, str]] = {}
-        """Workers running pipeline stages and their artifact, by stage address."""
+        self.stage_workers: dict[str, tuple[Worker, str, str]] = {}
+        """Workers running pipeline stages, their artifact and reservation, by stage address."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
@@ -255,7 +248,7 @@ class Node:
             bound.worker.cancel(request_id)
 
     def runs_stages(self, worker: Worker) -> bool:
-        return any(w is worker for w, _ in self.stage_workers.values())
+        return any(w is worker for w, _, _ in self.stage_workers.values())
 
     def replaced(self, old: Served | None) -> None:
         """`old` takes no more requests: a pipelined one retires once its requests in flight
@@ -286,18 +279,6 @@ class Node:
                 idle[NODE_ARENA] = held
         return idle
 
-    def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
-        """Artifacts a start here would read nothing of (idle bound workers', and those whose
-        every tensor an idle arena holds: Tangram §3.1), and those it would read part of, with
-        the share it would not read (a fine-tune beside its base, in the store too)."""
-        idle = self.idle_tensors()
-        shares = (
-            reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
-        )
-        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
-        partial = tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0))
-        return tuple(sorted(resident)), partial
-
     async def learn_artifacts(self) -> None:
         """On a tensor-arena node: the tensors of each stored torch checkpoint, read once, so
         that the status says which share of each an idle arena holds before its first start."""
@@ -309,7 +290,13 @@ class Node:
         await self.bus.publish(subjects.node_heartbeat(), self.status())
 
     def status(self) -> NodeStatus:
-        resident, reusable = self._residency()
+        # Resident: artifacts a start would read nothing of (idle bound workers', and those whose
+        # every tensor an idle arena holds: Tangram §3.1); reusable: those it would read part of,
+        # with the share it would not (a fine-tune beside its base, in the store too).
+        idle = self.idle_tensors()
+        unbound = {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}
+        shares = reusable_shares(idle, unbound) if idle else {}
+        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
         return NodeStatus(
             node_id=self.id,
             sent_at=time.time(),
@@ -332,8 +319,8 @@ class Node:
             memory_budget_bytes=self.memory_seen[0],
             memory_used_bytes=self.memory_seen[1],
             kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
-            resident=resident,
-            reusable=reusable,
+            resident=tuple(sorted(resident)),
+            reusable=tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0)),
             perf=tuple(
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self.perf.items()
@@ -349,7 +336,7 @@ class Node:
         bound = self.bound.values()
         metrics.INSTANCES.set(len(self.instances))
         metrics.PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
-        metrics.STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
+        metrics.STAGE_WORKERS.set(len({id(w) for w, _, _ in self.stage_workers.values()}))
         metrics.RESIDENT_BYTES.set(sum(b.resident.nbytes for b in bound))
         metrics.POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in bound if b.resident.users == 0))
         metrics.PREWARMED.set(len(self.workers.idle))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
@@ -14,8 +13,7 @@ from nats.aio.msg import Msg
 from policy.slo import ttft_slo
 from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
-from services.engine.settings import EngineSettings
+from services.engine.node import Cancelled, Node, Samples, Served, WorkerDied
 from services.engine.worker_wire import Chunk, Run
 from shared import subjects
 from shared.bus import decode
@@ -33,9 +31,6 @@ from shared.messages import (
     TokenChunk,
 )
 
-if TYPE_CHECKING:
-    from services.engine.worker_pool import WorkerPool
-
 log = logging.getLogger(__name__)
 
 
@@ -43,12 +38,8 @@ log = logging.getLogger(__name__)
 class Requests:
     """The requests of the node's instances, from their admission to their last message."""
 
-    settings: EngineSettings
     node: Node
     memory: KvMemory
-    workers: WorkerPool
-    """Told when a start has its first token (its replacement warms then)."""
-    bus: Publisher
 
     async def on_cancel(self, msg: Msg) -> None:
         self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)
@@ -59,7 +50,7 @@ class Requests:
         if inst is None or inst.preempted:
             why = f"{req.model} is not loaded on {self.node.id}"
             failed = Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
-            await self.bus.reply(msg, failed)
+            await self.node.bus.reply(msg, failed)
             return
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
@@ -67,14 +58,14 @@ class Requests:
         inst.active += 1
         inst.drained.clear()
         inst.last_used = time.time()
-        await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
+        await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
             try:
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 metrics.REQUESTS.labels("error").inc()
                 failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
-                await self.bus.publish(req.stream_subject, failed)
+                await self.node.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
@@ -90,7 +81,7 @@ class Requests:
                 self.node.went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
-        rid, received, interval = req.request_id, time.monotonic(), self.settings.stream_interval_s
+        rid, received, interval = req.request_id, time.monotonic(), self.node.settings.stream_interval_s
         slo = ttft_slo(inst, req.prompt_tokens)
         run = Run(
             rid,
@@ -120,13 +111,13 @@ class Requests:
                         inst.held[rid] = req.prompt_tokens + generated
                     await self.memory.kv_progress(inst, rid, generated)
                     chunk = TokenChunk(request_id=rid, text=out.text, tokens=out.tokens, logprobs=out.logprobs)
-                    await self.bus.publish(req.stream_subject, chunk)
+                    await self.node.bus.publish(req.stream_subject, chunk)
                     continue
                 if received >= inst.warm_since and not out.beside_build:
                     # Requests that arrived before the start's first token shared the start:
                     # no measure of the model (they made the scheduler predict a 2 s prefill).
                     self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
-                if self.settings.interleave:
+                if self.node.settings.interleave:
                     metrics.GATE_WAIT.observe(out.gated_s)
                 if out.kv_allocated_bytes:
                     metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
@@ -163,7 +154,7 @@ class Requests:
         ended = Finished(
             request_id=rid, finish_reason=reason, prompt_tokens=req.prompt_tokens, completion_tokens=completion
         )
-        await self.bus.publish(req.stream_subject, final or ended)
+        await self.node.bus.publish(req.stream_subject, final or ended)
         await self.memory.kv_complete(inst, rid, generated, not final and reason is not FinishReason.CANCELLED)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
@@ -172,7 +163,7 @@ class Requests:
             return
         if inst.bound.source != "pipeline":  # a pipeline's times are no measure of the model here
             inst.warm_since = first_token_at
-        self.workers.start_done()
+        self.node.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
         phases = ColdStartPhases(
@@ -201,4 +192,4 @@ class Requests:
         )
         extra = {"model": inst.model, "phases": msgspec.structs.asdict(phases), "source": pending.source}
         log.info("cold start of %s: %.2fs", inst.model, total, extra={**extra, "tier": inst.bound.worker.tier})
-        await self.bus.publish(subjects.cold_start_recorded(), event)
+        await self.node.bus.publish(subjects.cold_start_recorded(), event)

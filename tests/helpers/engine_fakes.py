@@ -202,16 +202,9 @@ def parts(
     pool = pool or FakePool()
     bus = FakeBus()
     node = Node(s, backend, pool, bus)  # type: ignore[arg-type]
-    memory = KvMemory(s, node, manager, bus, pool.arena)
+    memory = KvMemory(node, manager)
     return Parts(
-        node,
-        memory,
-        Starts(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        Pipelines(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        Requests(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        manager,
-        bus,
-        pool,
+        node, memory, Starts(node, memory), Pipelines(node, memory), Requests(node, memory), manager, bus, pool
     )
 
 
