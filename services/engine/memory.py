@@ -412,7 +412,7 @@ class KvMemory:
             kv_reserved = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound)
             kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
             target = true_up(bound.weights_reserved, floor, measured, kv)
-            lock = self.node.lock(aid)
+            lock = self.node.locks[aid]
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue
             if target - bound.weights_reserved > self.node.available():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -123,7 +123,6 @@ class Served:
     tpot_slo_s: float = 0.0
     ttft_slo_per_token_s: float = 0.0
     """A request's TTFT SLO is max(ttft_slo_s, prompt tokens × this): `policy/slo.py`."""
-    active: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when its last request in flight ends."""
     preempted: bool = False
@@ -142,6 +141,10 @@ class Served:
     start: PendingColdStart | None = None
     """Its own cold start until its first token (a pipelined instance's request is no measure of
     the replica that took its place)."""
+
+    @property
+    def active(self) -> int:
+        return len(self.prompts)
 
 
 @dataclass
@@ -182,7 +185,7 @@ class Node:
         self.cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self.perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
-        self.locks: dict[str, asyncio.Lock] = {}
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         """One per artifact (and `stages:<artifact>`): its starts and true-ups in turn."""
         self.tensor_bytes: dict[str, dict[str, int]] = {}
         """A tensor-arena node's artifacts (started here, or in the store): digest → bytes."""
@@ -199,9 +202,6 @@ class Node:
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
-
-    def lock(self, key: str) -> asyncio.Lock:
-        return self.locks.setdefault(key, asyncio.Lock())
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` in the background (kept from the collector until it ends)."""

@@ -80,7 +80,7 @@ class Pipelines:
         """Into the live worker running this node's stages of the model (warm workers are few),
         else into a warm one; `stage`'s reservation (`owner`) is released when it ends."""
         aid = record.artifact.artifact_id
-        async with self.node.lock(f"stages:{aid}"):
+        async with self.node.locks[f"stages:{aid}"]:
             worker = next((w for w, a, _ in self.node.stage_workers.values() if a == aid and not w.dead), None)
             fresh = worker is None
             if worker is None:

@@ -20,7 +20,6 @@ from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
     Cancel,
-    ColdStartPhases,
     ColdStartRecorded,
     ErrorCode,
     Failed,
@@ -55,7 +54,6 @@ class Requests:
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
         inst.prompts[req.request_id] = req.prompt_tokens
-        inst.active += 1
         inst.drained.clear()
         inst.last_used = time.time()
         await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
@@ -69,8 +67,7 @@ class Requests:
                 return
             await self._generate(inst, req, cancelled)
         finally:
-            inst.active -= 1
-            inst.prompts.pop(req.request_id, None)
+            del inst.prompts[req.request_id]
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
             inst.last_used = time.time()
@@ -166,12 +163,7 @@ class Requests:
         self.node.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
-        phases = ColdStartPhases(
-            init_s=p.init_s,
-            load_s=p.load_s,
-            profile_s=p.profile_s,
-            prefill_s=max(0.0, first_token_at - ready_at),
-        )
+        phases = msgspec.structs.replace(p, prefill_s=max(0.0, first_token_at - ready_at))
         total = first_token_at - pending.t0
         for name in ("init", "load", "profile", "prefill"):
             metrics.PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))

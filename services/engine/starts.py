@@ -151,7 +151,7 @@ class Starts:
         """A worker bound to the artifact (the resident one, or a pre-warmed one loaded now),
         whether it was resident, and when Init ended (monotonic)."""
         aid = artifact.artifact_id
-        async with self.node.lock(aid):
+        async with self.node.locks[aid]:
             now = time.time()
             bound = self.node.bound.get(aid)
             if bound is not None and not bound.worker.dead:

@@ -52,8 +52,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _shmem_bytes(pid: int) -> int:
-    """Resident shared memory (shmem and memfd pages) of a process: /proc/<pid>/status's
-    RssShmem, in kB."""
+    """Resident shared memory (shmem and memfd pages) of a process (RssShmem, in kB)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("RssShmem:"):
@@ -65,18 +64,15 @@ class Worker:
     def __init__(self, backend: Backend, spec: WorkerSpec) -> None:
         """A process of `backend` started with `spec`; every backend speaks `worker_wire`."""
         self.arena = spec.arena if backend.tensor_arena else None
-        self.owner = NodeArena.owner()
-        """Its holdings' name in the node arena's book."""
+        self.owner = NodeArena.owner()  # its holdings' name in the node arena's book
         self.progress = FillProgress() if self.arena is not None else None
         """How far the engine's copy of its model's tensors has come (its forward pass waits on it)."""
         self._fill: asyncio.Future[Placement] | None = None
         """Its model's copy, still streaming in behind the first requests."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._gate = spec.gate
-        self._slot_lock = threading.Lock()
-        self._slot = spec.gate.claim() if spec.gate is not None else -1
-        """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
+        self._gate, self._slot_lock = spec.gate, threading.Lock()
+        self._slot = spec.gate.claim() if spec.gate is not None else -1  # in the headroom gate, freed at its end
         self.process = ctx.Process(
             target=run_worker,
             args=(backend.entry, *backend.args(spec, child, self._slot)),
@@ -91,14 +87,11 @@ class Worker:
         self._waiter: asyncio.Future[Loaded] | None = None
         self._streams: dict[str, asyncio.Queue[Chunk | Done | Failure | Started | WorkerDied]] = {}
         """Each request sent and not yet done: where its messages go."""
-        self.dead = False
+        self.dead = self._stopped = False
         self._ending = threading.Lock()
-        self._stopped = False
-        self.tier: Tier | None = None
-        """The tier of the model it serves (None before a load)."""
+        self.tier: Tier | None = None  # of the model it serves
         self.on_tier_up: Callable[[TieredUp], None] | None = None
-        self.tiering = False
-        """A tier-up was asked for and has not answered yet."""
+        self.tiering = False  # a tier-up was asked for and has not answered yet
         self.tier_up_failed = False
         """It stays on START (asking again would fail again, a core-second each)."""
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
@@ -297,8 +290,7 @@ class Worker:
             self._send(TierUpNow())
 
     def drop_session(self, session: str) -> None:
-        if not self.dead:
-            self._send(DropSession(session))
+        self._send(DropSession(session))
 
     def stop(self) -> None:
         """End the process; idempotent and safe from any thread (a second caller returns once
@@ -334,12 +326,10 @@ class WorkerPool:
         spawn: Callable[[], Worker] | None = None,
     ) -> None:
         """`spawn` starts one worker (by default a process of `backend` with `spec`)."""
-        self.size = size
+        self.size, self.arena = size, spec.arena
+        self.ready_timeout_s, self.refill_delay_s = ready_timeout_s, refill_delay_s
         self._spawn = spawn or (lambda: Worker(backend, spec))
-        self.arena = spec.arena
-        self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
-        self.ready_timeout_s = ready_timeout_s
         self.idle: list[Worker] = []
         self.warming: set[Worker] = set()
         self._pending = 0
@@ -358,18 +348,14 @@ class WorkerPool:
 
     async def _warm_one(self, delay_s: float = 0.0) -> None:
         if delay_s:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), delay_s)
-            except TimeoutError:
-                pass
             self._kick.clear()
         worker = self._spawn()
         self.warming.add(worker)
         try:
             await worker.ready(self.ready_timeout_s)
             self.idle.append(worker)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             log.exception("a worker failed to warm up")
             worker.stop()

@@ -237,5 +237,6 @@ def serve(node: Node, model: str, bound: Bound, kv_reserved: int = 0, active: in
     """An instance of `model` on `bound`, its KV reservation `kv_reserved`."""
     kv = node.kv_account(bound.artifact)
     kv.reserved_bytes = kv_reserved
-    inst = node.instances[model] = Served(model, bound, 0.0, 0.0, kv, active=active)
+    inst = node.instances[model] = Served(model, bound, 0.0, 0.0, kv)
+    inst.prompts.update({f"running-{i}": 1 for i in range(active)})  # requests in flight
     return inst
