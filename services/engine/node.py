@@ -39,7 +39,7 @@ from shared.pipeline_messages import EndStage
 if TYPE_CHECKING:
     from services.engine.backends import Backend
     from services.engine.worker_pool import Worker, WorkerPool
-    from services.engine.worker_wire import Done
+    from services.engine.worker_wire import Done, Loaded
 
 log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
@@ -92,22 +92,20 @@ class Bound:
 
     worker: Worker
     artifact: Artifact
-    loaded_from_cache: bool
+    loaded: Loaded
+    """What its worker's load reported (`resident`: what a torch worker's own arena holds, which
+    another model sharing it may be bound to once idle)."""
     resident: Resident
     source: str
     """Where its load read the blob: "host" (the loader's cache), "store", "arena" (a torch
     worker rebound, its shared tensors already there) or "pipeline"."""
     stage_s: float = 0.0
-    worker_load_s: float = 0.0
-    load_threads: int = 0
     weights_reserved: int = 0
     """Its weights' reservation, trued up to its measured footprint."""
     kv_allocated_bytes: int = 0
     """Its KV cache as last reported (inside its RSS, or on a GPU `device_bytes`)."""
     device_bytes: int = 0
     """On a GPU, what it holds on the device outside the node's arena, as last reported."""
-    tensors: frozenset[str] = frozenset()
-    """Content hashes its own tensor arena holds (another model sharing them may rebind it)."""
 
 
 @dataclass
@@ -271,7 +269,11 @@ class Node:
     def idle_tensors(self) -> dict[str, frozenset[str]]:
         """Each idle bound worker (by artifact) with what its tensor arena holds; on a node with
         one arena, what that arena holds, whoever loaded it."""
-        idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        idle = {
+            aid: frozenset(b.loaded.resident)
+            for aid, b in self.bound.items()
+            if b.resident.users == 0 and not b.worker.dead
+        }
         if self.workers.arena is not None:
             held = self.workers.arena.digests()
             idle = {aid: held for aid in idle}

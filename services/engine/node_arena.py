@@ -119,7 +119,7 @@ class NodeArena:
         with self._lock:
             self._release(owner)
             if discard:
-                self._evict_copied(owner)
+                self._evict_idle(self._copied.pop(owner, frozenset()))
             blocks = dict(self.ledger.blocks)
             try:
                 placement = self.ledger.place(list(tensors.items()), owner)
@@ -279,9 +279,6 @@ class NodeArena:
                 watcher.join()
         return sum(n for _, _, n in spans) - ahead if admitted.is_set() else 0
 
-    def _evict_copied(self, owner: str) -> None:
-        self._evict_idle(self._copied.pop(owner, frozenset()))
-
     def release(self, owner: str) -> None:
         """The worker's model is gone (it stopped, died, or was bound to another): its tensors
         stay resident, idle."""
@@ -334,18 +331,15 @@ class NodeArena:
     def room_bytes(self, tensors: Mapping[str, int]) -> int:
         """Bytes a load of `tensors` could copy in: all but what loads hold and its own resident
         tensors (others' idle ones are evicted for it)."""
-        with self._lock:
-            idle = set(self.ledger.idle())
-            held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
-            own = sum(self.ledger.sizes[d] for d in tensors if d in idle)
-        return self.ledger.allocator.capacity - held - own
+        held, idle = self.held_bytes(tensors)
+        return self.ledger.allocator.capacity - held - idle
 
-    def held_bytes(self) -> tuple[int, int]:
-        """Bytes of tensors some worker holds, and of idle ones."""
+    def held_bytes(self, among: Mapping[str, int] | None = None) -> tuple[int, int]:
+        """Bytes of tensors some worker holds, and of idle ones (`among` these only)."""
         with self._lock:
             idle = set(self.ledger.idle())
             held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
-            return held, sum(self.ledger.sizes[d] for d in idle)
+            return held, sum(self.ledger.sizes[d] for d in idle if among is None or d in among)
 
     def digests(self) -> frozenset[str]:
         with self._lock:

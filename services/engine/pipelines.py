@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -143,7 +143,7 @@ class Pipelines:
         # Not in the node's `bound`: it holds no weights, and no start may take it as the model's
         # resident worker.
         resident = Resident(record.artifact.artifact_id, 0, 0.0, now, now, 1)
-        bound = Bound(worker, record.artifact, True, resident, "pipeline", 0.0, loaded.load_s, loaded.threads)
+        bound = Bound(worker, record.artifact, replace(loaded, loaded_from_cache=True), resident, "pipeline")
         self.node.pipelined[name] = tuple(zip(req.stage_nodes, req.stages, strict=True))
         phases = ColdStartPhases(init_s=t1 - t0, load_s=time.monotonic() - t1, profile_s=0.0)
         # Never measured (`warm_since`): its times are the pipeline's, not the model's here.

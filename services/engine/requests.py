@@ -175,11 +175,11 @@ class Requests:
             started_at=time.time() - (time.monotonic() - pending.t0),
             phases=phases,
             total_s=total,
-            loaded_from_cache=inst.bound.loaded_from_cache,
+            loaded_from_cache=inst.bound.loaded.loaded_from_cache,
             source=pending.source,
             stage_s=inst.bound.stage_s * loaded,
-            worker_load_s=inst.bound.worker_load_s * loaded,
-            load_threads=inst.bound.load_threads * loaded,
+            worker_load_s=inst.bound.loaded.load_s * loaded,
+            load_threads=inst.bound.loaded.threads * loaded,
             tier=inst.bound.worker.tier or "",
         )
         extra = {"model": inst.model, "phases": msgspec.structs.asdict(phases), "source": pending.source}

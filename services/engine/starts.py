@@ -89,7 +89,7 @@ class Starts:
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
         if (inst := self.node.instances.get(name)) is not None:
-            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded_from_cache
+            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded.loaded_from_cache
             return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
         if name in self.node.starting:  # a second start of the same model waits for the first
             return await asyncio.shield(self.node.starting[name])
@@ -127,10 +127,10 @@ class Starts:
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
         log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
-        if not bound.loaded_from_cache:
+        if not bound.loaded.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
-            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
+            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded.loaded_from_cache
         )
 
     async def _materialized(self, record: ModelRecord) -> None:
@@ -269,18 +269,8 @@ class Starts:
         """Record `worker` as bound to `artifact`, in use by the start that loaded it (`now`:
         when that start began, its resident's first use)."""
         aid = artifact.artifact_id
-        bound = self.node.bound[aid] = Bound(
-            worker,
-            artifact,
-            loaded.loaded_from_cache,
-            Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1),
-            source,
-            stage_s,
-            loaded.load_s,
-            loaded.threads,
-            weights,
-            tensors=frozenset(loaded.resident),
-        )
+        resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
+        bound = self.node.bound[aid] = Bound(worker, artifact, loaded, resident, source, stage_s, weights)
         return bound
 
     async def _rebind(self, artifact: Artifact) -> Bound | None:

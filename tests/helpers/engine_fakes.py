@@ -224,7 +224,7 @@ def bind(node: Node, aid: str, nbytes: int, reload_s: float = 1.0, users: int = 
     bound = Bound(
         FakeWorker(owner=aid, **worker),  # type: ignore[arg-type]
         artifact(aid, weight_bytes=nbytes),
-        True,
+        Loaded(loaded_from_cache=True, load_s=0.0),
         Resident(aid, nbytes, reload_s, 0.0, 0.0, users=users),
         "host",
         weights_reserved=nbytes,
