@@ -415,15 +415,11 @@ class KvMemory:
             lock = self.node.locks[aid]
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue
-            if target - bound.weights_reserved > self.node.available():
-                # No room as the memory manager last answered: not worth a refusal.
-                unaccounted += target - bound.weights_reserved
-                continue
+            owner, growth = f"weights:{aid}", target - bound.weights_reserved
             async with lock:
-                owner = f"weights:{aid}"
-                result = await self.reserve_now(owner, target)
-                if not result.granted:
-                    unaccounted += max(0, target - bound.weights_reserved)
+                # No room as the memory manager last answered: not worth a refusal.
+                if growth > self.node.available() or not (await self.reserve_now(owner, target)).granted:
+                    unaccounted += max(0, growth)
                     continue
                 await self.done(owner)
                 if self.node.bound.get(aid) is not bound:  # evicted or lost meanwhile

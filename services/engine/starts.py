@@ -91,20 +91,10 @@ class Starts:
         if (inst := self.node.instances.get(name)) is not None:
             zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded.loaded_from_cache
             return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
-        if name in self.node.starting:  # a second start of the same model waits for the first
-            return await asyncio.shield(self.node.starting[name])
-        fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
-        self.node.starting[name] = fut
-        try:
-            ready = await self._cold_start(req)
-            fut.set_result(ready)
-            return ready
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved here: waiters re-raise it themselves
-            raise
-        finally:
-            del self.node.starting[name]
+        if name not in self.node.starting:  # else a second start of the same model waits for the first
+            start = self.node.starting[name] = asyncio.ensure_future(self._cold_start(req))
+            start.add_done_callback(lambda _: self.node.starting.pop(name))
+        return await asyncio.shield(self.node.starting[name])
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model

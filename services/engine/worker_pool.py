@@ -252,22 +252,18 @@ class Worker:
                 self._conn.send(run)
             except (OSError, ValueError, TypeError) as e:  # TypeError: closed by a stop meanwhile
                 raise WorkerDied(f"worker {self.pid} is gone ({e})") from e
-            while True:
+            while not done:
                 msg = await stream.get()
+                done = isinstance(msg, Done | Failure)  # before the yield: a caller may stop reading at its Done
                 if isinstance(msg, WorkerDied):
                     raise msg
                 if isinstance(msg, Failure):
-                    done = True
                     raise RuntimeError(msg.message)
                 if isinstance(msg, Started):
                     if on_start is not None:
                         on_start(msg.batch)
-                    continue
-                if isinstance(msg, Done):
-                    done = True  # before the yield: a caller may stop reading at its Done
+                else:
                     yield msg
-                    return
-                yield msg
         finally:
             del self._streams[run.request_id]
             if not done and not self.dead:
