@@ -146,7 +146,6 @@ class KvMemory:
             log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
         if freed and self.arena is not None:
             await self.sync_arena()  # once, for all it evicted there
-        self.node.update_gauges()
         return freed
 
     async def unload(self, inst: Served) -> None:
@@ -170,7 +169,6 @@ class KvMemory:
         if self.node.bound.get(bound.artifact.artifact_id) is bound:
             del self.node.bound[bound.artifact.artifact_id]
             await self.release(f"weights:{bound.artifact.artifact_id}")
-        self.node.update_gauges()
         await self.node.beat()  # tell the scheduler now
 
     async def release_worker(self, bound: Bound) -> None:
@@ -179,7 +177,6 @@ class KvMemory:
         bound.resident.last_used = time.time()
         excess = over_budget([b.resident for b in self.node.bound.values()], self.settings.pool_budget_bytes)
         await self._evict_idle_residents(excess)
-        self.node.update_gauges()
 
     def _sole(self, inst: Served) -> bool:
         """`inst` is its resident worker's only user: ending it frees the weights too."""

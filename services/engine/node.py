@@ -7,6 +7,7 @@ worker stays resident until evicted at the lowest cost (Tangram §3.1–3.2), it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict, deque
@@ -200,6 +201,7 @@ class Node:
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
+        self._export_gauges()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` in the background (kept from the collector until it ends)."""
@@ -234,7 +236,6 @@ class Node:
             record.name, bound, now, now, kv, *slo, warm_since=float("inf"), start=start
         )
         self.replaced(old)
-        self.update_gauges()
 
     def cancel(self, request_id: str, by_client: bool) -> None:
         """Stop a request, queued or running, on its worker."""
@@ -260,7 +261,6 @@ class Node:
             await inst.drained.wait()  # its last requests stream on from it meanwhile
         if not self.runs_stages(inst.bound.worker):  # else it goes with its last stage's end
             await asyncio.to_thread(inst.bound.worker.stop)
-        self.update_gauges()
         aid = inst.bound.artifact.artifact_id
         for node, addr in stages:
             await self.bus.publish(subjects.engine_end_stage(node), EndStage(artifact_id=aid, addr=addr))
@@ -334,22 +334,25 @@ class Node:
             core_build_s=self.core_build_s if self.settings.start_tier else 0.0,
         )
 
-    def update_gauges(self) -> None:
-        bound = self.bound.values()
-        metrics.INSTANCES.set(len(self.instances))
-        metrics.PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
-        metrics.STAGE_WORKERS.set(len({id(w) for w, _, _ in self.stage_workers.values()}))
-        metrics.RESIDENT_BYTES.set(sum(b.resident.nbytes for b in bound))
-        metrics.POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in bound if b.resident.users == 0))
-        metrics.PREWARMED.set(len(self.workers.idle))
-        metrics.PREWARMED_BYTES.set(sum(w.rss_bytes() for w in self.workers.idle))
-        if self.workers.arena is not None:
-            held, idle = self.workers.arena.held_bytes()
-            metrics.ARENA_BYTES.labels("held").set(held)
-            metrics.ARENA_BYTES.labels("idle").set(idle)
-        metrics.WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in bound))
+    def _export_gauges(self) -> None:
+        """The node's gauges, each read at a scrape (on this event loop)."""
+        bound, instances, idle = self.bound.values, self.instances.values, self.workers.idle
+        metrics.INSTANCES.set_function(lambda: len(self.instances))
+        metrics.PIPELINED.set_function(lambda: sum(i.bound.source == "pipeline" for i in instances()))
+        metrics.STAGE_WORKERS.set_function(lambda: len({id(w) for w, _, _ in self.stage_workers.values()}))
+        metrics.RESIDENT_BYTES.set_function(lambda: sum(b.resident.nbytes for b in bound()))
+        metrics.POOL_IDLE_BYTES.set_function(lambda: sum(b.resident.nbytes for b in bound() if b.resident.users == 0))
+        metrics.PREWARMED.set_function(lambda: len(idle))
+        metrics.PREWARMED_BYTES.set_function(lambda: sum(w.rss_bytes() for w in idle))
+        metrics.WORKER_RSS_BYTES.set_function(lambda: sum(b.worker.rss_bytes() for b in bound()))
+        if (arena := self.workers.arena) is not None:
+            metrics.ARENA_BYTES.labels("held").set_function(lambda: arena.held_bytes()[0])
+            metrics.ARENA_BYTES.labels("idle").set_function(lambda: arena.held_bytes()[1])
         for tier in Tier:
-            metrics.BOUND_BY_TIER.labels(tier).set(sum(1 for b in bound if b.worker.tier == tier))
+            metrics.BOUND_BY_TIER.labels(tier).set_function(functools.partial(self._bound_on, tier))
+
+    def _bound_on(self, tier: Tier) -> int:
+        return sum(b.worker.tier == tier for b in self.bound.values())
 
     def idle_since(self) -> float | None:
         """time.time() since which nothing has run on this node (None: something runs or starts)."""

@@ -55,7 +55,6 @@ class Pipelines:
         drives = any(i.bound.worker is worker for i in self.node.instances.values())
         if not self.node.runs_stages(worker) and not drives:  # its last stage, and no pipeline of its own
             await asyncio.to_thread(worker.stop)
-        self.node.update_gauges()
         log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
 
     def _stages_only(self, what: str) -> None:
@@ -109,7 +108,6 @@ class Pipelines:
         owner = f"stage:{req.model.artifact.artifact_id}:{req.lo}-{req.hi}"
         async with self.memory.reserved(owner, req.nbytes):  # refused when the node has no room: no pipeline
             _, loaded = await self._load_into_worker(req.model, cache_dir, stage=spec, owner=owner)
-        self.node.update_gauges()
         log.info(
             "stage [%d, %d) of %s serving at %s (%.2fs for its %d blocks, %.2fs to load)",
             req.lo,

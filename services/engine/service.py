@@ -85,7 +85,6 @@ class EngineService:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self.node.update_gauges()
                 await self.node.learn_artifacts()
                 if self.bus.connected.is_set():
                     await self.node.beat()

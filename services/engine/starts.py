@@ -290,7 +290,6 @@ class Starts:
             extra={"artifact": aid, "reused_bytes": loaded.reused_bytes, "expected_bytes": shared},
         )
         bound = self._bind(old.worker, artifact, loaded, "arena", 0.0, weights, time.time())
-        self.node.update_gauges()
         return bound
 
     async def _tensors(self, artifact: Artifact) -> dict[str, int]:
@@ -377,7 +376,6 @@ class Starts:
         return reply
 
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
-        self.node.update_gauges()
         if msg.error:
             metrics.TIER_UPS.labels("failed").inc()
             log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
