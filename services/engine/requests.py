@@ -132,22 +132,21 @@ class Requests:
                     else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
                 final = Failed(request_id=rid, code=ErrorCode.PREEMPTED, message=why)
-            metrics.REQUESTS.labels("preempted" if final else reason.value).inc()
         except WorkerDied as e:
             log.error("worker of %s died during %s", inst.model, rid)
-            metrics.REQUESTS.labels("error").inc()
             why = f"the worker serving {inst.model} died ({e}); retry the request"
             final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=why)
             await self.memory.lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", rid)
-            metrics.REQUESTS.labels("error").inc()
             final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=str(e))
             if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
                 # A stage is gone: the pipeline serves nothing more. The scheduler hears of it
                 # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
+        outcome = reason.value if final is None else "preempted" if final.code is ErrorCode.PREEMPTED else "error"
+        metrics.REQUESTS.labels(outcome).inc()
         ended = Finished(
             request_id=rid, finish_reason=reason, prompt_tokens=req.prompt_tokens, completion_tokens=completion
         )
