@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,23 +25,10 @@ from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import CudaError, NativeUnavailable
 from cuda_ext.progress import FillProgress
 from services.engine.metrics import ARENA_LOADS, ARENA_STREAMED
-from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS, safetensors_header
 
 log = logging.getLogger(__name__)
 _owners = itertools.count()
-
-
-def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's byte range in a safetensors file (8-byte header length, JSON header, data)."""
-    with open(weights, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
-    return {
-        name: (base + meta["data_offsets"][0], base + meta["data_offsets"][1])
-        for name, meta in header.items()
-        if name != "__metadata__"
-    }
 
 
 FILL_BATCH_BYTES = 32 << 20
@@ -175,7 +161,7 @@ class NodeArena:
         ok = False
         try:
             names = {t["digest"]: t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]}
-            ranges = tensor_ranges(checkpoint / TORCH_WEIGHTS)
+            base, header = safetensors_header(checkpoint / TORCH_WEIGHTS)
             with self._lock:
                 sizes = {d: self.ledger.sizes[d] for d in placement.copy}
             digests = list(order) or sorted(placement.copy, key=placement.offsets.__getitem__)
@@ -183,12 +169,12 @@ class NodeArena:
                 raise ValueError("a fill's order names other digests than its placement copies")
             spans = []
             for digest in digests:
-                start, end = ranges[names[digest]]
+                start, end = header[names[digest]]["data_offsets"]
                 if end - start != sizes[digest]:
                     raise ValueError(
                         f"{names[digest]} is {end - start} bytes in {checkpoint}, {sizes[digest]} in its manifest"
                     )
-                spans.append((start, placement.offsets[digest], end - start))
+                spans.append((base + start, placement.offsets[digest], end - start))
             t0 = time.monotonic()
             if self.memory.counts_progress and progress is not None:
                 streamed = self._fill_counted(checkpoint, spans, progress, load, admit_bytes, on_admit)
