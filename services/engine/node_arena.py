@@ -43,19 +43,6 @@ def _fill_owner(owner: str) -> str:
     return f"{owner}/fill"
 
 
-def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
-    """[first, last) index ranges of `sizes`, each at least `batch_bytes` (but the last)."""
-    out, first, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= batch_bytes:
-            out.append((first, i + 1))
-            first, acc = i + 1, 0
-    if first < len(sizes):
-        out.append((first, len(sizes)))
-    return out
-
-
 def arena_device(device: str) -> str:
     """The arena's device for a node's `TESSERA_DEVICE` (CUDA, CUDA:1, or a CPU's)."""
     name = device.lower()
@@ -213,16 +200,20 @@ class NodeArena:
         admit_bytes: int | None,
         on_admit: Callable[[], None] | None,
     ) -> int:
-        """The host's fill: a batch of spans at a time, each counted once copied; admitted
-        before the first batch that starts at or past `admit_bytes`. The bytes copied after."""
-        done_bytes, streamed_from = 0, None
-        for first, last in _batches([n for _, _, n in spans], FILL_BATCH_BYTES):
+        """The host's fill: a batch of spans at a time (at least FILL_BATCH_BYTES but the last),
+        each counted once copied; admitted before the first batch that starts at or past
+        `admit_bytes`. The bytes copied after."""
+        done_bytes, streamed_from, first, batch_bytes = 0, None, 0, 0
+        for last, (_, _, n) in enumerate(spans, 1):
+            batch_bytes += n
+            if batch_bytes < FILL_BATCH_BYTES and last < len(spans):
+                continue
             if admit_bytes is not None and streamed_from is None and done_bytes >= admit_bytes:
                 streamed_from = done_bytes
                 if on_admit is not None:
                     on_admit()
             self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans[first:last])
-            done_bytes += sum(n for _, _, n in spans[first:last])
+            done_bytes, first, batch_bytes = done_bytes + batch_bytes, last, 0
             if progress is not None:
                 progress.advance(load, last)
         return 0 if streamed_from is None else done_bytes - streamed_from
