@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cuda_ext.allocator import Block
-from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
+from cuda_ext.ledger import ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import CudaError, NativeUnavailable
 from cuda_ext.progress import FillProgress
@@ -29,12 +29,8 @@ from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS, safetensors_header
 
 log = logging.getLogger(__name__)
 _owners = itertools.count()
-
-
 FILL_BATCH_BYTES = 32 << 20
 """What a fill copies between two counts of its progress (a small model's layer is a few MiB)."""
-
-
 _WATCH_S = 0.0005
 """How often a CUDA fill's admission watcher reads the count the extension stores."""
 
@@ -52,8 +48,8 @@ def arena_device(device: str) -> str:
 
 
 class NodeArena:
-    def __init__(self, capacity_bytes: int, device: str, reload_bps: float | None = None) -> None:
-        self.ledger = ArenaLedger(capacity_bytes, reload_bps=reload_bps or RELOAD_BPS)
+    def __init__(self, capacity_bytes: int, device: str) -> None:
+        self.ledger = ArenaLedger(capacity_bytes)
         self.memory = SharedMemory(self.ledger.allocator.capacity, arena_device(device))
         self._lock = threading.Lock()  # a worker's death is reported on its reader thread
         self._copied: dict[str, frozenset[str]] = {}

@@ -139,17 +139,18 @@ class Worker:
                 if (stream := self._streams.get(str(item.request_id))) is not None:
                     stream.put_nowait(item)
 
-    def _free_slot(self) -> None:
+    def _let_go(self) -> None:
+        """Its gate slot freed, its model's tensors left idle in the node's arena."""
         with self._slot_lock:  # the loop (on its death) and a stopping thread may both free it
             slot, self._slot = self._slot, -1
         if self._gate is not None and slot >= 0:
             self._gate.release(slot)
+        if self.arena is not None:
+            self.arena.release(self.owner)
 
     def _on_death(self) -> None:
         self.dead = True
-        self._free_slot()
-        if self.arena is not None:
-            self.arena.release(self.owner)
+        self._let_go()
         died = WorkerDied(f"worker {self.pid} exited")
         for fut in (self._ready, self._waiter):
             if fut is not None and not fut.done():
@@ -304,9 +305,7 @@ class Worker:
                 self._conn.close()
             finally:
                 self._stopped = True
-                self._free_slot()
-                if self.arena is not None:
-                    self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
+                self._let_go()
 
 
 class WorkerPool:
