@@ -57,12 +57,11 @@ class Pipelines:
             await asyncio.to_thread(worker.stop)
         log.info("stage %s of %s ended", req.addr, req.artifact_id, extra={"artifact": req.artifact_id})
 
-    def _stages_only(self, what: str) -> None:
+    async def _blocks(self, what: str, record: ModelRecord, blocks: tuple[int, ...]) -> str:
+        """The node's copy of the model once `blocks` of it are here (the loader waits), for
+        `what` runs only on a backend with pipeline stages."""
         if not self.node.backend.pipeline_stages:
             raise TesseraError(ErrorCode.INVALID_REQUEST, f"{what} does not run on {self.node.backend.name} nodes")
-
-    async def _blocks(self, record: ModelRecord, blocks: tuple[int, ...]) -> str:
-        """The node's copy of the model once `blocks` of it are here (the loader waits)."""
         timeout = self.node.settings.load_timeout_s
         ask = AwaitBlocks(artifact=record.artifact, blocks=blocks, timeout_s=timeout)
         held = await self.node.bus.request(subjects.loader_await_blocks(self.node.id), ask, BlocksHeld, timeout + 5)
@@ -98,9 +97,8 @@ class Pipelines:
     async def start_stage(self, req: StartStage) -> StageReady:
         """Run units [lo, hi) of the model (its layers, then its head as unit `layers`) as a
         stage server, once this node's copy holds their blocks."""
-        self._stages_only("a pipeline stage")
         t0 = time.monotonic()
-        cache_dir = await self._blocks(req.model, req.blocks)
+        cache_dir = await self._blocks("a pipeline stage", req.model, req.blocks)
         waited = time.monotonic() - t0
         spec = StageSpec(
             req.lo, min(req.hi, req.layers), req.layers, req.hi > req.layers, self.node.settings.stage_host
@@ -124,13 +122,12 @@ class Pipelines:
     async def start_pipelined(self, req: StartPipelined) -> InstanceReady | Rejected:
         """Serve the model through `req.stages` until this node's own start of it is done;
         refused when that start was done first."""
-        self._stages_only("a pipelined instance")
         record, name = req.model, req.model.name
         done_first = Rejected(code=ErrorCode.UNAVAILABLE, message=f"{name} runs here already: nothing to bridge")
+        t0 = time.monotonic()
         if name in self.node.instances:
             return done_first
-        t0 = time.monotonic()
-        cache_dir = await self._blocks(record, req.blocks)
+        cache_dir = await self._blocks("a pipelined instance", record, req.blocks)
         t1 = time.monotonic()
         worker, loaded = await self._load_into_worker(record, cache_dir, stages=req.stages)
         if name in self.node.instances:  # its own start was done meanwhile
