@@ -197,7 +197,11 @@ class Starts:
                 worker, warm = await self.node.workers.take()
                 if not warm:
                     metrics.COLD_WORKERS.inc()
-                loaded, waited_s = await self._load(worker, artifact, tier, staged)
+                try:
+                    loaded, waited_s = await self._import(worker, artifact, tier, staged)
+                except BaseException:  # bound to no model: its process goes
+                    await asyncio.to_thread(worker.stop)
+                    raise
                 stage_s += waited_s
         except ArenaFull as e:  # room for its bytes, but no range long enough
             raise TesseraError(
@@ -278,7 +282,7 @@ class Starts:
         weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
         try:
             async with self.memory.reserved(f"weights:{aid}", weights):
-                loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
+                loaded, _ = await self._import(old.worker, artifact, Tier.TORCH, None)
         except BaseException:  # bound to neither model now
             await asyncio.to_thread(old.worker.stop)
             raise
@@ -301,23 +305,13 @@ class Starts:
                 self.node.tensor_bytes[artifact.artifact_id] = tensors
         return tensors
 
-    async def _load(
-        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
-    ) -> tuple[Loaded, float]:
-        """`_import`, the worker stopped if it fails (bound to no model then)."""
-        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-        try:
-            return await self._import(worker, artifact, tier, staged)
-        except BaseException:
-            await asyncio.to_thread(worker.stop)
-            raise
-
     async def _import(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
     ) -> tuple[Loaded, float]:
         """Import the staged blob into the worker. On a deferred-verify hit the loader checks the
         copy meanwhile; one found corrupt (or unconfirmed) is imported again once repaired.
         Returns the load and how long it then waited for the check."""
+        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
         # A bounded share of cores for a start while other instances generate; else all.
         busy = any(i.active for i in self.node.instances.values())
         cores = start_cores(sorted(os.sched_getaffinity(0)), self.node.settings.start_cpu_share, busy)
