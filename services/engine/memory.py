@@ -274,17 +274,14 @@ class KvMemory:
         targets = [plan.target_bytes] if plan.action is not Action.REFUSE else []
         if required not in targets and required > old:
             targets.append(required)
-        granted = None
-        for target in targets:
-            if (await self.reserve_now(owner, target)).granted:
-                granted = target
+        for granted in targets:
+            if (await self.reserve_now(owner, granted)).granted:
                 break
-        if granted is None and wait and required > old:
+        else:
+            if not wait or required <= old:
+                return False
             # It holds `old` already: the room to make is only the growth.
-            await self.reserve(owner, required, preemptor=inst, held=lambda: old)
-            granted = required
-        if granted is None:
-            return False
+            granted = await self.reserve(owner, required, preemptor=inst, held=lambda: old)
         await self.done(owner)
         inst.kv.reserved_bytes = granted
         metrics.KV_RESERVED.labels(inst.model).set(granted)

@@ -214,8 +214,7 @@ class Worker:
                 elif not admitted.done():
                     raise TimeoutError(f"the copy of {artifact.artifact_id}'s first tensors took over {timeout_s} s")
         except BaseException:
-            if placement is not None:
-                assert self.arena is not None
+            if placement is not None and self.arena is not None:
                 self.arena.release(self.owner)  # a failed copy's tensors are evicted once idle
             if fill is not None:  # it ends on its own (holding its tensors till then); what failed is raised here
                 fill.add_done_callback(lambda f: f.cancelled() or f.exception())
