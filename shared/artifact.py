@@ -9,9 +9,10 @@ main process, the loader and the converter all agree on them cheaply.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,6 +111,16 @@ def stored_torch_checkpoints(store: Path, known: AbstractSet[str]) -> dict[str, 
             except (OSError, ValueError, KeyError):  # unreadable: known, with nothing to match
                 out[entry.name] = {}
     return out
+
+
+def safetensors_header(weights: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """A safetensors file's header size (with its 8-byte length prefix: where the data begins)
+    and its tensors, each with its `data_offsets` in the data."""
+    with weights.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
 
 
 def checkpoint_tensor_bytes(checkpoint: Path) -> dict[str, int]:

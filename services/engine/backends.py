@@ -1,7 +1,6 @@
-"""The engines a node may run (`TESSERA_ENGINE_BACKEND`), each an object that says what it is;
-the controller asks these attributes, never the backend's name (ServerlessLLM's backends).
-A worker's entry point is named, not imported: the engine never imports a backend it does not
-run (nor its libraries)."""
+"""The engines a node may run (`TESSERA_ENGINE_BACKEND`), each an object that says what it is
+(ServerlessLLM's backends). A worker's entry point is named, not imported: the engine never
+imports a backend it does not run (nor its libraries)."""
 
 from __future__ import annotations
 
@@ -44,20 +43,6 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class Backend:
     name: str
-    reads_torch_checkpoint: bool
-    """Its workers read the torch checkpoint (written from the GGUF by the loader), not IR/blobs."""
-    start_tier: bool
-    """It may start a model on its START tier and tier up to STEADY once idle."""
-    tensor_arena: bool
-    """Its workers hold weights in a tensor arena by content hash: an idle one's tensors are
-    reused by a start of a model sharing them (Tangram §3.1)."""
-    pipeline_stages: bool
-    """It can run a layer range as a pipeline stage, and serve a model through stages (FaaScale §4.3)."""
-    lazy_host_kv: bool
-    """On the host, its KV cache's pages are committed as blocks fill (how much of it the RSS
-    holds is unknown: the footprint true-up takes none off)."""
-    batch_limit: int | None
-    """Most requests its engine steps at once; None: the node's `max_batch` setting."""
     entry: str
     """Its worker's entry function, `module:function`, called in the spawned process."""
     process_name: str
@@ -65,6 +50,20 @@ class Backend:
     """The entry's arguments from the spec, the worker's end of its pipe and its gate slot."""
     env: Callable[[WorkerSpec], dict[str, str]] = lambda spec: {}
     """Environment the process is spawned with."""
+    reads_torch_checkpoint: bool = False
+    """Its workers read the torch checkpoint (written from the GGUF by the loader), not IR/blobs."""
+    start_tier: bool = False
+    """It may start a model on its START tier and tier up to STEADY once idle."""
+    tensor_arena: bool = False
+    """Its workers hold weights in a tensor arena by content hash: an idle one's tensors are
+    reused by a start of a model sharing them (Tangram §3.1)."""
+    pipeline_stages: bool = False
+    """It can run a layer range as a pipeline stage, and serve a model through stages (FaaScale §4.3)."""
+    lazy_host_kv: bool = False
+    """On the host, its KV cache's pages are committed as blocks fill (how much of it the RSS
+    holds is unknown: the footprint true-up takes none off)."""
+    batch_limit: int | None = None
+    """Most requests its engine steps at once; None: the node's `max_batch` setting."""
 
     def start_tier_of(self, artifact: Artifact, device: str, enabled: bool) -> Tier:
         """TORCH for a backend reading the torch checkpoint; START when it has a start tier,
@@ -84,11 +83,7 @@ def _openvino_env(spec: WorkerSpec) -> dict[str, str]:
 
 OPENVINO = Backend(
     "openvino",
-    reads_torch_checkpoint=False,
     start_tier=True,
-    tensor_arena=False,
-    pipeline_stages=False,
-    lazy_host_kv=False,
     # The core (`core.py`) serves every instance once built; the start tier lasts seconds.
     batch_limit=CORE_MAX_SEQS,
     entry="services.engine.worker_process:serve",
@@ -99,11 +94,9 @@ OPENVINO = Backend(
 TORCH = Backend(
     "torch",
     reads_torch_checkpoint=True,
-    start_tier=False,
     tensor_arena=True,
     pipeline_stages=True,
     lazy_host_kv=True,
-    batch_limit=None,  # `torch_engine/batching.py` steps at most `max_batch` requests at once
     entry="services.engine.torch_engine.process:worker_main",
     process_name="tessera-torch-worker",
     args=lambda s, c, i: (c, s.threads, s.tensor_arena, s.gate, i, s.max_batch, s.kv_tokens),
@@ -111,11 +104,6 @@ TORCH = Backend(
 VLLM = Backend(
     "vllm",
     reads_torch_checkpoint=True,
-    start_tier=False,
-    tensor_arena=False,
-    pipeline_stages=False,
-    lazy_host_kv=False,
-    batch_limit=None,
     entry="services.engine.vllm_engine.process:worker_main",
     process_name="tessera-vllm-worker",
     args=lambda s, c, i: (c, s.threads, s.gate, i, s.max_batch, s.kv_tokens),

@@ -11,8 +11,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from policy.defrag import Neighbour, choose_preemption
 from policy.eviction import Resident, choose_evictions, over_budget
@@ -21,7 +21,6 @@ from policy.kv_watermark import Action, KvPlan
 from policy.slo import ttft_slo
 from services.engine import metrics
 from services.engine.node import ARENA_REGION, Bound, Node, Publisher, Served
-from services.engine.settings import EngineSettings
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (
@@ -34,9 +33,6 @@ from shared.messages import (
     ReserveDone,
     ReserveResult,
 )
-
-if TYPE_CHECKING:
-    from services.engine.node_arena import NodeArena
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +49,21 @@ class MemoryManager(Protocol):
     async def done(self, owner: str) -> None: ...
 
 
+@dataclass
 class BusMemoryManager:
     """The node's memory manager over the bus."""
 
-    def __init__(self, bus: Publisher, node_id: str, timeout_s: float) -> None:
-        self.bus, self.node_id, self.timeout_s = bus, node_id, timeout_s
+    bus: Publisher
+    node_id: str
+    timeout_s: float
 
     async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
-        message = Reserve(owner=owner, nbytes=nbytes)
-        return await self.bus.request(subjects.memory_reserve(self.node_id), message, ReserveResult, self.timeout_s)
+        ask = Reserve(owner=owner, nbytes=nbytes)
+        return await self.bus.request(subjects.memory_reserve(self.node_id), ask, ReserveResult, self.timeout_s)
 
     async def release(self, owner: str) -> ReserveResult:
-        message = Release(owner=owner)
-        return await self.bus.request(subjects.memory_release(self.node_id), message, ReserveResult, self.timeout_s)
+        ask = Release(owner=owner)
+        return await self.bus.request(subjects.memory_release(self.node_id), ask, ReserveResult, self.timeout_s)
 
     async def done(self, owner: str) -> None:
         await self.bus.publish(subjects.memory_done(self.node_id), ReserveDone(owner=owner))
@@ -75,18 +73,14 @@ class KvMemory:
     """The node's memory as its parts use it: reservations with the memory manager, the KV
     caches' growth and shrinking, and the evictions and preemptions that make room."""
 
-    def __init__(
-        self, settings: EngineSettings, node: Node, manager: MemoryManager, bus: Publisher, arena: NodeArena | None
-    ) -> None:
-        """`bus`: the scheduler's word on which neighbours a preemption may move."""
-        self.settings, self.node, self.manager, self.bus, self.arena = settings, node, manager, bus, arena
+    def __init__(self, node: Node, manager: MemoryManager) -> None:
+        self.node, self.manager = node, manager
+        self.settings, self.arena = node.settings, node.workers.arena
         self.footprints: dict[str, int] = {}
         """Per artifact, the weights its last worker was trued up to: what the next start reserves."""
         self.arena_wanted: Counter[str] = Counter()
         """Digests the starts under way will bind in the node's arena: counted in its reservation
         until they are in (once), and never evicted for memory meanwhile."""
-        self.arena_sizes: dict[str, int] = {}
-        """Bytes of each digest a start has wanted (a digest's size never changes)."""
         self.arena_granted = 0
         """The arena's reservation as the memory manager last granted it."""
 
@@ -105,7 +99,6 @@ class KvMemory:
             log.warning("could not release memory of %s", owner)
 
     async def done(self, owner: str) -> None:
-        """Tell the memory manager the load or resize granted for `owner` is finished."""
         try:
             await self.manager.done(owner)
         except Exception:
@@ -131,11 +124,12 @@ class KvMemory:
         """What the node's arena takes, with what the starts under way will copy into it."""
         if self.arena is None:
             return 0
-        return self.arena.committed_bytes({d: self.arena_sizes[d] for d in self.arena_wanted})
+        wanted = {d: n for t in self.node.tensor_bytes.values() for d, n in t.items() if d in self.arena_wanted}
+        return self.arena.committed_bytes(wanted)
 
     async def evict(self, keys: list[str]) -> int:
         """Stop the residents `keys`, and drop their tensors from the node's arena but those
-        another model holds or a start under way will bind."""
+        another model holds or a start under way will bind; the bytes freed."""
         freed = 0
         for key in keys:
             bound = self.node.bound.pop(key, None)
@@ -152,7 +146,6 @@ class KvMemory:
             log.info("evicted resident model %s (%d bytes)", key, bound.resident.nbytes)
         if freed and self.arena is not None:
             await self.sync_arena()  # once, for all it evicted there
-        self.node.update_gauges()
         return freed
 
     async def unload(self, inst: Served) -> None:
@@ -163,7 +156,9 @@ class KvMemory:
 
     async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]
-        metrics.forget_kv_gauges(inst.model)
+        for gauge in (metrics.KV_RESERVED, metrics.KV_ALLOCATED):
+            with contextlib.suppress(KeyError):
+                gauge.remove(inst.model)
         await self.release(f"{inst.model}:kv")
         self.node.replaced(inst)  # a pipelined one: its worker and stages go
 
@@ -174,7 +169,6 @@ class KvMemory:
         if self.node.bound.get(bound.artifact.artifact_id) is bound:
             del self.node.bound[bound.artifact.artifact_id]
             await self.release(f"weights:{bound.artifact.artifact_id}")
-        self.node.update_gauges()
         await self.node.beat()  # tell the scheduler now
 
     async def release_worker(self, bound: Bound) -> None:
@@ -183,19 +177,24 @@ class KvMemory:
         bound.resident.last_used = time.time()
         excess = over_budget([b.resident for b in self.node.bound.values()], self.settings.pool_budget_bytes)
         await self._evict_idle_residents(excess)
-        self.node.update_gauges()
+
+    def _sole(self, inst: Served) -> bool:
+        """`inst` is its resident worker's only user: ending it frees the weights too."""
+        return self.node.bound.get(inst.bound.artifact.artifact_id) is inst.bound and inst.bound.resident.users == 1
+
+    def _frees(self, inst: Served) -> int:
+        return inst.kv.reserved_bytes + (inst.bound.resident.nbytes if self._sole(inst) else 0)
 
     async def evict_idle_instances(self, need: int, frees: Callable[[Served, bool], int] | None = None) -> bool:
         """End idle instances before their keep-alive, at the lowest cost (Tangram §3.2).
         `frees(instance, sole user of its worker)`: what ending it frees (default: its KV cache
         and a sole user's weights). False if the idle ones cannot free enough."""
-        users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         candidates = []
         for i in self.node.instances.values():
             if i.active:
                 continue
-            sole = users.get(i.bound.artifact.artifact_id) == 1
-            freed = frees(i, sole) if frees else i.kv.reserved_bytes + (i.bound.resident.nbytes if sole else 0)
+            sole = self._sole(i)
+            freed = frees(i, sole) if frees else self._frees(i)
             # Its restart costs a resident start at least, a full load if its weights go too.
             reload_s = i.bound.resident.reload_s if sole else 0.1
             candidates.append(Resident(i.model, freed, reload_s, i.loaded_at, i.last_used))
@@ -275,17 +274,14 @@ class KvMemory:
         targets = [plan.target_bytes] if plan.action is not Action.REFUSE else []
         if required not in targets and required > old:
             targets.append(required)
-        granted = None
-        for target in targets:
-            if (await self.reserve_now(owner, target)).granted:
-                granted = target
+        for granted in targets:
+            if (await self.reserve_now(owner, granted)).granted:
                 break
-        if granted is None and wait and required > old:
+        else:
+            if not wait or required <= old:
+                return False
             # It holds `old` already: the room to make is only the growth.
-            await self.reserve(owner, required, preemptor=inst, held=lambda: old)
-            granted = required
-        if granted is None:
-            return False
+            granted = await self.reserve(owner, required, preemptor=inst, held=lambda: old)
         await self.done(owner)
         inst.kv.reserved_bytes = granted
         metrics.KV_RESERVED.labels(inst.model).set(granted)
@@ -346,14 +342,8 @@ class KvMemory:
         """Preempt neighbours of `preemptor` with a smaller batch, smallest first, whose requests
         validate on another node (the scheduler says which), until `need` bytes would be free.
         False when no such set frees enough."""
-        users = {aid: b.resident.users for aid, b in self.node.bound.items()}
         neighbours = [
-            Neighbour(
-                i.model,
-                i.active,
-                i.kv.reserved_bytes + (i.bound.resident.nbytes if users.get(i.bound.artifact.artifact_id) == 1 else 0),
-                relocatable=False,
-            )
+            Neighbour(i.model, i.active, self._frees(i), relocatable=False)
             for i in self.node.instances.values()
             if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
         ]
@@ -361,7 +351,7 @@ class KvMemory:
             return False
         try:
             query = RelocateQuery(node_id=self.node.id, models=tuple(n.key for n in neighbours))
-            answer = await self.bus.request(
+            answer = await self.node.bus.request(
                 subjects.relocatable(), query, RelocateAnswer, self.settings.memory_request_timeout_s
             )
         except TesseraError as e:
@@ -391,11 +381,9 @@ class KvMemory:
         )
         for rid in list(inst.prompts):
             self.node.cancel(rid, by_client=False)
-        deadline = time.monotonic() + self.settings.memory_wait_s
-        while inst.active > 0 and time.monotonic() < deadline:
-            self.node.went_idle.clear()
-            if not await self.node.wait_idle(deadline):
-                break
+        if inst.active > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(inst.drained.wait(), self.settings.memory_wait_s)
         if inst.active == 0 and self.node.instances.get(inst.model) is inst:
             await self.unload(inst)
 
@@ -418,18 +406,14 @@ class KvMemory:
             kv_reserved = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound)
             kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
             target = true_up(bound.weights_reserved, floor, measured, kv)
-            lock = self.node.lock(aid)
+            lock = self.node.locks[aid]
             if target is None or lock.locked():  # in step, or a start of it under way
                 continue
-            if target - bound.weights_reserved > self.node.available():
-                # No room as the memory manager last answered: not worth a refusal.
-                unaccounted += target - bound.weights_reserved
-                continue
+            owner, growth = f"weights:{aid}", target - bound.weights_reserved
             async with lock:
-                owner = f"weights:{aid}"
-                result = await self.reserve_now(owner, target)
-                if not result.granted:
-                    unaccounted += max(0, target - bound.weights_reserved)
+                # No room as the memory manager last answered: not worth a refusal.
+                if growth > self.node.available() or not (await self.reserve_now(owner, target)).granted:
+                    unaccounted += max(0, growth)
                     continue
                 await self.done(owner)
                 if self.node.bound.get(aid) is not bound:  # evicted or lost meanwhile

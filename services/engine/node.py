@@ -1,19 +1,16 @@
-"""One engine node's state, shared by the engine's parts (`memory.py`, `starts.py`,
-`pipelines.py`, `requests.py`): workers bound to artifacts (`Bound`), the model names serving on
-them (`Served`), the requests in flight, and what the node tells the scheduler.
-
-A worker, taken pre-warmed from a pool (TIDAL §5), is bound to one artifact and serves every
-model name registered on it, each with its own KV cache. A name scaled to zero loses its KV
-cache; the worker and its weights stay resident until evicted at the lowest cost (Tangram
-§3.1–3.2), and evicting ends the process, which hands its memory back whole.
-"""
+"""One engine node's state, shared by the engine's parts: workers bound to artifacts (`Bound`),
+the model names serving on them (`Served`), the requests in flight, and what the node tells the
+scheduler. A worker, taken pre-warmed from a pool (TIDAL §5), serves every model name registered
+on its artifact, each with its own KV cache; scaled to zero, a name loses its cache while the
+worker stays resident until evicted at the lowest cost (Tangram §3.1–3.2), its process ending."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +40,7 @@ from shared.pipeline_messages import EndStage
 if TYPE_CHECKING:
     from services.engine.backends import Backend
     from services.engine.worker_pool import Worker, WorkerPool
-    from services.engine.worker_wire import Done
+    from services.engine.worker_wire import Done, Loaded
 
 log = logging.getLogger(__name__)
 NODE_ARENA = "node-arena"
@@ -71,11 +68,10 @@ class WorkerDied(Exception):
 
 @dataclass
 class Cancelled:
-    """A request's cancel flag on the engine side (it may be cancelled while still queued)."""
+    """A request's cancel flag (it may be cancelled while still queued)."""
 
     flag: bool = False
-    by_client: bool = False
-    """The client asked (not a preemption)."""
+    by_client: bool = False  # not a preemption
 
     def __call__(self) -> bool:
         return self.flag
@@ -97,23 +93,20 @@ class Bound:
 
     worker: Worker
     artifact: Artifact
-    loaded_from_cache: bool
+    loaded: Loaded
+    """What its worker's load reported (`resident`: what a torch worker's own arena holds, which
+    another model sharing it may be bound to once idle)."""
     resident: Resident
     source: str
     """Where its load read the blob: "host" (the loader's cache), "store", "arena" (a torch
     worker rebound, its shared tensors already there) or "pipeline"."""
     stage_s: float = 0.0
-    worker_load_s: float = 0.0
-    load_threads: int = 0
     weights_reserved: int = 0
-    """Reserved for the worker beside KV caches: the weights, trued up to its measured footprint."""
+    """Its weights' reservation, trued up to its measured footprint."""
     kv_allocated_bytes: int = 0
-    """Its KV cache as its core last reported it (inside its RSS, or on a GPU `device_bytes`)."""
+    """Its KV cache as last reported (inside its RSS, or on a GPU `device_bytes`)."""
     device_bytes: int = 0
     """On a GPU, what it holds on the device outside the node's arena, as last reported."""
-    tensors: frozenset[str] = frozenset()
-    """Content hashes its own tensor arena holds: another model sharing them may be bound to it
-    once idle."""
 
 
 @dataclass
@@ -129,7 +122,6 @@ class Served:
     tpot_slo_s: float = 0.0
     ttft_slo_per_token_s: float = 0.0
     """A request's TTFT SLO is max(ttft_slo_s, prompt tokens × this): `policy/slo.py`."""
-    active: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when its last request in flight ends."""
     preempted: bool = False
@@ -142,12 +134,16 @@ class Served:
     held: dict[str, int] = field(default_factory=dict)
     """Requests in the worker's running batch: the context tokens each row holds."""
     prompts: dict[str, int] = field(default_factory=dict)
-    """Its requests in flight (ids): their prompt tokens."""
+    """Its requests in flight: their prompt tokens."""
     evicted: set[str] = field(default_factory=set)
     """Requests evicted from its KV cache (§6.4): they end PREEMPTED, to resume elsewhere."""
     start: PendingColdStart | None = None
-    """Its cold start until its first token (its own: a request a pipelined instance was still
-    serving when the replica took its place is no measure of the replica)."""
+    """Its own cold start until its first token (a pipelined instance's request is no measure of
+    the replica that took its place)."""
+
+    @property
+    def active(self) -> int:
+        return len(self.prompts)
 
 
 @dataclass
@@ -181,15 +177,14 @@ class Node:
     def __init__(self, settings: EngineSettings, backend: Backend, workers: WorkerPool, bus: Publisher) -> None:
         self.settings, self.backend, self.workers, self.bus = settings, backend, workers, bus
         self.id = settings.node_id
-        self.on_cuda = settings.device.upper().startswith("CUDA")
-        """The memory budget is a CUDA device's."""
+        self.on_cuda = settings.device.upper().startswith("CUDA")  # the budget is the device's
         self.instances: dict[str, Served] = {}
         self.bound: dict[str, Bound] = {}
         self.starting: dict[str, asyncio.Future[InstanceReady]] = {}
         self.cancels: dict[str, tuple[Cancelled, Bound]] = {}
         self.perf: dict[str, Samples] = {}
         """Recent measurements per artifact, sent with every heartbeat."""
-        self.locks: dict[str, asyncio.Lock] = {}
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         """One per artifact (and `stages:<artifact>`): its starts and true-ups in turn."""
         self.tensor_bytes: dict[str, dict[str, int]] = {}
         """A tensor-arena node's artifacts (started here, or in the store): digest → bytes."""
@@ -201,14 +196,12 @@ class Node:
         """Set when an instance stops serving: a start waiting for memory tries again."""
         self.beat_due = asyncio.Event()
         """Set when a request ends: the scheduler may hold requests in line for its room."""
-        self.stage_workers: dict[str, tuple[Worker, str]] = {}
-        """Workers running pipeline stages and their artifact, by stage address."""
+        self.stage_workers: dict[str, tuple[Worker, str, str]] = {}
+        """Workers running pipeline stages, their artifact and reservation, by stage address."""
         self.pipelined: dict[str, tuple[tuple[str, str], ...]] = {}
         """Models served through a pipeline here: each stage's (node, address)."""
         self._background: set[asyncio.Task[None]] = set()
-
-    def lock(self, key: str) -> asyncio.Lock:
-        return self.locks.setdefault(key, asyncio.Lock())
+        self._export_gauges()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` in the background (kept from the collector until it ends)."""
@@ -243,7 +236,6 @@ class Node:
             record.name, bound, now, now, kv, *slo, warm_since=float("inf"), start=start
         )
         self.replaced(old)
-        self.update_gauges()
 
     def cancel(self, request_id: str, by_client: bool) -> None:
         """Stop a request, queued or running, on its worker."""
@@ -255,7 +247,7 @@ class Node:
             bound.worker.cancel(request_id)
 
     def runs_stages(self, worker: Worker) -> bool:
-        return any(w is worker for w, _ in self.stage_workers.values())
+        return any(w is worker for w, _, _ in self.stage_workers.values())
 
     def replaced(self, old: Served | None) -> None:
         """`old` takes no more requests: a pipelined one retires once its requests in flight
@@ -269,7 +261,6 @@ class Node:
             await inst.drained.wait()  # its last requests stream on from it meanwhile
         if not self.runs_stages(inst.bound.worker):  # else it goes with its last stage's end
             await asyncio.to_thread(inst.bound.worker.stop)
-        self.update_gauges()
         aid = inst.bound.artifact.artifact_id
         for node, addr in stages:
             await self.bus.publish(subjects.engine_end_stage(node), EndStage(artifact_id=aid, addr=addr))
@@ -278,25 +269,17 @@ class Node:
     def idle_tensors(self) -> dict[str, frozenset[str]]:
         """Each idle bound worker (by artifact) with what its tensor arena holds; on a node with
         one arena, what that arena holds, whoever loaded it."""
-        idle = {aid: b.tensors for aid, b in self.bound.items() if b.resident.users == 0 and not b.worker.dead}
+        idle = {
+            aid: frozenset(b.loaded.resident)
+            for aid, b in self.bound.items()
+            if b.resident.users == 0 and not b.worker.dead
+        }
         if self.workers.arena is not None:
             held = self.workers.arena.digests()
             idle = {aid: held for aid in idle}
             if held:
                 idle[NODE_ARENA] = held
         return idle
-
-    def _residency(self) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
-        """Artifacts a start here would read nothing of (idle bound workers', and those whose
-        every tensor an idle arena holds: Tangram §3.1), and those it would read part of, with
-        the share it would not read (a fine-tune beside its base, in the store too)."""
-        idle = self.idle_tensors()
-        shares = (
-            reusable_shares(idle, {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}) if idle else {}
-        )
-        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
-        partial = tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0))
-        return tuple(sorted(resident)), partial
 
     async def learn_artifacts(self) -> None:
         """On a tensor-arena node: the tensors of each stored torch checkpoint, read once, so
@@ -309,7 +292,13 @@ class Node:
         await self.bus.publish(subjects.node_heartbeat(), self.status())
 
     def status(self) -> NodeStatus:
-        resident, reusable = self._residency()
+        # Resident: artifacts a start would read nothing of (idle bound workers', and those whose
+        # every tensor an idle arena holds: Tangram §3.1); reusable: those it would read part of,
+        # with the share it would not (a fine-tune beside its base, in the store too).
+        idle = self.idle_tensors()
+        unbound = {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}
+        shares = reusable_shares(idle, unbound) if idle else {}
+        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
         return NodeStatus(
             node_id=self.id,
             sent_at=time.time(),
@@ -332,8 +321,8 @@ class Node:
             memory_budget_bytes=self.memory_seen[0],
             memory_used_bytes=self.memory_seen[1],
             kind="gpu" if self.settings.device.upper().startswith(("GPU", "CUDA")) else "cpu",
-            resident=resident,
-            reusable=reusable,
+            resident=tuple(sorted(resident)),
+            reusable=tuple(sorted((aid, round(share, 4)) for aid, share in shares.items() if share < 1.0)),
             perf=tuple(
                 PerfReport(artifact_id=aid, prefill=tuple(p.prefill), decode=tuple(p.decode))
                 for aid, p in self.perf.items()
@@ -345,22 +334,25 @@ class Node:
             core_build_s=self.core_build_s if self.settings.start_tier else 0.0,
         )
 
-    def update_gauges(self) -> None:
-        bound = self.bound.values()
-        metrics.INSTANCES.set(len(self.instances))
-        metrics.PIPELINED.set(sum(1 for i in self.instances.values() if i.bound.source == "pipeline"))
-        metrics.STAGE_WORKERS.set(len({id(w) for w, _ in self.stage_workers.values()}))
-        metrics.RESIDENT_BYTES.set(sum(b.resident.nbytes for b in bound))
-        metrics.POOL_IDLE_BYTES.set(sum(b.resident.nbytes for b in bound if b.resident.users == 0))
-        metrics.PREWARMED.set(len(self.workers.idle))
-        metrics.PREWARMED_BYTES.set(sum(w.rss_bytes() for w in self.workers.idle))
-        if self.workers.arena is not None:
-            held, idle = self.workers.arena.held_bytes()
-            metrics.ARENA_BYTES.labels("held").set(held)
-            metrics.ARENA_BYTES.labels("idle").set(idle)
-        metrics.WORKER_RSS_BYTES.set(sum(b.worker.rss_bytes() for b in bound))
+    def _export_gauges(self) -> None:
+        """The node's gauges, each read at a scrape (on this event loop)."""
+        bound, instances, idle = self.bound.values, self.instances.values, self.workers.idle
+        metrics.INSTANCES.set_function(lambda: len(self.instances))
+        metrics.PIPELINED.set_function(lambda: sum(i.bound.source == "pipeline" for i in instances()))
+        metrics.STAGE_WORKERS.set_function(lambda: len({id(w) for w, _, _ in self.stage_workers.values()}))
+        metrics.RESIDENT_BYTES.set_function(lambda: sum(b.resident.nbytes for b in bound()))
+        metrics.POOL_IDLE_BYTES.set_function(lambda: sum(b.resident.nbytes for b in bound() if b.resident.users == 0))
+        metrics.PREWARMED.set_function(lambda: len(idle))
+        metrics.PREWARMED_BYTES.set_function(lambda: sum(w.rss_bytes() for w in idle))
+        metrics.WORKER_RSS_BYTES.set_function(lambda: sum(b.worker.rss_bytes() for b in bound()))
+        if (arena := self.workers.arena) is not None:
+            metrics.ARENA_BYTES.labels("held").set_function(lambda: arena.held_bytes()[0])
+            metrics.ARENA_BYTES.labels("idle").set_function(lambda: arena.held_bytes()[1])
         for tier in Tier:
-            metrics.BOUND_BY_TIER.labels(tier).set(sum(1 for b in bound if b.worker.tier == tier))
+            metrics.BOUND_BY_TIER.labels(tier).set_function(functools.partial(self._bound_on, tier))
+
+    def _bound_on(self, tier: Tier) -> int:
+        return sum(b.worker.tier == tier for b in self.bound.values())
 
     def idle_since(self) -> float | None:
         """time.time() since which nothing has run on this node (None: something runs or starts)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,53 +20,23 @@ from dataclasses import replace
 from pathlib import Path
 
 from cuda_ext.allocator import Block
-from cuda_ext.ledger import RELOAD_BPS, ArenaLedger, Placement
+from cuda_ext.ledger import ArenaLedger, Placement
 from cuda_ext.memory import ArenaHandle, SharedMemory
 from cuda_ext.native import CudaError, NativeUnavailable
 from cuda_ext.progress import FillProgress
 from services.engine.metrics import ARENA_LOADS, ARENA_STREAMED
-from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
+from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS, safetensors_header
 
 log = logging.getLogger(__name__)
 _owners = itertools.count()
-
-
-def tensor_ranges(weights: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's byte range in a safetensors file (8-byte header length, JSON header, data)."""
-    with open(weights, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
-    return {
-        name: (base + meta["data_offsets"][0], base + meta["data_offsets"][1])
-        for name, meta in header.items()
-        if name != "__metadata__"
-    }
-
-
 FILL_BATCH_BYTES = 32 << 20
 """What a fill copies between two counts of its progress (a small model's layer is a few MiB)."""
-
-
 _WATCH_S = 0.0005
 """How often a CUDA fill's admission watcher reads the count the extension stores."""
 
 
 def _fill_owner(owner: str) -> str:
     return f"{owner}/fill"
-
-
-def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
-    """[first, last) index ranges of `sizes`, each at least `batch_bytes` (but the last)."""
-    out, first, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= batch_bytes:
-            out.append((first, i + 1))
-            first, acc = i + 1, 0
-    if first < len(sizes):
-        out.append((first, len(sizes)))
-    return out
 
 
 def arena_device(device: str) -> str:
@@ -79,8 +48,8 @@ def arena_device(device: str) -> str:
 
 
 class NodeArena:
-    def __init__(self, capacity_bytes: int, device: str, reload_bps: float | None = None) -> None:
-        self.ledger = ArenaLedger(capacity_bytes, reload_bps=reload_bps or RELOAD_BPS)
+    def __init__(self, capacity_bytes: int, device: str) -> None:
+        self.ledger = ArenaLedger(capacity_bytes)
         self.memory = SharedMemory(self.ledger.allocator.capacity, arena_device(device))
         self._lock = threading.Lock()  # a worker's death is reported on its reader thread
         self._copied: dict[str, frozenset[str]] = {}
@@ -119,7 +88,7 @@ class NodeArena:
         with self._lock:
             self._release(owner)
             if discard:
-                self._evict_copied(owner)
+                self._evict_idle(self._copied.pop(owner, frozenset()))
             blocks = dict(self.ledger.blocks)
             try:
                 placement = self.ledger.place(list(tensors.items()), owner)
@@ -175,7 +144,7 @@ class NodeArena:
         ok = False
         try:
             names = {t["digest"]: t["name"] for t in json.loads((checkpoint / TORCH_MANIFEST).read_text())["tensors"]}
-            ranges = tensor_ranges(checkpoint / TORCH_WEIGHTS)
+            base, header = safetensors_header(checkpoint / TORCH_WEIGHTS)
             with self._lock:
                 sizes = {d: self.ledger.sizes[d] for d in placement.copy}
             digests = list(order) or sorted(placement.copy, key=placement.offsets.__getitem__)
@@ -183,12 +152,12 @@ class NodeArena:
                 raise ValueError("a fill's order names other digests than its placement copies")
             spans = []
             for digest in digests:
-                start, end = ranges[names[digest]]
+                start, end = header[names[digest]]["data_offsets"]
                 if end - start != sizes[digest]:
                     raise ValueError(
                         f"{names[digest]} is {end - start} bytes in {checkpoint}, {sizes[digest]} in its manifest"
                     )
-                spans.append((start, placement.offsets[digest], end - start))
+                spans.append((base + start, placement.offsets[digest], end - start))
             t0 = time.monotonic()
             if self.memory.counts_progress and progress is not None:
                 streamed = self._fill_counted(checkpoint, spans, progress, load, admit_bytes, on_admit)
@@ -227,16 +196,20 @@ class NodeArena:
         admit_bytes: int | None,
         on_admit: Callable[[], None] | None,
     ) -> int:
-        """The host's fill: a batch of spans at a time, each counted once copied; admitted
-        before the first batch that starts at or past `admit_bytes`. The bytes copied after."""
-        done_bytes, streamed_from = 0, None
-        for first, last in _batches([n for _, _, n in spans], FILL_BATCH_BYTES):
+        """The host's fill: a batch of spans at a time (at least FILL_BATCH_BYTES but the last),
+        each counted once copied; admitted before the first batch that starts at or past
+        `admit_bytes`. The bytes copied after."""
+        done_bytes, streamed_from, first, batch_bytes = 0, None, 0, 0
+        for last, (_, _, n) in enumerate(spans, 1):
+            batch_bytes += n
+            if batch_bytes < FILL_BATCH_BYTES and last < len(spans):
+                continue
             if admit_bytes is not None and streamed_from is None and done_bytes >= admit_bytes:
                 streamed_from = done_bytes
                 if on_admit is not None:
                     on_admit()
             self.memory.copy_from_file(checkpoint / TORCH_WEIGHTS, spans[first:last])
-            done_bytes += sum(n for _, _, n in spans[first:last])
+            done_bytes, first, batch_bytes = done_bytes + batch_bytes, last, 0
             if progress is not None:
                 progress.advance(load, last)
         return 0 if streamed_from is None else done_bytes - streamed_from
@@ -278,9 +251,6 @@ class NodeArena:
             if watcher.is_alive():
                 watcher.join()
         return sum(n for _, _, n in spans) - ahead if admitted.is_set() else 0
-
-    def _evict_copied(self, owner: str) -> None:
-        self._evict_idle(self._copied.pop(owner, frozenset()))
 
     def release(self, owner: str) -> None:
         """The worker's model is gone (it stopped, died, or was bound to another): its tensors
@@ -334,18 +304,15 @@ class NodeArena:
     def room_bytes(self, tensors: Mapping[str, int]) -> int:
         """Bytes a load of `tensors` could copy in: all but what loads hold and its own resident
         tensors (others' idle ones are evicted for it)."""
-        with self._lock:
-            idle = set(self.ledger.idle())
-            held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
-            own = sum(self.ledger.sizes[d] for d in tensors if d in idle)
-        return self.ledger.allocator.capacity - held - own
+        held, idle = self.held_bytes(tensors)
+        return self.ledger.allocator.capacity - held - idle
 
-    def held_bytes(self) -> tuple[int, int]:
-        """Bytes of tensors some worker holds, and of idle ones."""
+    def held_bytes(self, among: Mapping[str, int] | None = None) -> tuple[int, int]:
+        """Bytes of tensors some worker holds, and of idle ones (`among` these only)."""
         with self._lock:
             idle = set(self.ledger.idle())
             held = sum(n for d, n in self.ledger.sizes.items() if d not in idle)
-            return held, sum(self.ledger.sizes[d] for d in idle)
+            return held, sum(self.ledger.sizes[d] for d in idle if among is None or d in among)
 
     def digests(self) -> frozenset[str]:
         with self._lock:

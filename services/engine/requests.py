@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
@@ -14,15 +13,13 @@ from nats.aio.msg import Msg
 from policy.slo import ttft_slo
 from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.node import Cancelled, Node, Publisher, Samples, Served, WorkerDied
-from services.engine.settings import EngineSettings
+from services.engine.node import Cancelled, Node, Samples, Served, WorkerDied
 from services.engine.worker_wire import Chunk, Run
 from shared import subjects
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
     Cancel,
-    ColdStartPhases,
     ColdStartRecorded,
     ErrorCode,
     Failed,
@@ -33,9 +30,6 @@ from shared.messages import (
     TokenChunk,
 )
 
-if TYPE_CHECKING:
-    from services.engine.worker_pool import WorkerPool
-
 log = logging.getLogger(__name__)
 
 
@@ -43,12 +37,8 @@ log = logging.getLogger(__name__)
 class Requests:
     """The requests of the node's instances, from their admission to their last message."""
 
-    settings: EngineSettings
     node: Node
     memory: KvMemory
-    workers: WorkerPool
-    """Told when a start has its first token (its replacement warms then)."""
-    bus: Publisher
 
     async def on_cancel(self, msg: Msg) -> None:
         self.node.cancel(decode(msg.data, Cancel).request_id, by_client=True)
@@ -59,27 +49,25 @@ class Requests:
         if inst is None or inst.preempted:
             why = f"{req.model} is not loaded on {self.node.id}"
             failed = Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
-            await self.bus.reply(msg, failed)
+            await self.node.bus.reply(msg, failed)
             return
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
         inst.prompts[req.request_id] = req.prompt_tokens
-        inst.active += 1
         inst.drained.clear()
         inst.last_used = time.time()
-        await self.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
+        await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
             try:
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 metrics.REQUESTS.labels("error").inc()
                 failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
-                await self.bus.publish(req.stream_subject, failed)
+                await self.node.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
-            inst.active -= 1
-            inst.prompts.pop(req.request_id, None)
+            del inst.prompts[req.request_id]
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
             inst.last_used = time.time()
@@ -90,7 +78,7 @@ class Requests:
                 self.node.went_idle.set()  # a start waiting for memory may take this one's
 
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
-        rid, received, interval = req.request_id, time.monotonic(), self.settings.stream_interval_s
+        rid, received, interval = req.request_id, time.monotonic(), self.node.settings.stream_interval_s
         slo = ttft_slo(inst, req.prompt_tokens)
         run = Run(
             rid,
@@ -120,13 +108,13 @@ class Requests:
                         inst.held[rid] = req.prompt_tokens + generated
                     await self.memory.kv_progress(inst, rid, generated)
                     chunk = TokenChunk(request_id=rid, text=out.text, tokens=out.tokens, logprobs=out.logprobs)
-                    await self.bus.publish(req.stream_subject, chunk)
+                    await self.node.bus.publish(req.stream_subject, chunk)
                     continue
                 if received >= inst.warm_since and not out.beside_build:
                     # Requests that arrived before the start's first token shared the start:
                     # no measure of the model (they made the scheduler predict a 2 s prefill).
                     self.node.perf.setdefault(inst.bound.artifact.artifact_id, Samples()).add(out)
-                if self.settings.interleave:
+                if self.node.settings.interleave:
                     metrics.GATE_WAIT.observe(out.gated_s)
                 if out.kv_allocated_bytes:
                     metrics.KV_ALLOCATED.labels(inst.model).set(out.kv_allocated_bytes)
@@ -144,26 +132,25 @@ class Requests:
                     else f"evicted from the KV cache of {inst.model} on {self.node.id}, which could not grow"
                 )
                 final = Failed(request_id=rid, code=ErrorCode.PREEMPTED, message=why)
-            metrics.REQUESTS.labels("preempted" if final else reason.value).inc()
         except WorkerDied as e:
             log.error("worker of %s died during %s", inst.model, rid)
-            metrics.REQUESTS.labels("error").inc()
             why = f"the worker serving {inst.model} died ({e}); retry the request"
             final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=why)
             await self.memory.lose_worker(inst.bound)
         except Exception as e:
             log.exception("generation %s failed", rid)
-            metrics.REQUESTS.labels("error").inc()
             final = Failed(request_id=rid, code=ErrorCode.ENGINE_FAILED, message=str(e))
             if inst.bound.source == "pipeline" and self.node.instances.get(inst.model) is inst:
                 # A stage is gone: the pipeline serves nothing more. The scheduler hears of it
                 # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
+        outcome = reason.value if final is None else "preempted" if final.code is ErrorCode.PREEMPTED else "error"
+        metrics.REQUESTS.labels(outcome).inc()
         ended = Finished(
             request_id=rid, finish_reason=reason, prompt_tokens=req.prompt_tokens, completion_tokens=completion
         )
-        await self.bus.publish(req.stream_subject, final or ended)
+        await self.node.bus.publish(req.stream_subject, final or ended)
         await self.memory.kv_complete(inst, rid, generated, not final and reason is not FinishReason.CANCELLED)
 
     async def _maybe_record_cold_start(self, inst: Served, first_token_at: float) -> None:
@@ -172,15 +159,10 @@ class Requests:
             return
         if inst.bound.source != "pipeline":  # a pipeline's times are no measure of the model here
             inst.warm_since = first_token_at
-        self.workers.start_done()
+        self.node.workers.start_done()
         p = pending.phases
         ready_at = pending.t0 + p.init_s + p.load_s + p.profile_s
-        phases = ColdStartPhases(
-            init_s=p.init_s,
-            load_s=p.load_s,
-            profile_s=p.profile_s,
-            prefill_s=max(0.0, first_token_at - ready_at),
-        )
+        phases = msgspec.structs.replace(p, prefill_s=max(0.0, first_token_at - ready_at))
         total = first_token_at - pending.t0
         for name in ("init", "load", "profile", "prefill"):
             metrics.PHASE_SECONDS.labels(name).observe(getattr(phases, f"{name}_s"))
@@ -192,13 +174,13 @@ class Requests:
             started_at=time.time() - (time.monotonic() - pending.t0),
             phases=phases,
             total_s=total,
-            loaded_from_cache=inst.bound.loaded_from_cache,
+            loaded_from_cache=inst.bound.loaded.loaded_from_cache,
             source=pending.source,
             stage_s=inst.bound.stage_s * loaded,
-            worker_load_s=inst.bound.worker_load_s * loaded,
-            load_threads=inst.bound.load_threads * loaded,
+            worker_load_s=inst.bound.loaded.load_s * loaded,
+            load_threads=inst.bound.loaded.threads * loaded,
             tier=inst.bound.worker.tier or "",
         )
         extra = {"model": inst.model, "phases": msgspec.structs.asdict(phases), "source": pending.source}
         log.info("cold start of %s: %.2fs", inst.model, total, extra={**extra, "tier": inst.bound.worker.tier})
-        await self.bus.publish(subjects.cold_start_recorded(), event)
+        await self.node.bus.publish(subjects.cold_start_recorded(), event)

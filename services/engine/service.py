@@ -40,10 +40,10 @@ class EngineService:
         self.workers = workers or node_pool(settings, backend)
         self.node = Node(settings, backend, self.workers, bus)
         manager = memory_manager or BusMemoryManager(bus, settings.node_id, settings.memory_request_timeout_s)
-        self.memory = KvMemory(settings, self.node, manager, bus, self.workers.arena)
-        self.starts = Starts(settings, self.node, self.memory, self.workers, bus)
-        self.pipelines = Pipelines(settings, self.node, self.memory, self.workers, bus)
-        self.requests = Requests(settings, self.node, self.memory, self.workers, bus)
+        self.memory = KvMemory(self.node, manager)
+        self.starts = Starts(self.node, self.memory)
+        self.pipelines = Pipelines(self.node, self.memory)
+        self.requests = Requests(self.node, self.memory)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -85,7 +85,6 @@ class EngineService:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self.node.update_gauges()
                 await self.node.learn_artifacts()
                 if self.bus.connected.is_set():
                     await self.node.beat()

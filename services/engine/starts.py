@@ -25,8 +25,7 @@ from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from policy.prefetch import admission_bytes
 from services.engine import metrics
 from services.engine.memory import KvMemory
-from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Publisher, Served
-from services.engine.settings import EngineSettings
+from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Served
 from shared import subjects
 from shared.artifact import has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
@@ -53,7 +52,7 @@ from shared.messages import (
 )
 
 if TYPE_CHECKING:
-    from services.engine.worker_pool import Worker, WorkerPool
+    from services.engine.worker_pool import Worker
     from services.engine.worker_wire import Loaded, TieredUp
 
 log = logging.getLogger(__name__)
@@ -63,11 +62,8 @@ log = logging.getLogger(__name__)
 class Starts:
     """Starts and stops of instances on the node."""
 
-    settings: EngineSettings
     node: Node
     memory: KvMemory
-    workers: WorkerPool
-    bus: Publisher
 
     async def tier_up_next(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
@@ -75,7 +71,7 @@ class Starts:
         neighbours (measured on 1-core nodes: their TPOT past their SLO)."""
         live = {aid: b.worker for aid, b in self.node.bound.items() if not b.worker.dead}
         workers = [StartTierWorker(aid, w.tier == Tier.START, w.tiering, w.tier_up_failed) for aid, w in live.items()]
-        key = next_tier_up(workers, self.node.idle_since(), time.time(), self.settings.tier_up_idle_s)
+        key = next_tier_up(workers, self.node.idle_since(), time.time(), self.node.settings.tier_up_idle_s)
         if key is not None:
             live[key].tier_up()
 
@@ -88,27 +84,17 @@ class Starts:
         except Exception as e:
             log.exception("start of %s failed", req.model.name)
             reply = Rejected(code=ErrorCode.ENGINE_FAILED, message=f"start failed: {e}", retry_after_s=1)
-        await self.bus.reply(msg, reply)
+        await self.node.bus.reply(msg, reply)
 
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
         if (inst := self.node.instances.get(name)) is not None:
-            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded_from_cache
+            zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded.loaded_from_cache
             return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
-        if name in self.node.starting:  # a second start of the same model waits for the first
-            return await asyncio.shield(self.node.starting[name])
-        fut: asyncio.Future[InstanceReady] = asyncio.get_running_loop().create_future()
-        self.node.starting[name] = fut
-        try:
-            ready = await self._cold_start(req)
-            fut.set_result(ready)
-            return ready
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved here: waiters re-raise it themselves
-            raise
-        finally:
-            del self.node.starting[name]
+        if name not in self.node.starting:  # else a second start of the same model waits for the first
+            start = self.node.starting[name] = asyncio.ensure_future(self._cold_start(req))
+            start.add_done_callback(lambda _: self.node.starting.pop(name))
+        return await asyncio.shield(self.node.starting[name])
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
@@ -131,10 +117,10 @@ class Starts:
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
         log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
-        if not bound.loaded_from_cache:
+        if not bound.loaded.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
-            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded_from_cache
+            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded.loaded_from_cache
         )
 
     async def _materialized(self, record: ModelRecord) -> None:
@@ -144,21 +130,18 @@ class Starts:
         if not backend.reads_torch_checkpoint or await asyncio.to_thread(has_torch_checkpoint, record.artifact):
             return
         log.info("%s has no torch checkpoint yet: this node's loader writes it", record.name)
-        ask, timeout = ImportModel(source=record.source), self.settings.load_timeout_s
-        reply = await self.bus.request(subjects.loader_import(self.node.id), ask, ModelImported | Rejected, timeout)
+        ask, timeout = ImportModel(source=record.source), self.node.settings.load_timeout_s
+        reply = await self.node.bus.request(
+            subjects.loader_import(self.node.id), ask, ModelImported | Rejected, timeout
+        )
         if isinstance(reply, Rejected):
             raise TesseraError(reply.code, f"{record.name} cannot start on a {backend.name} node: {reply.message}")
-
-    def _start_cores(self) -> tuple[int, ...] | None:
-        """A bounded share of cores for a start while other instances generate; else all."""
-        busy = any(i.active for i in self.node.instances.values())
-        return start_cores(sorted(os.sched_getaffinity(0)), self.settings.start_cpu_share, busy)
 
     async def _acquire(self, artifact: Artifact) -> tuple[Bound, bool, float]:
         """A worker bound to the artifact (the resident one, or a pre-warmed one loaded now),
         whether it was resident, and when Init ended (monotonic)."""
         aid = artifact.artifact_id
-        async with self.node.lock(aid):
+        async with self.node.locks[aid]:
             now = time.time()
             bound = self.node.bound.get(aid)
             if bound is not None and not bound.worker.dead:
@@ -168,7 +151,7 @@ class Starts:
                 r.last_used = now
                 metrics.POOL_HITS.inc()
                 return bound, True, time.monotonic()
-            arena = self.workers.arena
+            arena = self.memory.arena
             if self.node.backend.tensor_arena and arena is None:
                 # Without the node's one arena, reuse is only in an idle worker's own.
                 rebound = await self._rebind(artifact)
@@ -176,7 +159,6 @@ class Starts:
                     return rebound, False, time.monotonic()
             tensors = await self._tensors(artifact) if arena is not None else {}
             self.memory.arena_wanted.update(tensors.keys())
-            self.memory.arena_sizes.update(tensors)
             try:
                 return await self._acquire_new(artifact, tensors, now)
             finally:
@@ -189,8 +171,10 @@ class Starts:
         missing = await self._arena_room(aid, tensors) if tensors else 0
         in_arena = bool(tensors) and missing == 0
         if tensors:
-            # Its weights are the arena's reservation; its own is its worker's memory.
-            weights = self.memory.footprints.get(aid) or self._warm_worker_bytes() or artifact.weight_bytes
+            # Its weights are the arena's reservation; its own is its worker's memory (a
+            # pre-warmed one's until a true-up).
+            rss = max((w.rss_bytes() for w in self.node.workers.idle), default=0)
+            weights = self.memory.footprints.get(aid) or rss or artifact.weight_bytes
         else:
             weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
         try:
@@ -201,17 +185,23 @@ class Starts:
                     )
                     await self.memory.done(ARENA_REGION)
                 t_load = time.monotonic()
-                tier = self.node.backend.start_tier_of(artifact, self.settings.device, self.settings.start_tier)
+                tier = self.node.backend.start_tier_of(
+                    artifact, self.node.settings.device, self.node.settings.start_tier
+                )
                 # The blob first, then the worker: a stage waiting for a scale-out's multicast
                 # leaves the warm worker to the pipeline stages meanwhile. With every tensor in the
                 # node's arena, nothing is staged.
-                stage = StageArtifact(artifact=artifact, device=self.settings.device, tier=tier, defer_verify=True)
+                stage = StageArtifact(artifact=artifact, device=self.node.settings.device, tier=tier, defer_verify=True)
                 staged = None if in_arena else await self._loader(subjects.loader_stage(self.node.id), stage, aid)
                 stage_s = time.monotonic() - t_load
-                worker, warm = await self.workers.take()
+                worker, warm = await self.node.workers.take()
                 if not warm:
                     metrics.COLD_WORKERS.inc()
-                loaded, waited_s = await self._load(worker, artifact, tier, staged)
+                try:
+                    loaded, waited_s = await self._import(worker, artifact, tier, staged)
+                except BaseException:  # bound to no model: its process goes
+                    await asyncio.to_thread(worker.stop)
+                    raise
                 stage_s += waited_s
         except ArenaFull as e:  # room for its bytes, but no range long enough
             raise TesseraError(
@@ -229,9 +219,9 @@ class Starts:
         """Room in the node's arena for the bytes of `tensors` it lacks (returned): idle
         residents stopped, cheapest first, then idle instances, else a wait for one to go idle
         (as `KvMemory.reserve`). NO_CAPACITY once the models in use leave too little."""
-        arena = self.workers.arena
+        arena = self.memory.arena
         assert arena is not None
-        deadline = time.monotonic() + self.settings.memory_wait_s
+        deadline = time.monotonic() + self.node.settings.memory_wait_s
 
         def unshared(aid: str) -> int:
             """What stopping a model's worker could free in the arena: what neither a start
@@ -267,28 +257,14 @@ class Starts:
                 )
         return missing
 
-    def _warm_worker_bytes(self) -> int:
-        """A pre-warmed worker's own memory: a worker's in the node's arena until a true-up."""
-        return max((w.rss_bytes() for w in self.workers.idle), default=0)
-
     def _bind(
         self, worker: Worker, artifact: Artifact, loaded: Loaded, source: str, stage_s: float, weights: int, now: float
     ) -> Bound:
         """Record `worker` as bound to `artifact`, in use by the start that loaded it (`now`:
         when that start began, its resident's first use)."""
         aid = artifact.artifact_id
-        bound = self.node.bound[aid] = Bound(
-            worker,
-            artifact,
-            loaded.loaded_from_cache,
-            Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1),
-            source,
-            stage_s,
-            loaded.load_s,
-            loaded.threads,
-            weights,
-            tensors=frozenset(loaded.resident),
-        )
+        resident = Resident(aid, artifact.weight_bytes, loaded.load_s, now, now, users=1)
+        bound = self.node.bound[aid] = Bound(worker, artifact, loaded, resident, source, stage_s, weights)
         return bound
 
     async def _rebind(self, artifact: Artifact) -> Bound | None:
@@ -306,7 +282,7 @@ class Starts:
         weights = max(artifact.weight_bytes, self.memory.footprints.get(aid, 0))
         try:
             async with self.memory.reserved(f"weights:{aid}", weights):
-                loaded, _ = await self._load(old.worker, artifact, Tier.TORCH, None)
+                loaded, _ = await self._import(old.worker, artifact, Tier.TORCH, None)
         except BaseException:  # bound to neither model now
             await asyncio.to_thread(old.worker.stop)
             raise
@@ -318,7 +294,6 @@ class Starts:
             extra={"artifact": aid, "reused_bytes": loaded.reused_bytes, "expected_bytes": shared},
         )
         bound = self._bind(old.worker, artifact, loaded, "arena", 0.0, weights, time.time())
-        self.node.update_gauges()
         return bound
 
     async def _tensors(self, artifact: Artifact) -> dict[str, int]:
@@ -330,25 +305,17 @@ class Starts:
                 self.node.tensor_bytes[artifact.artifact_id] = tensors
         return tensors
 
-    async def _load(
-        self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
-    ) -> tuple[Loaded, float]:
-        """`_import`, the worker stopped if it fails (bound to no model then)."""
-        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
-        try:
-            return await self._import(worker, artifact, tier, staged)
-        except BaseException:
-            await asyncio.to_thread(worker.stop)
-            raise
-
     async def _import(
         self, worker: Worker, artifact: Artifact, tier: Tier, staged: Staged | None
     ) -> tuple[Loaded, float]:
         """Import the staged blob into the worker. On a deferred-verify hit the loader checks the
         copy meanwhile; one found corrupt (or unconfirmed) is imported again once repaired.
         Returns the load and how long it then waited for the check."""
-        cores = self._start_cores()
-        timeout = self.settings.load_timeout_s
+        worker.on_tier_up = functools.partial(self._on_tier_up, artifact)
+        # A bounded share of cores for a start while other instances generate; else all.
+        busy = any(i.active for i in self.node.instances.values())
+        cores = start_cores(sorted(os.sched_getaffinity(0)), self.node.settings.start_cpu_share, busy)
+        timeout = self.node.settings.load_timeout_s
         tensors = await self._tensors(artifact) if worker.arena is not None else None
         admit = self._admit_bytes(artifact, tensors)
         if staged is None or staged.verified:
@@ -382,7 +349,7 @@ class Starts:
         """TIDAL Eq. 1 for a start into the node's arena: the bytes to copy before its first
         request runs (M_prefetch), the rest streaming in behind; B_h2d is the node's measured
         fill bandwidth, T_TTFT the quickest prefill measured for the model (else any) here."""
-        arena = self.workers.arena
+        arena = self.memory.arena
         if arena is None or not tensors:
             return None
         own = self.node.perf.get(artifact.artifact_id)
@@ -394,7 +361,7 @@ class Starts:
         """The loader's host-cache copy (staged, or checked); None where the loader cannot be
         reached or refuses: the start then reads the store's copy, never depending on the cache."""
         try:
-            reply = await self.bus.request(subject, message, Staged | Rejected, self.settings.load_timeout_s)
+            reply = await self.node.bus.request(subject, message, Staged | Rejected, self.node.settings.load_timeout_s)
         except TesseraError as e:
             reply = Rejected(code=e.code, message=e.message)
         if isinstance(reply, Rejected):
@@ -403,7 +370,6 @@ class Starts:
         return reply
 
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
-        self.node.update_gauges()
         if msg.error:
             metrics.TIER_UPS.labels("failed").inc()
             log.warning("tier-up of %s failed, staying on the start tier: %s", artifact.artifact_id, msg.error)
@@ -419,7 +385,7 @@ class Starts:
         idle = [k for k, b in self.node.bound.items() if b.resident.users == 0]
         keys = [k for k in idle if not req.artifact_id or k == req.artifact_id]
         freed = await self.memory.evict(keys)
-        await self.bus.reply(msg, Evicted(node_id=self.node.id, artifact_ids=tuple(keys), freed_bytes=freed))
+        await self.node.bus.reply(msg, Evicted(node_id=self.node.id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     async def on_stop(self, msg: Msg) -> None:
         req = decode(msg.data, StopInstance)
@@ -428,7 +394,7 @@ class Starts:
         if inst is not None and not reason:
             await self.memory.unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
-        await self.bus.reply(
+        await self.node.bus.reply(
             msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=not reason, reason=reason)
         )
 
@@ -440,4 +406,6 @@ class Starts:
         if inst is not None and ok:
             self.node.spawn(self.memory.preempt(inst, self.node.instances.get(req.for_model)))
         reason = "preempted" if ok else "not loaded"
-        await self.bus.reply(msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=ok, reason=reason))
+        await self.node.bus.reply(
+            msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=ok, reason=reason)
+        )

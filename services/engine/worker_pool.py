@@ -52,8 +52,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _shmem_bytes(pid: int) -> int:
-    """Resident shared memory (shmem and memfd pages) of a process: /proc/<pid>/status's
-    RssShmem, in kB."""
+    """Resident shared memory (shmem and memfd pages) of a process (RssShmem, in kB)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("RssShmem:"):
@@ -65,18 +64,15 @@ class Worker:
     def __init__(self, backend: Backend, spec: WorkerSpec) -> None:
         """A process of `backend` started with `spec`; every backend speaks `worker_wire`."""
         self.arena = spec.arena if backend.tensor_arena else None
-        self.owner = NodeArena.owner()
-        """Its holdings' name in the node arena's book."""
+        self.owner = NodeArena.owner()  # its holdings' name in the node arena's book
         self.progress = FillProgress() if self.arena is not None else None
         """How far the engine's copy of its model's tensors has come (its forward pass waits on it)."""
         self._fill: asyncio.Future[Placement] | None = None
         """Its model's copy, still streaming in behind the first requests."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._gate = spec.gate
-        self._slot_lock = threading.Lock()
-        self._slot = spec.gate.claim() if spec.gate is not None else -1
-        """Its slot in the node's headroom gate (`step_gate.py`), freed when it ends."""
+        self._gate, self._slot_lock = spec.gate, threading.Lock()
+        self._slot = spec.gate.claim() if spec.gate is not None else -1  # in the headroom gate, freed at its end
         self.process = ctx.Process(
             target=run_worker,
             args=(backend.entry, *backend.args(spec, child, self._slot)),
@@ -91,14 +87,11 @@ class Worker:
         self._waiter: asyncio.Future[Loaded] | None = None
         self._streams: dict[str, asyncio.Queue[Chunk | Done | Failure | Started | WorkerDied]] = {}
         """Each request sent and not yet done: where its messages go."""
-        self.dead = False
+        self.dead = self._stopped = False
         self._ending = threading.Lock()
-        self._stopped = False
-        self.tier: Tier | None = None
-        """The tier of the model it serves (None before a load)."""
+        self.tier: Tier | None = None  # of the model it serves
         self.on_tier_up: Callable[[TieredUp], None] | None = None
-        self.tiering = False
-        """A tier-up was asked for and has not answered yet."""
+        self.tiering = False  # a tier-up was asked for and has not answered yet
         self.tier_up_failed = False
         """It stays on START (asking again would fail again, a core-second each)."""
         threading.Thread(target=self._read, args=(self._conn,), daemon=True, name="worker-reader").start()
@@ -146,17 +139,18 @@ class Worker:
                 if (stream := self._streams.get(str(item.request_id))) is not None:
                     stream.put_nowait(item)
 
-    def _free_slot(self) -> None:
+    def _let_go(self) -> None:
+        """Its gate slot freed, its model's tensors left idle in the node's arena."""
         with self._slot_lock:  # the loop (on its death) and a stopping thread may both free it
             slot, self._slot = self._slot, -1
         if self._gate is not None and slot >= 0:
             self._gate.release(slot)
+        if self.arena is not None:
+            self.arena.release(self.owner)
 
     def _on_death(self) -> None:
         self.dead = True
-        self._free_slot()
-        if self.arena is not None:
-            self.arena.release(self.owner)
+        self._let_go()
         died = WorkerDied(f"worker {self.pid} exited")
         for fut in (self._ready, self._waiter):
             if fut is not None and not fut.done():
@@ -220,8 +214,7 @@ class Worker:
                 elif not admitted.done():
                     raise TimeoutError(f"the copy of {artifact.artifact_id}'s first tensors took over {timeout_s} s")
         except BaseException:
-            if placement is not None:
-                assert self.arena is not None
+            if placement is not None and self.arena is not None:
                 self.arena.release(self.owner)  # a failed copy's tensors are evicted once idle
             if fill is not None:  # it ends on its own (holding its tensors till then); what failed is raised here
                 fill.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -259,22 +252,18 @@ class Worker:
                 self._conn.send(run)
             except (OSError, ValueError, TypeError) as e:  # TypeError: closed by a stop meanwhile
                 raise WorkerDied(f"worker {self.pid} is gone ({e})") from e
-            while True:
+            while not done:
                 msg = await stream.get()
+                done = isinstance(msg, Done | Failure)  # before the yield: a caller may stop reading at its Done
                 if isinstance(msg, WorkerDied):
                     raise msg
                 if isinstance(msg, Failure):
-                    done = True
                     raise RuntimeError(msg.message)
                 if isinstance(msg, Started):
                     if on_start is not None:
                         on_start(msg.batch)
-                    continue
-                if isinstance(msg, Done):
-                    done = True  # before the yield: a caller may stop reading at its Done
+                else:
                     yield msg
-                    return
-                yield msg
         finally:
             del self._streams[run.request_id]
             if not done and not self.dead:
@@ -297,8 +286,7 @@ class Worker:
             self._send(TierUpNow())
 
     def drop_session(self, session: str) -> None:
-        if not self.dead:
-            self._send(DropSession(session))
+        self._send(DropSession(session))
 
     def stop(self) -> None:
         """End the process; idempotent and safe from any thread (a second caller returns once
@@ -316,9 +304,7 @@ class Worker:
                 self._conn.close()
             finally:
                 self._stopped = True
-                self._free_slot()
-                if self.arena is not None:
-                    self.arena.release(self.owner)  # its model's tensors stay in the node's arena, idle
+                self._let_go()
 
 
 class WorkerPool:
@@ -334,12 +320,10 @@ class WorkerPool:
         spawn: Callable[[], Worker] | None = None,
     ) -> None:
         """`spawn` starts one worker (by default a process of `backend` with `spec`)."""
-        self.size = size
+        self.size, self.arena = size, spec.arena
+        self.ready_timeout_s, self.refill_delay_s = ready_timeout_s, refill_delay_s
         self._spawn = spawn or (lambda: Worker(backend, spec))
-        self.arena = spec.arena
-        self.refill_delay_s = refill_delay_s
         self._kick = asyncio.Event()
-        self.ready_timeout_s = ready_timeout_s
         self.idle: list[Worker] = []
         self.warming: set[Worker] = set()
         self._pending = 0
@@ -358,18 +342,14 @@ class WorkerPool:
 
     async def _warm_one(self, delay_s: float = 0.0) -> None:
         if delay_s:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), delay_s)
-            except TimeoutError:
-                pass
             self._kick.clear()
         worker = self._spawn()
         self.warming.add(worker)
         try:
             await worker.ready(self.ready_timeout_s)
             self.idle.append(worker)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             log.exception("a worker failed to warm up")
             worker.stop()

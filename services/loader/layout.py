@@ -11,22 +11,11 @@ those of its tensors.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 from services.loader.blockset import BlockSet
-from shared.artifact import EMBED, HEAD, TORCH_WEIGHTS, layer_of
+from shared.artifact import EMBED, HEAD, TORCH_WEIGHTS, layer_of, safetensors_header
 from shared.pipeline_messages import Span, StageLayout
-
-
-def _header(path: Path) -> tuple[int, dict[str, dict[str, object]]]:
-    """The weights file's header size (with its length prefix) and its tensors."""
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, header
 
 
 def _merge(spans: list[Span]) -> tuple[Span, ...]:
@@ -48,12 +37,11 @@ def stage_layout(root: Path, bs: BlockSet) -> StageLayout:
         at += f.size
     else:
         raise ValueError(f"{bs.set_id} has no {TORCH_WEIGHTS}: not a torch checkpoint's block set")
-    head_bytes, tensors = _header(root / TORCH_WEIGHTS)
+    head_bytes, tensors = safetensors_header(root / TORCH_WEIGHTS)
     data = at + head_bytes
 
     def span(name: str) -> Span:
-        offsets: list[int] = tensors[name]["data_offsets"]  # type: ignore[assignment]
-        lo, hi = offsets
+        lo, hi = tensors[name]["data_offsets"]
         return (data + lo) // bs.block_bytes, (data + max(lo, hi - 1)) // bs.block_bytes
 
     layers: dict[int, list[Span]] = {}

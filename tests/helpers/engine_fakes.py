@@ -202,16 +202,9 @@ def parts(
     pool = pool or FakePool()
     bus = FakeBus()
     node = Node(s, backend, pool, bus)  # type: ignore[arg-type]
-    memory = KvMemory(s, node, manager, bus, pool.arena)
+    memory = KvMemory(node, manager)
     return Parts(
-        node,
-        memory,
-        Starts(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        Pipelines(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        Requests(s, node, memory, pool, bus),  # type: ignore[arg-type]
-        manager,
-        bus,
-        pool,
+        node, memory, Starts(node, memory), Pipelines(node, memory), Requests(node, memory), manager, bus, pool
     )
 
 
@@ -231,7 +224,7 @@ def bind(node: Node, aid: str, nbytes: int, reload_s: float = 1.0, users: int = 
     bound = Bound(
         FakeWorker(owner=aid, **worker),  # type: ignore[arg-type]
         artifact(aid, weight_bytes=nbytes),
-        True,
+        Loaded(loaded_from_cache=True, load_s=0.0),
         Resident(aid, nbytes, reload_s, 0.0, 0.0, users=users),
         "host",
         weights_reserved=nbytes,
@@ -244,5 +237,6 @@ def serve(node: Node, model: str, bound: Bound, kv_reserved: int = 0, active: in
     """An instance of `model` on `bound`, its KV reservation `kv_reserved`."""
     kv = node.kv_account(bound.artifact)
     kv.reserved_bytes = kv_reserved
-    inst = node.instances[model] = Served(model, bound, 0.0, 0.0, kv, active=active)
+    inst = node.instances[model] = Served(model, bound, 0.0, 0.0, kv)
+    inst.prompts.update({f"running-{i}": 1 for i in range(active)})  # requests in flight
     return inst

@@ -14,7 +14,7 @@ from policy.eviction import Resident
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
 from services.engine.node import Bound, PendingColdStart, WorkerDied
 from services.engine.service import EngineService
-from services.engine.worker_wire import Chunk, Done, Run
+from services.engine.worker_wire import Chunk, Done, Loaded, Run
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (
@@ -181,7 +181,7 @@ def test_a_request_the_pipeline_serves_as_the_replica_takes_over_is_the_pipeline
     model, no_phases = record(), ColdStartPhases(init_s=0.0, load_s=0.0, profile_s=0.0)
     replica = bind(engine.node, "a", 100, users=1, script=says("x"))
     piped = FakeWorker()
-    pipe = Bound(piped, model.artifact, True, Resident("a", 0, 0.0, 0.0, 0.0, 1), "pipeline")
+    pipe = Bound(piped, model.artifact, Loaded(True, 0.0), Resident("a", 0, 0.0, 0.0, 0.0, 1), "pipeline")
 
     def replica_ready(run: Run) -> list[Chunk | Done | BaseException]:
         kv = engine.node.kv_account(model.artifact)
