@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,12 +32,11 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import LogitsProcessorList
 
 from services.engine.batch_types import Step, check_fits
-from services.engine.sampling import Sampler
 from services.engine.step_gate import StepGate, Turns, no_turn, post
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.torch_engine.guides import Guided, Guides, pick
+from services.engine.torch_engine.guides import Guides, Row
 from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from shared.messages import FinishReason, SamplingParams
 
 BLOCK_TOKENS = 32
 """Tokens per KV block (the library's 256 would strand up to 255 tokens of cache per sequence:
@@ -49,22 +48,19 @@ library claims a block ahead for each chunk)."""
 
 
 @dataclass
-class _Sequence:
-    """A request as the library's thread samples it."""
+class _Sequence(Row):
+    """A request as the library's thread picks its rows."""
 
-    params: SamplingParams
-    sampler: Sampler
-    context: list[int]
-    deadline: Callable[[int], float]
-    guided: Guided | None = None
+    deadline: Callable[[int], float] = lambda _: math.inf
     error: str = ""
     """Its pick failed (on the library's thread): it fails alone at its next result."""
-    ends: bool = False
-    """Its last pick ended it: no deadline is posted for it."""
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """One per token picked (read by the worker's thread as the tokens arrive)."""
     seen: int = 0
     """Tokens already handed out by `steps` (the worker's thread's)."""
+
+    @property
+    def ends(self) -> bool:
+        """Its last pick ended it: no deadline is posted for it."""
+        return self.finish is not None or bool(self.error)
 
     @property
     def on_device(self) -> bool:
@@ -174,25 +170,17 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             seq = self.sequences.get(slot)
             if seq is not None and row not in on_host:
                 seq.sampler.record(token)
-                self._record(seq, token, None)
+                seq.took(token)
 
     def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
         seq = self.sequences.get(slot)
         if seq is None:  # cancelled since this step was formed: any token, it is dropped
             return int(logits.argmax())
         try:
-            token, logprob = pick(seq.sampler, seq.params, logits, seq.context, seq.guided)
+            return seq.pick(logits)
         except Exception as e:  # this request fails (at its next result); the batch goes on
             seq.error = f"{type(e).__name__}: {e}"
-            seq.ends = True
             return int(logits.argmax())
-        self._record(seq, token, logprob)
-        return token
-
-    def _record(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        seq.context.append(token)
-        seq.logprobs.append(logprob)
-        seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in self.eos_ids and not seq.params.ignore_eos)
 
     def _deadline(self) -> float:
         going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
@@ -357,7 +345,9 @@ class ContinuousBatcher:
         slot = self._next_slot
         self._next_slot += 1
         guided = self.guides.start(params.guide) if params.guide is not None else None
-        self.sampling.sequences[slot] = _Sequence(params, Sampler.of(params), list(prompt_ids), deadline, guided)
+        self.sampling.sequences[slot] = _Sequence(
+            params, list(prompt_ids), self.sampling.eos_ids, guided, deadline=deadline
+        )
         self._slots[request_id] = slot
         self.manager.add_request(
             list(prompt_ids),

@@ -19,11 +19,10 @@ from cuda_ext import TensorArena, TensorSpec
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal, FillWaiter
 from services.engine.batch_types import ends_of_sequence
-from services.engine.sampling import Sampler
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
-from services.engine.torch_engine.guides import pick
+from services.engine.torch_engine.guides import Row
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
-from shared.messages import SamplingParams, TokenLogprob
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 
 def read_manifest(checkpoint: Path) -> list[TensorSpec]:
@@ -95,16 +94,16 @@ class TorchEngine:
     def steps(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generator[tuple[int, TokenLogprob | None]]:
         """The completion one forward pass a token, each with its logprob where asked; it ends
         after `max_tokens` or before an end of sequence. A caller that stops reading stops it."""
-        sampler = Sampler.of(params)
-        context = list(prompt_ids)
+        row = Row(params, list(prompt_ids), self.eos_ids)
         with torch.inference_mode():
-            step = self.model(input_ids=torch.tensor([context], device=self.device), use_cache=True)
+            step = self.model(input_ids=torch.tensor([row.context], device=self.device), use_cache=True)
             self.bound.stop_waiting()  # every layer has been waited for once
-            for _ in range(params.max_tokens):
-                token, logprob = pick(sampler, params, step.logits[0, -1].float().cpu().numpy(), context, None)
-                if token in self.eos_ids and not params.ignore_eos:
+            while True:
+                token = row.pick(step.logits[0, -1].float().cpu().numpy())
+                if row.finish is FinishReason.STOP:
                     return
-                context.append(token)
-                yield token, logprob
+                yield token, row.logprobs[-1]
+                if row.finish is not None:
+                    return
                 ids = torch.tensor([[token]], device=self.device)
                 step = self.model(input_ids=ids, past_key_values=step.past_key_values, use_cache=True)

@@ -5,6 +5,7 @@ engine takes, turned into Lark by llguidance's converter); and the host's pick o
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy.typing as npt
 from llguidance.gbnf_to_lark import any_to_lark
 
 from services.engine.sampling import Sampler, token_logprob
-from shared.messages import Guide, SamplingParams, TokenLogprob
+from shared.messages import FinishReason, Guide, SamplingParams, TokenLogprob
 
 
 class GuideError(ValueError):
@@ -73,14 +74,36 @@ class Guides:
         return Guided(matcher, self.vocab_size)
 
 
-def pick(
-    sampler: Sampler, params: SamplingParams, logits: npt.NDArray[np.float32], context: list[int], guided: Guided | None
-) -> tuple[int, TokenLogprob | None]:
-    """One request's token on the host (the batch's host rows, the pipeline, the one-request path
-    alike, so a seed gives one token on each): masked by its grammar, with its logprob if asked."""
-    token = sampler.pick(logits if guided is None else guided.mask(logits), context)
-    if guided is not None:
-        guided.accept(token)
-    if params.logprobs < 0 or sampler.adjusted is None:
-        return token, None
-    return token, token_logprob(sampler.adjusted, token, params.logprobs)
+@dataclass
+class Row:
+    """One request's tokens picked on the host (a batch's host row, a pipeline's request and the
+    one-request path alike, so a seed gives one token on each): masked by its grammar, with its
+    logprob where asked; an end of sequence or `max_tokens` ends it."""
+
+    params: SamplingParams
+    context: list[int]
+    """Its prompt and tokens (what the repetition penalty reads)."""
+    eos_ids: frozenset[int]
+    guided: Guided | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """One per token."""
+    finish: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler.of(self.params)
+
+    def pick(self, logits: npt.NDArray[np.float32]) -> int:
+        token = self.sampler.pick(logits if self.guided is None else self.guided.mask(logits), self.context)
+        if self.guided is not None:
+            self.guided.accept(token)
+        top, adjusted = self.params.logprobs, self.sampler.adjusted
+        self.took(token, None if top < 0 or adjusted is None else token_logprob(adjusted, token, top))
+        return token
+
+    def took(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        self.context.append(token)
+        self.logprobs.append(logprob)
+        if token in self.eos_ids and not self.params.ignore_eos:
+            self.finish = FinishReason.STOP
+        elif len(self.logprobs) >= self.params.max_tokens:
+            self.finish = FinishReason.LENGTH

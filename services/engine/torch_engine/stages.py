@@ -8,7 +8,6 @@ the embedding, which it then reads too). Served over TCP by `stage_wire.py`.
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +45,6 @@ class LayerRange:
     @property
     def last(self) -> bool:
         return self.hi == self.layers if self.head is None else self.head
-
-
-def split(layers: int, stages: int) -> list[LayerRange]:
-    """`stages` contiguous ranges of nearly equal size covering every layer."""
-    if not 1 <= stages <= layers:
-        raise ValueError(f"cannot split {layers} layers into {stages} stages")
-    cuts = [round(i * layers / stages) for i in range(stages + 1)]
-    return [LayerRange(lo, hi, layers) for lo, hi in itertools.pairwise(cuts)]
 
 
 def stage_tensors(names: Sequence[str], r: LayerRange, tied: bool) -> dict[str, str]:
