@@ -1,9 +1,8 @@
-"""A torch worker process (spawned by name: `shared.process.run_worker`): one model at a time under
-the worker loop, in one continuous batch (`batching.py`), bound in the node's tensor arena (or
-one of its own). A `Load` of another model releases the first to the arena, its tensors resident,
-so the next start copies only what is missing (Tangram §3.1). A worker may serve pipeline stages
-beside it (`Load.stage`), or serve a model through other nodes' stages while its own replica
-arrives (`Load.stages`, FaaScale §4.3). One tier: `TierUpNow` is answered at once.
+"""The torch worker process (spawned by name: `shared.process.run_worker`): one model at a time in
+one continuous batch, bound in the node's tensor arena (or its own). Another model's `Load`
+releases the first, its tensors resident, so the next start copies only what is missing (Tangram
+§3.1). Beside it the worker may serve pipeline stages (`Load.stage`), or serve a model through
+other nodes' stages while its replica arrives (`Load.stages`, FaaScale §4.3). One tier.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ class TorchBinding:
     kv_tokens: int = 8192
     engine: TorchEngine | None = None
     _make: Callable[[int], Batch] | None = None
-    """Makes the bound model's batch (on so many threads); None: no model."""
+    """Makes the bound model's batch on so many threads; None: no model."""
     _stages: list[StageServer] = field(default_factory=list)
     _stage_loop: LoopThread | None = None
     wake_s: ClassVar[float | None] = None
@@ -106,8 +105,7 @@ class TorchBinding:
         self._end_stages()
 
     def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Bound:
-        """Serve the model through remote stages: only its tokenizer and config are read here
-        (their files come first in a multicast)."""
+        """Only the tokenizer and config are read here (their files come first in a multicast)."""
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         config = AutoConfig.from_pretrained(checkpoint)
         eos = ends_of_sequence(tokenizer, config.eos_token_id)
@@ -120,8 +118,8 @@ class TorchBinding:
         return Bound(loaded, make(0), batch_decoder(tokenizer))
 
     def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
-        """Serve a layer range of the checkpoint (maybe still arriving: only the range's tensors
-        are read) beside this worker's other stages and model (one worker a node, not a stage)."""
+        """A layer range of the checkpoint (maybe still arriving: only its tensors are read), beside
+        this worker's other stages and model."""
         stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
         if self._stage_loop is None:
             self._stage_loop = LoopThread("stage-servers")
@@ -131,7 +129,6 @@ class TorchBinding:
         return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
 
     def _end_stages(self) -> None:
-        """Stop the stage servers this worker runs (their sessions end with them)."""
         loop, self._stage_loop = self._stage_loop, None
         servers, self._stages = self._stages, []
         if loop is not None:
