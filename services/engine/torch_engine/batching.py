@@ -57,7 +57,7 @@ class _Sequence(Row):
 
     @property
     def on_device(self) -> bool:
-        return self.guided is None and self.params.logprobs < 0 and self.sampler.plain
+        return self.guide is None and self.params.logprobs < 0 and self.sampler.plain
 
 
 class EngineSampling(ContinuousBatchingLogitsProcessor):
@@ -324,9 +324,8 @@ class ContinuousBatcher:
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         slot = self._next_slot
         self._next_slot += 1
-        guided = self.guides.start(params.guide) if params.guide is not None else None
         self.sampling.sequences[slot] = _Sequence(
-            params, list(prompt_ids), self.sampling.eos_ids, guided, deadline=deadline
+            params, list(prompt_ids), self.sampling.eos_ids, self.guides.start(params.guide), deadline=deadline
         )
         self._slots[request_id] = slot
         self.manager.add_request(

@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 
 from services.engine.batch_types import Step, check_fits, drain
-from services.engine.torch_engine.guides import Guided, Guides, Row
+from services.engine.torch_engine.guides import Guides, Row
 from services.engine.torch_engine.stages import Stage
 from shared.messages import FinishReason, SamplingParams
 from shared.tcp import Listener
@@ -223,8 +223,7 @@ class PipelineBatch:
         kv_tokens: int = 0,
     ) -> None:
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
-        guided = self.guides.start(params.guide) if params.guide is not None else None
-        coro = self._run(request_id, list(prompt_ids), params, guided)
+        coro = self._run(request_id, Row(params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide)))
         self._runs[request_id] = run = asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
         run.add_done_callback(lambda _: self._runs.pop(request_id, None))
 
@@ -239,11 +238,10 @@ class PipelineBatch:
     def close(self) -> None:
         self._loop.stop()
 
-    async def _run(self, request_id: str, context: list[int], params: SamplingParams, guided: Guided | None) -> None:
+    async def _run(self, request_id: str, row: Row) -> None:
         try:
             async with Pipeline(self.stages) as pipe:
-                row = Row(params, context, self.eos_ids, guided)
-                x = torch.tensor([context], dtype=torch.long)
+                x = torch.tensor([row.context], dtype=torch.long)
                 while row.finish is None:
                     token = row.pick(np.asarray(await pipe.step(x), dtype=np.float32))
                     text = () if row.finish is FinishReason.STOP else ((token, row.logprobs[-1]),)  # an end is not text
