@@ -247,7 +247,5 @@ class PipelineBatch:
                     text = () if row.finish is FinishReason.STOP else ((token, row.logprobs[-1]),)  # an end is not text
                     self._out.put(Step(request_id, text, row.finish))
                     x = torch.tensor([[token]], dtype=torch.long)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # this request fails (a stage gone, a grammar refusal); others go on
             self._out.put(Step(request_id, (), None, f"{type(e).__name__}: {e}"))

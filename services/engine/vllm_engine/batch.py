@@ -95,9 +95,7 @@ class VllmBatch:
     def waited(self) -> float:
         return self._turns.waited
 
-    # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
-    # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
-    kv_bytes = 0
+    kv_bytes = 0  # vLLM allocates its own: the node's true-up measures this process (its reservation on a GPU)
 
     def device_bytes(self) -> int:
         return 0
