@@ -68,7 +68,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
 
     def __init__(
         self,
-        eos_ids: frozenset[int],
         vocab: int,
         max_rows: int,
         device: torch.device,
@@ -78,7 +77,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
     ) -> None:
         self.supported_kwargs = {"slot": int}
         self.ignored_kwargs = ()
-        self.eos_ids = eos_ids
         self.vocab = vocab
         self.graphed = graphed
         self.sequences: dict[int, _Sequence] = {}
@@ -242,7 +240,7 @@ class ContinuousBatcher:
             graphs = engine.device.type == "cuda"
         graphed = any(graphs) if isinstance(graphs, tuple) else graphs
         vocab = int(engine.model.config.vocab_size)
-        self.sampling = EngineSampling(engine.eos_ids, vocab, max_batch, engine.device, graphed, gate, gate_slot)
+        self.sampling = EngineSampling(vocab, max_batch, engine.device, graphed, gate, gate_slot)
         self.sampling.hook = self._hook
         self.eos_ids = sorted(engine.eos_ids)
         self.guides = Guides(engine.tokenizer, vocab, self.eos_ids)
@@ -325,7 +323,7 @@ class ContinuousBatcher:
         slot = self._next_slot
         self._next_slot += 1
         self.sampling.sequences[slot] = _Sequence(
-            params, list(prompt_ids), self.sampling.eos_ids, self.guides.start(params.guide), deadline=deadline
+            params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide), deadline=deadline
         )
         self._slots[request_id] = slot
         self.manager.add_request(

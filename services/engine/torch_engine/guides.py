@@ -4,7 +4,7 @@ engine takes it, turned into Lark); and `Row`, one request's picks on the host."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -65,7 +65,7 @@ class Row:
     params: SamplingParams
     context: list[int]
     """Its prompt and tokens (what the repetition penalty reads)."""
-    eos_ids: frozenset[int]
+    eos_ids: Collection[int]
     guide: llguidance.LLMatcher | None = None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """One per token."""
