@@ -75,7 +75,7 @@ class Row:
         self.sampler = Sampler.of(self.params)
 
     def pick(self, logits: npt.NDArray[np.float32]) -> int:
-        if self.guide is not None:  # -inf where the grammar allows no token (complete: all but an end)
+        if self.guide is not None:  # -inf where the grammar allows no token (complete: all but an end of sequence)
             mask = llguidance.numpy.allocate_token_bitmask(1, logits.size)
             llguidance.numpy.fill_next_token_bitmask(self.guide, mask, 0)
             logits = np.array(logits, dtype=np.float32, copy=True)
