@@ -7,6 +7,7 @@ step (`guides.Row`); either way a seed gives the one-request path's tokens."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -264,7 +265,7 @@ class ContinuousBatcher:
         if engine.fill is not None:  # its tensors stream in behind its first forward pass
             engine.fill.around = self.sampling.aside
         self._slots: dict[str, int] = {}
-        self._next_slot = 0
+        self._next_slot = itertools.count()
         self.manager.start()
 
     def _hook(self) -> None:
@@ -301,9 +302,7 @@ class ContinuousBatcher:
     def kv_bytes(self) -> int:
         """The library's paged KV cache, allocated whole at its first step (0 before)."""
         cache = getattr(self.manager.batch_processor, "cache", None)
-        if cache is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
+        return 0 if cache is None else sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
 
     def device_bytes(self) -> int:
         """Torch's allocator's on the GPU: KV cache, activations, graph pools (the arena is outside)."""
@@ -320,8 +319,7 @@ class ContinuousBatcher:
         if not self.alive:
             raise RuntimeError("the continuous batch has stopped")
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
-        slot = self._next_slot
-        self._next_slot += 1
+        slot = next(self._next_slot)
         self.sampling.sequences[slot] = _Sequence(
             params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide), deadline=deadline
         )
