@@ -109,6 +109,44 @@ PROMPT_TOKENS = 16
 GRAPH_STEPS = 8
 
 
+def access_order(model: Any, *inputs: Any) -> list[str]:
+    """The parameter names in the order one forward pass first reads them (TIDAL reorders its
+    templates' weights the same way): the order the host image is packed in."""
+    import torch
+
+    order: dict[str, None] = {}
+    handles: list[Any] = []
+    params_of: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        params_of.setdefault(id(p), n)  # a tied weight goes by its first name, as checkpoints save it
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+
+            def hook(_m: Any, _args: object, own: list[Any] = own) -> None:
+                for p in own:
+                    order.setdefault(params_of[id(p)], None)
+
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # Parameters no forward read (none in a causal LM) still need a place: last.
+    return [*order, *(n for n in params_of.values() if n not in order)]
+
+
+def first_token(model: Any, input_ids: Any) -> int:
+    """One forward pass over the prompt, the greedy next token (its `.item()` waits for it)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids).logits
+    return int(logits[0, -1].argmax().item())
+
+
 def prompt_ids(vocab: int) -> list[int]:
     """A fixed 16-token prompt (no tokenizer travels with a random-weight model)."""
     return [(7919 * i) % vocab for i in range(1, PROMPT_TOKENS + 1)]
@@ -239,11 +277,11 @@ class Worker:
         loaded = self.arena.load([staging.specs], staging)
         loaded.synchronize()
         bound = binding.bind(binding.skeleton(self.config, self.dtype), loaded, self.device)
-        order = [n for n in binding.access_order(bound.model, self.ids) if n in tensors]
+        order = [n for n in access_order(bound.model, self.ids) if n in tensors]
         order += [n for n in tensors if n not in order]
-        binding.first_token(bound.model, self.ids)
+        first_token(bound.model, self.ids)
         t = time.perf_counter()
-        binding.first_token(bound.model, self.ids)
+        first_token(bound.model, self.ids)
         self.warm_ttft_s = time.perf_counter() - t
         del bound
         self.arena.release(loaded)
@@ -280,7 +318,7 @@ class Worker:
             for event in loaded.waits[g]:
                 event.synchronize()
         t3 = time.perf_counter()
-        token = binding.first_token(model, self.ids)
+        token = first_token(model, self.ids)
         t4 = time.perf_counter()
         bound.stop_waiting()
         self.bound = bound
@@ -384,7 +422,7 @@ class Worker:
         model = binding.skeleton(config, torch.bfloat16)
         binding.bind(model, loaded, self.device)
         s2 = time.perf_counter()
-        binding.first_token(model, ids)
+        first_token(model, ids)
         s3 = time.perf_counter()
         del model
         self.arena.release(loaded)
@@ -395,7 +433,7 @@ class Worker:
         model = binding.skeleton(config, torch.bfloat16)
         binding.bind(model, again, self.device)
         h1 = time.perf_counter()
-        binding.first_token(model, ids)
+        first_token(model, ids)
         h2 = time.perf_counter()
         del model
         self.arena.release(again)

@@ -23,7 +23,7 @@ from cuda_ext import TensorArena
 from ops.localcluster import default_model_path
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
 from services.engine.torch_engine.stage_wire import PipelineBatch, StageServer
-from services.engine.torch_engine.stages import LayerRange, Stage, split
+from services.engine.torch_engine.stages import LayerRange, Stage
 from services.loader.torch_checkpoint import materialize
 from shared.messages import SamplingParams
 
@@ -65,7 +65,7 @@ def stages(checkpoint: Path) -> Iterator[list[tuple[str, int, multiprocessing.Pr
     out = []
     ends = []
     try:
-        for r in split(30, 2):
+        for r in (LayerRange(0, 15, 30), LayerRange(15, 30, 30)):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=serve_stage, args=(str(checkpoint), r, theirs), daemon=True)
             p.start()

@@ -64,7 +64,7 @@ def test_a_forward_pass_waiting_for_its_copy_steps_out_of_the_gate_and_back_in(c
 
     gate = StepGate(multiprocessing.get_context("spawn"), capacity=1)
     mine, other = gate.claim(), gate.claim()
-    sampling = EngineSampling(frozenset({0}), 8, 2, torch.device("cpu"), gate=gate, gate_slot=mine)
+    sampling = EngineSampling(8, 2, torch.device("cpu"), gate=gate, gate_slot=mine)
     progress = FillProgress()
     load = progress.begin()
     waiter = FillWaiter(FillSignal(progress.path, load, ("a", "b")), [["a"], ["b"]])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.sampling import Sampler
-from services.engine.torch_engine.row_sampling import ALL, GREEDY, Branches, RowDraw, pick_rows, table_of
+from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
 
 SETTINGS = [
     # temperature, top_p, top_k, min_p
@@ -22,6 +22,12 @@ SETTINGS = [
     (0.6, 0.8, 20, 0.02),
     (1.0, 1e-6, 0, 0.0),
 ]
+
+
+def table_of(rows: list[RowDraw], device: torch.device | str = "cpu") -> torch.Tensor:
+    table = torch.empty((COLUMNS, len(rows)), dtype=torch.float64)
+    fill_table(table, rows)
+    return table.to(device)
 
 
 def logits(rows: int, vocab: int, seed: int) -> np.ndarray:

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch engine needs torch")
 
-from services.engine.torch_engine.stages import EMBED, HEAD, NORM, LayerRange, split, stage_tensors
+from services.engine.torch_engine.stages import EMBED, HEAD, NORM, LayerRange, stage_tensors
 
 
 def names(layers: int, tied: bool) -> list[str]:
@@ -16,22 +16,16 @@ def names(layers: int, tied: bool) -> list[str]:
     return out + [NORM] + ([] if tied else [HEAD])
 
 
-def test_a_split_covers_every_layer_once_in_near_equal_ranges() -> None:
-    for layers in (1, 2, 7, 30):
-        for stages in range(1, layers + 1):
-            ranges = split(layers, stages)
-            assert [r.lo for r in ranges[1:]] == [r.hi for r in ranges[:-1]]
-            assert ranges[0].first and ranges[-1].last and ranges[-1].hi == layers
-            sizes = [r.hi - r.lo for r in ranges]
-            assert max(sizes) - min(sizes) <= 1
-    with pytest.raises(ValueError):
-        split(4, 5)
+def test_a_range_must_lie_in_the_model_and_hold_a_layer_unless_it_is_the_head_alone() -> None:
     with pytest.raises(ValueError):
         LayerRange(3, 3, 4)
+    with pytest.raises(ValueError):
+        LayerRange(2, 5, 4)
+    assert LayerRange(4, 4, 4, head=True).last and not LayerRange(0, 2, 4).last and LayerRange(2, 4, 4).last
 
 
 def test_each_stage_holds_its_layers_renumbered_and_only_the_ends_hold_embedding_norm_and_head() -> None:
-    first, middle, last = split(6, 3)
+    first, middle, last = LayerRange(0, 2, 6), LayerRange(2, 4, 6), LayerRange(4, 6, 6)
     untied = names(6, tied=False)
     a, b, c = (stage_tensors(untied, r, tied=False) for r in (first, middle, last))
     assert a == {
@@ -55,7 +49,7 @@ def test_each_stage_holds_its_layers_renumbered_and_only_the_ends_hold_embedding
 
 
 def test_a_tied_head_is_the_embedding_which_the_last_stage_reads_too() -> None:
-    first, last = split(4, 2)
+    first, last = LayerRange(0, 2, 4), LayerRange(2, 4, 4)
     tied = names(4, tied=True)
     assert EMBED in stage_tensors(tied, first, tied=True)
     assert EMBED in stage_tensors(tied, last, tied=True) and HEAD not in stage_tensors(tied, last, tied=True)

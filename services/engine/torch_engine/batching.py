@@ -1,23 +1,20 @@
-"""Continuous batching for the torch engine: transformers' own (`init_continuous_batching`: a paged
-KV cache, requests admitted into the running batch at any step, long prefills split, no padding),
-with every token picked by the engine's seeded `Sampler`.
-
-The library samples a whole batch with one generator, so a request's `seed` would depend on its
-neighbours, and penalties, `logit_bias` and logprobs would be lost. So its last logits processor
-is the engine's: plain rows (temperature, top-k/p, min-p, greedy) are sampled together on the
-device, each from its own request's draw (`row_sampling.py`), with tensor operations alone so
-that a GPU replays each step from a CUDA graph; the other rows are picked after the step on the
-host by their request's `Sampler`. Either way a seed gives the one-request path's tokens."""
+"""Continuous batching for the torch engine: transformers' own (a paged KV cache, requests admitted
+at any step, long prefills chunked), with every token picked by the engine's seeded `Sampler`:
+the library samples a batch with one generator (a `seed` would depend on the neighbours) and has
+no penalties, `logit_bias` or logprobs. Its last logits processor is ours: plain rows are sampled
+together on the device (`row_sampling.py`, CUDA-graph safe), the others on the host after the
+step (`guides.Row`); either way a seed gives the one-request path's tokens."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,12 +29,11 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import LogitsProcessorList
 
 from services.engine.batch_types import Step, check_fits
-from services.engine.sampling import Sampler
 from services.engine.step_gate import StepGate, Turns, no_turn, post
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.torch_engine.guides import Guided, Guides, pick
+from services.engine.torch_engine.guides import Guides, Row
 from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from shared.messages import FinishReason, SamplingParams
 
 BLOCK_TOKENS = 32
 """Tokens per KV block (the library's 256 would strand up to 255 tokens of cache per sequence:
@@ -49,41 +45,30 @@ library claims a block ahead for each chunk)."""
 
 
 @dataclass
-class _Sequence:
-    """A request as the library's thread samples it."""
-
-    params: SamplingParams
-    sampler: Sampler
-    context: list[int]
-    deadline: Callable[[int], float]
-    guided: Guided | None = None
+class _Sequence(Row):
+    deadline: Callable[[int], float] = lambda _: math.inf
     error: str = ""
     """Its pick failed (on the library's thread): it fails alone at its next result."""
-    ends: bool = False
-    """Its last pick ended it: no deadline is posted for it."""
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """One per token picked (read by the worker's thread as the tokens arrive)."""
     seen: int = 0
-    """Tokens already handed out by `steps` (the worker's thread's)."""
+    """Tokens `steps` handed out."""
+
+    @property
+    def ends(self) -> bool:
+        return self.finish is not None or bool(self.error)
 
     @property
     def on_device(self) -> bool:
-        return self.guided is None and self.params.logprobs < 0 and self.sampler.plain
+        return self.guide is None and self.params.logprobs < 0 and self.sampler.plain
 
 
 class EngineSampling(ContinuousBatchingLogitsProcessor):
-    """The library's logits processor that picks each row's token for its request (its argument:
-    the request's slot). A step is three calls on the library's thread: `prepare_tensor_args` as
-    the step is formed (the plain rows' table goes to the device), `__call__` inside the forward
-    pass (tensor operations only, so the step can be captured in a CUDA graph), and `after_step`
-    once it is done (the other rows are picked on the host over the library's output).
-
-    A formed step's forward pass and picks run in a turn of the node's headroom gate
-    (`step_gate.py`, `turn`), posted with the batch's next deadline as it leaves."""
+    """The library's logits processor (its argument: the request's slot). A step is three calls on
+    the library's thread: `prepare_tensor_args` as it is formed (the device rows' table), `__call__`
+    in the forward pass (CUDA-graph safe), `after_step` (the host rows' picks); the pass and the
+    picks run in one turn of the node's headroom gate (`turn`)."""
 
     def __init__(
         self,
-        eos_ids: frozenset[int],
         vocab: int,
         max_rows: int,
         device: torch.device,
@@ -93,10 +78,8 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
     ) -> None:
         self.supported_kwargs = {"slot": int}
         self.ignored_kwargs = ()
-        self.eos_ids = eos_ids
         self.vocab = vocab
         self.graphed = graphed
-        """Steps replay CUDA graphs: each takes every branch and keeps its logits in `logits`."""
         self.sequences: dict[int, _Sequence] = {}
         self.gate = on = gate if gate is not None and gate_slot >= 0 else None
         self.gate_slot = gate_slot
@@ -107,21 +90,21 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         """Taken by the library's thread as it leaves a turn and by `forget`: a cancel from the
         worker's thread never leaves a posting behind."""
         self.slots: list[int] = []
-        """The request of each row of the step that gets a token (the library puts them first)."""
+        """Each row's request, for the rows that get a token (the library puts them first)."""
         self.host_rows: list[int] = []
         self.branches = ALL
         self.pending = False
         """A step was formed and its tokens are not recorded yet."""
         self.hook: Callable[[], None] | None = None
-        """Called once, on the library's thread, before its first step."""
+        """Run once, on the library's thread, before its first step."""
         self.staging = torch.zeros((COLUMNS, max_rows), dtype=torch.float64, pin_memory=device.type == "cuda")
         self.table = self.staging.to(device)
         self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device) if graphed else None
-        """The step's logits: a graph's copy of them, or the eager step's own (until `after_step`)."""
+        """A graph's copy of the step's logits, or the eager step's own (until `after_step`)."""
         self.threads = 0
         """Runtime threads for the library's thread (torch counts them per thread); 0: as it is."""
         self.closing = False
-        """The batch is being stopped: its last steps pass no gate."""
+        """Its last steps pass no gate."""
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(-1)
@@ -155,7 +138,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         return picked  # type: ignore[return-value]
 
     def after_step(self, output_ids: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """Pick the host's rows into the library's `output_ids`; record every row's token."""
         if not self.pending:  # a step the library ran without forming one (a warm-up)
             return
         self.pending = False
@@ -174,25 +156,17 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             seq = self.sequences.get(slot)
             if seq is not None and row not in on_host:
                 seq.sampler.record(token)
-                self._record(seq, token, None)
+                seq.took(token)
 
     def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
         seq = self.sequences.get(slot)
         if seq is None:  # cancelled since this step was formed: any token, it is dropped
             return int(logits.argmax())
         try:
-            token, logprob = pick(seq.sampler, seq.params, logits, seq.context, seq.guided)
+            return seq.pick(logits)
         except Exception as e:  # this request fails (at its next result); the batch goes on
             seq.error = f"{type(e).__name__}: {e}"
-            seq.ends = True
             return int(logits.argmax())
-        self._record(seq, token, logprob)
-        return token
-
-    def _record(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        seq.context.append(token)
-        seq.logprobs.append(logprob)
-        seq.ends = len(seq.logprobs) >= seq.params.max_tokens or (token in self.eos_ids and not seq.params.ignore_eos)
 
     def _deadline(self) -> float:
         going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
@@ -251,8 +225,6 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
 
 
 class ContinuousBatcher:
-    """One model's continuous batch: `add` requests, read their `steps`, `cancel`, `close`."""
-
     def __init__(
         self,
         engine: TorchEngine,
@@ -269,13 +241,11 @@ class ContinuousBatcher:
             graphs = engine.device.type == "cuda"
         graphed = any(graphs) if isinstance(graphs, tuple) else graphs
         vocab = int(engine.model.config.vocab_size)
-        self.sampling = EngineSampling(engine.eos_ids, vocab, max_batch, engine.device, graphed, gate, gate_slot)
+        self.sampling = EngineSampling(vocab, max_batch, engine.device, graphed, gate, gate_slot)
         self.sampling.hook = self._hook
         self.eos_ids = sorted(engine.eos_ids)
         self.guides = Guides(engine.tokenizer, vocab, self.eos_ids)
         self.kv_tokens = kv_tokens
-        """The longest prompt + completion it takes (a longer one would stop the library: it
-        has nothing to evict to make room)."""
         config = ContinuousBatchingConfig(
             block_size=BLOCK_TOKENS,
             num_blocks=-(-kv_tokens // BLOCK_TOKENS) + -(-kv_tokens // STEP_TOKENS) + 1,
@@ -295,13 +265,12 @@ class ContinuousBatcher:
         if engine.fill is not None:  # its tensors stream in behind its first forward pass
             engine.fill.around = self.sampling.aside
         self._slots: dict[str, int] = {}
-        self._next_slot = 0
+        self._next_slot = itertools.count()
         self.manager.start()
 
     def _hook(self) -> None:
-        """Run each forward pass in a gate's turn and `EngineSampling.after_step` after it: the
-        runner (made on the library's thread at its first step) has its `compute_batch` wrapped;
-        transformers is pinned (`constraints.txt`)."""
+        """Wrap the runner's `compute_batch` (made on the library's thread at its first step;
+        transformers is pinned, `constraints.txt`) in a gate's turn, with `after_step` in it."""
         processor: Any = self.manager.batch_processor
         runner = processor.model_runner
         compute = runner.compute_batch
@@ -324,7 +293,6 @@ class ContinuousBatcher:
 
     @property
     def alive(self) -> bool:
-        """Its thread runs (an error inside the library ends it, and every request with it)."""
         return bool(self.manager.is_running())
 
     def set_threads(self, threads: int) -> None:
@@ -334,13 +302,10 @@ class ContinuousBatcher:
     def kv_bytes(self) -> int:
         """The library's paged KV cache, allocated whole at its first step (0 before)."""
         cache = getattr(self.manager.batch_processor, "cache", None)
-        if cache is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
+        return 0 if cache is None else sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
 
     def device_bytes(self) -> int:
-        """What torch's allocator holds on the GPU: KV cache, activations, graph pools, and the
-        weights of a worker with an arena of its own (the node's arena is outside it)."""
+        """Torch's allocator's on the GPU: KV cache, activations, graph pools (the arena is outside)."""
         return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
 
     def add(
@@ -354,10 +319,10 @@ class ContinuousBatcher:
         if not self.alive:
             raise RuntimeError("the continuous batch has stopped")
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
-        slot = self._next_slot
-        self._next_slot += 1
-        guided = self.guides.start(params.guide) if params.guide is not None else None
-        self.sampling.sequences[slot] = _Sequence(params, Sampler.of(params), list(prompt_ids), deadline, guided)
+        slot = next(self._next_slot)
+        self.sampling.sequences[slot] = _Sequence(
+            params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide), deadline=deadline
+        )
         self._slots[request_id] = slot
         self.manager.add_request(
             list(prompt_ids),
@@ -374,7 +339,6 @@ class ContinuousBatcher:
             self._forget(request_id)
 
     def steps(self, timeout: float) -> list[Step]:
-        """Every request's progress since the last call, waiting up to `timeout` for the first."""
         latest: dict[str, Any] = {}  # a result holds all its request's tokens so far: the last says all
         outputs = self.manager.output_router.output_queue
         wait: float | None = timeout
@@ -405,13 +369,11 @@ class ContinuousBatcher:
             return Step(rid, (), None, seq.error or str(result.error))
         tokens: list[int] = list(result.generated_tokens)
         finish = None
-        if result.is_finished():
+        if result.is_finished():  # `after_step` recorded how (before the library saw the token)
             self._forget(rid)
-            if tokens and tokens[-1] in self.sampling.eos_ids and not seq.params.ignore_eos:
+            if seq.finish is FinishReason.STOP:
                 tokens.pop()  # the end of sequence ends it; it is not part of the text
-                finish = FinishReason.STOP
-            else:
-                finish = FinishReason.LENGTH if len(tokens) >= seq.params.max_tokens else FinishReason.STOP
+            finish = seq.finish or FinishReason.STOP
         new = tuple(zip(tokens[seq.seen :], seq.logprobs[seq.seen :], strict=False))
         seq.seen = max(seq.seen, len(tokens))
         return Step(rid, new, finish)
@@ -422,7 +384,6 @@ class ContinuousBatcher:
             self.sampling.forget(slot)
 
     def close(self) -> None:
-        """Stop the library's thread (requests still running end with it) and free the cache."""
         self.sampling.release()  # its last steps pass no gate, and it holds none
         self.manager.stop(block=True, timeout=30, hard_stop=True)
         for rid in list(self._slots):

@@ -1,9 +1,6 @@
-"""A model bound to arena memory: its skeleton built on the meta device (≈ 13 ms for a 135M or an
-8B Llama, where building it the usual way allocates and initializes every weight), each parameter
-a view of the tensor the arena holds or is copying. Compute waits for each unit's copy (a decoder
-layer, the embedding, the final norm), so the first layers run while the last are still on the
-link (TIDAL §5).
-"""
+"""A model bound to arena memory: a meta-device skeleton (≈ 13 ms even at 8B) whose parameters are
+views of the arena's tensors; each unit's forward waits for its own copy, so the first layers run
+while the last are still on the link (TIDAL §5)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,7 @@ _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
     """The model's modules with every parameter and buffer on the meta device: no memory."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
-    return model
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 def units_in_order(names: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -36,34 +31,6 @@ def units_in_order(names: Sequence[str]) -> list[tuple[str, list[str]]]:
         layer = _LAYER.match(name)
         units.setdefault(layer.group(1) if layer else name.rpartition(".")[0], []).append(name)
     return list(units.items())
-
-
-def access_order(model: torch.nn.Module, *inputs: torch.Tensor) -> list[str]:
-    """The parameter names in the order one forward pass first reads them (traced once, at
-    registration: TIDAL reorders its templates' weights the same way)."""
-    order: dict[str, None] = {}
-    handles: list[RemovableHandle] = []
-    params_of: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        params_of.setdefault(id(p), n)  # a tied weight goes by its first name, as checkpoints save it
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if own:
-
-            def hook(_m: torch.nn.Module, _args: object, own: list[torch.nn.Parameter] = own) -> None:
-                for p in own:
-                    order.setdefault(params_of[id(p)], None)
-
-            handles.append(module.register_forward_pre_hook(hook))
-    try:
-        with torch.inference_mode():
-            model(*inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    # Parameters no forward read (none in a causal LM) still need a place: last.
-    rest = [n for n in params_of.values() if n not in order]
-    return [*order, *rest]
 
 
 @dataclass
@@ -134,10 +101,3 @@ def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
                 fresh = type(module)(config=config)
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, fresh)
-
-
-def first_token(model: PreTrainedModel, input_ids: torch.Tensor) -> int:
-    """One forward pass over the prompt, the greedy next token (its `.item()` waits for it)."""
-    with torch.inference_mode():
-        logits = model(input_ids=input_ids).logits
-    return int(logits[0, -1].argmax().item())

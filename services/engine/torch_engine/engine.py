@@ -1,13 +1,13 @@
 """The torch engine's core for one model: a start binds the checkpoint's tensors into a meta-device
-skeleton (`binding.py`), reading from the file only those the arena lacks (a model scaled to zero,
-or a fine-tune of a resident base, reads little or nothing: Tangram §3.1); `steps` is the
-one-request path, sampled as the batch samples (the same seed gives the same tokens).
+skeleton (`binding.py`), reading only those the arena lacks (a model scaled to zero, or a fine-tune
+of a resident base, reads little or nothing: Tangram §3.1); `steps` is the one-request path.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,10 @@ from cuda_ext import TensorArena, TensorSpec
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal, FillWaiter
 from services.engine.batch_types import ends_of_sequence
-from services.engine.sampling import Sampler
 from services.engine.torch_engine.binding import BoundModel, bind, skeleton, units_in_order
-from services.engine.torch_engine.guides import pick
+from services.engine.torch_engine.guides import Row
 from shared.artifact import TORCH_MANIFEST, TORCH_WEIGHTS
-from shared.messages import SamplingParams, TokenLogprob
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 
 def read_manifest(checkpoint: Path) -> list[TensorSpec]:
@@ -33,20 +32,20 @@ def read_manifest(checkpoint: Path) -> list[TensorSpec]:
     ]
 
 
+@dataclass
 class TorchEngine:
-    def __init__(
-        self, bound: BoundModel, tokenizer: Any, arena: TensorArena, read_bytes: int, fill: FillWaiter | None
-    ) -> None:
-        self.bound = bound
-        self.model = bound.model
-        self.tokenizer = tokenizer
-        self.arena = arena
-        self.read_bytes = read_bytes
-        """Bytes this start read from the checkpoint file (0 when the arena held everything)."""
-        self.device = arena.device
-        self.eos_ids = ends_of_sequence(tokenizer, self.model.config.eos_token_id)
-        self.fill = fill
-        """Where its forward pass waits for tensors another process still copies; None: all in."""
+    bound: BoundModel
+    tokenizer: Any
+    arena: TensorArena
+    read_bytes: int
+    """Bytes this start read from the checkpoint file (0 when the arena held everything)."""
+    fill: FillWaiter | None
+    """Where its forward pass waits for tensors another process still copies; None: all in."""
+
+    def __post_init__(self) -> None:
+        self.model = self.bound.model
+        self.device = self.arena.device
+        self.eos_ids = ends_of_sequence(self.tokenizer, self.model.config.eos_token_id)
 
     @classmethod
     def start(
@@ -64,18 +63,11 @@ class TorchEngine:
             source = {s.name: f.get_tensor(s.name) for s in specs if s.name not in resident}
         units = units_in_order([s.name for s in specs])
         by_name = {s.name: s for s in specs}
-        loaded = arena.load([[by_name[n] for n in names] for _, names in units], source, placement)
-        config = AutoConfig.from_pretrained(checkpoint)
-        waiter = (
-            FillWaiter(fill, [[by_name[n].digest for n in names] for _, names in units]) if fill is not None else None
-        )
-        bound = bind(
-            skeleton(config, specs[0].dtype),
-            loaded,
-            arena.device,
-            [u for u, _ in units],
-            waiter.wait if waiter is not None else None,
-        )
+        groups = [[by_name[n] for n in names] for _, names in units]
+        loaded = arena.load(groups, source, placement)
+        waiter = FillWaiter(fill, [[s.digest for s in g] for g in groups]) if fill is not None else None
+        model = skeleton(AutoConfig.from_pretrained(checkpoint), specs[0].dtype)
+        bound = bind(model, loaded, arena.device, [u for u, _ in units], waiter.wait if waiter else None)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         if arena.ledger is None:
             # Another worker may bind these tensors as soon as the engine hears of this load:
@@ -93,18 +85,17 @@ class TorchEngine:
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     def steps(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generator[tuple[int, TokenLogprob | None]]:
-        """The completion one forward pass a token, each with its logprob where asked; it ends
-        after `max_tokens` or before an end of sequence. A caller that stops reading stops it."""
-        sampler = Sampler.of(params)
-        context = list(prompt_ids)
+        """The completion, one forward pass a token (a caller that stops reading stops it)."""
+        row = Row(params, list(prompt_ids), self.eos_ids)
         with torch.inference_mode():
-            step = self.model(input_ids=torch.tensor([context], device=self.device), use_cache=True)
+            step = self.model(input_ids=torch.tensor([row.context], device=self.device), use_cache=True)
             self.bound.stop_waiting()  # every layer has been waited for once
-            for _ in range(params.max_tokens):
-                token, logprob = pick(sampler, params, step.logits[0, -1].float().cpu().numpy(), context, None)
-                if token in self.eos_ids and not params.ignore_eos:
+            while True:
+                token = row.pick(step.logits[0, -1].float().cpu().numpy())
+                if row.finish is FinishReason.STOP:
                     return
-                context.append(token)
-                yield token, logprob
+                yield token, row.logprobs[-1]
+                if row.finish is not None:
+                    return
                 ids = torch.tensor([[token]], device=self.device)
                 step = self.model(input_ids=ids, past_key_values=step.past_key_values, use_cache=True)

@@ -1,9 +1,8 @@
-"""A torch worker process (spawned by name: `shared.process.run_worker`): one model at a time under
-the worker loop, in one continuous batch (`batching.py`), bound in the node's tensor arena (or
-one of its own). A `Load` of another model releases the first to the arena, its tensors resident,
-so the next start copies only what is missing (Tangram §3.1). A worker may serve pipeline stages
-beside it (`Load.stage`), or serve a model through other nodes' stages while its own replica
-arrives (`Load.stages`, FaaScale §4.3). One tier: `TierUpNow` is answered at once.
+"""The torch worker process (spawned by name: `shared.process.run_worker`): one model at a time in
+one continuous batch, bound in the node's tensor arena (or its own). Another model's `Load`
+releases the first, its tensors resident, so the next start copies only what is missing (Tangram
+§3.1). Beside it the worker may serve pipeline stages (`Load.stage`), or serve a model through
+other nodes' stages while its replica arrives (`Load.stages`, FaaScale §4.3). One tier.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import ClassVar
 
 # The pre-warm (TIDAL §5): torch, transformers' model code and the arena are imported as the
@@ -33,7 +31,7 @@ from services.engine.torch_engine.engine import TorchEngine
 from services.engine.torch_engine.stage_wire import LoopThread, PipelineBatch, StageServer
 from services.engine.torch_engine.stages import LayerRange, Stage
 from services.engine.worker_loop import Bound, WorkerLoop
-from services.engine.worker_wire import Load, Loaded, Ready, StageSpec, TieredUp
+from services.engine.worker_wire import Load, Loaded, Ready, TieredUp
 from shared.messages import Tier
 
 
@@ -48,24 +46,45 @@ class TorchBinding:
     kv_tokens: int = 8192
     engine: TorchEngine | None = None
     _make: Callable[[int], Batch] | None = None
-    """Makes the bound model's batch (on so many threads); None: no model."""
+    """Makes the bound model's batch on so many threads; None: no model."""
     _stages: list[StageServer] = field(default_factory=list)
     _stage_loop: LoopThread | None = None
     wake_s: ClassVar[float | None] = None
     build_window: ClassVar[tuple[float, float]] = (math.inf, math.inf)
 
     def load_beside(self, load: Load) -> Loaded | None:
+        """A stage, served beside the model, reads its range's tensors only (more may be arriving)."""
+        t0 = time.monotonic()
         checkpoint = load.torch_checkpoint()  # a load without one is refused here
-        return None if load.stage is None else self._serve_stage(checkpoint, load.stage, time.monotonic())
+        if (spec := load.stage) is None:
+            return None
+        server = StageServer(Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head)))
+        if self._stage_loop is None:
+            self._stage_loop = LoopThread("stage-servers")
+        addr = self._stage_loop.run(server.start(spec.host, 0), 30)
+        self._stages.append(server)
+        return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
 
     def load(self, load: Load, threads: int) -> Bound:
         t0 = time.monotonic()
         checkpoint = load.torch_checkpoint()
         if load.stages:  # the stages this worker runs may be among them: they stay
-            return self._open_pipeline(checkpoint, load.stages, t0)
+            # Only the tokenizer and config are read (their files come first in a multicast).
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+            config = AutoConfig.from_pretrained(checkpoint)
+            eos = ends_of_sequence(tokenizer, config.eos_token_id)
+            self._make = lambda _: PipelineBatch(load.stages, tokenizer, config.vocab_size, eos, self.kv_tokens)
+            loaded = Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
+            return Bound(loaded, self._make(0), batch_decoder(tokenizer))
         self._end_stages()
         self.engine = engine = TorchEngine.start(checkpoint, self.arena, load.placement, load.fill)
-        self._make = self._batch
+
+        def make(threads: int) -> Batch:
+            batch = ContinuousBatcher(engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot)
+            batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
+            return batch
+
+        self._make = make
         loaded = Loaded(
             loaded_from_cache=True,  # nothing is compiled: the checkpoint was materialized at registration
             load_s=time.monotonic() - t0,
@@ -74,13 +93,7 @@ class TorchBinding:
             # The node's arena's book is the engine's: it knows what is resident.
             resident=tuple(sorted(self.arena.digests())) if self.arena.ledger is not None else (),
         )
-        return Bound(loaded, self._batch(threads), batch_decoder(engine.tokenizer))
-
-    def _batch(self, threads: int) -> Batch:
-        assert self.engine is not None
-        batch = ContinuousBatcher(self.engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot)
-        batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
-        return batch
+        return Bound(loaded, make(threads), batch_decoder(engine.tokenizer))
 
     def reopen(self, threads: int) -> Batch:
         if self._make is None:
@@ -105,33 +118,7 @@ class TorchBinding:
     def close(self) -> None:
         self._end_stages()
 
-    def _open_pipeline(self, checkpoint: Path, stages: Sequence[str], t0: float) -> Bound:
-        """Serve the model through remote stages: only its tokenizer and config are read here
-        (their files come first in a multicast)."""
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        config = AutoConfig.from_pretrained(checkpoint)
-        eos = ends_of_sequence(tokenizer, config.eos_token_id)
-
-        def make(threads: int) -> Batch:
-            return PipelineBatch(stages, tokenizer, config.vocab_size, eos, self.kv_tokens)
-
-        self._make = make
-        loaded = Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads())
-        return Bound(loaded, make(0), batch_decoder(tokenizer))
-
-    def _serve_stage(self, checkpoint: Path, spec: StageSpec, t0: float) -> Loaded:
-        """Serve a layer range of the checkpoint (maybe still arriving: only the range's tensors
-        are read) beside this worker's other stages and model (one worker a node, not a stage)."""
-        stage = Stage.load(checkpoint, LayerRange(spec.lo, spec.hi, spec.layers, head=spec.head))
-        if self._stage_loop is None:
-            self._stage_loop = LoopThread("stage-servers")
-        server = StageServer(stage)
-        addr = self._stage_loop.run(server.start(spec.host, 0), 30)
-        self._stages.append(server)
-        return Loaded(loaded_from_cache=True, load_s=time.monotonic() - t0, threads=torch.get_num_threads(), addr=addr)
-
     def _end_stages(self) -> None:
-        """Stop the stage servers this worker runs (their sessions end with them)."""
         loop, self._stage_loop = self._stage_loop, None
         servers, self._stages = self._stages, []
         if loop is not None:

@@ -1,13 +1,9 @@
-"""A step's tokens for many rows at once, on the logits' device: the engine's `Sampler`
-(temperature, top-k, min-p, top-p, greedy) as tensor operations over the whole batch, where the
-host's costs a device→host copy and ≈ 1.4 ms of numpy (a vocabulary sort) per sampled row.
-
-Each row's randomness is its own request's: one uniform per row drawn from that request's
-generator (`Sampler.uniform`), the token the inverse CDF of that draw over the host's distribution
-in the host's order (float64, ties in vocabulary order), so a seed gives one token on either path.
-Rows with penalties, a logit bias, logprobs or a grammar stay on the host. Settings and draws
-travel in a small table the step reads on the device, so every step runs the same kernels: what a
-CUDA graph needs.
+"""A step's tokens for every row at once, on the logits' device: the engine's `Sampler` (greedy,
+temperature, top-k, min-p, top-p) as tensor operations, where the host's costs a copy and ≈ 1.4 ms
+of numpy a sampled row. Each row draws one uniform from its own request's generator and takes the
+inverse CDF of it in the host's order (float64, ties in vocabulary order): a seed gives one token
+on either path. Settings and draws travel in a small device table, so every step runs the same
+kernels, as a CUDA graph needs.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from services.engine.sampling import SAMPLING_EPS, Sampler, is_greedy
 
 
 class RowDraw(NamedTuple):
-    """One row's sampling settings and the uniform its request drew for this token (a column of
-    a step's table, in this order)."""
+    """One row's settings and its request's draw for this token: a column of a step's table."""
 
     temperature: float
     top_k: int
@@ -47,7 +42,7 @@ COLUMNS = len(RowDraw._fields)
 @dataclass(frozen=True)
 class Branches:
     """The parts of the sampler a step needs, decided on the host so no branch waits for the
-    device; a step replayed as a CUDA graph takes them all (`ALL`)."""
+    device; a CUDA graph's step takes them all (`ALL`)."""
 
     sampled: bool = True
     top_k: bool = True
@@ -77,16 +72,9 @@ def fill_table(table: torch.Tensor, rows: Sequence[RowDraw]) -> None:
         table[:, : len(rows)] = torch.tensor(rows, dtype=torch.float64).T
 
 
-def table_of(rows: Sequence[RowDraw], device: torch.device | str = "cpu") -> torch.Tensor:
-    table = torch.empty((COLUMNS, len(rows)), dtype=torch.float64)
-    fill_table(table, rows)
-    return table.to(device)
-
-
 def pick_rows(logits: torch.Tensor, table: torch.Tensor, branches: Branches = ALL) -> torch.Tensor:
-    """The token of each of `logits`' rows ([n, vocab]) as a long tensor beside them; `table`
-    ([COLUMNS, n], float64, same device) holds each row's settings and draw. Tensor operations
-    only (no wait for the device), so a CUDA graph can capture it and replay it on a new table."""
+    """The token of each row of `logits` ([n, vocab]); `table` ([COLUMNS, n], float64, same
+    device) holds each row's settings and draw. No wait for the device: a CUDA graph can hold it."""
     n, vocab = logits.shape
     argmax = logits.argmax(dim=-1)  # the first of equal maxima, as numpy's
     if not branches.sampled:

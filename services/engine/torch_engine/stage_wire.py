@@ -1,12 +1,8 @@
-"""Stages over TCP (FaaScale §4.3: nodes holding complementary parts of a model serve it before
-any holds all of it): `StageServer` runs one `Stage`; `Pipeline` is one generation through them;
-`PipelineBatch`, the worker's batch over pipelines, serves a model while its replica arrives.
-
-A frame is a 4-byte length, a msgpack `StageFrame`, then the tensor's bytes. The pipeline is the
-hub (one more hop per stage, but a stage knows no other); the batch picks each token from the last
-stage's logits as the local batch picks a host row (same seed, same token). Requests interleave
-on the stages as sessions of their own (§4.3's 2-D pipelining).
-"""
+"""Stages over TCP (FaaScale §4.3: nodes holding complementary parts of a model serve it before any
+holds all of it): `StageServer` runs one `Stage`, `Pipeline` is one generation through them, and
+`PipelineBatch` serves a model through pipelines while its replica arrives. The pipeline is the
+hub (a stage knows no other); requests interleave on the stages as sessions (§4.3's 2-D
+pipelining). A frame: a 4-byte length, a msgpack `StageFrame`, then a safetensors blob."""
 
 from __future__ import annotations
 
@@ -21,11 +17,11 @@ from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
+import safetensors.torch
 import torch
 
 from services.engine.batch_types import Step, check_fits, drain
-from services.engine.sampling import Sampler
-from services.engine.torch_engine.guides import Guided, Guides, pick
+from services.engine.torch_engine.guides import Guides, Row
 from services.engine.torch_engine.stages import Stage
 from shared.messages import FinishReason, SamplingParams
 from shared.tcp import Listener
@@ -40,8 +36,6 @@ class StageFrame(msgspec.Struct, frozen=True):
     session: str
     op: str
     """"forward" (a tensor follows), "drop" (end the session's KV cache), or "result"."""
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
     length: int = 0
     error: str = ""
 
@@ -50,25 +44,19 @@ class StageFailed(Exception):
     pass
 
 
-def _to_bytes(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    t = t.detach().contiguous().cpu()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
-
-
-def _from_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
-
-
-async def _send(writer: asyncio.StreamWriter, frame: StageFrame, data: bytes = b"") -> None:
-    header = msgspec.msgpack.encode(frame)
+async def _send(
+    writer: asyncio.StreamWriter, session: str, op: str, t: torch.Tensor | None = None, error: str = ""
+) -> None:
+    data = b"" if t is None else safetensors.torch.save({"x": t.detach().contiguous().cpu()})
+    header = msgspec.msgpack.encode(StageFrame(session, op, len(data), error))
     writer.write(_LEN.pack(len(header)) + header + data)
     await writer.drain()
 
 
-async def _recv(reader: asyncio.StreamReader) -> tuple[StageFrame, bytes]:
+async def _recv(reader: asyncio.StreamReader) -> tuple[StageFrame, torch.Tensor | None]:
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     frame = msgspec.msgpack.decode(await reader.readexactly(n), type=StageFrame)
-    return frame, await reader.readexactly(frame.length) if frame.length else b""
+    return frame, safetensors.torch.load(await reader.readexactly(frame.length))["x"] if frame.length else None
 
 
 class LoopThread:
@@ -121,24 +109,24 @@ class StageServer(Listener):
         try:
             while True:
                 try:
-                    frame, data = await _recv(reader)
+                    frame, x = await _recv(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 try:
                     async with self._lock:
                         if frame.op == "drop":
                             self.stage.drop(frame.session)
-                            await _send(writer, StageFrame(frame.session, "result"))
+                            await _send(writer, frame.session, "result")
                             continue
+                        if x is None:
+                            raise ValueError("a forward frame without a tensor")
                         sessions.add(frame.session)
-                        x = _from_bytes(frame.dtype, frame.shape, data)
                         y = await asyncio.to_thread(self.stage.forward, frame.session, x)
-                    dtype, shape, out = _to_bytes(y)
-                    await _send(writer, StageFrame(frame.session, "result", dtype, shape, len(out)), out)
+                    await _send(writer, frame.session, "result", y)
                 except (ConnectionError, asyncio.IncompleteReadError):
                     return
                 except Exception as e:  # this step fails, told to the asker; the stage serves on
-                    await _send(writer, StageFrame(frame.session, "result", error=f"{type(e).__name__}: {e}"))
+                    await _send(writer, frame.session, "result", error=f"{type(e).__name__}: {e}")
         finally:
             for session in sessions:
                 self.stage.drop(session)
@@ -167,7 +155,7 @@ class Pipeline:
     async def __aexit__(self, *_: object) -> None:
         for reader, writer in self._conns:
             try:
-                await _send(writer, StageFrame(self.session, "drop"))
+                await _send(writer, self.session, "drop")
                 await asyncio.wait_for(_recv(reader), TIMEOUT_S)
             except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
                 pass  # a stage gone has no caches left
@@ -182,16 +170,15 @@ class Pipeline:
         """One forward pass through every stage: token ids [1, T] in, the last position's
         logits [V] out (each stage keeps the session's KV cache)."""
         for (reader, writer), addr in zip(self._conns, self.addrs, strict=True):
-            dtype, shape, data = _to_bytes(x)
             try:
-                await _send(writer, StageFrame(self.session, "forward", dtype, shape, len(data)), data)
+                await _send(writer, self.session, "forward", x)
                 frame, out = await asyncio.wait_for(_recv(reader), TIMEOUT_S)
             except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
                 self._close()  # a late answer would be read as the next one's
                 raise StageFailed(f"stage {addr}: {type(e).__name__}: {e}") from e
-            if frame.error:
-                raise StageFailed(f"stage {addr}: {frame.error}")
-            x = _from_bytes(frame.dtype, frame.shape, out)
+            if frame.error or out is None:
+                raise StageFailed(f"stage {addr}: {frame.error or 'no tensor'}")
+            x = out
         return x
 
 
@@ -236,8 +223,7 @@ class PipelineBatch:
         kv_tokens: int = 0,
     ) -> None:
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
-        guided = self.guides.start(params.guide) if params.guide is not None else None
-        coro = self._run(request_id, list(prompt_ids), params, guided)
+        coro = self._run(request_id, Row(params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide)))
         self._runs[request_id] = run = asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
         run.add_done_callback(lambda _: self._runs.pop(request_id, None))
 
@@ -252,22 +238,14 @@ class PipelineBatch:
     def close(self) -> None:
         self._loop.stop()
 
-    async def _run(self, request_id: str, context: list[int], params: SamplingParams, guided: Guided | None) -> None:
+    async def _run(self, request_id: str, row: Row) -> None:
         try:
             async with Pipeline(self.stages) as pipe:
-                sampler = Sampler.of(params)
-                x = torch.tensor([context], dtype=torch.long)
-                for n in range(params.max_tokens):
-                    logits = np.asarray(await pipe.step(x), dtype=np.float32)
-                    token, logprob = pick(sampler, params, logits, context, guided)
-                    context.append(token)
-                    if token in self.eos_ids and not params.ignore_eos:  # it ends it; it is not text
-                        self._out.put(Step(request_id, (), FinishReason.STOP))
-                        return
-                    finish = FinishReason.LENGTH if n + 1 >= params.max_tokens else None
-                    self._out.put(Step(request_id, ((token, logprob),), finish))
+                x = torch.tensor([row.context], dtype=torch.long)
+                while row.finish is None:
+                    token = row.pick(np.asarray(await pipe.step(x), dtype=np.float32))
+                    text = () if row.finish is FinishReason.STOP else ((token, row.logprobs[-1]),)  # an end is not text
+                    self._out.put(Step(request_id, text, row.finish))
                     x = torch.tensor([[token]], dtype=torch.long)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # this request fails (a stage gone, a grammar refusal); others go on
             self._out.put(Step(request_id, (), None, f"{type(e).__name__}: {e}"))

@@ -1,16 +1,14 @@
-"""A layer range of a model, run on its own (FaaScale §4.3, pipelined multicast inference): the
-model's own code (transformers) on a config with only its layers, renumbered from 0, so that the
-KV cache, positions and masks work as in a whole model, reading only the tensors its range needs.
-The first stage embeds the tokens; the last applies the final norm and the head (a tied head is
-the embedding, which it then reads too). Served over TCP by `stage_wire.py`.
+"""A layer range of a model run on its own (FaaScale §4.3): transformers' code on a config with only
+its layers, renumbered from 0 (so KV cache, positions and masks work as in the whole model),
+reading only its range's tensors. The first stage embeds; the last applies the final norm and the
+head (a tied head is the embedding, which it then reads too). Served by `stage_wire.py`.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,8 @@ class LayerRange:
     layers: int
     """The model's decoder layers in all."""
     head: bool | None = None
-    """Whether it applies the final norm and the head (None: when it runs the last layer). The
-    head alone (lo == hi == layers) is a stage of its own where the head is tied to the
-    embedding and a node other than the last layers' holds it (`policy.pipeline_stages`)."""
+    """Whether it applies the final norm and the head (None: if it runs the last layer). The head
+    alone (lo == hi == layers): a tied head held apart from the last layers (`policy.pipeline_stages`)."""
 
     def __post_init__(self) -> None:
         alone = self.lo == self.hi == self.layers and self.head
@@ -46,14 +43,6 @@ class LayerRange:
     @property
     def last(self) -> bool:
         return self.hi == self.layers if self.head is None else self.head
-
-
-def split(layers: int, stages: int) -> list[LayerRange]:
-    """`stages` contiguous ranges of nearly equal size covering every layer."""
-    if not 1 <= stages <= layers:
-        raise ValueError(f"cannot split {layers} layers into {stages} stages")
-    cuts = [round(i * layers / stages) for i in range(stages + 1)]
-    return [LayerRange(lo, hi, layers) for lo, hi in itertools.pairwise(cuts)]
 
 
 def stage_tensors(names: Sequence[str], r: LayerRange, tied: bool) -> dict[str, str]:
@@ -72,14 +61,14 @@ def stage_tensors(names: Sequence[str], r: LayerRange, tied: bool) -> dict[str, 
     return out
 
 
+@dataclass
 class Stage:
     """One layer range, loaded, with a KV cache per session (one generation)."""
 
-    def __init__(self, model: Any, r: LayerRange, read_bytes: int) -> None:
-        self.model = model
-        self.range = r
-        self.read_bytes = read_bytes
-        self.caches: dict[str, Any] = {}
+    model: Any
+    range: LayerRange
+    read_bytes: int
+    caches: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, checkpoint: Path, r: LayerRange, device: str = "cpu") -> Stage:

@@ -1,10 +1,8 @@
-"""vLLM behind the worker loop: `VllmBatch`, one model's continuous batch on vLLM's engine
-(`LLMEngine`, its v1 core in this process), and `VllmBinding`, which binds it (`worker_loop.py`).
-
-vLLM schedules, pages the KV cache, samples (each request with its own seed), applies penalties,
-logit bias and structured output. As the OpenVINO core, it steps on the worker loop's thread (one
-`engine.step()` a `steps` call, in a turn of the node's gate), so vLLM is never entered from two
-threads. vLLM keeps its own weights: a `Load` of another model frees this one's engine and cache.
+"""vLLM behind the worker loop: `VllmBatch`, one model's continuous batch on vLLM's `LLMEngine`
+(its v1 core in this process), and `VllmBinding`. vLLM schedules, pages the KV cache, samples
+(each request with its own seed), and applies penalties, logit bias and structured output. One
+`engine.step()` a `steps` call, on the loop's thread in a turn of the node's gate, so vLLM is
+never entered from two threads. A `Load` of another model frees this one's engine and cache.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ class _Request:
 
 
 class VllmBatch:
-    """`add` requests, read their `steps`, `cancel`, `close`; `tokenizer` is the model's. A
-    request vLLM refuses raises at `add`, alone."""
+    """A request vLLM refuses raises at `add`, alone."""
 
     def __init__(
         self,
@@ -85,8 +82,7 @@ class VllmBatch:
 
     @property
     def alive(self) -> bool:
-        """False once a step failed (every request on it failed)."""
-        return not self._error
+        return not self._error  # a step failed, and every request with it
 
     @property
     def active(self) -> int:
@@ -99,9 +95,7 @@ class VllmBatch:
     def waited(self) -> float:
         return self._turns.waited
 
-    # vLLM's core allocates its cache and GPU memory itself: the worker reports 0 (the node's
-    # true-up measures this process's RSS on the host; on a GPU it keeps the reservation).
-    kv_bytes = 0
+    kv_bytes = 0  # vLLM allocates its own: the node's true-up measures this process (its reservation on a GPU)
 
     def device_bytes(self) -> int:
         return 0
@@ -134,8 +128,7 @@ class VllmBatch:
                 self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
-        """At most one engine step (`timeout` is not waited: with requests there is always a
-        step to run, and without none)."""
+        """One engine step (`timeout` is not waited: with requests there is always one to run)."""
         if not self._requests:
             return []
         try:
@@ -193,8 +186,7 @@ def _logprob(token: int, alternatives: dict[int, Any], top: int) -> TokenLogprob
 
 @dataclass
 class VllmBinding:
-    """Binds models for the worker loop (`worker_loop.Binding`) on vLLM's engine. One tier:
-    `TierUpNow` is answered at once."""
+    """Binds models for the worker loop (`worker_loop.Binding`) on vLLM's engine. One tier."""
 
     gate: StepGate | None = None
     slot: int = -1
