@@ -27,9 +27,9 @@ import numpy as np
 import openvino as ov
 
 from services.engine.batch_types import Step
-from services.engine.core import OvBatch, check_prompt
+from services.engine.core import check_prompt
 from services.engine.sampling import Sampler, token_logprob
-from services.engine.step_gate import TakeTurn, most_urgent, no_turn, post
+from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 PAD_ID = 0
@@ -146,13 +146,15 @@ def vocab_size(compiled: ov.CompiledModel) -> int:
     return int(compiled.output("logits").get_partial_shape()[-1].get_length())
 
 
-class StartBatch(OvBatch):
+class StartBatch:
     """The stateful tier as a `Batch`. `compiled`: the model (its infer request's state is the
     running batch's KV cache); `kv_tokens`: the positions a batch may hold (one context, or a
-    request's grown reservation); `join_recompute_tokens`: see `joinable`. A failed pass fails
-    its batch's requests alone: the next batch gets a new infer request (`alive` stays True)."""
+    request's grown reservation); `join_recompute_tokens`: see `joinable`; `idle`: as
+    `CoreBatch`'s. A failed pass fails its batch's requests alone: the next batch gets a new
+    infer request (`alive` stays True)."""
 
     alive = True
+    kv_bytes = 0  # the infer request's state is no KV cache the node's book counts
 
     def __init__(
         self,
@@ -164,7 +166,8 @@ class StartBatch(OvBatch):
         join_recompute_tokens: int = 0,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(turn, idle)
+        self._turns = Turns(turn)
+        self._idle = idle
         self.compiled = compiled
         self.eos_ids = eos_ids
         self.kv_tokens = kv_tokens
@@ -188,6 +191,16 @@ class StartBatch(OvBatch):
     @property
     def running(self) -> bool:
         return bool(self._going())
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def set_threads(self, threads: int) -> None:
+        pass  # fixed when the model was compiled
 
     def add(
         self,

@@ -131,30 +131,6 @@ def warm_up(pipeline: ov_genai.ContinuousBatchingPipeline, rows: int = 8) -> Non
 _FINISH = {"LENGTH": FinishReason.LENGTH, "STOP": FinishReason.STOP}
 
 
-class OvBatch:
-    """What the OpenVINO batches share: their turns at the node's gate (`Batch.waited`), and
-    `idle`, called when nothing is left to run but not from a step (a cancel, a close), to take
-    the batch's posting at the gate down. Threads are fixed when a model is compiled."""
-
-    def __init__(self, turn: TakeTurn, idle: Callable[[], None]) -> None:
-        self._turns = Turns(turn)
-        self._idle = idle
-
-    @property
-    def waited(self) -> float:
-        return self._turns.waited
-
-    def set_threads(self, threads: int) -> None:
-        pass
-
-    @property
-    def kv_bytes(self) -> int:
-        return 0
-
-    def device_bytes(self) -> int:
-        return 0
-
-
 @dataclass
 class _Request:
     handle: Any
@@ -164,10 +140,11 @@ class _Request:
     generated: int = 0
 
 
-class CoreBatch(OvBatch):
+class CoreBatch:
     """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn
     at the gate; a cancelled request is stopped in the library (its blocks freed at the next
-    step). `kv_tokens`: the most a request may hold (the model's context)."""
+    step). `kv_tokens`: the most a request may hold (the model's context). `idle`: called when
+    a cancel or close leaves nothing to run, to take the batch's posting at the gate down."""
 
     def __init__(
         self,
@@ -178,7 +155,8 @@ class CoreBatch(OvBatch):
         turn: TakeTurn = no_turn,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(turn, idle)
+        self._turns = Turns(turn)
+        self._idle = idle
         self.pipeline = pipeline
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -197,8 +175,18 @@ class CoreBatch(OvBatch):
         return not self._error
 
     @property
+    def waited(self) -> float:
+        return self._turns.waited
+
+    @property
     def kv_bytes(self) -> int:
         return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def set_threads(self, threads: int) -> None:
+        pass  # fixed when the pipeline was compiled
 
     def add(
         self,

@@ -14,8 +14,9 @@ from multiprocessing.connection import Connection
 import openvino as ov
 
 from services.engine.cpu_share import pin_all_threads
+from services.engine.instance import Detokenizer, LoadedModel
 from services.engine.step_gate import StepGate, no_turn
-from services.engine.tiered_batch import TieredBatch
+from services.engine.tiered_batch import CoreFirst, TieredBatch, ir_vocab_size
 from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_os import prefault_heap, touch_kernels
 from services.engine.worker_wire import Load, Loaded, Ready, TieredUp
@@ -48,6 +49,8 @@ class OpenVinoBinding:
         self.slot = slot
         self.batch: TieredBatch | None = None
         self._load: Load | None = None
+        self._load_threads = 0
+        """The threads the start tier was compiled with (`Loaded.threads`)."""
         self._all_cores = os.sched_getaffinity(0)
 
     @property
@@ -65,20 +68,35 @@ class OpenVinoBinding:
         t0 = time.monotonic()
         self._load = load
         batch = self.reopen(threads)
-        loaded = Loaded(batch.loaded_from_cache, time.monotonic() - t0, batch.load_threads)
+        loaded = Loaded(batch.loaded_from_cache, time.monotonic() - t0, self._load_threads)
         return Bound(loaded, batch, batch.tokenizer.decode_many)
 
     def reopen(self, threads: int) -> TieredBatch:
-        """The start tier on `threads` (a start's share, or all); the core gets every thread."""
-        if self._load is None:
+        """The start tier loaded on `threads` (a start's share, or all), or `CoreFirst`; the
+        core gets every thread."""
+        load = self._load
+        if load is None:
             raise RuntimeError("no model loaded in this worker")
+        core, artifact, device = self.core, load.artifact, self.device
+        tier = load.tier if artifact.start_tier else Tier.STEADY
+        opened: LoadedModel | CoreFirst
+        if artifact.start_tier:
+            opened = LoadedModel.load(core, artifact, device, threads, load.cache_dir, tier)
+            self._load_threads = int(opened.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
+        else:
+            opened = CoreFirst(artifact, Detokenizer(artifact.path), ir_vocab_size(core, artifact))
+            self._load_threads = 0
+        tokenizer = opened.tokenizer  # the reload holds this alone: the start tier goes when let go
+
+        def reload() -> LoadedModel:
+            return LoadedModel.load(core, artifact, device, self.threads, load.cache_dir, tier, tokenizer)
+
         gate, slot = self.gate, self.slot
-        self.batch = TieredBatch.open(
-            self.core,
-            self._load,
-            self.device,
+        self.batch = TieredBatch(
+            opened,
+            reload,
+            device,
             self.threads,
-            threads,
             no_turn if gate is None else lambda deadline: gate.turn(slot, deadline),
             self.max_batch,
             self.join_recompute_tokens,
