@@ -1,8 +1,7 @@
 """The continuous-batching core: OpenVINO GenAI's `ContinuousBatchingPipeline` as a `Batch`
 (paged KV cache, chunked prefill by `dynamic_split_fuse`, prefix caching, the library's sampler),
-and what the OpenVINO batches share. Around it, what vLLM v1's `EngineCore` does: add, `step()`,
-hand out new token ids, stop what a client gave up on; text and stop strings are the worker
-loop's. `step()` holds the GIL: only the worker's main thread calls the batch.
+as vLLM v1's `EngineCore` drives its own; and the request checks the OpenVINO batches share.
+`step()` holds the GIL: only the worker's main thread calls the batch.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
 
 def needs_core(params: SamplingParams) -> bool:
     """Whether the request waits for the core: the start tier has no grammar, a seed names a
-    sample of the core's sampler, and the core's sampler is the one for penalties, top-k, min-p
-    (the start tier's copies serve only requests that need the logits)."""
+    sample of the core's sampler, and the core's is the sampler for penalties, top-k, min-p."""
     return not needs_logits(params) and (
         params.guide is not None
         or params.seed is not None
@@ -96,12 +94,10 @@ def needs_logits(params: SamplingParams) -> bool:
 
 
 def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
-    """The pipeline on the artifact's IR. Its KV cache is the library's dynamic allocation: it
-    grows as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and
-    freed blocks are reused (12 rounds of 32 distinct 200-token prompts kept one size); a fixed
-    block count had to guess at build time. ≈ 2.4 s here (SmolLM2-135M, 2 cores), mostly the
-    plugin compiling paged attention, which `CACHE_DIR` does not save (the blob is written, never
-    imported): hence the start tier serves meanwhile (`tiered_batch.py`)."""
+    """The pipeline on the artifact's IR, its KV cache the library's dynamic allocation: it grows
+    as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and reuses
+    freed blocks; a fixed block count had to guess at build time. ≈ 2.4 s here, mostly compiling
+    paged attention, which `CACHE_DIR` does not save: hence the start tier serves meanwhile."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
@@ -141,9 +137,8 @@ class _Request:
 
 
 class CoreBatch:
-    """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn
-    at the gate; a cancelled request is stopped in the library (its blocks freed at the next
-    step). `kv_tokens`: the most a request may hold (the model's context). `idle`: called when
+    """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn at
+    the gate. `kv_tokens`: the most a request may hold (the model's context); `idle`: called when
     a cancel or close leaves nothing to run, to take the batch's posting at the gate down."""
 
     def __init__(
@@ -171,8 +166,7 @@ class CoreBatch:
 
     @property
     def alive(self) -> bool:
-        """False once a step failed (the pipeline may be broken)."""
-        return not self._error
+        return not self._error  # a step failed: the pipeline may be broken
 
     @property
     def waited(self) -> float:

@@ -48,38 +48,30 @@ class Bound:
 
 
 class Binding(Protocol):
-    """What binds models for the loop, one engine's."""
+    """What binds models for the loop, one engine's. `wake_s`: idle, look at `tiered` this often
+    (a tier building; None: on a command only); `build_window`: when a tier's build ran on the
+    worker's cores (`Done.beside_build`; inf: none); `load_beside`: every `Load` first, raising
+    to refuse it, answering one served beside the bound model (a pipeline stage), else None;
+    `reopen`: a new batch for the bound model, its last one died; `tier_up`: `TierUpNow`'s
+    answer, or None where it comes later from `tiered`, a tier-up finished since the last look."""
 
     @property
-    def wake_s(self) -> float | None:
-        """Idle, look at `tiered` this often (a tier building); None: on a command only."""
-        ...
+    def wake_s(self) -> float | None: ...
 
     @property
-    def build_window(self) -> tuple[float, float]:
-        """When a tier's build ran on the worker's cores (`Done.beside_build`); inf: none."""
-        ...
+    def build_window(self) -> tuple[float, float]: ...
 
-    def load_beside(self, load: Load) -> Loaded | None:
-        """Every `Load` first, the bound model still serving: raise to refuse it; a load served
-        beside the model (a pipeline stage) is answered here; None: `load` follows."""
-        ...
+    def load_beside(self, load: Load) -> Loaded | None: ...
 
     def load(self, load: Load, threads: int) -> Bound: ...
 
-    def reopen(self, threads: int) -> Batch:
-        """A new batch for the bound model: its last one died."""
-        ...
+    def reopen(self, threads: int) -> Batch: ...
 
     def release(self) -> None: ...
 
-    def tier_up(self) -> TieredUp | None:
-        """`TierUpNow`: the answer now, or None where it comes later from `tiered`."""
-        ...
+    def tier_up(self) -> TieredUp | None: ...
 
-    def tiered(self) -> TieredUp | None:
-        """A tier-up finished since the last look."""
-        ...
+    def tiered(self) -> TieredUp | None: ...
 
     def drop_session(self, session: str) -> None: ...
 
