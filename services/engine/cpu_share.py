@@ -1,9 +1,20 @@
-"""A worker's share of the node's cores, with no runtime imported (the OpenVINO worker and the
-torch worker, whose process loads no OpenVINO, both use it)."""
+"""What a worker process is given on the host, with no runtime imported (the engine's main
+process reads it, and a torch node may hold no OpenVINO): its share of the node's cores, and
+the OpenVINO worker's malloc environment."""
 
 from __future__ import annotations
 
 import os
+
+# glibc reads these at process start, so they are set in the environment the OpenVINO worker
+# is spawned with. One arena and no trimming keep the pages that `worker_os.prefault_heap`
+# touched in the heap for the start's allocations to reuse; blocks from 32 MiB up still get
+# their own mappings (a large block would otherwise pin the heap's top).
+MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+}
 
 
 def pin_all_threads(cores: set[int]) -> None:

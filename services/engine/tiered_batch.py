@@ -198,7 +198,7 @@ class TieredBatch:
         """A step of each tier that has requests; with only requests that wait for the core, up
         to `timeout` of waiting for its build."""
         self._adopt_core()
-        if self._for_core and self.build is not None and not self._running():
+        if self._for_core and self.build is not None and not any(b and b.active for b in (self.start, self.core)):
             self.build.done.wait(timeout)
             self._adopt_core()
         out, self._failed = self._failed, []
@@ -219,7 +219,7 @@ class TieredBatch:
         return out
 
     def poll_tier_up(self) -> TieredUp | None:
-        """A finished build, once (the worker tells the engine). Call between steps and idle."""
+        """A finished build, once (the worker tells the engine)."""
         self._adopt_core()
         self._let_start_go()
         up, self._tiered_up = self._tiered_up, None
@@ -269,9 +269,6 @@ class TieredBatch:
         if self.start is None:  # let go once the core served everything: loaded again
             self.start = self._start_batch(self._reload())
         self.start.add(request.request_id, request.prompt_ids, request.params, request.deadline, request.kv_tokens)
-
-    def _running(self) -> bool:
-        return any(b is not None and b.active for b in (self.start, self.core))
 
     def _start_tiers_up(self) -> None:
         """After the start's first batch, its share ends and the core builds. Not sooner: its

@@ -22,7 +22,7 @@ def _libc() -> ctypes.CDLL | None:
 def prefault_heap(nbytes: int) -> None:
     """TIDAL §5: a start's ≈ 200 MB of allocations took ≈ 54 000 page faults, 0.06 s of a
     0.28 s load + first pass; touched here and freed into the heap (kept by
-    `openvino_process.MALLOC_ENV`), those pages are reused without faulting."""
+    `cpu_share.MALLOC_ENV`), those pages are reused without faulting."""
     libc = _libc()
     if libc is None or nbytes <= 0:
         return

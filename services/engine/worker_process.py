@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import openvino as ov
@@ -26,32 +27,23 @@ BUILD_POLL_S = 0.05
 """How often an idle worker looks at a core build under way (its `TieredUp` goes out then)."""
 
 
+@dataclass
 class OpenVinoBinding:
     """A `Load` imports the start tier's compiled blob into a `TieredBatch`, whose core then
     builds in the background (`worker_loop.Binding`)."""
 
-    def __init__(
-        self,
-        core: ov.Core,
-        device: str,
-        threads: int,
-        max_batch: int = 1,
-        join_recompute_tokens: int = 0,
-        gate: StepGate | None = None,
-        slot: int = -1,
-    ) -> None:
-        self.core = core
-        self.device = device
-        self.threads = threads
-        self.max_batch = max(1, max_batch)
-        self.join_recompute_tokens = join_recompute_tokens
-        self.gate = gate if slot >= 0 else None
-        self.slot = slot
-        self.batch: TieredBatch | None = None
-        self._load: Load | None = None
-        self._load_threads = 0
-        """The threads the start tier was compiled with (`Loaded.threads`)."""
-        self._all_cores = os.sched_getaffinity(0)
+    core: ov.Core
+    device: str
+    threads: int
+    max_batch: int = 1
+    join_recompute_tokens: int = 0
+    gate: StepGate | None = None
+    slot: int = -1
+    batch: TieredBatch | None = None
+    _load: Load | None = None
+    _load_threads: int = 0
+    """The threads the start tier was compiled with (`Loaded.threads`)."""
+    _all_cores: set[int] = field(default_factory=lambda: os.sched_getaffinity(0))
 
     @property
     def wake_s(self) -> float | None:
@@ -91,7 +83,7 @@ class OpenVinoBinding:
         def reload() -> LoadedModel:
             return LoadedModel.load(core, artifact, device, self.threads, load.cache_dir, tier, tokenizer)
 
-        gate, slot = self.gate, self.slot
+        gate, slot = self.gate if self.slot >= 0 else None, self.slot
         self.batch = TieredBatch(
             opened,
             reload,
@@ -115,9 +107,7 @@ class OpenVinoBinding:
         self.batch, self._load = None, None  # the loop closed it
 
     def tier_up(self) -> TieredUp | None:
-        if self.batch is None:
-            return TieredUp(Tier.START, 0.0, "no model loaded")
-        return self.batch.tier_up_now()
+        return self.batch.tier_up_now() if self.batch is not None else TieredUp(Tier.START, 0.0, "no model loaded")
 
     def tiered(self) -> TieredUp | None:
         return self.batch.poll_tier_up() if self.batch is not None else None
