@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import openvino as ov
 
-from services.engine.batch_types import Step
+from services.engine.batch_types import Batch, Step
 from services.engine.core import check_prompt
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
@@ -126,15 +126,12 @@ def vocab_size(compiled: ov.CompiledModel) -> int:
     return int(compiled.output("logits").get_partial_shape()[-1].get_length())
 
 
-class StartBatch:
+class StartBatch(Batch):
     """The stateful tier as a `Batch`. `compiled`: the model (its infer request's state is the
     running batch's KV cache); `kv_tokens`: the positions a batch may hold (one context, or a
     request's grown reservation); `join_recompute_tokens`: see `joinable`; `idle`: as
     `CoreBatch`'s. A failed pass fails its batch's requests alone: the next batch gets a new
-    infer request (`alive` stays True)."""
-
-    alive = True
-    kv_bytes = 0  # the infer request's state is no KV cache the node's book counts
+    infer request (it stays alive). Its state is no KV cache the node's book counts."""
 
     def __init__(
         self,
@@ -174,12 +171,6 @@ class StartBatch:
     @property
     def waited(self) -> float:
         return self._turns.waited
-
-    def device_bytes(self) -> int:
-        return 0
-
-    def set_threads(self, threads: int) -> None:
-        pass  # fixed when the model was compiled
 
     def add(
         self,

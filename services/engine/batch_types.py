@@ -66,8 +66,8 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
 class Batch(Protocol):
     """It makes tokens only: text, stop strings, chunking and `Done`'s figures are the loop's.
     `steps` reports each request's end once (`finish`, or `error`: it alone failed); `cancel`
-    of a request it no longer holds does nothing; `kv_bytes`: its KV cache, allocated in this
-    process; `device_bytes`: what this process holds on a GPU outside the node's arena."""
+    of a request it no longer holds does nothing. A batch that declares it implements this
+    (PEP 544) takes the defaults below: alive, threads fixed when compiled, nothing on a GPU."""
 
     @property
     def active(self) -> int: ...
@@ -76,14 +76,20 @@ class Batch(Protocol):
     def waited(self) -> float: ...
 
     @property
-    def alive(self) -> bool: ...
+    def alive(self) -> bool:
+        return True
 
-    def set_threads(self, threads: int) -> None: ...
+    def set_threads(self, threads: int) -> None:
+        return None
 
     @property
-    def kv_bytes(self) -> int: ...
+    def kv_bytes(self) -> int:
+        """Its KV cache, allocated in this process."""
+        return 0
 
-    def device_bytes(self) -> int: ...
+    def device_bytes(self) -> int:
+        """What this process holds on a GPU outside the node's arena."""
+        return 0
 
     def add(
         self,
