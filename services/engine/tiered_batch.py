@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from services.engine.batch import Request, StartBatch, vocab_size
 from services.engine.batch_types import Batch, Step
 from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
+from services.engine.cpu_share import trim_heap
 from services.engine.step_gate import TakeTurn, Turns, no_turn
-from services.engine.worker_os import trim_heap
 from services.engine.worker_wire import TieredUp
 from shared.artifact import model_xml
 from shared.messages import Artifact, SamplingParams, Tier

@@ -22,7 +22,6 @@ from services.engine.cpu_share import pin_all_threads
 from services.engine.text import DecodeMany, StreamText
 from services.engine.worker_wire import (
     CancelRun,
-    Chunk,
     Chunks,
     Done,
     DropSession,
@@ -205,11 +204,7 @@ class WorkerLoop:
             flushed = self.text.flush()
         except Exception as e:  # every request on it fails; the worker lives on, with a new batch
             self.broken = True
-            for rid in self.live:
-                self.text.drop(rid)
-                self.conn.send(Failure(rid, _error(e)))
-            self.live.clear()
-            return
+            return self._fail_live(_error(e))
         for rid, taken in flushed.stopped.items():
             if rid in failed or rid not in self.live:
                 continue
@@ -217,9 +212,8 @@ class WorkerLoop:
                 self.batch.cancel(rid)
             self.live[rid].generated = taken
             ended[rid] = FinishReason.STOP
-        chunks: list[Chunk] = flushed.chunks
-        if chunks:
-            self.conn.send(Chunks(tuple(chunks)))
+        if flushed.chunks:
+            self.conn.send(Chunks(tuple(flushed.chunks)))
         for rid, error in failed.items():
             del self.live[rid]
             self.conn.send(Failure(rid, error))
@@ -283,9 +277,7 @@ class WorkerLoop:
         if beside is not None:
             self.conn.send(beside)
             return
-        for rid in self.live:
-            self.conn.send(Failure(rid, "the worker was bound to another model"))
-        self.live.clear()
+        self._fail_live("the worker was bound to another model")
         self._fail_queued("the worker was bound to another model")
         if self.batch is not None:
             self.batch.close()
@@ -301,6 +293,13 @@ class WorkerLoop:
         bound = self.binding.load(cmd, threads)
         self.batch, self.text = bound.batch, StreamText(bound.decode_many, self.clock)
         self.conn.send(bound.loaded)
+
+    def _fail_live(self, message: str) -> None:
+        for rid in self.live:
+            if self.text is not None:
+                self.text.drop(rid)
+            self.conn.send(Failure(rid, message))
+        self.live.clear()
 
     def _fail_queued(self, message: str) -> None:
         while self.queue:
