@@ -129,9 +129,9 @@ def vocab_size(compiled: ov.CompiledModel) -> int:
 class StartBatch(Batch):
     """The stateful tier as a `Batch`. `compiled`: the model (its infer request's state is the
     running batch's KV cache); `kv_tokens`: the positions a batch may hold (one context, or a
-    request's grown reservation); `join_recompute_tokens`: see `joinable`; `idle`: as
-    `CoreBatch`'s. A failed pass fails its batch's requests alone: the next batch gets a new
-    infer request (it stays alive). Its state is no KV cache the node's book counts."""
+    request's grown reservation); `join_recompute_tokens`: see `joinable`. A failed pass fails
+    its batch's requests alone: the next batch gets a new infer request (it stays alive). Its
+    state is no KV cache the node's book counts."""
 
     def __init__(
         self,
@@ -141,10 +141,8 @@ class StartBatch(Batch):
         turn: TakeTurn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
-        idle: Callable[[], None] = lambda: None,
     ) -> None:
         self._turns = Turns(turn)
-        self._idle = idle
         self.compiled = compiled
         self.eos_ids = eos_ids
         self.kv_tokens = kv_tokens
@@ -189,8 +187,6 @@ class StartBatch(Batch):
         for row in self._rows:
             if row.request.request_id == request_id:
                 row.ended = True
-        if not self.active:
-            self._idle()
 
     def hand_over(self, keep: Callable[[SamplingParams], bool]) -> list[Request]:
         """Every request but those `keep` says stay, as what is left of it (`_Row.rest`), for
@@ -231,7 +227,6 @@ class StartBatch(Batch):
     def close(self) -> None:
         self.queue.clear()
         self._rows, self._request = [], None
-        self._idle()
 
     def release(self) -> bool:
         """Let the idle infer request (the memory its state holds) go; True if that freed it."""

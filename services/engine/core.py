@@ -138,8 +138,8 @@ class _Request:
 
 class CoreBatch(Batch):
     """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn at
-    the gate. `kv_tokens`: the most a request may hold (the model's context); `idle`: called when
-    a cancel or close leaves nothing to run, to take the batch's posting at the gate down."""
+    the gate. `kv_tokens`: the most a request may hold (the model's context). The worker's
+    batch (`TieredBatch`) takes the gate's posting down when nothing is left to run."""
 
     def __init__(
         self,
@@ -148,10 +148,8 @@ class CoreBatch(Batch):
         vocab_size: int,
         kv_tokens: int,
         turn: TakeTurn = no_turn,
-        idle: Callable[[], None] = lambda: None,
     ) -> None:
         self._turns = Turns(turn)
-        self._idle = idle
         self.pipeline = pipeline
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -202,8 +200,6 @@ class CoreBatch(Batch):
         request = self._live.pop(request_id, None)
         if request is not None:
             request.handle.stop()
-            if not self._live:
-                self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
         """One step (`timeout` is not waited: with requests there is always a step to run)."""
@@ -261,4 +257,3 @@ class CoreBatch(Batch):
         for request in self._live.values():
             request.handle.stop()
         self._live.clear()
-        self._idle()
