@@ -76,7 +76,7 @@ class Backend:
 
 
 def _openvino_env(spec: WorkerSpec) -> dict[str, str]:
-    from services.engine.openvino_process import MALLOC_ENV
+    from services.engine.cpu_share import MALLOC_ENV
 
     return MALLOC_ENV if spec.prefault_bytes > 0 else {}
 

@@ -26,10 +26,10 @@ import msgspec
 import numpy as np
 import openvino as ov
 
-from services.engine.batch_types import Step
-from services.engine.core import OvBatch, check_prompt
+from services.engine.batch_types import Batch, Step
+from services.engine.core import check_prompt
 from services.engine.sampling import Sampler, token_logprob
-from services.engine.step_gate import TakeTurn, most_urgent, no_turn, post
+from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
 PAD_ID = 0
@@ -74,7 +74,7 @@ class Request:
     params: SamplingParams
     deadline: Callable[[int], float]
     kv_tokens: int = 0
-    """Tokens its name's KV reservation covered (`worker_wire.Run.kv_tokens`)."""
+    """`worker_wire.Run.kv_tokens`."""
 
 
 class _Row:
@@ -105,54 +105,33 @@ class _Row:
         """Its next token, as a step (its last where it ends)."""
         p = self.request.params
         token = self.sampler.pick(logits, self.context)
+        tokens: tuple[tuple[int, TokenLogprob | None], ...] = ()
         if token in eos_ids and not p.ignore_eos:
-            return self._end((), FinishReason.STOP)
-        logprob: TokenLogprob | None = None
-        if p.logprobs >= 0:
-            adjusted = self.sampler.adjusted
-            logprob = token_logprob(logits if adjusted is None else adjusted, token, p.logprobs)
-        self.produced += 1
-        self.context.append(token)
-        if self.produced >= p.max_tokens:
-            return self._end(((token, logprob),), FinishReason.LENGTH)
-        return Step(self.request.request_id, ((token, logprob),), prefill_tokens=self.positions)
-
-    def _end(self, tokens: tuple[tuple[int, TokenLogprob | None], ...], finish: FinishReason) -> Step:
-        self.ended = True
+            finish: FinishReason | None = FinishReason.STOP
+        else:
+            assert self.sampler.adjusted is not None  # (its logprobs are read after penalties and bias)
+            logprob = token_logprob(self.sampler.adjusted, token, p.logprobs) if p.logprobs >= 0 else None
+            tokens = ((token, logprob),)
+            self.produced += 1
+            self.context.append(token)
+            finish = FinishReason.LENGTH if self.produced >= p.max_tokens else None
+        self.ended = finish is not None
         return Step(self.request.request_id, tokens, finish, prefill_tokens=self.positions)
 
     def deadline(self) -> float:
         return self.request.deadline(self.produced)
 
 
-def _prefill(request: ov.InferRequest, contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Reset the cache and prefill `contexts` left-padded: the last logits and the mask."""
-    width, b = max(len(c) for c in contexts), len(contexts)
-    ids = np.full((b, width), PAD_ID, dtype=np.int64)
-    mask = np.zeros((b, width), dtype=np.int64)
-    positions = np.zeros((b, width), dtype=np.int64)
-    for i, c in enumerate(contexts):
-        ids[i, width - len(c) :] = c
-        mask[i, width - len(c) :] = 1
-        positions[i, width - len(c) :] = np.arange(len(c))
-    request.reset_state()
-    request.infer(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "beam_idx": np.arange(b, dtype=np.int32)}
-    )
-    return request.get_tensor("logits").data[:, -1], mask
-
-
 def vocab_size(compiled: ov.CompiledModel) -> int:
     return int(compiled.output("logits").get_partial_shape()[-1].get_length())
 
 
-class StartBatch(OvBatch):
+class StartBatch(Batch):
     """The stateful tier as a `Batch`. `compiled`: the model (its infer request's state is the
     running batch's KV cache); `kv_tokens`: the positions a batch may hold (one context, or a
     request's grown reservation); `join_recompute_tokens`: see `joinable`. A failed pass fails
-    its batch's requests alone: the next batch gets a new infer request (`alive` stays True)."""
-
-    alive = True
+    its batch's requests alone: the next batch gets a new infer request (it stays alive). Its
+    state is no KV cache the node's book counts."""
 
     def __init__(
         self,
@@ -162,9 +141,8 @@ class StartBatch(OvBatch):
         turn: TakeTurn = no_turn,
         max_batch: int = 1,
         join_recompute_tokens: int = 0,
-        idle: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(turn, idle)
+        self._turns = Turns(turn)
         self.compiled = compiled
         self.eos_ids = eos_ids
         self.kv_tokens = kv_tokens
@@ -174,7 +152,6 @@ class StartBatch(OvBatch):
         self.queue: deque[Request] = deque()
         self._rows: list[_Row] = []
         """The running batch's rows, in the order of the cache's rows (the last pass's)."""
-        self._logits: np.ndarray | None = None
         self._mask = np.zeros((0, 0), dtype=np.int64)
         self._request: ov.InferRequest | None = None
         self._request_rows = 0
@@ -188,6 +165,10 @@ class StartBatch(OvBatch):
     @property
     def running(self) -> bool:
         return bool(self._going())
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
 
     def add(
         self,
@@ -206,8 +187,6 @@ class StartBatch(OvBatch):
         for row in self._rows:
             if row.request.request_id == request_id:
                 row.ended = True
-        if not self.active:
-            self._idle()
 
     def hand_over(self, keep: Callable[[SamplingParams], bool]) -> list[Request]:
         """Every request but those `keep` says stay, as what is left of it (`_Row.rest`), for
@@ -236,12 +215,8 @@ class StartBatch(OvBatch):
         deadline = most_urgent([*(row.deadline() for row in going), *(r.deadline(0) for r in joining)])
         try:
             with self._turns(deadline) as held:
-                if joining:
-                    self._prefill(going, joining)
-                else:
-                    self._decode(going)
-                assert self._logits is not None
-                out = [row.pick(self._logits[k], self.eos_ids) for k, row in enumerate(self._rows)]
+                logits = self._prefill(going, joining) if joining else self._decode(going)
+                out = [row.pick(logits[k], self.eos_ids) for k, row in enumerate(self._rows)]
                 post(held, [*(row.deadline() for row in self._going()), *(r.deadline(0) for r in self.queue)])
         except Exception as e:  # every request of the batch fails; the next batch starts anew
             message = f"{type(e).__name__}: {e}"
@@ -252,7 +227,6 @@ class StartBatch(OvBatch):
     def close(self) -> None:
         self.queue.clear()
         self._rows, self._request = [], None
-        self._idle()
 
     def release(self) -> bool:
         """Let the idle infer request (the memory its state holds) go; True if that freed it."""
@@ -293,27 +267,38 @@ class StartBatch(OvBatch):
             self._request_rows = rows
         return self._request
 
-    def _prefill(self, going: list[_Row], joining: list[Request]) -> None:
+    def _prefill(self, going: list[_Row], joining: list[Request]) -> np.ndarray:
         """A new batch, or the running one with `joining` added: every row is at one position,
-        so the batch is prefilled again, running rows with their context so far (vLLM's
-        recomputation, used to join rather than to preempt); rows keep their sampling state."""
-        width = len(going) + len(joining)
-        longest = max([len(row.context) for row in going] + [len(r.prompt_ids) for r in joining])
-        self._rows = [*going, *(_Row(r, width * longest) for r in joining)]
-        self._logits, self._mask = _prefill(self._request_for(width), [row.context for row in self._rows])
+        so the batch is prefilled again, left-padded, running rows with their context so far
+        (vLLM's recomputation, used to join rather than to preempt)."""
+        b = len(going) + len(joining)
+        width = max([len(row.context) for row in going] + [len(r.prompt_ids) for r in joining])
+        self._rows = [*going, *(_Row(r, b * width) for r in joining)]
+        ids = np.full((b, width), PAD_ID, dtype=np.int64)
+        self._mask = np.zeros((b, width), dtype=np.int64)
+        positions = np.zeros((b, width), dtype=np.int64)
+        for i, c in enumerate(row.context for row in self._rows):
+            ids[i, width - len(c) :] = c
+            self._mask[i, width - len(c) :] = 1
+            positions[i, width - len(c) :] = np.arange(len(c))
+        request = self._request_for(b)
+        request.reset_state()
+        beam_idx = np.arange(b, dtype=np.int32)
+        request.infer({"input_ids": ids, "attention_mask": self._mask, "position_ids": positions, "beam_idx": beam_idx})
+        return request.get_tensor("logits").data[:, -1]
 
-    def _decode(self, going: list[_Row]) -> None:
+    def _decode(self, going: list[_Row]) -> np.ndarray:
         """One decode step of the rows still going, gathered from the last pass's cache rows."""
         keep = np.asarray([k for k, row in enumerate(self._rows) if not row.ended])
-        mask = np.concatenate([self._mask[keep], np.ones((len(keep), 1), dtype=np.int64)], axis=1)
-        inputs = {
-            "input_ids": np.asarray([[row.context[-1]] for row in going], dtype=np.int64),
-            "attention_mask": mask,
-            "position_ids": np.asarray([[len(row.context) - 1] for row in going], dtype=np.int64),
-            "beam_idx": keep.astype(np.int32),
-        }
+        self._mask = np.concatenate([self._mask[keep], np.ones((len(keep), 1), dtype=np.int64)], axis=1)
         self._rows = going
         request = self._request_for(len(going))
-        request.infer(inputs)
-        self._mask = mask
-        self._logits = request.get_tensor("logits").data[:, -1]
+        request.infer(
+            {
+                "input_ids": np.asarray([[row.context[-1]] for row in going], dtype=np.int64),
+                "attention_mask": self._mask,
+                "position_ids": np.asarray([[len(row.context) - 1] for row in going], dtype=np.int64),
+                "beam_idx": keep.astype(np.int32),
+            }
+        )
+        return request.get_tensor("logits").data[:, -1]

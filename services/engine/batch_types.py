@@ -3,6 +3,7 @@ travel in, and shared helpers. Backend-neutral: each backend imports this, none 
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,17 +43,6 @@ class Step:
     """Positions its prefill computed where not its prompt's (a static batch pads); 0: its prompt's."""
 
 
-def merged(before: Step, after: Step) -> Step:
-    """Two steps of one request, in order, as one."""
-    return Step(
-        after.request_id,
-        before.tokens + after.tokens,
-        after.finish,
-        after.error,
-        max(before.prefill_tokens, after.prefill_tokens),
-    )
-
-
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
     """The steps waiting (up to `timeout` for the first), one per request, merged in order; a
     request not `wanted` (cancelled) is skipped."""
@@ -68,14 +58,16 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
             continue
         before = out.get(step.request_id)
         if before is not None:
-            step = merged(before, step)
+            tokens, prefill = before.tokens + step.tokens, max(before.prefill_tokens, step.prefill_tokens)
+            step = dataclasses.replace(step, tokens=tokens, prefill_tokens=prefill)
         out[step.request_id] = step
 
 
 class Batch(Protocol):
     """It makes tokens only: text, stop strings, chunking and `Done`'s figures are the loop's.
     `steps` reports each request's end once (`finish`, or `error`: it alone failed); `cancel`
-    of a request it no longer holds does nothing."""
+    of a request it no longer holds does nothing. A batch that declares it implements this
+    (PEP 544) takes the defaults below: alive, threads fixed when compiled, nothing on a GPU."""
 
     @property
     def active(self) -> int: ...
@@ -84,18 +76,20 @@ class Batch(Protocol):
     def waited(self) -> float: ...
 
     @property
-    def alive(self) -> bool: ...
+    def alive(self) -> bool:
+        return True
 
-    def set_threads(self, threads: int) -> None: ...
+    def set_threads(self, threads: int) -> None:
+        return None
 
     @property
     def kv_bytes(self) -> int:
         """Its KV cache, allocated in this process."""
-        ...
+        return 0
 
     def device_bytes(self) -> int:
         """What this process holds on a GPU outside the node's arena."""
-        ...
+        return 0
 
     def add(
         self,

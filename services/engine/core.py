@@ -1,8 +1,7 @@
 """The continuous-batching core: OpenVINO GenAI's `ContinuousBatchingPipeline` as a `Batch`
 (paged KV cache, chunked prefill by `dynamic_split_fuse`, prefix caching, the library's sampler),
-and what the OpenVINO batches share. Around it, what vLLM v1's `EngineCore` does: add, `step()`,
-hand out new token ids, stop what a client gave up on; text and stop strings are the worker
-loop's. `step()` holds the GIL: only the worker's main thread calls the batch.
+as vLLM v1's `EngineCore` drives its own; and the request checks the OpenVINO batches share.
+`step()` holds the GIL: only the worker's main thread calls the batch.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.engine.batch_types import Step
+from services.engine.batch_types import Batch, Step
 from services.engine.sampling import is_greedy
 from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -77,8 +76,7 @@ def generation_config(params: SamplingParams, eos_token_id: int) -> ov_genai.Gen
 
 def needs_core(params: SamplingParams) -> bool:
     """Whether the request waits for the core: the start tier has no grammar, a seed names a
-    sample of the core's sampler, and the core's sampler is the one for penalties, top-k, min-p
-    (the start tier's copies serve only requests that need the logits)."""
+    sample of the core's sampler, and the core's is the sampler for penalties, top-k, min-p."""
     return not needs_logits(params) and (
         params.guide is not None
         or params.seed is not None
@@ -96,12 +94,10 @@ def needs_logits(params: SamplingParams) -> bool:
 
 
 def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
-    """The pipeline on the artifact's IR. Its KV cache is the library's dynamic allocation: it
-    grows as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and
-    freed blocks are reused (12 rounds of 32 distinct 200-token prompts kept one size); a fixed
-    block count had to guess at build time. ≈ 2.4 s here (SmolLM2-135M, 2 cores), mostly the
-    plugin compiling paged attention, which `CACHE_DIR` does not save (the blob is written, never
-    imported): hence the start tier serves meanwhile (`tiered_batch.py`)."""
+    """The pipeline on the artifact's IR, its KV cache the library's dynamic allocation: it grows
+    as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and reuses
+    freed blocks; a fixed block count had to guess at build time. ≈ 2.4 s here, mostly compiling
+    paged attention, which `CACHE_DIR` does not save: hence the start tier serves meanwhile."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
@@ -131,30 +127,6 @@ def warm_up(pipeline: ov_genai.ContinuousBatchingPipeline, rows: int = 8) -> Non
 _FINISH = {"LENGTH": FinishReason.LENGTH, "STOP": FinishReason.STOP}
 
 
-class OvBatch:
-    """What the OpenVINO batches share: their turns at the node's gate (`Batch.waited`), and
-    `idle`, called when nothing is left to run but not from a step (a cancel, a close), to take
-    the batch's posting at the gate down. Threads are fixed when a model is compiled."""
-
-    def __init__(self, turn: TakeTurn, idle: Callable[[], None]) -> None:
-        self._turns = Turns(turn)
-        self._idle = idle
-
-    @property
-    def waited(self) -> float:
-        return self._turns.waited
-
-    def set_threads(self, threads: int) -> None:
-        pass
-
-    @property
-    def kv_bytes(self) -> int:
-        return 0
-
-    def device_bytes(self) -> int:
-        return 0
-
-
 @dataclass
 class _Request:
     handle: Any
@@ -164,10 +136,10 @@ class _Request:
     generated: int = 0
 
 
-class CoreBatch(OvBatch):
-    """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn
-    at the gate; a cancelled request is stopped in the library (its blocks freed at the next
-    step). `kv_tokens`: the most a request may hold (the model's context)."""
+class CoreBatch(Batch):
+    """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn at
+    the gate. `kv_tokens`: the most a request may hold (the model's context). The worker's
+    batch (`TieredBatch`) takes the gate's posting down when nothing is left to run."""
 
     def __init__(
         self,
@@ -176,9 +148,8 @@ class CoreBatch(OvBatch):
         vocab_size: int,
         kv_tokens: int,
         turn: TakeTurn = no_turn,
-        idle: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(turn, idle)
+        self._turns = Turns(turn)
         self.pipeline = pipeline
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -193,8 +164,11 @@ class CoreBatch(OvBatch):
 
     @property
     def alive(self) -> bool:
-        """False once a step failed (the pipeline may be broken)."""
-        return not self._error
+        return not self._error  # a step failed: the pipeline may be broken
+
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
 
     @property
     def kv_bytes(self) -> int:
@@ -226,8 +200,6 @@ class CoreBatch(OvBatch):
         request = self._live.pop(request_id, None)
         if request is not None:
             request.handle.stop()
-            if not self._live:
-                self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
         """One step (`timeout` is not waited: with requests there is always a step to run)."""
@@ -285,4 +257,3 @@ class CoreBatch(OvBatch):
         for request in self._live.values():
             request.handle.stop()
         self._live.clear()
-        self._idle()

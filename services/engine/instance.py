@@ -44,10 +44,7 @@ class Detokenizer:
         self.decode([self.eos_token_id])  # its first call pays a warm-up: not on the first token
 
     def decode(self, ids: Sequence[int]) -> str:
-        if not ids:
-            return ""
-        out = self._request.infer({0: np.asarray([ids], dtype=np.int64)})
-        return str(out[0][0])
+        return self.decode_many([ids])[0]
 
     def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
         """One detokenizer run per distinct length (padding would need a token it is sure to
@@ -71,7 +68,6 @@ class LoadedModel:
     tokenizer: Detokenizer
     eos_ids: frozenset[int]
     loaded_from_cache: bool
-    tier: Tier = Tier.STEADY
 
     @classmethod
     def load(
@@ -94,4 +90,4 @@ class LoadedModel:
         else:
             compiled = core.compile_model(xml, device, config)
         eos = frozenset({tokenizer.eos_token_id})
-        return cls(artifact, compiled, tokenizer, eos, bool(compiled.get_property("LOADED_FROM_CACHE")), tier)
+        return cls(artifact, compiled, tokenizer, eos, bool(compiled.get_property("LOADED_FROM_CACHE")))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
@@ -54,17 +54,7 @@ class Sampler:
 
     @classmethod
     def of(cls, p: SamplingParams) -> Sampler:
-        return cls(
-            p.temperature,
-            p.top_p,
-            p.seed,
-            p.repetition_penalty,
-            p.frequency_penalty,
-            p.presence_penalty,
-            p.top_k,
-            p.min_p,
-            p.logit_bias,
-        )
+        return cls(*(getattr(p, f.name) for f in fields(cls) if f.init))
 
     def _adjusted(self, logits: npt.NDArray[np.float32], context: list[int] | None) -> npt.NDArray[np.float32]:
         logits = logits.copy()

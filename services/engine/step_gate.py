@@ -3,12 +3,11 @@
 Left to the OS, instances sharing a node's cores decode side by side, each slowed by the others
 however urgent its requests. The gate runs `capacity` iterations (a prefill, or one decode step
 of a batch) at a time, and the next goes to the worker holding the least headroom (eq. 1,
-`policy/headroom.py`): at a common moment, the earliest deadline ST + TTFT_SLO + TPOT_SLO · O.
+`policy/headroom.py`): the earliest deadline ST + TTFT_SLO + TPOT_SLO · O.
 
 The state is shared memory (two arrays under a lock, a semaphore per worker) made by the engine
-and handed to the workers it spawns. The engine frees the slot of a worker that ends, so one
-that dies mid-iteration cannot block the node; the lock is only taken with a timeout, past
-which a worker runs ungated (its holder was killed).
+and handed to the workers it spawns. The engine frees the slot of a worker that ends; the lock
+is only taken with a timeout, past which a worker runs ungated (its holder was killed).
 """
 
 from __future__ import annotations
@@ -43,12 +42,9 @@ def may_step(slot: int, deadlines: Sequence[float], holding: Sequence[int], capa
 
 @dataclass
 class Turn:
-    """One iteration's turn at the gate."""
-
-    waited: float = 0.0
     then: float = math.inf
-    """The deadline of the batch's next iteration, posted as it leaves, set before the turn ends
-    (so that a batch that goes on keeps its place between passes); inf: none."""
+    """The deadline of the batch's next iteration, posted as it leaves (a batch that goes on
+    keeps its place between passes); inf: none."""
 
 
 TakeTurn = Callable[[float], AbstractContextManager["Turn | None"]]
@@ -61,8 +57,7 @@ def no_turn(deadline: float) -> AbstractContextManager[None]:
 
 
 class Turns:
-    """A batch's turns and the seconds it waited for them (`Batch.waited`); itself a
-    `TakeTurn`, so that batches inside another share its count."""
+    """A batch's turns and the seconds it waited for them (`Batch.waited`); itself a `TakeTurn`."""
 
     def __init__(self, turn: TakeTurn) -> None:
         self._turn = turn
@@ -157,9 +152,8 @@ class StepGate:
     @contextmanager
     def turn(self, slot: int, deadline: float) -> Iterator[Turn]:
         """One iteration under the gate, left posted with `Turn.then` (inf if it raised)."""
-        t0 = time.monotonic()
         entered = self.enter(slot, deadline)
-        turn = Turn(waited=time.monotonic() - t0)
+        turn = Turn()
         failed = True
         try:
             yield turn
@@ -169,5 +163,4 @@ class StepGate:
                 self.leave(slot, math.inf if failed else turn.then)
 
     def idle(self, slot: int) -> None:
-        """This worker's batch is over: take its posting down, so the next instance goes."""
-        self.leave(slot)
+        self.leave(slot)  # its batch is over: its posting comes down, the next instance goes

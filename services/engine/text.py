@@ -1,15 +1,13 @@
 """Every running request's text in a worker: tokens in, `Chunk`s out, whatever engine made them.
 
-Per request: incremental detokenization (a token's text once it is whole UTF-8), stop strings
-(the stop and anything after it never leave), and one chunk per stream interval, the first at
-once (each chunk wakes the engine, NATS, the gateway and the client: vLLM's
-`stream_interval`), the interval stretched for a crowd (`CROWD_CHUNKS_PER_S`).
+Per request: incremental detokenization, stop strings (the stop and anything after it never
+leave), and one chunk per stream interval, the first at once (each chunk wakes the engine,
+NATS, the gateway and the client: vLLM's `stream_interval`), stretched for a crowd.
 
-Every request due is decoded in one `decode_many` call per flush (one detokenizer run per
-distinct window length): at 32 streams on the OpenVINO core, decoding each request alone took a
-fifth of the loop. A request with stop strings is decoded one token a round, so that it ends
-exactly at its stop; one without only when a chunk is due (detokenizing each token cost ≈ 8 %
-of decode time on the start tier). Pure bookkeeping: tests drive it with a toy vocabulary.
+Every request due is decoded in one `decode_many` call per flush: at 32 streams on the OpenVINO
+core, decoding each request alone took a fifth of the loop. A request with stop strings is
+decoded one token a round, so that it ends exactly at its stop; one without only when a chunk
+is due (detokenizing each token cost ≈ 8 % of decode time on the start tier).
 """
 
 from __future__ import annotations
@@ -17,13 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.engine.worker_wire import Chunk
 from shared.messages import TokenLogprob
 
 DecodeMany = Callable[[Sequence[Sequence[int]]], list[str]]
-"""Each token sequence's text, in as few detokenizer runs as the library allows."""
 
 CROWD_CHUNKS_PER_S = 100.0
 """Most chunks a worker's streams send per second together: each stream's interval stretches to
@@ -49,10 +46,10 @@ def batch_decoder(tokenizer: Any) -> DecodeMany:
 
 class IncrementalDetokenizer:
     """Text of each new token as soon as it is whole (vLLM's incremental detokenization): a
-    short window of recent tokens is decoded with and without the newest, and the difference
-    emitted once it no longer ends mid-character. (OpenVINO GenAI's TextStreamer holds the first
-    text for three tokens: ≈ 45 ms of TTFT here.) The caller decodes `windows()` (many
-    requests' in one run) and hands the texts to `settle`."""
+    short window of recent tokens is decoded with and without the newest (`windows`, many
+    requests' in one run), the difference emitted once it no longer ends mid-character
+    (`settle`). OpenVINO GenAI's TextStreamer holds the first text for three tokens: ≈ 45 ms
+    of TTFT here."""
 
     def __init__(self) -> None:
         self._ids: list[int] = []
@@ -90,7 +87,7 @@ class StopMatcher:
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Add decoded text; return the part that can be sent now."""
+        """The part of `text` that can be sent now."""
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         buf = self._held + text
@@ -119,7 +116,7 @@ class _Stream:
     decoded: int = 0
     """Tokens behind `text` (and any the detokenizer holds mid-character), not yet sent."""
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """One per token not yet sent (decoded first, then undecoded)."""
+    """One per token not yet sent."""
     taken: int = 0
     """Tokens taken through the detokenizer in all (up to its stop, once reached)."""
     last: float | None = None
@@ -127,12 +124,10 @@ class _Stream:
     ended: bool = False
 
 
-@dataclass(frozen=True)
-class Flushed:
+class Flushed(NamedTuple):
     chunks: list[Chunk]
     stopped: dict[str, int]
-    """Requests that reached a stop string, with the tokens taken up to it (their streams are
-    gone; their batch stops computing them)."""
+    """Requests that reached a stop string, with the tokens taken up to it (streams gone)."""
 
 
 @dataclass
@@ -151,8 +146,7 @@ class StreamText:
         stream.logprobs += [lp for _, lp in tokens]
 
     def end(self, request_id: str) -> None:
-        """No more tokens: the next flush sends the rest and forgets the stream."""
-        self._streams[request_id].ended = True
+        self._streams[request_id].ended = True  # the next flush sends the rest and forgets it
 
     def drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -161,9 +155,8 @@ class StreamText:
         return len(self._streams)
 
     def flush(self) -> Flushed:
-        """The chunks due now: a stream's first text at once, then one per interval (stretched
-        for a crowd), the rest of every stream that ended, and the text up to a stop reached.
-        A chunk that would end mid-character, or in what may begin a stop, waits."""
+        """The chunks due: a stream's first text at once, then one per interval, the rest of a
+        stream that ended, the text up to a stop. Text mid-character or maybe a stop waits."""
         now = self.clock()
         crowd_s = len(self._streams) / self.chunks_per_s if self.chunks_per_s > 0 else 0.0
         due = {
@@ -202,9 +195,8 @@ class StreamText:
         return Flushed(chunks, stopped)
 
     def _decode(self, work: list[_Stream]) -> None:
-        """`work`'s undecoded tokens through the detokenizer and the stop matcher, every
-        stream's in one `decode_many` a round: one with stop strings a token a round (it must
-        stop at the token that completes one), the others all at once."""
+        """`work`'s undecoded tokens through the detokenizer and the stop matcher, in one
+        `decode_many` a round: a stream with stop strings a token a round, the others at once."""
         while work:
             windows: list[list[int]] = []
             for s in work:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
-from services.engine.batch_types import Step
-from services.engine.core import CoreBatch, OvBatch, check_prompt, needs_core, needs_logits
-from services.engine.step_gate import TakeTurn, no_turn
-from services.engine.worker_os import trim_heap
+from services.engine.batch_types import Batch, Step
+from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
+from services.engine.cpu_share import trim_heap
+from services.engine.step_gate import TakeTurn, Turns, no_turn
 from services.engine.worker_wire import TieredUp
 from shared.artifact import model_xml
 from shared.messages import Artifact, SamplingParams, Tier
@@ -38,10 +38,10 @@ if TYPE_CHECKING:
     import openvino as ov
 
     from services.engine.instance import Detokenizer, LoadedModel
-    from services.engine.worker_wire import Load
 
 CLOSE_BUILD_S = 60.0
-"""Longest `close` waits for a core build under way (≈ 2.4 s here)."""
+"""Longest `close` waits for a core build under way: a process that exits beside the
+library's build thread aborts."""
 
 NO_GRAMMAR = "this instance cannot enforce structured output: its continuous-batching core failed to build"
 
@@ -82,11 +82,12 @@ class CoreFirst:
     vocab_size: int
 
 
-class TieredBatch(OvBatch):
+class TieredBatch(Batch):
     """The `Batch` of an OpenVINO worker. `loaded`: the start tier (on the start's share of
     threads), or `CoreFirst`; `reload`: the stateful tier loaded again (for requests that need
     the logits once it was let go); `threads`: the core's; `first_batch_done`: called once, when
-    the start's first batch is over (or at once with `CoreFirst`): the start's share ends."""
+    the start's first batch is over (or at once with `CoreFirst`): the start's share ends. Its
+    tiers take their turns through its own, so that `waited` counts both."""
 
     def __init__(
         self,
@@ -100,26 +101,21 @@ class TieredBatch(OvBatch):
         first_batch_done: Callable[[], None] = lambda: None,
         idle: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(turn, idle)
+        self._turns = Turns(turn)
+        self._idle = idle
         self.artifact = loaded.artifact
         self.tokenizer: Detokenizer = loaded.tokenizer
         self.core_first = isinstance(loaded, CoreFirst)
-        self.loaded_from_cache = False
-        self.load_threads = 0
-        """The threads the start tier was compiled with (`Loaded.threads`)."""
-        if isinstance(loaded, CoreFirst):
-            self.vocab_size = loaded.vocab_size
-        else:
-            self.loaded_from_cache = loaded.loaded_from_cache
-            self.load_threads = int(loaded.compiled.get_property("INFERENCE_NUM_THREADS")) if device == "CPU" else 0
-            self.vocab_size = vocab_size(loaded.compiled)
+        self.loaded_from_cache = False if isinstance(loaded, CoreFirst) else loaded.loaded_from_cache
+        self.vocab_size = loaded.vocab_size if isinstance(loaded, CoreFirst) else vocab_size(loaded.compiled)
         self.device = device
         self.threads = threads
+        """The threads a core built from now on gets (the start tier's are fixed)."""
         self.max_batch = max_batch
         self.join_recompute_tokens = join_recompute_tokens
         self._reload = reload
         self._first_batch_done: Callable[[], None] | None = first_batch_done
-        self.start: StartBatch | None = None if isinstance(loaded, CoreFirst) else self._start_batch(loaded)
+        self.start = None if isinstance(loaded, CoreFirst) else self._start_batch(loaded)
         self.core: CoreBatch | None = None
         self.build: _CoreBuild | None = None
         self.build_failed = False
@@ -128,43 +124,12 @@ class TieredBatch(OvBatch):
         its ≈ 2.4 s of CPU, its times no measure of the model (`Done.beside_build`)."""
         self._for_core: dict[str, Request] = {}
         """Requests that wait for the core while it builds."""
-        self._added: set[str] = set()
         self._failed: list[Step] = []
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
         self._closed = False
         if self.core_first:
             self._start_tiers_up()
-
-    @classmethod
-    def open(
-        cls,
-        core: ov.Core,
-        load: Load,
-        device: str,
-        threads: int,
-        share_threads: int,
-        turn: TakeTurn = no_turn,
-        max_batch: int = 1,
-        join_recompute_tokens: int = 0,
-        first_batch_done: Callable[[], None] = lambda: None,
-        idle: Callable[[], None] = lambda: None,
-    ) -> TieredBatch:
-        """The batch for a `Load`: its start tier loaded on `share_threads`, or `CoreFirst`."""
-        from services.engine.instance import Detokenizer, LoadedModel
-
-        opened: LoadedModel | CoreFirst
-        tier = load.tier if load.artifact.start_tier else Tier.STEADY
-        if load.artifact.start_tier:
-            opened = LoadedModel.load(core, load.artifact, device, share_threads, load.cache_dir, tier)
-        else:
-            opened = CoreFirst(load.artifact, Detokenizer(load.artifact.path), ir_vocab_size(core, load.artifact))
-        tokenizer = opened.tokenizer  # the reload holds this alone: the start tier goes when let go
-
-        def reload() -> LoadedModel:
-            return LoadedModel.load(core, load.artifact, device, threads, load.cache_dir, tier, tokenizer)
-
-        return cls(opened, reload, device, threads, turn, max_batch, join_recompute_tokens, first_batch_done, idle)
 
     @property
     def tier(self) -> Tier:
@@ -176,14 +141,17 @@ class TieredBatch(OvBatch):
 
     @property
     def active(self) -> int:
-        return len(self._added)
+        return len(self._for_core) + len(self._failed) + sum(b.active for b in (self.start, self.core) if b)
 
     @property
     def alive(self) -> bool:
         return not self._closed
 
+    @property
+    def waited(self) -> float:
+        return self._turns.waited
+
     def set_threads(self, threads: int) -> None:
-        """The threads a core built from now on gets (the start tier's are fixed)."""
         self.threads = threads
 
     @property
@@ -212,27 +180,25 @@ class TieredBatch(OvBatch):
             self._start_build()
         else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
             self._to_start(request)
-        self._added.add(request_id)
 
     def cancel(self, request_id: str) -> None:
-        if request_id not in self._added:
-            return
-        self._added.discard(request_id)
+        was = self.active
         self._for_core.pop(request_id, None)
+        self._failed = [s for s in self._failed if s.request_id != request_id]
         for batch in (self.start, self.core):
             if batch is not None:
                 batch.cancel(request_id)
-        if not self._added:
+        if was and not self.active:
             self._idle()
 
     def steps(self, timeout: float) -> list[Step]:
         """A step of each tier that has requests; with only requests that wait for the core, up
         to `timeout` of waiting for its build."""
         self._adopt_core()
-        if self._for_core and self.build is not None and not self._running():
+        if self._for_core and self.build is not None and not any(b and b.active for b in (self.start, self.core)):
             self.build.done.wait(timeout)
             self._adopt_core()
-        out, self._failed = [s for s in self._failed if s.request_id in self._added], []
+        out, self._failed = self._failed, []
         start = self.start
         if start is not None and start.active:
             out += start.steps(timeout)
@@ -247,13 +213,10 @@ class TieredBatch(OvBatch):
                 core.close()
                 self.core = None
         self._let_start_go()
-        for step in out:
-            if step.finish is not None or step.error:
-                self._added.discard(step.request_id)
         return out
 
     def poll_tier_up(self) -> TieredUp | None:
-        """A finished build, once (the worker tells the engine). Call between steps and idle."""
+        """A finished build, once (the worker tells the engine)."""
         self._adopt_core()
         self._let_start_go()
         up, self._tiered_up = self._tiered_up, None
@@ -277,8 +240,6 @@ class TieredBatch(OvBatch):
         return False
 
     def close(self) -> None:
-        """A build under way is waited for, at most `CLOSE_BUILD_S`: a process that exits
-        beside the library's build thread aborts."""
         self._closed = True
         if self.build is not None:
             self.build.done.wait(CLOSE_BUILD_S)
@@ -288,7 +249,7 @@ class TieredBatch(OvBatch):
                 batch.close()
         self.start = self.core = None
         self._for_core.clear()
-        self._added.clear()
+        self._failed.clear()
         self._idle()
 
     def _start_batch(self, loaded: LoadedModel) -> StartBatch:
@@ -305,9 +266,6 @@ class TieredBatch(OvBatch):
         if self.start is None:  # let go once the core served everything: loaded again
             self.start = self._start_batch(self._reload())
         self.start.add(request.request_id, request.prompt_ids, request.params, request.deadline, request.kv_tokens)
-
-    def _running(self) -> bool:
-        return bool((self.start is not None and self.start.active) or (self.core is not None and self.core.active))
 
     def _start_tiers_up(self) -> None:
         """After the start's first batch, its share ends and the core builds. Not sooner: its

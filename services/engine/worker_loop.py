@@ -22,7 +22,6 @@ from services.engine.cpu_share import pin_all_threads
 from services.engine.text import DecodeMany, StreamText
 from services.engine.worker_wire import (
     CancelRun,
-    Chunk,
     Chunks,
     Done,
     DropSession,
@@ -48,38 +47,30 @@ class Bound:
 
 
 class Binding(Protocol):
-    """What binds models for the loop, one engine's."""
+    """What binds models for the loop, one engine's. `wake_s`: idle, look at `tiered` this often
+    (a tier building; None: on a command only); `build_window`: when a tier's build ran on the
+    worker's cores (`Done.beside_build`; inf: none); `load_beside`: every `Load` first, raising
+    to refuse it, answering one served beside the bound model (a pipeline stage), else None;
+    `reopen`: a new batch for the bound model, its last one died; `tier_up`: `TierUpNow`'s
+    answer, or None where it comes later from `tiered`, a tier-up finished since the last look."""
 
     @property
-    def wake_s(self) -> float | None:
-        """Idle, look at `tiered` this often (a tier building); None: on a command only."""
-        ...
+    def wake_s(self) -> float | None: ...
 
     @property
-    def build_window(self) -> tuple[float, float]:
-        """When a tier's build ran on the worker's cores (`Done.beside_build`); inf: none."""
-        ...
+    def build_window(self) -> tuple[float, float]: ...
 
-    def load_beside(self, load: Load) -> Loaded | None:
-        """Every `Load` first, the bound model still serving: raise to refuse it; a load served
-        beside the model (a pipeline stage) is answered here; None: `load` follows."""
-        ...
+    def load_beside(self, load: Load) -> Loaded | None: ...
 
     def load(self, load: Load, threads: int) -> Bound: ...
 
-    def reopen(self, threads: int) -> Batch:
-        """A new batch for the bound model: its last one died."""
-        ...
+    def reopen(self, threads: int) -> Batch: ...
 
     def release(self) -> None: ...
 
-    def tier_up(self) -> TieredUp | None:
-        """`TierUpNow`: the answer now, or None where it comes later from `tiered`."""
-        ...
+    def tier_up(self) -> TieredUp | None: ...
 
-    def tiered(self) -> TieredUp | None:
-        """A tier-up finished since the last look."""
-        ...
+    def tiered(self) -> TieredUp | None: ...
 
     def drop_session(self, session: str) -> None: ...
 
@@ -213,11 +204,7 @@ class WorkerLoop:
             flushed = self.text.flush()
         except Exception as e:  # every request on it fails; the worker lives on, with a new batch
             self.broken = True
-            for rid in self.live:
-                self.text.drop(rid)
-                self.conn.send(Failure(rid, _error(e)))
-            self.live.clear()
-            return
+            return self._fail_live(_error(e))
         for rid, taken in flushed.stopped.items():
             if rid in failed or rid not in self.live:
                 continue
@@ -225,9 +212,8 @@ class WorkerLoop:
                 self.batch.cancel(rid)
             self.live[rid].generated = taken
             ended[rid] = FinishReason.STOP
-        chunks: list[Chunk] = flushed.chunks
-        if chunks:
-            self.conn.send(Chunks(tuple(chunks)))
+        if flushed.chunks:
+            self.conn.send(Chunks(tuple(flushed.chunks)))
         for rid, error in failed.items():
             del self.live[rid]
             self.conn.send(Failure(rid, error))
@@ -291,9 +277,7 @@ class WorkerLoop:
         if beside is not None:
             self.conn.send(beside)
             return
-        for rid in self.live:
-            self.conn.send(Failure(rid, "the worker was bound to another model"))
-        self.live.clear()
+        self._fail_live("the worker was bound to another model")
         self._fail_queued("the worker was bound to another model")
         if self.batch is not None:
             self.batch.close()
@@ -309,6 +293,13 @@ class WorkerLoop:
         bound = self.binding.load(cmd, threads)
         self.batch, self.text = bound.batch, StreamText(bound.decode_many, self.clock)
         self.conn.send(bound.loaded)
+
+    def _fail_live(self, message: str) -> None:
+        for rid in self.live:
+            if self.text is not None:
+                self.text.drop(rid)
+            self.conn.send(Failure(rid, message))
+        self.live.clear()
 
     def _fail_queued(self, message: str) -> None:
         while self.queue:

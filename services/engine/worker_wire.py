@@ -26,11 +26,10 @@ class Load:
     cores: tuple[int, ...] | None
     """CPU cores the load and the first passes may use (a bounded share); None: all."""
     cache_dir: str | None = None
-    """The verified form in the loader's host cache (compiled blob, torch checkpoint); None: the store's."""
+    """The verified form in the loader's host cache; None: the store's."""
     tier: Tier = Tier.STEADY
     stages: tuple[str, ...] = ()
-    """Torch: serve the model through these pipeline stages (host:port, in layer order) rather
-    than hold it (FaaScale §4.3)."""
+    """Torch: serve the model through these stages (host:port, in layer order), FaaScale §4.3."""
     stage: StageSpec | None = None
     """Torch: run this layer range as a stage server (`Loaded.addr`)."""
     placement: Placement | None = None
@@ -133,7 +132,7 @@ class Done:
     decode_s: float = 0.0
     """prefill_s, decode_s: net of `gated_s`, the iterations' own (the performance model's)."""
     batch: int = 1
-    """Sequences in the batch it ran in."""
+    """The most sequences it ran beside."""
     prefill_tokens: int = 0
     """Positions its prefill computed (rows × the longest context padded to)."""
     gated_s: float = 0.0

@@ -72,22 +72,17 @@ def start_batch_factory(
     turn: TakeTurn = no_turn,
     max_batch: int = 4,
     join_recompute_tokens: int = 512,
-    idle: Callable[[], None] = lambda: None,
 ) -> tuple[StartBatch, DecodeMany]:
     loaded = start_tier()
     batch = StartBatch(
-        loaded.compiled, loaded.eos_ids, loaded.artifact.context_length, turn, max_batch, join_recompute_tokens, idle
+        loaded.compiled, loaded.eos_ids, loaded.artifact.context_length, turn, max_batch, join_recompute_tokens
     )
     return batch, loaded.tokenizer.decode_many
 
 
-def core_batch_factory(
-    turn: TakeTurn = no_turn, idle: Callable[[], None] = lambda: None
-) -> tuple[CoreBatch, DecodeMany]:
+def core_batch_factory(turn: TakeTurn = no_turn) -> tuple[CoreBatch, DecodeMany]:
     loaded = start_tier()  # its detokenizer and vocabulary are the model's
-    batch = CoreBatch(
-        core_pipeline(), loaded.tokenizer.eos_token_id, vocab_size(loaded.compiled), kv_tokens(), turn, idle
-    )
+    batch = CoreBatch(core_pipeline(), loaded.tokenizer.eos_token_id, vocab_size(loaded.compiled), kv_tokens(), turn)
     return batch, loaded.tokenizer.decode_many
 
 
