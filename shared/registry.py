@@ -1,16 +1,19 @@
 """The model registry and the cold-start log, in Valkey (persistence is the server's: AOF on).
 
-Keys: `tessera:models` (hash name → ModelRecord), `tessera:coldstarts` (list, newest first).
+Keys: `tessera:models` (hash name → ModelRecord), `tessera:adapters` (hash name →
+AdapterRecord: LoRA adapters on a registered base), `tessera:coldstarts` (list, newest first).
 """
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from shared.adapters import AdapterRecord
 from shared.bus import decode, encode
 from shared.messages import ColdStartRecorded, ModelRecord
 
 MODELS_KEY = "tessera:models"
+ADAPTERS_KEY = "tessera:adapters"
 COLD_STARTS_KEY = "tessera:coldstarts"
 COLD_STARTS_KEPT = 200
 
@@ -45,6 +48,23 @@ class Registry:
 
     async def remove(self, name: str) -> bool:
         return bool(await self.valkey.hdel(MODELS_KEY, name))
+
+    async def put_adapter_new(self, record: AdapterRecord) -> bool:
+        """Store `record` unless an adapter has its name (atomic, as `put_new`)."""
+        return bool(await self.valkey.hsetnx(ADAPTERS_KEY, record.name, encode(record)))
+
+    async def get_adapter(self, name: str) -> AdapterRecord | None:
+        data = await self.valkey.hget(ADAPTERS_KEY, name)
+        return None if data is None else decode(_raw(data), AdapterRecord)
+
+    async def adapters(self, base: str | None = None) -> list[AdapterRecord]:
+        """Every adapter, or those of `base`, by name."""
+        items = await self.valkey.hgetall(ADAPTERS_KEY)
+        found = (decode(_raw(v), AdapterRecord) for v in items.values())
+        return sorted((a for a in found if base is None or a.base == base), key=lambda a: a.name)
+
+    async def remove_adapter(self, name: str) -> bool:
+        return bool(await self.valkey.hdel(ADAPTERS_KEY, name))
 
     async def record_cold_start(self, event: ColdStartRecorded) -> None:
         async with self.valkey.pipeline(transaction=True) as pipe:

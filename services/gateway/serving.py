@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from policy.slo import ttft_slo
 from services.gateway import guides
+from services.gateway.adapters import not_served
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -383,6 +384,8 @@ class Gateway:
 
     async def model(self, name: str) -> ModelRecord:
         record = await self.registry.get(name)
+        if record is None and (adapter := await self.registry.get_adapter(name)) is not None:
+            raise not_served(name, adapter.base)
         if record is None:
             REJECTED.labels(ErrorCode.MODEL_NOT_FOUND.value).inc()
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model")
