@@ -17,7 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
+from ops import cli
 from ops.localcluster import DEFAULT_MODEL_NAME, LocalCluster
 from tests.helpers.adapters import make_adapter
 from tests.helpers.checkpoints import make_tiny_checkpoint
@@ -214,3 +217,54 @@ def test_a_base_with_adapters_is_removed_only_with_cascade(
     assert r.status_code == 200, r.text
     assert r.json()["adapters_removed"] == ["lora-c1", "lora-c2"]
     assert not {"lora-base-2", "lora-c1", "lora-c2"} & set(_cards(cluster))
+
+
+def _cli(cluster: LocalCluster, *args: str) -> Result:
+    # No --admin-key: the CLI finds the key the cluster saved under its home.
+    return CliRunner().invoke(
+        cli.app, [*args, "--url", cluster.base_url, "--home", str(cluster.home)], env={"TESSERA_ADMIN_KEY": ""}
+    )
+
+
+def _ok(result: Result) -> str:
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_cli_and_a_key_scoped_to_an_adapter(auth_cluster: LocalCluster, checkpoint: Path, adapter: Path) -> None:
+    """With auth on: `tessera models add-adapter` registers, `models ls` shows the adapter under
+    its base, and a key scoped to the adapter sees and may use the adapter alone, as a key
+    scoped to a model does."""
+    c = auth_cluster
+    width, cli.console.width = cli.console.width, 240  # no table cell cut
+    try:
+        _ok(_cli(c, "models", "add", "lora-auth-base", str(checkpoint)))
+        assert "registered adapter lora-k on lora-auth-base (rank 8, q_proj/v_proj)" in _ok(
+            _cli(c, "models", "add-adapter", "lora-auth-base", "lora-k", str(adapter), "--keep-alive-s", "45")
+        )
+        rows = _ok(_cli(c, "models", "ls")).splitlines()
+        base_at = next(i for i, line in enumerate(rows) if "lora-auth-base " in line)
+        under = next(line for line in rows[base_at:] if "└ lora-k" in line)
+        assert "LoRA r8" in under and " 45 " in under
+
+        secret = _ok(_cli(c, "keys", "add", "adapter-key", "-m", "lora-k")).strip().splitlines()[-1]
+        key = {"Authorization": f"Bearer {secret}"}
+        listed = httpx.get(f"{c.base_url}/v1/models", headers=key, timeout=10).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [("lora-k", "lora-auth-base")]
+        assert httpx.get(f"{c.base_url}/v1/models/lora-k", headers=key, timeout=10).status_code == 200
+        assert httpx.get(f"{c.base_url}/v1/models/lora-auth-base", headers=key, timeout=10).status_code == 403
+
+        def chat(model: str) -> httpx.Response:
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            return httpx.post(f"{c.base_url}/v1/chat/completions", headers=key, json=body, timeout=60)
+
+        # Past the key's check, to the adapter's own answer; the base is not the key's.
+        assert chat("lora-k").json()["error"]["code"] == "adapter_serving_unavailable"
+        assert chat("lora-auth-base").status_code == 403
+
+        refused = _cli(c, "models", "rm", "lora-auth-base")
+        assert refused.exit_code == 1 and "409" in refused.output and "cascade" in refused.output
+        assert "and its adapters lora-k" in _ok(_cli(c, "models", "rm", "lora-auth-base", "--cascade"))
+        assert "lora-k" not in _ok(_cli(c, "models", "ls"))
+    finally:
+        cli.console.width = width
