@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from shared.messages import TTFT_SLO_PER_TOKEN_S, Artifact, Message, ModelRecord
 
 ADAPTERS_DIR = "adapters"
@@ -94,3 +96,15 @@ def adapters_root(artifact: Artifact) -> Path:
 
 def adapter_dir(artifact: Artifact, adapter_id: str) -> Path:
     return adapters_root(artifact) / adapter_id
+
+
+def read_manifest(directory: Path) -> AdapterArtifact | None:
+    """The adapter kept in `directory` (`adapter_dir`), or None where it is missing or
+    incomplete: what a start reads to find the file it applies and the scale it applies it at."""
+    path = directory / ADAPTER_MANIFEST
+    if not path.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        return None
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=AdapterArtifact)
+    except msgspec.DecodeError:
+        return None

@@ -36,6 +36,7 @@ from shared.adapters import (
     AdapterArtifact,
     AdapterImported,
     adapter_dir,
+    read_manifest,
 )
 from shared.messages import ModelRecord, SourceFormat
 
@@ -170,14 +171,3 @@ def _place(weights: bytes, config: str, artifact: AdapterArtifact, dest: Path) -
         tmp.rename(dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def read_manifest(directory: Path) -> AdapterArtifact | None:
-    """The adapter kept in `directory`, or None where it is missing or incomplete."""
-    path = directory / ADAPTER_MANIFEST
-    if not path.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
-        return None
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=AdapterArtifact)
-    except msgspec.DecodeError:
-        return None
