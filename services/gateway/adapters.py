@@ -16,7 +16,7 @@ from shared.adapters import AdapterImported, AdapterRecord, ImportAdapter
 from shared.bus import Bus
 from shared.errors import TesseraError
 from shared.messages import ErrorCode, Rejected
-from shared.registry import Registry
+from shared.registry import AdapterPut, Registry
 
 
 def name_taken(name: str, by: str) -> ApiError:
@@ -63,13 +63,15 @@ class AdapterAdmin:
         if isinstance(imported, Rejected):
             raise TesseraError(imported.code, imported.message, param="source")
         now = await self.registry.get(base)
-        if now is None or now.artifact.artifact_id != record.artifact.artifact_id:
-            # Removed or replaced while the loader checked the adapter against it.
+        if now is not None and now.artifact.artifact_id != record.artifact.artifact_id:
+            # Replaced while the loader checked the adapter against it.
             raise ApiError(409, f"the base model `{base}` changed during the registration; retry", "base_changed")
-        await self._free(req.name)
         adapter = AdapterRecord(**req.service_terms(), base=base, adapter=imported.adapter, created_at=time.time())
-        if not await self.registry.put_adapter_new(adapter):
-            raise name_taken(req.name, "adapter")
+        put = await self.registry.put_adapter_new(adapter)
+        if put is AdapterPut.NO_BASE:
+            raise ApiError(409, f"the base model `{base}` was removed during the registration", "base_changed")
+        if put is not AdapterPut.STORED:
+            raise name_taken(req.name, "model" if put is AdapterPut.MODEL_NAME else "adapter")
         return adapter
 
     async def _free(self, name: str) -> None:
@@ -85,7 +87,7 @@ class AdapterAdmin:
 
     async def remove(self, base: str, name: str) -> dict[str, Any]:
         adapter = await self.registry.get_adapter(name)
-        if adapter is None or adapter.base != base or not await self.registry.remove_adapter(name):
+        if adapter is None or adapter.base != base or not await self.registry.remove_adapter(adapter):
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"`{base}` has no adapter `{name}`.", param="name")
         return {"name": name, "base": base, "removed": True}
 

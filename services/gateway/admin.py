@@ -146,22 +146,18 @@ class Admin:
 
     async def remove(self, name: str, cascade: bool = False) -> dict[str, Any]:
         """Remove a model; one with adapters only with `cascade` (its adapters go too)."""
-        adapters = [a.name for a in await self.registry.adapters(name)]
-        if adapters and not cascade:
+        removal = await self.registry.remove_model(name, cascade)
+        if not removal.found:
+            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
+        if not removal.removed:
             raise ApiError(
                 409,
-                f"`{name}` has adapters ({', '.join(adapters)}): remove them first, or remove all of "
+                f"`{name}` has adapters ({', '.join(removal.adapters)}): remove them first, or remove all of "
                 "them with it (?cascade=true)",
                 "model_has_adapters",
                 param="name",
             )
-        if await self.registry.get(name) is None:
-            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
-        for adapter in adapters:
-            await self.registry.remove_adapter(adapter)
-        if not await self.registry.remove(name):
-            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
-        return {"name": name, "removed": True, "adapters_removed": adapters}
+        return {"name": name, "removed": True, "adapters_removed": removal.adapters}
 
     async def scale(self, name: str, instances: int) -> dict[str, Any]:
         """Run the model on `instances` nodes in all: the scheduler starts it at once on the
