@@ -11,6 +11,14 @@ An adapter is registered against a base model's name; the loader checks it again
 - `manifest.json`: the `AdapterArtifact` (msgspec JSON), written last: a directory with it is
   whole (the directory is written beside and renamed into place).
 A start reads those few megabytes; nothing is converted at request time.
+
+For the engine that applies them (tests/integration/test_adapter_genai.py checks this much):
+OpenVINO GenAI's `Adapter(<path>/adapter_model.safetensors)` reads the kept file as it is, on
+an IR exported from the base's checkpoint; a pipeline built with `adapters=AdapterConfig(...)`
+is LoRA-able, and a generation's `GenerationConfig.adapters = AdapterConfig(adapter,
+AdapterArtifact.scale)` gives PEFT's greedy tokens (alpha 1 would apply the raw B·A). Its
+continuous-batching core applies one adapter set per infer request (its `generate` asserts
+that every request's adapters are the same): an OpenVINO engine batches by adapter.
 """
 
 from __future__ import annotations
