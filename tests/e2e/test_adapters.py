@@ -123,6 +123,12 @@ def test_a_request_for_an_adapter_is_a_clear_error_not_its_bases_answer(
             error = r.json()["error"]
             assert error["code"] == "adapter_serving_unavailable" and error["param"] == "model"
             assert "adapter serving is not available" in error["message"] and BASE in error["message"]
+        # Its base's tokenizer is its own: /tokenize serves it (as vLLM's does an adapter).
+        ids = [
+            httpx.post(f"{cluster.base_url}/tokenize", json={"model": m, "prompt": "Hi there"}, timeout=30).json()
+            for m in ("lora-req", BASE)
+        ]
+        assert ids[0]["tokens"] and ids[0] == ids[1]
     finally:
         httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/lora-req", timeout=10)
 
