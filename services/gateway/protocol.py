@@ -343,8 +343,12 @@ class _Registration(BaseModel):
     @field_validator("name")
     @classmethod
     def _segments(cls, v: str) -> str:
-        if any(segment in ("", ".", "..") for segment in v.split("/")):
+        segments = v.split("/")
+        if any(segment in ("", ".", "..") for segment in segments):
             raise ValueError("each /-separated part of a model name must be a name, not empty, '.' or '..'")
+        if len(segments) > 1 and "adapters" in segments:
+            # `/admin/models/<base>/adapters/<name>` would read such a name as an adapter's path.
+            raise ValueError("'adapters' is reserved as a /-separated part of a name (the admin API's adapter paths)")
         return v
 
     @field_validator("source")
