@@ -155,6 +155,11 @@ def up(
 def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
     with _admin(url, admin_key, home) as http:
         found = _ok(http.get("/admin/models"))
+        # Each model's adapters, shown under it (an older gateway has no such route: none).
+        adapters = {}
+        for m in found:
+            r = http.get(f"/admin/models/{m['name']}/adapters")
+            adapters[m["name"]] = r.json() if r.status_code == 200 else []
     table = Table(
         "name",
         "artifact",
@@ -166,23 +171,45 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         "defaults",
     )
     for m in found:
-        d = m.get("defaults", {})
-        defaults = (
-            f"temperature {d.get('temperature', 1.0):g}, top_p {d.get('top_p', 1.0):g}, "
-            f"repetition {d.get('repetition_penalty', 1.0):g}, max_tokens {d.get('max_tokens', '-')}"
-        )
-        table.add_row(
-            m["name"],
-            m["artifact"]["artifact_id"],
-            # What it was registered from and the weights it keeps (older gateways: the GGUF's).
-            f"{m['artifact'].get('source_format', 'gguf')} {m['artifact'].get('weight_format', '')}".strip(),
-            str(m["artifact"]["context_length"]),
-            f"{m['keep_alive_s']:g}",
-            _ttft_slo_text(m),
-            f"{m['tpot_slo_s']:g}",
-            defaults,
-        )
+        table.add_row(*_model_cells(m))
+        for a in adapters[m["name"]]:
+            table.add_row(*_adapter_cells(a))
     console.print(table)
+
+
+def _adapter_cells(a: dict[str, Any]) -> tuple[str, ...]:
+    """An adapter's row under its base: its name indented, its copy in the store, its rank and
+    targets where a model has its format."""
+    kept = a["adapter"]
+    return (
+        f"  └ {a['name']}",
+        f"adapter {kept['adapter_id']}",
+        f"LoRA r{kept['rank']} ×{kept['scale']:g} {'/'.join(kept['targets'])}",
+        "-",
+        f"{a['keep_alive_s']:g}",
+        _ttft_slo_text(a),
+        f"{a['tpot_slo_s']:g}",
+        f"{_bytes(kept['nbytes'])} on {a['base']}",
+    )
+
+
+def _model_cells(m: dict[str, Any]) -> tuple[str, ...]:
+    d = m.get("defaults", {})
+    defaults = (
+        f"temperature {d.get('temperature', 1.0):g}, top_p {d.get('top_p', 1.0):g}, "
+        f"repetition {d.get('repetition_penalty', 1.0):g}, max_tokens {d.get('max_tokens', '-')}"
+    )
+    return (
+        m["name"],
+        m["artifact"]["artifact_id"],
+        # What it was registered from and the weights it keeps (older gateways: the GGUF's).
+        f"{m['artifact'].get('source_format', 'gguf')} {m['artifact'].get('weight_format', '')}".strip(),
+        str(m["artifact"]["context_length"]),
+        f"{m['keep_alive_s']:g}",
+        _ttft_slo_text(m),
+        f"{m['tpot_slo_s']:g}",
+        defaults,
+    )
 
 
 def _ttft_slo_text(m: dict[str, Any]) -> str:
@@ -261,10 +288,60 @@ def models_add(
 
 
 @models.command("rm")
-def models_rm(name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+def models_rm(
+    name: str,
+    cascade: bool = typer.Option(False, help="Remove its adapters too (else a model with adapters stays)."),
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
     with _admin(url, admin_key, home) as http:
-        _ok(http.delete(f"/admin/models/{name}"))
-    console.print(f"removed {name}")
+        removed = _ok(http.delete(f"/admin/models/{name}", params={"cascade": "true"} if cascade else {}))
+    gone = removed.get("adapters_removed") or []
+    console.print(f"removed {name}" + (f" and its adapters {', '.join(gone)}" if gone else ""), highlight=False)
+
+
+@models.command("add-adapter")
+def models_add_adapter(
+    base: str,
+    name: str,
+    path: Path = typer.Argument(
+        ..., help="A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors)."
+    ),
+    keep_alive_s: float = 300.0,
+    ttft_slo_s: float = 2.0,
+    ttft_slo_per_token_s: float = typer.Option(TTFT_SLO_PER_TOKEN_S, min=0.0, help="As for `models add`."),
+    tpot_slo_s: float = 0.1,
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
+    """Register the LoRA adapter at PATH as NAME on the registered model BASE: checked against
+    BASE's shapes and kept in the store; served by its own name."""
+    with _admin(url, admin_key, home) as http, _working(f"checking {path} against {base}"):
+        r = http.post(
+            f"/admin/models/{base}/adapters",
+            timeout=900,
+            json={
+                "name": name,
+                "source": str(path.resolve()),
+                "keep_alive_s": keep_alive_s,
+                "ttft_slo_s": ttft_slo_s,
+                "ttft_slo_per_token_s": ttft_slo_per_token_s,
+                "tpot_slo_s": tpot_slo_s,
+            },
+        )
+    kept = _ok(r)["adapter"]
+    console.print(f"registered adapter {name} on {base} (rank {kept['rank']}, {'/'.join(kept['targets'])})")
+
+
+@models.command("rm-adapter")
+def models_rm_adapter(
+    base: str, name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME
+) -> None:
+    with _admin(url, admin_key, home) as http:
+        _ok(http.delete(f"/admin/models/{base}/adapters/{name}"))
+    console.print(f"removed adapter {name} of {base}")
 
 
 @models.command("scale")

@@ -40,6 +40,12 @@ def import_model() -> str:
     return f"{_ROOT}.loader.import"
 
 
+def import_adapter() -> str:
+    """Gateway → any loader: check a LoRA adapter against its base and keep it in the store
+    (`shared.adapters.ImportAdapter`, request/reply)."""
+    return f"{_ROOT}.loader.adapter"
+
+
 def engine_start(node_id: str) -> str:
     return f"{_ROOT}.engine.{node_id}.start"
 

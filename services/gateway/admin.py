@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.adapters import AdapterAdmin, name_taken
 from services.gateway.auth import ApiError, KeyStore
 from services.gateway.protocol import CreateApiKey, RegisterModel
 from services.gateway.settings import GatewaySettings
@@ -85,12 +86,15 @@ class Admin:
         self.tokenizers = tokenizers
         """Renders a registration's chat template once, so that a broken one is a 400 now."""
         self.keys = KeyStore(registry)
+        self.adapters = AdapterAdmin(settings, bus, registry)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
         # Refused before the import (seconds to minutes), and again when stored: another
         # registration of the name may have finished in between.
         if not req.replace and await self.registry.get(req.name) is not None:
             raise _taken(req.name)
+        if await self.registry.get_adapter(req.name) is not None:
+            raise name_taken(req.name, "adapter")
         imported = await self.bus.request(
             subjects.import_model(),
             ImportModel(source=req.source, weight_format=req.weight_format),
@@ -108,18 +112,14 @@ class Admin:
                     ErrorCode.INVALID_REQUEST, f"chat_template does not render: {e}", param="chat_template"
                 ) from None
         record = ModelRecord(
-            name=req.name,
-            source=req.source,
+            **req.service_terms(),
             artifact=imported.artifact,
-            ttft_slo_s=req.ttft_slo_s,
-            ttft_slo_per_token_s=req.ttft_slo_per_token_s,
-            tpot_slo_s=req.tpot_slo_s,
-            keep_alive_s=req.keep_alive_s,
             created_at=time.time(),
             defaults=generation_defaults(imported.artifact, req),
             chat_template=req.chat_template,
         )
         if req.replace:
+            await self._keeps_adapters(record)
             await self.registry.put(record)
         elif not await self.registry.put_new(record):
             raise _taken(req.name)
@@ -129,10 +129,35 @@ class Admin:
     async def list(self) -> list[dict[str, Any]]:
         return [as_json(r) for r in await self.registry.all()]
 
-    async def remove(self, name: str) -> dict[str, Any]:
-        if not await self.registry.remove(name):
+    async def _keeps_adapters(self, record: ModelRecord) -> None:
+        """A replacement on other weights would leave the name's adapters checked against
+        weights it no longer has: refused while it has any."""
+        old = await self.registry.get(record.name)
+        if old is None or old.artifact.artifact_id == record.artifact.artifact_id:
+            return
+        if adapters := await self.registry.adapters(record.name):
+            raise ApiError(
+                409,
+                f"`{record.name}` has adapters ({', '.join(a.name for a in adapters)}) fitted to its current "
+                "weights; remove them before replacing it",
+                "model_has_adapters",
+                param="name",
+            )
+
+    async def remove(self, name: str, cascade: bool = False) -> dict[str, Any]:
+        """Remove a model; one with adapters only with `cascade` (its adapters go too)."""
+        removal = await self.registry.remove_model(name, cascade)
+        if not removal.found:
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
-        return {"name": name, "removed": True}
+        if not removal.removed:
+            raise ApiError(
+                409,
+                f"`{name}` has adapters ({', '.join(removal.adapters)}): remove them first, or remove all of "
+                "them with it (?cascade=true)",
+                "model_has_adapters",
+                param="name",
+            )
+        return {"name": name, "removed": True, "adapters_removed": removal.adapters}
 
     async def scale(self, name: str, instances: int) -> dict[str, Any]:
         """Run the model on `instances` nodes in all: the scheduler starts it at once on the

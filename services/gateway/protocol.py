@@ -4,7 +4,7 @@ OpenAI's own server does for fields it does not use."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -285,6 +285,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tessera"
+    # vLLM's: an adapter's `parent` is its base model; `root` is the model at the root of its
+    # tree (its base for an adapter, itself for a base; vLLM names its path there).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -306,11 +310,12 @@ MAX_SLO_S = 3_600.0
 """Largest latency target: an hour to a token is no target."""
 
 
-class RegisterModel(BaseModel):
-    """Admin API: register a model name on a GGUF file, a Hugging Face checkpoint directory or
-    an OpenVINO IR directory."""
+class _Registration(BaseModel):
+    """What a model's and an adapter's registration both name: the name it is served as, where
+    it comes from, its latency targets and its keep-alive."""
 
     model_config = _ADMIN
+    SOURCE_IS: ClassVar[str] = "a .gguf file or a model directory"
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
@@ -318,7 +323,8 @@ class RegisterModel(BaseModel):
     source: Text = Field(
         min_length=1,
         max_length=4096,
-        description="Absolute path of a .gguf file, a Hugging Face checkpoint directory or an OpenVINO IR directory",
+        description="Absolute path of a .gguf file, a Hugging Face checkpoint directory or an OpenVINO IR "
+        "directory (a model); of a PEFT LoRA adapter directory (an adapter)",
     )
     """At most PATH_MAX (4096 on Linux) characters."""
     ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
@@ -327,6 +333,38 @@ class RegisterModel(BaseModel):
     ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0, le=MAX_SLO_S)
     tpot_slo_s: float = Field(default=0.1, gt=0, le=MAX_SLO_S)
     keep_alive_s: float = Field(default=300.0, gt=0, le=MAX_KEEP_ALIVE_S)
+
+    def service_terms(self) -> dict[str, Any]:
+        """Its name, source, latency targets and keep-alive, as its record keeps them."""
+        return self.model_dump(
+            include={"name", "source", "ttft_slo_s", "ttft_slo_per_token_s", "tpot_slo_s", "keep_alive_s"}
+        )
+
+    @field_validator("name")
+    @classmethod
+    def _segments(cls, v: str) -> str:
+        segments = v.split("/")
+        if any(segment in ("", ".", "..") for segment in segments):
+            raise ValueError("each /-separated part of a model name must be a name, not empty, '.' or '..'")
+        if len(segments) > 1 and "adapters" in segments:
+            # `/admin/models/<base>/adapters/<name>` would read such a name as an adapter's path.
+            raise ValueError("'adapters' is reserved as a /-separated part of a name (the admin API's adapter paths)")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
+        # raise instead of answering (the import would wait for its timeout).
+        if "\x00" in v or not v.startswith(("/", "~/")):
+            raise ValueError(f"must be an absolute path to {cls.SOURCE_IS}")
+        return v
+
+
+class RegisterModel(_Registration):
+    """Admin API: register a model name on a GGUF file, a Hugging Face checkpoint directory or
+    an OpenVINO IR directory."""
+
     # Generation defaults for requests that leave these out (else the model's metadata's, else
     # the platform's: `shared.messages.GenerationDefaults`).
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -343,21 +381,12 @@ class RegisterModel(BaseModel):
     left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
     a 400), as does a GGUF (naming one is a 400)."""
 
-    @field_validator("name")
-    @classmethod
-    def _segments(cls, v: str) -> str:
-        if any(segment in ("", ".", "..") for segment in v.split("/")):
-            raise ValueError("each /-separated part of a model name must be a name, not empty, '.' or '..'")
-        return v
 
-    @field_validator("source")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
-        # raise instead of answering (the import would wait for its timeout).
-        if "\x00" in v or not v.startswith(("/", "~/")):
-            raise ValueError("must be an absolute path to a .gguf file or a model directory")
-        return v
+class RegisterAdapter(_Registration):
+    """Admin API: register a LoRA adapter (a PEFT adapter directory: adapter_config.json and
+    adapter_model.safetensors) on a registered base; served by its own name."""
+
+    SOURCE_IS: ClassVar[str] = "a PEFT adapter directory"
 
 
 def dump(obj: Any) -> dict[str, Any]:

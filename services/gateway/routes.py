@@ -10,7 +10,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from services.gateway.admin import Admin
+from services.gateway.adapters import adapter_card, model_cards
+from services.gateway.admin import Admin, as_json
 from services.gateway.auth import Auth, Quotas, check_model
 from services.gateway.choices import Choices
 from services.gateway.completion import complete
@@ -23,6 +24,7 @@ from services.gateway.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    RegisterAdapter,
     RegisterModel,
     ScaleModel,
     TokenizeRequest,
@@ -47,14 +49,15 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(who: Caller) -> ModelList:
-        records = await gateway.registry.all()
-        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at)) for r in records if who.may_use(r.name)])
+        return ModelList(data=await model_cards(gateway.registry, who))
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, who: Caller) -> ModelCard:
         check_model(who, name)
+        if (adapter := await gateway.registry.get_adapter(name)) is not None:
+            return adapter_card(adapter)
         r = await gateway.model(name)
-        return ModelCard(id=r.name, created=int(r.created_at))
+        return ModelCard(id=r.name, created=int(r.created_at), root=r.name)
 
     # One completion path (`completion.complete`); each API its own shape of the answer.
     @app.post("/v1/chat/completions", response_model=None)
@@ -101,9 +104,22 @@ def _admin_routes(admin: Admin) -> APIRouter:
     async def scale(name: str, req: ScaleModel) -> dict[str, object]:
         return await admin.scale(name, req.instances)
 
+    # Before `/models/{name:path}`, which would take `<base>/adapters/<name>` for a model name.
+    @router.post("/models/{base:path}/adapters", status_code=201)
+    async def register_adapter(base: str, req: RegisterAdapter) -> dict[str, object]:
+        return as_json(await admin.adapters.register(base, req))
+
+    @router.get("/models/{base:path}/adapters")
+    async def adapters(base: str) -> list[dict[str, object]]:
+        return [as_json(a) for a in await admin.adapters.of(base)]
+
+    @router.delete("/models/{base:path}/adapters/{name:path}")
+    async def remove_adapter(base: str, name: str) -> dict[str, object]:
+        return await admin.adapters.remove(base, name)
+
     @router.delete("/models/{name:path}")
-    async def remove(name: str) -> dict[str, object]:
-        return await admin.remove(name)
+    async def remove(name: str, cascade: bool = False) -> dict[str, object]:
+        return await admin.remove(name, cascade)
 
     @router.post("/keys", status_code=201)
     async def create_key(req: CreateApiKey) -> dict[str, object]:

@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from policy.slo import ttft_slo
 from services.gateway import guides
+from services.gateway.adapters import not_served
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -381,8 +382,14 @@ class Gateway:
         self.inflight -= 1
         INFLIGHT.set(self.inflight)
 
-    async def model(self, name: str) -> ModelRecord:
+    async def model(self, name: str, *, adapter_as_base: bool = False) -> ModelRecord:
+        """The model registered as `name`; for an adapter's name, a 400 (no engine applies
+        adapters yet), or with `adapter_as_base` its base (whose tokenizer it shares)."""
         record = await self.registry.get(name)
+        if record is None and (adapter := await self.registry.get_adapter(name)) is not None:
+            if not adapter_as_base:
+                raise not_served(name, adapter.base)
+            record = await self.registry.get(adapter.base)
         if record is None:
             REJECTED.labels(ErrorCode.MODEL_NOT_FOUND.value).inc()
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="model")
@@ -404,7 +411,7 @@ class Gateway:
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: the ids a completion or chat request with this input would send."""
-        record = await self.model(req.model)
+        record = await self.model(req.model, adapter_as_base=True)
         tok = await self.tokenizers.get(record.artifact)
         text = (
             req.prompt
@@ -415,7 +422,7 @@ class Gateway:
         return TokenizeResponse(count=len(ids), max_model_len=record.artifact.context_length, tokens=list(ids))
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        record = await self.model(req.model)
+        record = await self.model(req.model, adapter_as_base=True)
         tok = await self.tokenizers.get(record.artifact)
         vocab = await self.tokenizers.vocab_size(tok)
         bad = [t for t in req.tokens if t >= vocab]

@@ -7,15 +7,18 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openvino as ov
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
+from policy.adapters import AdapterRefused
 from policy.multicast import STORE, pipecast
+from services.loader.adapters import import_adapter
 from services.loader.formats import REFUSED_EXIT, NotImportable, checkpoint_params, default_weight_format, source_format
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
 from services.loader.layout import stage_layout
@@ -23,6 +26,7 @@ from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holdi
 from services.loader.settings import LoaderSettings
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of, sha256_of_dir
 from shared import subjects
+from shared.adapters import AdapterImported, ImportAdapter
 from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
 from shared.messages import (
@@ -47,6 +51,7 @@ from shared.messages import (
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld, LayoutQuery, StageLayout
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IMPORT_SECONDS = Histogram(
     "tessera_loader_import_seconds",
@@ -140,6 +145,7 @@ class LoaderService:
         self.store.mkdir(parents=True, exist_ok=True)
         node = self.settings.node_id
         await self.bus.subscribe(subjects.import_model(), self.on_import, queue=subjects.LOADER_QUEUE)
+        await self.bus.subscribe(subjects.import_adapter(), self.on_import_adapter, queue=subjects.LOADER_QUEUE)
         await self.bus.subscribe(subjects.loader_import(node), self.on_import)
         await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
         await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
@@ -488,8 +494,22 @@ class LoaderService:
         await self.bus.reply(msg, Evicted(node_id=self.settings.node_id, artifact_ids=tuple(keys), freed_bytes=freed))
 
     def _check_source(self, source: str) -> tuple[Path, SourceFormat]:
+        return self._readable(source, self._readable_source)
+
+    def _check_adapter_source(self, source: str) -> Path:
+        def directory(source: str) -> Path:
+            path = self._allowed(source, "an adapter directory")
+            if not path.is_dir():
+                raise ImportRefused(f"source {shown(source)} is not a directory (a PEFT adapter's)")
+            return path
+
+        return self._readable(source, directory)
+
+    @staticmethod
+    def _readable(source: str, read: Callable[[str], T]) -> T:
+        """`read(source)`, its failure to read the path an `ImportRefused` that says why."""
         try:
-            return self._readable_source(source)
+            return read(source)
         except RuntimeError:  # pathlib's "Symlink loop from ..." (Python 3.11)
             raise ImportRefused(f"source {shown(source)} cannot be read: a symlink loop") from None
         except NotImportable as e:
@@ -498,16 +518,19 @@ class LoaderService:
             why = e.strerror or type(e).__name__
             raise ImportRefused(f"source {shown(source)} cannot be read: {why}") from None
 
-    def _readable_source(self, source: str) -> tuple[Path, SourceFormat]:
+    def _allowed(self, source: str, what: str) -> Path:
+        """`source` resolved, if it is absolute and under the allowed model directories."""
         path = Path(source).expanduser()
         if not path.is_absolute():
-            raise ImportRefused(
-                f"source must be an absolute path to a .gguf file or a model directory, got {shown(source)}"
-            )
+            raise ImportRefused(f"source must be an absolute path to {what}, got {shown(source)}")
         path = path.resolve()
         allowed = [d.resolve() for d in self.settings.allowed_model_dirs]
         if allowed and not any(path.is_relative_to(d) for d in allowed):
             raise ImportRefused(f"source {shown(source)} is outside the allowed model directories")
+        return path
+
+    def _readable_source(self, source: str) -> tuple[Path, SourceFormat]:
+        path = self._allowed(source, "a .gguf file or a model directory")
         if path.is_dir():
             return path, source_format(f.name for f in path.iterdir() if f.is_file())
         if path.suffix.lower() != ".gguf" or not path.is_file():
@@ -590,6 +613,27 @@ class LoaderService:
         IMPORT_SECONDS.labels("true").observe(seconds)
         log.info("imported %s as %s in %.1fs", path, aid, seconds)
         return ModelImported(artifact=artifact, converted=True, seconds=seconds)
+
+    async def on_import_adapter(self, msg: Msg) -> None:
+        """Check a LoRA adapter against its base and keep it in the store; every refusal (and
+        any failure of the loader's own) answered as `Rejected`, never left waiting."""
+        req = decode(msg.data, ImportAdapter)
+        try:
+            path = self._check_adapter_source(req.source)
+            async with self._locks.setdefault(f"adapter:{req.base.artifact.artifact_id}", asyncio.Lock()):
+                imported = await asyncio.to_thread(import_adapter, req.base, path, self.settings.max_adapter_rank)
+            log.info("adapter %s on %s: %s", shown(req.source), req.base.name, imported.adapter.adapter_id)
+            reply: AdapterImported | Rejected = imported
+        except (ImportRefused, AdapterRefused) as e:
+            log.warning("adapter refused: %s", e)
+            reply = Rejected(code=ErrorCode.IMPORT_FAILED, message=str(e))
+        except Exception as e:
+            log.exception("import of adapter %s failed", shown(req.source))
+            reply = Rejected(
+                code=ErrorCode.IMPORT_FAILED,
+                message=f"cannot import adapter {shown(req.source)}: {type(e).__name__}: {str(e)[:SHOWN_SOURCE_CHARS]}",
+            )
+        await self.bus.reply(msg, reply)
 
     async def on_import(self, msg: Msg) -> None:
         req = decode(msg.data, ImportModel)

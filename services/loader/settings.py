@@ -41,6 +41,9 @@ class LoaderSettings(CommonSettings):
     over the network; empty: read the store directory."""
     allowed_model_dirs: list[Path] = Field(default_factory=list)
     """If set, imports may only read GGUFs under these directories."""
+    max_adapter_rank: int = 256
+    """Largest LoRA rank an adapter may have (vLLM's `--max-lora-rank`, whose largest choice
+    is 512): a higher one is a 400 at registration, not a memory surprise at a start."""
     start_tier_max_weight_bytes: int = START_TIER_MAX_WEIGHT_BYTES
     """Write (and compile) an artifact's start tier only where its packed weights
     (`Artifact.weight_bytes`) are at most this; above it the artifact has none, and its

@@ -52,6 +52,14 @@ async def test_a_model_name_with_an_empty_dot_or_dot_dot_segment_is_refused_at_r
     assert error["param"] == "name"
 
 
+@pytest.mark.parametrize("name", ["org/adapters/x", "adapters/x", "base/adapters"])
+async def test_adapters_is_reserved_as_a_part_of_a_grouped_name(http: httpx.AsyncClient, name: str) -> None:
+    """`/admin/models/<base>/adapters/<name>` would read such a model name as an adapter's."""
+    for path in ("/admin/models", "/admin/models/some-base/adapters"):
+        error = _error(await http.post(path, json={"name": name, "source": "/x"}))
+        assert error["param"] == "name" and "reserved" in str(error["message"])
+
+
 @pytest.mark.parametrize("value", ["1e309", "-1e309", "NaN", "Infinity", "1e12"])
 async def test_a_keep_alive_that_is_not_a_finite_number_in_range_is_refused(
     http: httpx.AsyncClient, value: str
