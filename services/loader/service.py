@@ -7,9 +7,6 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
-from importlib.util import find_spec
-from pathlib import Path
 from typing import Any, TypeVar
 
 import openvino as ov
@@ -19,11 +16,20 @@ from prometheus_client import Counter, Gauge, Histogram
 from policy.adapters import AdapterRefused
 from policy.multicast import STORE, pipecast
 from services.loader.adapters import import_adapter
-from services.loader.formats import REFUSED_EXIT, NotImportable, checkpoint_params, default_weight_format, source_format
+from services.loader.formats import REFUSED_EXIT
 from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
 from services.loader.layout import stage_layout
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
+from services.loader.sources import (
+    SHOWN_SOURCE_CHARS,
+    ImportRefused,
+    adapter_source,
+    kept_weight_format,
+    model_source,
+    readable,
+    shown,
+)
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of, sha256_of_dir
 from shared import subjects
 from shared.adapters import AdapterImported, ImportAdapter
@@ -88,27 +94,6 @@ STAGE_SECONDS = Histogram(
 STAGE_WAITS_FOR_MULTICAST_S = 60.0
 """Longest a start's stage waits for a multicast of its artifact under way before it reads
 the store instead."""
-
-
-HF_EXPORT_MODULES = ("torch", "transformers", "nncf")
-"""What exporting a Hugging Face checkpoint needs (`hf_export.py`): the `hf` extra, not a base install."""
-
-
-class ImportRefused(Exception):
-    """A source that cannot be imported, for a reason the client can act on: answered, and
-    logged as a warning (no traceback: nothing in the loader went wrong)."""
-
-
-SHOWN_SOURCE_CHARS = 200
-"""Most characters of a client's source path put in an answer or a log line: a path may be as
-long as the body allows (100 KB were sent), and one request must not flood the log."""
-
-
-def shown(source: str) -> str:
-    """`source` for a message: quoted, cut to `SHOWN_SOURCE_CHARS` with its length said."""
-    if len(source) <= SHOWN_SOURCE_CHARS:
-        return repr(source)
-    return f"{source[:SHOWN_SOURCE_CHARS]!r}... ({len(source)} characters)"
 
 
 class LoaderService:
@@ -493,77 +478,10 @@ class LoaderService:
         self._update_gauges()
         await self.bus.reply(msg, Evicted(node_id=self.settings.node_id, artifact_ids=tuple(keys), freed_bytes=freed))
 
-    def _check_source(self, source: str) -> tuple[Path, SourceFormat]:
-        return self._readable(source, self._readable_source)
-
-    def _check_adapter_source(self, source: str) -> Path:
-        def directory(source: str) -> Path:
-            path = self._allowed(source, "an adapter directory")
-            if not path.is_dir():
-                raise ImportRefused(f"source {shown(source)} is not a directory (a PEFT adapter's)")
-            return path
-
-        return self._readable(source, directory)
-
-    @staticmethod
-    def _readable(source: str, read: Callable[[str], T]) -> T:
-        """`read(source)`, its failure to read the path an `ImportRefused` that says why."""
-        try:
-            return read(source)
-        except RuntimeError:  # pathlib's "Symlink loop from ..." (Python 3.11)
-            raise ImportRefused(f"source {shown(source)} cannot be read: a symlink loop") from None
-        except NotImportable as e:
-            raise ImportRefused(f"source {shown(source)} is {e}") from None
-        except OSError as e:  # too long a name, a loop, no permission: the error's words, not its path
-            why = e.strerror or type(e).__name__
-            raise ImportRefused(f"source {shown(source)} cannot be read: {why}") from None
-
-    def _allowed(self, source: str, what: str) -> Path:
-        """`source` resolved, if it is absolute and under the allowed model directories."""
-        path = Path(source).expanduser()
-        if not path.is_absolute():
-            raise ImportRefused(f"source must be an absolute path to {what}, got {shown(source)}")
-        path = path.resolve()
-        allowed = [d.resolve() for d in self.settings.allowed_model_dirs]
-        if allowed and not any(path.is_relative_to(d) for d in allowed):
-            raise ImportRefused(f"source {shown(source)} is outside the allowed model directories")
-        return path
-
-    def _readable_source(self, source: str) -> tuple[Path, SourceFormat]:
-        path = self._allowed(source, "a .gguf file or a model directory")
-        if path.is_dir():
-            return path, source_format(f.name for f in path.iterdir() if f.is_file())
-        if path.suffix.lower() != ".gguf" or not path.is_file():
-            raise ImportRefused(
-                f"source {shown(source)} is not a readable .gguf file, nor a model directory "
-                "(a Hugging Face checkpoint or an OpenVINO IR)"
-            )
-        with path.open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ImportRefused(f"source {shown(source)} is not a GGUF file (bad magic)")
-        return path, SourceFormat.GGUF
-
-    @staticmethod
-    def _weight_format(path: Path, kind: SourceFormat, asked: WeightFormat | None) -> WeightFormat | None:
-        """What the import keeps: a checkpoint's asked-for format or its size's default; an IR's
-        asked-for one (checked against what it holds); a GGUF keeps its own quantization."""
-        if kind is SourceFormat.GGUF and asked is not None:
-            raise ImportRefused(
-                "weight_format applies to a Hugging Face checkpoint (a GGUF keeps its own quantization)"
-            )
-        if kind is SourceFormat.HF and (missing := [m for m in HF_EXPORT_MODULES if find_spec(m) is None]):
-            raise ImportRefused(
-                f"this loader cannot export a Hugging Face checkpoint: {', '.join(missing)} not installed "
-                "(install tessera[hf]; or register the checkpoint's OpenVINO IR or a GGUF)"
-            )
-        if kind is SourceFormat.HF and asked is None:
-            return default_weight_format(checkpoint_params(path))
-        return asked
-
     async def import_model(self, source: str, weight_format: WeightFormat | None = None) -> ModelImported:
         t0 = time.perf_counter()
-        path, kind = self._check_source(source)
-        keep = self._weight_format(path, kind, weight_format)
+        path, kind = readable(source, lambda s: model_source(s, self.settings.allowed_model_dirs))
+        keep = kept_weight_format(path, kind, weight_format)
         if kind is SourceFormat.GGUF:
             sha = await asyncio.to_thread(sha256_of, path)
         else:  # the weight format asked for is part of what the artifact is
@@ -619,7 +537,7 @@ class LoaderService:
         any failure of the loader's own) answered as `Rejected`, never left waiting."""
         req = decode(msg.data, ImportAdapter)
         try:
-            path = self._check_adapter_source(req.source)
+            path = readable(req.source, lambda s: adapter_source(s, self.settings.allowed_model_dirs))
             async with self._locks.setdefault(f"adapter:{req.base.artifact.artifact_id}", asyncio.Lock()):
                 imported = await asyncio.to_thread(import_adapter, req.base, path, self.settings.max_adapter_rank)
             log.info("adapter %s on %s: %s", shown(req.source), req.base.name, imported.adapter.adapter_id)

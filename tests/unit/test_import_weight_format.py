@@ -1,4 +1,4 @@
-"""What weight format an import keeps, by source (`LoaderService._weight_format`)."""
+"""What weight format an import keeps, by source (`kept_weight_format`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.loader.service import ImportRefused, LoaderService
+from services.loader.sources import ImportRefused, kept_weight_format
 from shared.messages import SourceFormat, WeightFormat
 
 
@@ -20,24 +20,24 @@ def _checkpoint(tmp_path: Path, params: int) -> Path:
 
 def test_a_checkpoint_keeps_the_format_asked_for(tmp_path: Path) -> None:
     path = _checkpoint(tmp_path, 135_000_000)
-    assert LoaderService._weight_format(path, SourceFormat.HF, WeightFormat.F16) is WeightFormat.F16
+    assert kept_weight_format(path, SourceFormat.HF, WeightFormat.F16) is WeightFormat.F16
 
 
 def test_a_checkpoint_that_names_none_gets_its_sizes_default(tmp_path: Path) -> None:
-    assert LoaderService._weight_format(_checkpoint(tmp_path, 135_000_000), SourceFormat.HF, None) is WeightFormat.INT8
+    assert kept_weight_format(_checkpoint(tmp_path, 135_000_000), SourceFormat.HF, None) is WeightFormat.INT8
     big = _checkpoint(tmp_path, 8_000_000_000)
-    assert LoaderService._weight_format(big, SourceFormat.HF, None) is WeightFormat.INT4
+    assert kept_weight_format(big, SourceFormat.HF, None) is WeightFormat.INT4
 
 
 def test_an_ir_is_checked_against_what_is_asked_or_kept_as_it_is(tmp_path: Path) -> None:
-    assert LoaderService._weight_format(tmp_path, SourceFormat.OPENVINO, None) is None
-    assert LoaderService._weight_format(tmp_path, SourceFormat.OPENVINO, WeightFormat.INT4) is WeightFormat.INT4
+    assert kept_weight_format(tmp_path, SourceFormat.OPENVINO, None) is None
+    assert kept_weight_format(tmp_path, SourceFormat.OPENVINO, WeightFormat.INT4) is WeightFormat.INT4
 
 
 def test_a_gguf_refuses_a_weight_format(tmp_path: Path) -> None:
-    assert LoaderService._weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, None) is None
+    assert kept_weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, None) is None
     with pytest.raises(ImportRefused, match="keeps its own quantization"):
-        LoaderService._weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, WeightFormat.INT4)
+        kept_weight_format(tmp_path / "m.gguf", SourceFormat.GGUF, WeightFormat.INT4)
 
 
 def test_a_checkpoint_on_a_loader_without_the_exporter_is_refused_naming_what_is_missing(
@@ -47,9 +47,9 @@ def test_a_checkpoint_on_a_loader_without_the_exporter_is_refused_naming_what_is
     conversion; an IR still registers there."""
     from importlib.util import find_spec
 
-    from services.loader import service
+    from services.loader import sources as service
 
     monkeypatch.setattr(service, "find_spec", lambda name: None if name == "nncf" else find_spec(name))
     with pytest.raises(ImportRefused, match=r"nncf not installed.*tessera\[hf\]"):
-        LoaderService._weight_format(_checkpoint(tmp_path, 135_000_000), SourceFormat.HF, None)
-    assert LoaderService._weight_format(tmp_path, SourceFormat.OPENVINO, None) is None
+        kept_weight_format(_checkpoint(tmp_path, 135_000_000), SourceFormat.HF, None)
+    assert kept_weight_format(tmp_path, SourceFormat.OPENVINO, None) is None

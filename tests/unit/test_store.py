@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from services.loader.service import ImportRefused, LoaderService
+from services.loader.service import LoaderService
 from services.loader.settings import LoaderSettings
+from services.loader.sources import ImportRefused, model_source, readable
 from services.loader.store import artifact_id, kv_bytes_per_token, read_artifact
 
 
@@ -34,22 +35,27 @@ def loader(tmp_path: Path) -> LoaderService:
     return LoaderService(settings, bus=None)  # type: ignore[arg-type]
 
 
+def _check(loader: LoaderService, source: str) -> object:
+    """The loader's check of a model's source, under its allowed directories."""
+    return readable(source, lambda s: model_source(s, loader.settings.allowed_model_dirs))
+
+
 def test_import_refuses_files_outside_the_allowed_directories(loader: LoaderService, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.gguf"
     outside.write_bytes(b"GGUF....")
     with pytest.raises(ImportRefused, match="outside"):
-        loader._check_source(str(outside))
+        _check(loader, str(outside))
 
 
 def test_import_refuses_relative_paths_and_non_gguf(loader: LoaderService, tmp_path: Path) -> None:
     with pytest.raises(ImportRefused, match="absolute"):
-        loader._check_source("models/x.gguf")
+        _check(loader, "models/x.gguf")
     fake = tmp_path / "models" / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04")
     with pytest.raises(ImportRefused, match="bad magic"):
-        loader._check_source(str(fake))
+        _check(loader, str(fake))
     with pytest.raises(ImportRefused, match="not a readable"):
-        loader._check_source(str(tmp_path / "models" / "missing.gguf"))
+        _check(loader, str(tmp_path / "models" / "missing.gguf"))
 
 
 def test_what_a_node_reads_decides_whether_an_artifact_is_materialized_for_it(tmp_path: Path) -> None:
