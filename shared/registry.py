@@ -1,6 +1,7 @@
 """The model registry and the cold-start log, in Valkey (persistence is the server's: AOF on).
 
-Keys: `tessera:models` (hash name → ModelRecord), `tessera:coldstarts` (list, newest first).
+Keys: `tessera:models` (hash name → ModelRecord), `tessera:aliases` (hash name → ModelAlias),
+`tessera:coldstarts` (list, newest first).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import redis.asyncio as aioredis
 
 from shared.bus import decode, encode
 from shared.messages import ColdStartRecorded, ModelRecord
+from shared.routing_messages import ModelAlias
 
 MODELS_KEY = "tessera:models"
+ALIASES_KEY = "tessera:aliases"
 COLD_STARTS_KEY = "tessera:coldstarts"
 COLD_STARTS_KEPT = 200
 
@@ -45,6 +48,20 @@ class Registry:
 
     async def remove(self, name: str) -> bool:
         return bool(await self.valkey.hdel(MODELS_KEY, name))
+
+    async def put_alias(self, alias: ModelAlias) -> None:
+        await self.valkey.hset(ALIASES_KEY, alias.name, encode(alias))
+
+    async def alias(self, name: str) -> ModelAlias | None:
+        data = await self.valkey.hget(ALIASES_KEY, name)
+        return None if data is None else decode(_raw(data), ModelAlias)
+
+    async def aliases(self) -> list[ModelAlias]:
+        items = await self.valkey.hgetall(ALIASES_KEY)
+        return sorted((decode(_raw(v), ModelAlias) for v in items.values()), key=lambda a: a.name)
+
+    async def remove_alias(self, name: str) -> bool:
+        return bool(await self.valkey.hdel(ALIASES_KEY, name))
 
     async def record_cold_start(self, event: ColdStartRecorded) -> None:
         async with self.valkey.pipeline(transaction=True) as pipe:

@@ -52,14 +52,13 @@ from shared.messages import (
     Guide,
     ModelRecord,
     NodeStatus,
-    Placement,
-    PlaceRequest,
     Rejected,
     SamplingParams,
     StreamEvent,
     TokenChunk,
 )
 from shared.registry import Registry
+from shared.routing_messages import Placement, PlaceRequest
 
 log = logging.getLogger(__name__)
 
