@@ -95,8 +95,22 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 """A token id as `logit_bias` keys it (no vocabulary has 10^10 tokens)."""
 
 
+class TesseraOptions(BaseModel):
+    """Tessera's own extension object of a completion request (`"tessera": {...}`, as vLLM
+    takes extra fields): strictly typed, a misspelt name refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    max_wait_s: Annotated[float, Field(ge=0.0)] | None = None
+    """The cold-start budget: the longest this request waits for its model's start; a start
+    predicted longer is a 503 with Retry-After at once (the `X-Tessera-Max-Wait` header's)."""
+
+
 class _Sampling(Lenient):
     model: str = Field(min_length=1)
+    # OpenRouter's fallbacks: `model` first, then these, the first warm one serving.
+    models: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1, max_length=8)
+    tessera: TesseraOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -285,6 +299,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tessera"
+    fallbacks: list[str] | None = None
+    """An alias's members, in order (Tessera's extension; absent for a model)."""
 
 
 class ModelList(BaseModel):
@@ -308,19 +324,23 @@ MAX_SLO_S = 3_600.0
 
 class RegisterModel(BaseModel):
     """Admin API: register a model name on a GGUF file, a Hugging Face checkpoint directory or
-    an OpenVINO IR directory."""
+    an OpenVINO IR directory; or, with `fallbacks` instead of `source`, an alias: an ordered
+    list of registered models, the first warm one serving each request."""
 
     model_config = _ADMIN
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     """Served as `/v1/models/{name}`: "/" may group names (`org/model`), but every segment
     is a name, not empty, `.` or `..` (which clients and proxies resolve away)."""
-    source: Text = Field(
+    source: Text | None = Field(
+        default=None,
         min_length=1,
         max_length=4096,
         description="Absolute path of a .gguf file, a Hugging Face checkpoint directory or an OpenVINO IR directory",
     )
     """At most PATH_MAX (4096 on Linux) characters."""
+    fallbacks: list[Text] | None = None
+    """An alias's members, in order (then nothing else but `name` and `replace` is given)."""
     ttft_slo_s: float = Field(default=2.0, gt=0, le=MAX_SLO_S)
     # A prompt of L tokens has max(ttft_slo_s, L × this) to its first token (LLM-Mesh §8.1:
     # max(2, L / 512) s, the defaults); 0 keeps it fixed (`policy.slo`).
@@ -352,12 +372,20 @@ class RegisterModel(BaseModel):
 
     @field_validator("source")
     @classmethod
-    def _absolute(cls, v: str) -> str:
+    def _absolute(cls, v: str | None) -> str | None:
         # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
         # raise instead of answering (the import would wait for its timeout).
-        if "\x00" in v or not v.startswith(("/", "~/")):
+        if v is not None and ("\x00" in v or not v.startswith(("/", "~/"))):
             raise ValueError("must be an absolute path to a .gguf file or a model directory")
         return v
+
+    @model_validator(mode="after")
+    def _model_or_alias(self) -> RegisterModel:
+        if (self.source is None) == (self.fallbacks is None):
+            raise ValueError("give `source` (a model) or `fallbacks` (an alias), one of them")
+        if self.fallbacks is not None and (extra := sorted(self.model_fields_set - {"name", "fallbacks", "replace"})):
+            raise ValueError(f"an alias takes `name`, `fallbacks` and `replace` only, not {', '.join(extra)}")
+        return self
 
 
 def dump(obj: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from services.gateway.admin import Admin
 from services.gateway.auth import Auth, Quotas, check_model
 from services.gateway.choices import Choices
+from services.gateway.cold import MAX_WAIT_HEADER
 from services.gateway.completion import complete
 from services.gateway.edge import BodyLimit, Caller, admin_caller, handle_errors, unless_disconnected
 from services.gateway.protocol import (
@@ -32,6 +33,7 @@ from services.gateway.responses import ResponsesRequest, respond
 from services.gateway.serving import Gateway
 from services.gateway.ui import ui_router
 from shared.health import Readiness, health_routes
+from shared.routing_messages import ModelAlias
 
 
 def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
@@ -45,29 +47,39 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
 
     handle_errors(app)
 
-    @app.get("/v1/models")
+    # Models, then aliases (their members as `fallbacks`, Tessera's extension field).
+    @app.get("/v1/models", response_model_exclude_none=True)
     async def list_models(who: Caller) -> ModelList:
         records = await gateway.registry.all()
-        return ModelList(data=[ModelCard(id=r.name, created=int(r.created_at)) for r in records if who.may_use(r.name)])
+        cards = [ModelCard(id=r.name, created=int(r.created_at)) for r in records]
+        cards += [alias_card(a) for a in await gateway.registry.aliases()]
+        return ModelList(data=[c for c in cards if who.may_use(c.id)])
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", response_model_exclude_none=True)
     async def get_model(name: str, who: Caller) -> ModelCard:
         check_model(who, name)
+        alias = await gateway.registry.alias(name)
+        if alias is not None:
+            return alias_card(alias)
         r = await gateway.model(name)
         return ModelCard(id=r.name, created=int(r.created_at))
 
-    # One completion path (`completion.complete`); each API its own shape of the answer.
+    # One completion path (`completion.complete`); each API its own shape of the answer. The
+    # cold-start budget's header goes with it.
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req), wait))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req), wait))
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(req: ResponsesRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, respond(gateway, quotas, who, req))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, respond(gateway, quotas, who, req, wait))
 
     # vLLM's shape and paths (at the root, not under /v1): ids for logit_bias, counting a
     # prompt against the context before sending it.
@@ -86,6 +98,10 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     return app
 
 
+def alias_card(alias: ModelAlias) -> ModelCard:
+    return ModelCard(id=alias.name, created=int(alias.created_at), fallbacks=list(alias.members))
+
+
 def _admin_routes(admin: Admin) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_caller)])
 
@@ -96,6 +112,10 @@ def _admin_routes(admin: Admin) -> APIRouter:
     @router.get("/models")
     async def models() -> list[dict[str, object]]:
         return await admin.list()
+
+    @router.get("/aliases")
+    async def aliases() -> list[dict[str, object]]:
+        return await admin.list_aliases()
 
     @router.post("/models/{name:path}/scale")
     async def scale(name: str, req: ScaleModel) -> dict[str, object]:
