@@ -1,0 +1,66 @@
+"""A request's cold-start budget (issue 35): the predicted start against the budget, and the
+load-time model it comes from (measured starts, else by size, else a guess)."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy.cold_budget import forecast, refusal
+from policy.perf_book import PerfBook
+from policy.placement import OVERESTIMATE, RESIDENT_START_S
+from shared.messages import ErrorCode
+
+
+def test_a_measured_start_longer_than_the_budget_is_refused_with_the_predicted_ready_time() -> None:
+    f = forecast(load_s=3.0, guess_s=99.0)
+    assert f.ready_in_s == pytest.approx(OVERESTIMATE * 3.0) and f.basis == "measured"
+    r = refusal("big", f, budget_s=2.0)
+    assert r is not None and r.code is ErrorCode.MODEL_STARTING
+    assert r.retry_after_s == pytest.approx(f.ready_in_s)
+    assert "big" in r.message and "3.30 s" in r.message and "2 s" in r.message
+
+
+def test_a_start_within_the_budget_or_no_budget_waits() -> None:
+    f = forecast(load_s=1.0, guess_s=99.0)
+    assert refusal("m", f, budget_s=2.0) is None
+    assert refusal("m", forecast(load_s=60.0, guess_s=1.0), budget_s=None) is None
+
+
+def test_a_budget_of_zero_refuses_any_start() -> None:
+    assert refusal("m", forecast(load_s=None, guess_s=0.5, resident=True), budget_s=0.0) is not None
+
+
+def test_resident_weights_start_at_once_whatever_the_load_measured() -> None:
+    f = forecast(load_s=30.0, guess_s=99.0, resident=True, prewarmed=False, spawn_s=5.0)
+    assert f.ready_in_s == pytest.approx(OVERESTIMATE * RESIDENT_START_S) and f.basis == "resident"
+
+
+def test_no_prewarmed_worker_adds_the_spawn() -> None:
+    f = forecast(load_s=2.0, guess_s=99.0, prewarmed=False, spawn_s=1.5)
+    assert f.ready_in_s == pytest.approx(OVERESTIMATE * 3.5)
+
+
+def test_a_start_under_way_counts_what_it_has_done_and_the_queue_ahead() -> None:
+    # 4 s expected, 3 s done; two requests wait ahead, 0.25 s of prefill each.
+    f = forecast(load_s=4.0, guess_s=99.0, elapsed_s=3.0, waiting=2, prefill_s=0.25)
+    assert f.ready_in_s == pytest.approx(OVERESTIMATE * (1.0 + 0.5))
+    overdue = forecast(load_s=4.0, guess_s=99.0, elapsed_s=10.0)
+    assert overdue.ready_in_s == 0.0
+
+
+def test_a_never_measured_model_is_predicted_by_the_guess_and_says_so() -> None:
+    f = forecast(load_s=None, guess_s=5.0)
+    assert f.basis == "guessed" and f.ready_in_s == pytest.approx(OVERESTIMATE * 5.0)
+    r = refusal("m", f, budget_s=1.0)
+    assert r is not None and "guess" in r.message
+
+
+def test_the_load_time_model_is_the_measured_median_else_by_size_else_unknown() -> None:
+    book = PerfBook()
+    assert book.load_s("a", weight_bytes=100) is None
+    for seconds in (1.0, 9.0, 2.0):
+        book.start("a", seconds, weight_bytes=100)
+    assert book.load_s("a", weight_bytes=100) == 2.0
+    # Never started: its size at the others' median seconds per byte (2 s per 100 bytes).
+    assert book.load_s("b", weight_bytes=300) == pytest.approx(6.0)
+    assert book.load_s("b") is None  # no size to scale by
