@@ -43,7 +43,7 @@ from shared.messages import (
     StopInstance,
 )
 from shared.registry import Registry
-from shared.routing_messages import ChooseModel, ModelChosen, Placement, PlaceRequest
+from shared.routing_messages import ChooseModel, Placement, PlaceRequest
 
 log = logging.getLogger(__name__)
 
@@ -208,28 +208,20 @@ class SchedulerService:
             reply = await self.place(req)
         except TesseraError as e:
             reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
-        except Exception as e:  # the gateway gets an answer, whatever happened
-            log.exception("placement of %s failed", req.request_id)
-            reply = Rejected(code=ErrorCode.UNAVAILABLE, message=f"placement failed: {e}", retry_after_s=1.0)
         PLACEMENTS.labels(type(reply).__name__).inc()
         await self.bus.reply(msg, reply)
 
     async def on_choose(self, msg: Msg) -> None:
-        """Which of an alias's members serves a request (`routing.choose`)."""
-        try:
-            req = decode(msg.data, ChooseModel)
-            now = time.time()
-            reply: ModelChosen | Rejected = await routing.choose(
-                req,
-                self.registry,
-                self._view(now),
-                self._profiles(),
-                node_timeout_s=self.settings.node_timeout_s,
-                max_active_per_instance=self.settings.max_active_per_instance,
-            )
-        except Exception as e:  # the gateway gets an answer, whatever happened
-            log.exception("choosing among an alias's members failed")
-            reply = Rejected(code=ErrorCode.UNAVAILABLE, message=f"choosing a model failed: {e}", retry_after_s=1.0)
+        """Which of an alias's members serves a request (`routing.choose`); an unexpected
+        error is answered by the bus (`Bus.subscribe`)."""
+        reply = await routing.choose(
+            decode(msg.data, ChooseModel),
+            self.registry,
+            self._view(time.time()),
+            self._profiles(),
+            node_timeout_s=self.settings.node_timeout_s,
+            max_active_per_instance=self.settings.max_active_per_instance,
+        )
         await self.bus.reply(msg, reply)
 
     def _profiles(self) -> dict[str, Profile]:
