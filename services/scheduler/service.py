@@ -149,6 +149,7 @@ class SchedulerService:
                         resident=tuple(sorted(n.resident)),
                         reusable=tuple(sorted(n.reusable.items())),
                         core_build_s=n.core_build_s,
+                        prewarmed=n.prewarmed,
                     )
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),

@@ -32,14 +32,17 @@ def instances(cluster: LocalCluster) -> dict[str, object]:
 
 
 def cold_from_the_store(cluster: LocalCluster, artifact_id: str) -> None:
-    """Every cache of the model dropped (its next start reads the store), and the scheduler's
-    view no longer holding its weights resident anywhere."""
+    """Every cache of the model dropped (its next start reads the store), the scheduler's view
+    no longer holding its weights resident anywhere, and a worker prewarmed again in place of
+    the one that held them: both starts compared below load into a prewarmed worker (a start
+    that spawns its worker takes a second or more longer, in its load phase)."""
     httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=all", timeout=30).raise_for_status()
-    wait_for(
-        lambda: all(artifact_id not in n["resident"] for n in instances(cluster)["nodes"]),  # type: ignore[attr-defined]
-        30,
-        "the view to drop the evicted weights",
-    )
+
+    def cold_and_prewarmed() -> bool:
+        nodes = instances(cluster)["nodes"]
+        return all(artifact_id not in n["resident"] and n["prewarmed"] > 0 for n in nodes)  # type: ignore[attr-defined]
+
+    wait_for(cold_and_prewarmed, 60, "the view to drop the evicted weights and a worker to be prewarmed")
 
 
 def start_ready_s(start: dict[str, object]) -> float:
@@ -51,11 +54,13 @@ def test_a_start_over_budget_is_refused_at_once_and_goes_ahead(own_cluster: Loca
     cluster = own_cluster
     record = register(cluster, NAME, keep_alive_s=1.0)
     aid = str(record["artifact"]["artifact_id"])  # type: ignore[index]
-    # One start measured (the scheduler's load-time model), then back to zero, caches dropped.
-    cold_from_the_store(cluster, aid)
-    assert chat(cluster).status_code == 200
-    wait_for(lambda: len(cold_starts(cluster, NAME)) == 1, 30, "the first start to be recorded")
-    wait_for(lambda: NAME not in loaded_models(cluster), 30, f"{NAME} to scale to zero")
+    # Two starts from the store measured (the scheduler's load-time model is their median),
+    # each then back to zero.
+    for n in (1, 2):
+        cold_from_the_store(cluster, aid)
+        assert chat(cluster).status_code == 200
+        wait_for(lambda: len(cold_starts(cluster, NAME)) == n, 30, f"start {n} to be recorded")  # noqa: B023
+        wait_for(lambda: NAME not in loaded_models(cluster), 30, f"{NAME} to scale to zero")
     register(cluster, NAME, keep_alive_s=300.0, replace=True)  # the started instance stays for the retry
     cold_from_the_store(cluster, aid)
 
@@ -88,7 +93,9 @@ def test_a_start_over_budget_is_refused_at_once_and_goes_ahead(own_cluster: Loca
     assert retry.http_response.status_code == 200 and retry.parse().model == NAME
     assert "x-tessera-cold-start" not in retry.headers
 
-    # The refusal's Retry-After was the start's time, within 2x of what it measured.
-    starts = wait_for(lambda: (s := cold_starts(cluster, NAME)) and len(s) == 2 and s, 30, "the second start")
+    # The refusal's Retry-After was the start's time, within 2x of what it measured: checked on
+    # the exact `retry-after-ms` (OpenAI's, which its clients read first), whose whole seconds
+    # rounded up `Retry-After` is (a start here takes under a second).
+    starts = wait_for(lambda: (s := cold_starts(cluster, NAME)) and len(s) == 3 and s, 30, "the third start")
     measured = start_ready_s(starts[0])
     assert measured / 2 <= retry_after_s <= 2 * measured, (retry_after_s, starts[0])
