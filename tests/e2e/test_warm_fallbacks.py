@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from ops import cli
 from ops.localcluster import LocalCluster
 from tests.helpers.cluster import register
 
@@ -97,6 +99,22 @@ def test_the_cold_start_header_is_on_a_cold_request_and_not_on_a_warm_one(cluste
     assert COLD_HEADER.fullmatch(cold.headers["x-tessera-cold-start"]), cold.headers.get("x-tessera-cold-start")
     warm = chat(cluster, name)
     assert warm.status_code == 200 and "x-tessera-cold-start" not in warm.headers
+
+
+def test_the_cli_registers_lists_and_removes_an_alias(cluster: LocalCluster, members: tuple[str, str]) -> None:
+    cold, warm = members
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(cli.app, [*args, "--url", cluster.base_url, "--home", str(cluster.home)])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "registered cli-alias" in run("models", "alias", "cli-alias", warm, cold)
+    aliases = admin(cluster, "GET", "/aliases").json()
+    assert any(a["name"] == "cli-alias" and a["fallbacks"] == [warm, cold] for a in aliases)
+    assert "cli-alias" in run("models", "ls")
+    run("models", "rm", "cli-alias")
+    assert all(a["name"] != "cli-alias" for a in admin(cluster, "GET", "/aliases").json())
 
 
 def _error(r: httpx.Response, status: int) -> dict[str, object]:

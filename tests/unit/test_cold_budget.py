@@ -8,7 +8,10 @@ import pytest
 from policy.cold_budget import forecast, refusal
 from policy.perf_book import PerfBook
 from policy.placement import OVERESTIMATE, RESIDENT_START_S
-from shared.messages import ErrorCode
+from services.scheduler.routing import read_back_starts
+from shared.messages import ColdStartPhases, ColdStartRecorded, ErrorCode, ModelRecord
+from shared.registry import Registry
+from tests.helpers.records import RECORD
 
 
 def test_a_measured_start_longer_than_the_budget_is_refused_with_the_predicted_ready_time() -> None:
@@ -64,3 +67,28 @@ def test_the_load_time_model_is_the_measured_median_else_by_size_else_unknown() 
     # Never started: its size at the others' median seconds per byte (2 s per 100 bytes).
     assert book.load_s("b", weight_bytes=300) == pytest.approx(6.0)
     assert book.load_s("b") is None  # no size to scale by
+
+
+class LoggedRegistry(Registry):
+    """The registry's model and cold-start log, as a restarted scheduler reads them back."""
+
+    def __init__(self, starts: list[ColdStartRecorded]) -> None:
+        self.starts = starts
+
+    async def all(self) -> list[ModelRecord]:
+        return [RECORD]
+
+    async def cold_starts(self, limit: int = 50) -> list[ColdStartRecorded]:
+        return self.starts[:limit]
+
+
+def logged(model: str, load_s: float, source: str = "store") -> ColdStartRecorded:
+    phases = ColdStartPhases(init_s=0.0, load_s=load_s, profile_s=0.0)
+    return ColdStartRecorded(node_id="n", model=model, started_at=0.0, phases=phases, total_s=load_s, source=source)
+
+
+async def test_a_restarted_scheduler_predicts_starts_from_the_cold_start_log() -> None:
+    book = PerfBook()
+    log = [logged("m", 2.0), logged("m", 0.01, source="resident"), logged("gone", 9.0), logged("m", 4.0)]
+    assert await read_back_starts(LoggedRegistry(log), book) == 2  # a resident start loads nothing
+    assert book.load_s(RECORD.artifact.artifact_id) == 3.0
