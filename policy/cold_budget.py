@@ -9,15 +9,20 @@ readiness (`placement.validate`): a start whose weights are still resident takes
 way has done is taken off, and the prompts of the requests already waiting for it are
 prefilled ahead of this one (the queue ahead). LLM-Mesh §5.3's 10 % overestimate on top.
 
-Pure: numbers in, a forecast or a refusal out.
+A request over its budget for a scale-out (its model runs elsewhere, but no running instance
+takes it within its SLOs) is not refused: it queues on the least busy running instance
+(`warm_instead`), late rather than cold, and the start goes ahead for the requests after it.
+
+Pure: numbers (or the live nodes) in, a forecast, a refusal or a node out.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from policy.placement import OVERESTIMATE, RESIDENT_START_S
+from policy.placement import OVERESTIMATE, RESIDENT_START_S, NodeState
 from shared.messages import ErrorCode, Rejected
 
 
@@ -67,3 +72,11 @@ def refusal(model: str, predicted: Forecast, budget_s: float | None) -> Rejected
         "and the model will be warm",
         retry_after_s=predicted.ready_in_s,
     )
+
+
+def warm_instead(model: str, live: Iterable[NodeState], max_active_per_instance: int) -> str | None:
+    """The node of the least busy running instance of `model` below its limit of requests,
+    where a request over its cold-start budget may queue instead of waiting for a start."""
+    running = [(n.instances[model].active, n.node_id) for n in live if model in n.instances]
+    free = [r for r in running if r[0] < max_active_per_instance]
+    return min(free)[1] if free else None

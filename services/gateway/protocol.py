@@ -109,7 +109,7 @@ class TesseraOptions(BaseModel):
 class _Sampling(Lenient):
     model: str = Field(min_length=1)
     # OpenRouter's fallbacks: `model` first, then these, the first warm one serving.
-    models: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1, max_length=8)
+    models: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None, min_length=1, max_length=8)
     tessera: TesseraOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

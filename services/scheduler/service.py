@@ -11,7 +11,7 @@ import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from policy import defrag, scheduling
+from policy import cold_budget, defrag, scheduling
 from policy.backoff import Backoff, Change
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
@@ -360,7 +360,12 @@ class SchedulerService:
             case AwaitStart(node_id) | StartOn(node_id):
                 if (refused := self._over_budget(req, record, node_id)) is not None:
                     self._begin_start(record, node_id)  # the start goes ahead: the retry finds it warm
-                    return refused
+                    live = scheduling.live_nodes(self._view(time.time()), time.time(), self.settings.node_timeout_s)
+                    warm = cold_budget.warm_instead(req.model, live, self.settings.max_active_per_instance)
+                    if warm is None:
+                        return refused
+                    self._note_placed(warm, req)  # late on a running instance rather than cold
+                    return Placement(request_id=req.request_id, node_id=warm, cold_start=False)
                 ready = await self._ensure_started(record, node_id)
                 if isinstance(ready, Rejected):
                     return ready

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from policy.cold_budget import forecast, refusal
+from policy.cold_budget import forecast, refusal, warm_instead
 from policy.perf_book import PerfBook
 from policy.placement import OVERESTIMATE, RESIDENT_START_S
+from policy.scheduling import NodeView
 from services.scheduler.routing import read_back_starts
-from shared.messages import ColdStartPhases, ColdStartRecorded, ErrorCode, ModelRecord
+from shared.messages import ColdStartPhases, ColdStartRecorded, ErrorCode, InstanceView, ModelRecord
 from shared.registry import Registry
 from tests.helpers.records import RECORD
 
@@ -56,6 +57,16 @@ def test_a_never_measured_model_is_predicted_by_the_guess_and_says_so() -> None:
     assert f.basis == "guessed" and f.ready_in_s == pytest.approx(OVERESTIMATE * 5.0)
     r = refusal("m", f, budget_s=1.0)
     assert r is not None and "guess" in r.message
+
+
+def test_over_budget_for_a_scale_out_it_queues_on_the_least_busy_running_instance() -> None:
+    def node(node_id: str, active: int | None) -> NodeView:
+        insts = {} if active is None else {"m": InstanceView(model="m", active=active, last_used=0.0, loaded_at=0.0)}
+        return NodeView(node_id, 0.0, insts)
+
+    assert warm_instead("m", [node("a", 3), node("b", 1), node("c", None)], max_active_per_instance=4) == "b"
+    assert warm_instead("m", [node("a", 4), node("c", None)], max_active_per_instance=4) is None
+    assert warm_instead("m", [node("c", None)], max_active_per_instance=4) is None
 
 
 def test_the_load_time_model_is_the_measured_median_else_by_size_else_unknown() -> None:
