@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from services.gateway.tools import Tool, check_tool_choice
 from shared.messages import TTFT_SLO_PER_TOKEN_S, WeightFormat
+from shared.routing_messages import MAX_FALLBACKS
 
 
 def _unicode(v: str) -> str:
@@ -109,7 +110,9 @@ class TesseraOptions(BaseModel):
 class _Sampling(Lenient):
     model: str = Field(min_length=1)
     # OpenRouter's fallbacks: `model` first, then these, the first warm one serving.
-    models: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None, min_length=1, max_length=8)
+    models: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_FALLBACKS
+    )
     tessera: TesseraOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
