@@ -68,12 +68,14 @@ def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDef
     return msgspec.structs.replace(defaults, max_tokens=min(defaults.max_tokens, artifact.context_length))
 
 
-def _taken(name: str, what: str = "a model", replaceable: bool = True) -> ApiError:
-    how = ' or register with "replace": true to replace it' if replaceable and what == "a model" else ""
-    if what == "an alias":
-        how = ' or register the alias with "replace": true'
+REPLACE = ' or register with "replace": true to replace it'
+
+
+def _taken(name: str, what: str = "a model", replace: str = REPLACE) -> ApiError:
+    """A name taken by a model or an alias (`replace`: how else to free it; "" where the
+    other kind holds it, which a registration does not replace)."""
     return ApiError(
-        409, f"{what} named `{name}` is already registered; remove it first{how}", "model_exists", param="name"
+        409, f"{what} named `{name}` is already registered; remove it first{replace}", "model_exists", param="name"
     )
 
 
@@ -97,7 +99,7 @@ class Admin:
             return await self.register_alias(req.name, req.fallbacks, req.replace)
         assert req.source is not None  # RegisterModel: a source or fallbacks
         if await self.registry.alias(req.name) is not None:
-            raise _taken(req.name, "an alias")
+            raise _taken(req.name, "an alias", replace="")
         # Refused before the import (seconds to minutes), and again when stored: another
         # registration of the name may have finished in between.
         if not req.replace and await self.registry.get(req.name) is not None:
@@ -143,7 +145,7 @@ class Admin:
     async def register_alias(self, name: str, members: builtins.list[str], replace: bool) -> dict[str, Any]:
         """An alias: `members` in order, each a registered model (`policy.fallbacks`)."""
         if await self.registry.get(name) is not None:
-            raise _taken(name, "a model", replaceable=False)
+            raise _taken(name, "a model", replace="")
         aliases = {a.name for a in await self.registry.aliases()}
         if name in aliases and not replace:
             raise _taken(name, "an alias")
