@@ -160,6 +160,8 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         for m in found:
             r = http.get(f"/admin/models/{m['name']}/adapters")
             adapters[m["name"]] = r.json() if r.status_code == 200 else []
+        listed = http.get("/admin/aliases")
+        aliases = listed.json() if listed.status_code == 200 else []  # an older gateway has none
     table = Table(
         "name",
         "artifact",
@@ -175,6 +177,11 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         for a in adapters[m["name"]]:
             table.add_row(*_adapter_cells(a))
     console.print(table)
+    if aliases:
+        table = Table("alias", "fallbacks (the first warm one serves, else the first starts)")
+        for a in aliases:
+            table.add_row(a["name"], " → ".join(a["fallbacks"]))
+        console.print(table)
 
 
 def _adapter_cells(a: dict[str, Any]) -> tuple[str, ...]:
@@ -285,6 +292,23 @@ def models_add(
         )
     _ok(r)
     console.print(f"registered {name}")
+
+
+@models.command("alias")
+def models_alias(
+    name: str,
+    fallbacks: list[str] = typer.Argument(..., help="Registered models, in order"),
+    replace: bool = typer.Option(False, help="Replace an alias already registered as NAME."),
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
+    """Register NAME as an alias of FALLBACKS: each request to it goes to the first of them that
+    is warm within its SLOs, else to the first, which starts; the answer's `model` says which.
+    `tessera models rm NAME` removes it (a model an alias lists cannot be removed before it)."""
+    with _admin(url, admin_key, home) as http:
+        _ok(http.post("/admin/models", json={"name": name, "fallbacks": fallbacks, "replace": replace}))
+    console.print(f"registered {name}: {' → '.join(fallbacks)}")
 
 
 @models.command("rm")

@@ -51,13 +51,29 @@ class PerfBook:
         load them into a worker."""
         self._spawns: deque[float] = deque(maxlen=16)
         """Seconds recent starts waited for a worker process (none was prewarmed)."""
+        self._sizes: dict[str, int] = {}
+        """Artifact → bytes of its weights, where a start of it was measured."""
 
-    def start(self, artifact_id: str, load_s: float, spawn_s: float = 0.0) -> None:
+    def start(self, artifact_id: str, load_s: float, spawn_s: float = 0.0, weight_bytes: int = 0) -> None:
         """A start that loaded weights: `load_s` loading them, after `spawn_s` waiting for a
         worker process (about 0 where one was prewarmed)."""
         self._starts.setdefault(artifact_id, deque(maxlen=16)).append(load_s)
+        if weight_bytes > 0:
+            self._sizes[artifact_id] = weight_bytes
         if spawn_s >= SPAWNED_S:
             self._spawns.append(spawn_s)
+
+    def load_s(self, artifact_id: str, weight_bytes: int = 0) -> float | None:
+        """The load-time model of a start of the artifact: its measured starts' median, else
+        (never started) its size at the median seconds per byte of the artifacts that were;
+        None where no start of any size was measured."""
+        own = self._starts.get(artifact_id)
+        if own:
+            return statistics.median(own)
+        rates = [
+            statistics.median(s) / self._sizes[aid] for aid, s in self._starts.items() if s and self._sizes.get(aid)
+        ]
+        return statistics.median(rates) * weight_bytes if rates and weight_bytes > 0 else None
 
     def spawn_s(self) -> float:
         return statistics.median(self._spawns) if self._spawns else 0.0

@@ -16,6 +16,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMPORT_FAILED: 400,
     ErrorCode.TIMEOUT: 504,
     ErrorCode.PREEMPTED: 503,
+    ErrorCode.MODEL_STARTING: 503,
 }
 
 

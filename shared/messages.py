@@ -35,6 +35,9 @@ class ErrorCode(StrEnum):
     PREEMPTED = "preempted"
     """Its instance was preempted to let a bigger one grow (LLM-Mesh §7.1): the gateway
     resumes it elsewhere."""
+    MODEL_STARTING = "model_starting"
+    """Its model's start would take longer than the request's cold-start budget: retry once it
+    is warm (the start goes ahead)."""
 
 
 class FinishReason(StrEnum):
@@ -174,22 +177,7 @@ class ModelImported(Message, frozen=True):
     seconds: float
 
 
-# --- placement -------------------------------------------------------------------------------
-
-
-class PlaceRequest(Message, frozen=True):
-    request_id: str
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    not_on: str = ""
-    """A node that just answered it has no instance of the model: the scheduler's view of it
-    is stale (a scale-in or a lost worker raced this request)."""
-    avoid: str = ""
-    """A node that preempted this request's instance: place it on another, where there is one."""
-    wait_s: float = 0.0
-    """How long it may wait in the scheduler's line for room, where no node can take it yet
-    without breaking the SLOs of the requests there (0: not at all)."""
+# --- placement (requests' own: `shared.routing_messages`) -------------------------------------
 
 
 class RelocateQuery(Message, frozen=True):
@@ -202,13 +190,6 @@ class RelocateQuery(Message, frozen=True):
 
 class RelocateAnswer(Message, frozen=True):
     relocatable: tuple[str, ...]
-
-
-class Placement(Message, frozen=True):
-    request_id: str
-    node_id: str
-    cold_start: bool
-    """True when this request waited for (or triggered) an instance start."""
 
 
 class Rejected(Message, frozen=True):
@@ -239,6 +220,8 @@ class InstanceReady(Message, frozen=True):
     phases: ColdStartPhases
     loaded_from_cache: bool = False
     """True when the start imported the blob materialized at registration (no compile)."""
+    source: str = ""
+    """Where the weights came from, as `ColdStartRecorded.source` ("": the engine did not say)."""
 
 
 class StopInstance(Message, frozen=True):

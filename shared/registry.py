@@ -2,8 +2,8 @@
 
 Keys: `tessera:models` (hash name → ModelRecord), `tessera:adapters` (hash name →
 AdapterRecord: LoRA adapters on a registered base), `tessera:adapters_of:<base>` (set of its
-adapters' names: what a model's removal checks in the same step), `tessera:coldstarts` (list,
-newest first).
+adapters' names: what a model's removal checks in the same step), `tessera:aliases` (hash name
+→ ModelAlias), `tessera:coldstarts` (list, newest first).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from redis.commands.core import AsyncScript
 from shared.adapters import AdapterRecord
 from shared.bus import decode, encode
 from shared.messages import ColdStartRecorded, ModelRecord
+from shared.routing_messages import ModelAlias
 
 MODELS_KEY = "tessera:models"
 ADAPTERS_KEY = "tessera:adapters"
 ADAPTERS_OF_PREFIX = "tessera:adapters_of:"
+ALIASES_KEY = "tessera:aliases"
 COLD_STARTS_KEY = "tessera:coldstarts"
 COLD_STARTS_KEPT = 200
 
@@ -133,6 +135,20 @@ class Registry:
         status, *names = await self._remove_model(keys=keys, args=[name, "1" if cascade else "0"])
         adapters = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
         return Removal(found=int(status) >= 0, removed=int(status) == 1, adapters=adapters)
+
+    async def put_alias(self, alias: ModelAlias) -> None:
+        await self.valkey.hset(ALIASES_KEY, alias.name, encode(alias))
+
+    async def alias(self, name: str) -> ModelAlias | None:
+        data = await self.valkey.hget(ALIASES_KEY, name)
+        return None if data is None else decode(_raw(data), ModelAlias)
+
+    async def aliases(self) -> list[ModelAlias]:
+        items = await self.valkey.hgetall(ALIASES_KEY)
+        return sorted((decode(_raw(v), ModelAlias) for v in items.values()), key=lambda a: a.name)
+
+    async def remove_alias(self, name: str) -> bool:
+        return bool(await self.valkey.hdel(ALIASES_KEY, name))
 
     async def record_cold_start(self, event: ColdStartRecorded) -> None:
         async with self.valkey.pipeline(transaction=True) as pipe:

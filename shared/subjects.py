@@ -19,6 +19,12 @@ def place() -> str:
     return f"{_ROOT}.scheduler.place"
 
 
+def choose_model() -> str:
+    """Gateway → scheduler: which of an alias's members serves this request (`ChooseModel` →
+    `ModelChosen`, request/reply)."""
+    return f"{_ROOT}.scheduler.choose"
+
+
 def relocatable() -> str:
     """Engine → scheduler: which of these instances' requests validate on another node
     (request/reply)."""

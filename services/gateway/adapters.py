@@ -79,6 +79,8 @@ class AdapterAdmin:
             raise name_taken(name, "model")
         if await self.registry.get_adapter(name) is not None:
             raise name_taken(name, "adapter")
+        if await self.registry.alias(name) is not None:
+            raise name_taken(name, "alias")
 
     async def of(self, base: str) -> list[AdapterRecord]:
         if await self.registry.get(base) is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from policy import fallbacks
 from services.gateway.adapters import AdapterAdmin, name_taken
 from services.gateway.auth import ApiError, KeyStore
 from services.gateway.protocol import CreateApiKey, RegisterModel
@@ -36,6 +37,7 @@ from shared.messages import (
     ScaleOut,
 )
 from shared.registry import Registry
+from shared.routing_messages import ModelAlias
 
 
 def _untagged(value: Any) -> Any:
@@ -67,13 +69,19 @@ def generation_defaults(artifact: Artifact, req: RegisterModel) -> GenerationDef
     return msgspec.structs.replace(defaults, max_tokens=min(defaults.max_tokens, artifact.context_length))
 
 
-def _taken(name: str) -> ApiError:
+REPLACE = ' or register with "replace": true to replace it'
+
+
+def _taken(name: str, what: str = "a model", replace: str = REPLACE) -> ApiError:
+    """A name taken by a model or an alias (`replace`: how else to free it; "" where the
+    other kind holds it, which a registration does not replace)."""
     return ApiError(
-        409,
-        f'a model named `{name}` is already registered; remove it first or register with "replace": true to replace it',
-        "model_exists",
-        param="name",
+        409, f"{what} named `{name}` is already registered; remove it first{replace}", "model_exists", param="name"
     )
+
+
+def alias_json(alias: ModelAlias) -> dict[str, Any]:
+    return {"name": alias.name, "fallbacks": list(alias.members), "created_at": alias.created_at}
 
 
 class Admin:
@@ -89,6 +97,11 @@ class Admin:
         self.adapters = AdapterAdmin(settings, bus, registry)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
+        if req.fallbacks is not None:
+            return await self.register_alias(req.name, req.fallbacks, req.replace)
+        assert req.source is not None  # RegisterModel: a source or fallbacks
+        if await self.registry.alias(req.name) is not None:
+            raise _taken(req.name, "an alias", replace="")
         # Refused before the import (seconds to minutes), and again when stored: another
         # registration of the name may have finished in between.
         if not req.replace and await self.registry.get(req.name) is not None:
@@ -144,8 +157,41 @@ class Admin:
                 param="name",
             )
 
+    async def register_alias(self, name: str, members: builtins.list[str], replace: bool) -> dict[str, Any]:
+        """An alias: `members` in order, each a registered model (`policy.fallbacks`)."""
+        if await self.registry.get(name) is not None:
+            raise _taken(name, "a model", replace="")
+        if await self.registry.get_adapter(name) is not None:
+            raise name_taken(name, "adapter")
+        aliases = {a.name for a in await self.registry.aliases()}
+        if name in aliases and not replace:
+            raise _taken(name, "an alias")
+        models = {r.name for r in await self.registry.all()}
+        problem = fallbacks.alias_problem(name, members, models, aliases - {name})
+        if problem is not None:
+            raise TesseraError(ErrorCode.INVALID_REQUEST, problem, param="fallbacks")
+        alias = ModelAlias(name=name, members=tuple(members), created_at=time.time())
+        await self.registry.put_alias(alias)
+        return alias_json(alias)
+
+    async def list_aliases(self) -> builtins.list[dict[str, Any]]:
+        return [alias_json(a) for a in await self.registry.aliases()]
+
     async def remove(self, name: str, cascade: bool = False) -> dict[str, Any]:
-        """Remove a model; one with adapters only with `cascade` (its adapters go too)."""
+        """Remove an alias; or a model, unless an alias lists it (409 naming the aliases: remove
+        or re-register them first, so that no alias changes under its users unseen), and one
+        with adapters only with `cascade` (its adapters go too)."""
+        if await self.registry.remove_alias(name):
+            return {"name": name, "removed": True}
+        listed_by = [a.name for a in await self.registry.aliases() if name in a.members]
+        if listed_by:
+            raise ApiError(
+                409,
+                f"the model `{name}` is listed by the alias{'es' if len(listed_by) > 1 else ''} "
+                f"{', '.join(f'`{a}`' for a in listed_by)}: remove it from them first",
+                "model_in_use",
+                param="name",
+            )
         removal = await self.registry.remove_model(name, cascade)
         if not removal.found:
             raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway import cold
 from services.gateway.auth import Grant, Principal, Quotas, check_model
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Gateway, Generation, Prepared
@@ -89,9 +90,12 @@ def legs_of(req: ChatCompletionRequest | CompletionRequest, prepared: Sequence[P
     return legs
 
 
-async def open_legs(gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequence[Leg]) -> None:
+async def open_legs(
+    gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequence[Leg], max_wait_s: float | None = None
+) -> None:
     """Admit and place every leg (placement and cold start happen before any byte is sent);
-    if one cannot start, those already open are closed and the error goes to the client."""
+    if one cannot start, those already open are closed and the error goes to the client.
+    `max_wait_s`: the request's cold-start budget."""
     limit = gateway.settings.max_inflight
     if len(legs) > limit:  # its own legs would wait in line behind each other
         raise TesseraError(
@@ -103,7 +107,7 @@ async def open_legs(gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequ
         for leg in legs:
             p = leg.prepared
             leg.grant = await quotas.admit(who, p.prompt_tokens, p.params.max_tokens)
-            leg.gen = await gateway.open(p)
+            leg.gen = await gateway.open(p, max_wait_s)
     except BaseException:
         await close_legs(quotas, legs)
         raise
@@ -205,14 +209,22 @@ async def complete(
     who: Principal,
     req: ChatCompletionRequest | CompletionRequest,
     shape_of: Callable[[list[Leg]], ResponseShape],
+    max_wait: str | None = None,
 ) -> Response:
     """Serve `req` (a Responses request comes as the chat request it is served as), answered in
-    the shape `shape_of` makes for its opened legs."""
-    check_model(who, req.model)
+    the shape `shape_of` makes for its opened legs. `max_wait`: the `X-Tessera-Max-Wait`
+    header's value, if sent."""
+    for name in (req.model, *(req.models or ())):
+        check_model(who, name)
+    budget = cold.max_wait_s(max_wait, req.tessera.max_wait_s if req.tessera else None)
     legs = legs_of(req, await gateway.prepare_all(req))
-    await open_legs(gateway, quotas, who, legs)
+    await open_legs(gateway, quotas, who, legs, budget)
     try:
         shape = shape_of(legs)
+        gens = [leg.gen for leg in legs]
+        headers = cold.cold_start_header(
+            [g.placed if g else None for g in gens], [g.start_waited_s if g else 0.0 for g in gens]
+        )
     except BaseException:
         await close_legs(quotas, legs)
         raise
@@ -220,10 +232,10 @@ async def complete(
         return StreamingResponse(
             stream(shape, legs, quotas),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
     try:
         await collect(legs)
-        return JSONResponse(await shape.answer(legs))
+        return JSONResponse(await shape.answer(legs), headers=headers)
     finally:
         await close_legs(quotas, legs)

@@ -44,7 +44,10 @@ def error_response(
 ) -> JSONResponse:
     headers = dict(headers or {})
     if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+        # Whole seconds rounded up (RFC 9110), and OpenAI's exact `retry-after-ms` beside it,
+        # which its clients read first.
+        headers["Retry-After"] = str(retry_after_header(retry_after_s))
+        headers["retry-after-ms"] = str(max(1, round(retry_after_s * 1000)))
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
@@ -95,8 +98,7 @@ def handle_errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         REJECTED.labels(e.code).inc()
-        retry = None if e.retry_after_s is None else retry_after_header(e.retry_after_s)
-        return error_response(e.status, e.message, e.code, e.param, retry, e.headers)
+        return error_response(e.status, e.message, e.code, e.param, e.retry_after_s, e.headers)
 
     @app.exception_handler(TesseraError)
     async def tessera_error(_: Request, e: TesseraError) -> JSONResponse:

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from services.gateway.tools import Tool, check_tool_choice
 from shared.messages import TTFT_SLO_PER_TOKEN_S, WeightFormat
+from shared.routing_messages import MAX_FALLBACKS
 
 
 def _unicode(v: str) -> str:
@@ -95,8 +96,24 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 """A token id as `logit_bias` keys it (no vocabulary has 10^10 tokens)."""
 
 
+class TesseraOptions(BaseModel):
+    """Tessera's own extension object of a completion request (`"tessera": {...}`, as vLLM
+    takes extra fields): strictly typed, a misspelt name refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    max_wait_s: Annotated[float, Field(ge=0.0)] | None = None
+    """The cold-start budget: the longest this request waits for its model's start; a start
+    predicted longer is a 503 with Retry-After at once (the `X-Tessera-Max-Wait` header's)."""
+
+
 class _Sampling(Lenient):
     model: str = Field(min_length=1)
+    # OpenRouter's fallbacks: `model` first, then these, the first warm one serving.
+    models: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_FALLBACKS
+    )
+    tessera: TesseraOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -289,6 +306,8 @@ class ModelCard(BaseModel):
     # tree (its base for an adapter, itself for a base; vLLM names its path there).
     root: str | None = None
     parent: str | None = None
+    fallbacks: list[str] | None = None
+    """An alias's members, in order (Tessera's extension; absent for a model)."""
 
 
 class ModelList(BaseModel):
@@ -353,17 +372,27 @@ class _Registration(BaseModel):
 
     @field_validator("source")
     @classmethod
-    def _absolute(cls, v: str) -> str:
+    def _absolute(cls, v: str | None) -> str | None:
         # Refused here with a clear 400: a NUL byte or "~user" makes the loader's path checks
         # raise instead of answering (the import would wait for its timeout).
-        if "\x00" in v or not v.startswith(("/", "~/")):
+        if v is not None and ("\x00" in v or not v.startswith(("/", "~/"))):
             raise ValueError(f"must be an absolute path to {cls.SOURCE_IS}")
         return v
 
 
 class RegisterModel(_Registration):
     """Admin API: register a model name on a GGUF file, a Hugging Face checkpoint directory or
-    an OpenVINO IR directory."""
+    an OpenVINO IR directory; or, with `fallbacks` instead of `source`, an alias: an ordered
+    list of registered models, the first warm one serving each request."""
+
+    source: Text | None = Field(  # type: ignore[assignment]  # an alias has none
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="Absolute path of a .gguf file, a Hugging Face checkpoint directory or an OpenVINO IR directory",
+    )
+    fallbacks: list[Text] | None = None
+    """An alias's members, in order (then nothing else but `name` and `replace` is given)."""
 
     # Generation defaults for requests that leave these out (else the model's metadata's, else
     # the platform's: `shared.messages.GenerationDefaults`).
@@ -380,6 +409,14 @@ class RegisterModel(_Registration):
     """What a Hugging Face checkpoint's weights are compressed to (NNCF): int4, int8, f16 or f32;
     left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
     a 400), as does a GGUF (naming one is a 400)."""
+
+    @model_validator(mode="after")
+    def _model_or_alias(self) -> RegisterModel:
+        if (self.source is None) == (self.fallbacks is None):
+            raise ValueError("give `source` (a model) or `fallbacks` (an alias), one of them")
+        if self.fallbacks is not None and (extra := sorted(self.model_fields_set - {"name", "fallbacks", "replace"})):
+            raise ValueError(f"an alias takes `name`, `fallbacks` and `replace` only, not {', '.join(extra)}")
+        return self
 
 
 class RegisterAdapter(_Registration):

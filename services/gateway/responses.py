@@ -375,12 +375,14 @@ class Answer:
             yield emit("response.failed", response=self.body("failed", "".join(parts), error=e))
 
 
-async def respond(gateway: Gateway, quotas: Quotas, who: Principal, req: ResponsesRequest) -> Response:
+async def respond(
+    gateway: Gateway, quotas: Quotas, who: Principal, req: ResponsesRequest, max_wait: str | None = None
+) -> Response:
     """Served as its chat request is (`completion.complete`), in the Responses shape; an error
     before the answer starts names what the client sent (`input`, not `messages`)."""
     chat = req.chat()
     try:
-        return await complete(gateway, quotas, who, chat, lambda legs: Answer(req, legs))
+        return await complete(gateway, quotas, who, chat, lambda legs: Answer(req, legs), max_wait)
     except (TesseraError, ApiError) as e:
         if e.param is not None:
             e.param = _RENAMED.get(e.param, e.param)

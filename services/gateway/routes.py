@@ -14,6 +14,7 @@ from services.gateway.adapters import adapter_card, model_cards
 from services.gateway.admin import Admin, as_json
 from services.gateway.auth import Auth, Quotas, check_model
 from services.gateway.choices import Choices
+from services.gateway.cold import MAX_WAIT_HEADER
 from services.gateway.completion import complete
 from services.gateway.edge import BodyLimit, Caller, admin_caller, handle_errors, unless_disconnected
 from services.gateway.protocol import (
@@ -34,6 +35,7 @@ from services.gateway.responses import ResponsesRequest, respond
 from services.gateway.serving import Gateway
 from services.gateway.ui import ui_router
 from shared.health import Readiness, health_routes
+from shared.routing_messages import ModelAlias
 
 
 def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
@@ -47,30 +49,39 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
 
     handle_errors(app)
 
-    @app.get("/v1/models")
+    # Models, then aliases (their members as `fallbacks`, Tessera's extension field).
+    @app.get("/v1/models", response_model_exclude_none=True)
     async def list_models(who: Caller) -> ModelList:
-        return ModelList(data=await model_cards(gateway.registry, who))
+        cards = await model_cards(gateway.registry, who)
+        cards += [alias_card(a) for a in await gateway.registry.aliases() if who.may_use(a.name)]
+        return ModelList(data=cards)
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", response_model_exclude_none=True)
     async def get_model(name: str, who: Caller) -> ModelCard:
         check_model(who, name)
         if (adapter := await gateway.registry.get_adapter(name)) is not None:
             return adapter_card(adapter)
+        if (alias := await gateway.registry.alias(name)) is not None:
+            return alias_card(alias)
         r = await gateway.model(name)
         return ModelCard(id=r.name, created=int(r.created_at), root=r.name)
 
-    # One completion path (`completion.complete`); each API its own shape of the answer.
+    # One completion path (`completion.complete`); each API its own shape of the answer. The
+    # cold-start budget's header goes with it.
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req), wait))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req)))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, complete(gateway, quotas, who, req, Choices.of(gateway, req), wait))
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(req: ResponsesRequest, who: Caller, request: Request) -> Response:
-        return await unless_disconnected(request, respond(gateway, quotas, who, req))
+        wait = request.headers.get(MAX_WAIT_HEADER)
+        return await unless_disconnected(request, respond(gateway, quotas, who, req, wait))
 
     # vLLM's shape and paths (at the root, not under /v1): ids for logit_bias, counting a
     # prompt against the context before sending it.
@@ -89,6 +100,10 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     return app
 
 
+def alias_card(alias: ModelAlias) -> ModelCard:
+    return ModelCard(id=alias.name, created=int(alias.created_at), fallbacks=list(alias.members))
+
+
 def _admin_routes(admin: Admin) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_caller)])
 
@@ -99,6 +114,10 @@ def _admin_routes(admin: Admin) -> APIRouter:
     @router.get("/models")
     async def models() -> list[dict[str, object]]:
         return await admin.list()
+
+    @router.get("/aliases")
+    async def aliases() -> list[dict[str, object]]:
+        return await admin.list_aliases()
 
     @router.post("/models/{name:path}/scale")
     async def scale(name: str, req: ScaleModel) -> dict[str, object]:

@@ -23,7 +23,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
 
 from policy.slo import ttft_slo
-from services.gateway import guides
+from services.gateway import fallbacks, guides
 from services.gateway.adapters import not_served
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -53,14 +53,13 @@ from shared.messages import (
     Guide,
     ModelRecord,
     NodeStatus,
-    Placement,
-    PlaceRequest,
     Rejected,
     SamplingParams,
     StreamEvent,
     TokenChunk,
 )
 from shared.registry import Registry
+from shared.routing_messages import Placement, PlaceRequest
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +114,14 @@ class Prepared:
 class Generation:
     """One admitted request on its engine: iterate `events()`, always `close()`."""
 
-    def __init__(self, gateway: Gateway, prepared: Prepared) -> None:
+    def __init__(self, gateway: Gateway, prepared: Prepared, max_wait_s: float | None = None) -> None:
         self.gw = gateway
         self.prepared = prepared
+        self.max_wait_s = max_wait_s
+        """Its cold-start budget, for its first placement (a resumed stream has begun)."""
+        self.placed: Placement | None = None
+        """Its first placement (a cold one says what the start cost it)."""
+        self.start_waited_s = 0.0
         self.request_id = uuid.uuid4().hex
         self.node_id = ""
         self.cold = False
@@ -166,6 +170,7 @@ class Generation:
                     not_on=not_on,
                     avoid=avoid,
                     wait_s=self._line_budget_s(),
+                    max_wait_s=self.max_wait_s if self.placed is None else None,
                 ),
                 Placement | Rejected,
                 timeout=self.gw.settings.placement_timeout_s,
@@ -173,6 +178,8 @@ class Generation:
             PLACEMENT_WAIT.observe(time.perf_counter() - t0)
             if isinstance(placement, Rejected):
                 raise TesseraError(placement.code, placement.message, retry_after_s=placement.retry_after_s)
+            if self.placed is None:
+                self.placed, self.start_waited_s = placement, time.perf_counter() - t0
             self.node_id, self.cold = placement.node_id, placement.cold_start
             self.gw.node_seen.setdefault(self.node_id, time.time())
             self._sub = await self.gw.bus.subscribe(subjects.token_stream(self.request_id))
@@ -439,8 +446,20 @@ class Gateway:
         return (await self.prepare_all(req))[0]
 
     async def prepare_all(self, req: ChatCompletionRequest | CompletionRequest) -> list[Prepared]:
-        """One `Prepared` per prompt (completions take a list), each to run `candidates()` times."""
-        record = await self.model(req.model)
+        """One `Prepared` per prompt (completions take a list), each to run `candidates()` times,
+        for the model that serves it: `req.model`, or of an alias's members (or `req.models`)
+        the one the scheduler chooses, sized by the first's tokens."""
+        records = await fallbacks.candidates(self.registry, req)
+        prepared = await self._prepare_for(req, records[0])
+        if len(records) > 1:
+            first = prepared[0]
+            timeout = self.settings.request_timeout_s
+            chosen = await fallbacks.choose(self.bus, records, first.prompt_tokens, first.params.max_tokens, timeout)
+            if chosen is not records[0]:
+                prepared = await self._prepare_for(req, chosen)
+        return prepared
+
+    async def _prepare_for(self, req: ChatCompletionRequest | CompletionRequest, record: ModelRecord) -> list[Prepared]:
         tok = await self.tokenizers.get(record.artifact)
         plan: ToolPlan | None = None
         if isinstance(req, ChatCompletionRequest):
@@ -471,7 +490,7 @@ class Gateway:
             if bad:
                 raise TesseraError(
                     ErrorCode.INVALID_REQUEST,
-                    f"token id {bad[0]} is outside the vocabulary of `{req.model}` ({vocab} tokens)",
+                    f"token id {bad[0]} is outside the vocabulary of `{record.name}` ({vocab} tokens)",
                     param="logit_bias",
                 )
         logprobs = req.logprob_count()
@@ -566,8 +585,8 @@ class Gateway:
         )
         return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params, tools=plan)
 
-    async def open(self, prepared: Prepared) -> Generation:
-        gen = Generation(self, prepared)
+    async def open(self, prepared: Prepared, max_wait_s: float | None = None) -> Generation:
+        gen = Generation(self, prepared, max_wait_s)
         try:
             await gen.open()
         except BaseException:

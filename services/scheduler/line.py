@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policy.scheduling import Decision, NoRoom
-from shared.messages import PlaceRequest
+from shared.routing_messages import PlaceRequest
 
 
 @dataclass

@@ -6,20 +6,19 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from policy import defrag, scheduling
+from policy import cold_budget, defrag, scheduling
 from policy.backoff import Backoff, Change
-from policy.multicast_groups import Groups
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
 from policy.scheduling import AwaitStart, NodeView, NoRoom, StartOn, StartUnderWay, UseNode
 from policy.slo import ttft_slo
-from services.scheduler import multicast
+from services.scheduler import routing
+from services.scheduler.casts import Casts
 from services.scheduler.line import Line
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
@@ -34,8 +33,6 @@ from shared.messages import (
     InstanceView,
     ModelRecord,
     NodeStatus,
-    Placement,
-    PlaceRequest,
     PreemptInstance,
     Rejected,
     RelocateAnswer,
@@ -44,10 +41,9 @@ from shared.messages import (
     ScaleOut,
     StartInstance,
     StopInstance,
-    Tier,
 )
-from shared.pipeline_messages import StageLayout
 from shared.registry import Registry
+from shared.routing_messages import ChooseModel, Placement, PlaceRequest
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +63,6 @@ LINE_WAITING = Gauge(
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
-PIPELINES = Counter(
-    "tessera_scheduler_pipelines_total",
-    "Scale-outs whose targets served the model as an execution pipeline before a replica was whole",
-)
 
 
 class SchedulerService:
@@ -79,11 +71,7 @@ class SchedulerService:
         self.bus = bus
         self.registry = registry
         self.nodes: dict[str, NodeView] = {}
-        self._groups = Groups(self.settings.multicast_group_s)
-        self._group_sent: dict[int, asyncio.Event] = {}
-        """Per scale-out group not yet sent, set once its multicast is ordered."""
-        self._multicasts: set[asyncio.Task[Any]] = set()
-        """Scale-outs' multicasts under way (`_multicast_to`)."""
+        self._casts = Casts(bus, settings, self.nodes, self._pipelined)
         # A heartbeat sent before our own last change of a node's view is stale: skip it.
         self._changed_at: dict[str, float] = {}
         self._last_placed: dict[tuple[str, str], float] = {}
@@ -99,7 +87,12 @@ class SchedulerService:
         """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
 
     async def start(self) -> None:
+        try:  # the load-time model of the scheduler before this one (cold-start budgets)
+            log.info("read %d cold starts back", await routing.read_back_starts(self.registry, self.perf))
+        except Exception:
+            log.exception("could not read the cold-start log: start predictions begin afresh")
         await self.bus.subscribe(subjects.place(), self.on_place, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.choose_model(), self.on_choose, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.cluster_status(), self.on_status, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.scale_out(), self.on_scale_out, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.relocatable(), self.on_relocatable, queue=subjects.SCHEDULER_QUEUE)
@@ -156,6 +149,7 @@ class SchedulerService:
                         resident=tuple(sorted(n.resident)),
                         reusable=tuple(sorted(n.reusable.items())),
                         core_build_s=n.core_build_s,
+                        prewarmed=n.prewarmed,
                     )
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),
@@ -170,7 +164,8 @@ class SchedulerService:
             # Until the instance is ready: placement adds the prefill (and the first token of a
             # start ordered ahead of demand comes whenever its first request does).
             p = event.phases
-            self.perf.start(record.artifact.artifact_id, p.load_s + p.profile_s, spawn_s=p.init_s)
+            aid, size = record.artifact.artifact_id, record.artifact.weight_bytes
+            self.perf.start(aid, p.load_s + p.profile_s, spawn_s=p.init_s, weight_bytes=size)
         await self.registry.record_cold_start(event)
 
     async def on_scale_out(self, msg: Msg) -> None:
@@ -215,6 +210,19 @@ class SchedulerService:
         except TesseraError as e:
             reply = Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
         PLACEMENTS.labels(type(reply).__name__).inc()
+        await self.bus.reply(msg, reply)
+
+    async def on_choose(self, msg: Msg) -> None:
+        """Which of an alias's members serves a request (`routing.choose`); an unexpected
+        error is answered by the bus (`Bus.subscribe`)."""
+        reply = await routing.choose(
+            decode(msg.data, ChooseModel),
+            self.registry,
+            self._view(time.time()),
+            self._profiles(),
+            node_timeout_s=self.settings.node_timeout_s,
+            max_active_per_instance=self.settings.max_active_per_instance,
+        )
         await self.bus.reply(msg, reply)
 
     def _profiles(self) -> dict[str, Profile]:
@@ -350,15 +358,39 @@ class SchedulerService:
             case UseNode(node_id):
                 return Placement(request_id=req.request_id, node_id=node_id, cold_start=False)
             case AwaitStart(node_id) | StartOn(node_id):
+                if (refused := self._over_budget(req, record, node_id)) is not None:
+                    self._begin_start(record, node_id)  # the start goes ahead: the retry finds it warm
+                    live = scheduling.live_nodes(self._view(time.time()), time.time(), self.settings.node_timeout_s)
+                    warm = cold_budget.warm_instead(req.model, live, self.settings.max_active_per_instance)
+                    if warm is None:
+                        return refused
+                    self._note_placed(warm, req)  # late on a running instance rather than cold
+                    return Placement(request_id=req.request_id, node_id=warm, cold_start=False)
                 ready = await self._ensure_started(record, node_id)
                 if isinstance(ready, Rejected):
                     return ready
                 self._note_placed(ready.node_id, req)
-                return Placement(request_id=req.request_id, node_id=ready.node_id, cold_start=True)
+                p = ready.phases
+                return Placement(
+                    request_id=req.request_id,
+                    node_id=ready.node_id,
+                    cold_start=True,
+                    start_source=ready.source,
+                    start_s=p.init_s + p.load_s + p.profile_s,
+                )
             case Rejected():
                 log.debug("refused %s: %s", req.request_id, decision.message, extra={"model": req.model})
                 return decision
         raise AssertionError(decision)
+
+    def _over_budget(self, req: PlaceRequest, record: ModelRecord, node_id: str) -> Rejected | None:
+        now = time.time()
+        node = next((n for n in self._view(now) if n.node_id == node_id), None)
+        under_way = self._starts.get((record.name, node_id))
+        profile = self._profiles().get(record.name)
+        start = under_way[0] if under_way is not None else None
+        guess = self.settings.start_guess_s
+        return routing.over_budget(req, record, node, start, self.perf, profile, guess, now)
 
     async def _preempt(self, node_id: str, victims: tuple[str, ...], for_model: str, why: str) -> None:
         """Order the engine to preempt `victims` for `for_model` (LLM-Mesh §7.1); their
@@ -424,7 +456,7 @@ class SchedulerService:
         """Start the model on several nodes at once, its blob brought to all of them along one
         PipeCast plan (each target forwards blocks to the next while it receives them)."""
         if self.settings.multicast_scale_out:
-            await self._multicast_to(record, node_ids)
+            await self._casts.to(record, node_ids)
         for node_id in node_ids:
             self._begin_start(record, node_id, multicast=False)
 
@@ -454,7 +486,9 @@ class SchedulerService:
     async def _start(self, record: ModelRecord, node_id: str, multicast: bool = True) -> InstanceReady | Rejected:
         log.info("cold start of %s on %s", record.name, node_id, extra={"model": record.name})
         if multicast and self.settings.multicast_scale_out:
-            await self._grouped_multicast(record, node_id)
+            await self._casts.grouped(record, node_id)
+        view = self.nodes.get(node_id)
+        resident = view is not None and record.artifact.artifact_id in view.resident
         try:
             ready = await self.bus.request(
                 subjects.engine_start(node_id),
@@ -465,6 +499,8 @@ class SchedulerService:
         except TesseraError as e:
             return Rejected(code=e.code, message=e.message, retry_after_s=e.retry_after_s)
         if isinstance(ready, InstanceReady):
+            if not ready.source:  # an engine that does not say: the view's guess
+                ready = msgspec.structs.replace(ready, source="resident" if resident else "load")
             now = time.time()
             self._set_instance(
                 node_id,
@@ -473,77 +509,12 @@ class SchedulerService:
             )
         return ready
 
-    async def _grouped_multicast(self, record: ModelRecord, node_id: str) -> None:
-        """A scale-out's blob, in the group of this model's scale-outs that begin within
-        `multicast_group_s` (`policy.multicast_groups`): the first waits the window out and
-        orders one plan for the group; the others wait for that order before their start asks
-        its loader for a stage (which then waits for the blocks)."""
-        model = record.name
-        if not any(model in view.instances for n, view in self.nodes.items() if n != node_id):
-            return  # a first start: nobody to fetch from, nothing to wait for
-        joined = self._groups.join(model, node_id, time.monotonic())
-        if joined.opened:
-            sent = self._group_sent[joined.group] = asyncio.Event()
-            try:
-                await asyncio.sleep(max(0.0, self._groups.due(joined.group) - time.monotonic()))
-                await self._multicast_to(record, self._groups.close(joined.group))
-            finally:
-                sent.set()
-                del self._group_sent[joined.group]
-        else:
-            await self._group_sent[joined.group].wait()
-
-    async def _multicast_to(self, record: ModelRecord, node_ids: list[str]) -> None:
-        """A scale-out: the new nodes' loaders fetch the blob from the loaders of the nodes
-        running the model (FaaScale §4-5), all of them along one plan. Sent before the starts,
-        not waited for: each loader makes its start's stage wait for the blocks (or read the
-        store if they fail)."""
-        running = [n for n, view in self.nodes.items() if record.name in view.instances and n not in node_ids]
-        if not running:
-            return
-        for order in await multicast.order(self.bus, record, node_ids, running):
-            shape = None
-            if order.multicast.tier == Tier.TORCH and len(order.nodes) > 1 and self.settings.pipeline_max_stages:
-                # Every stage needs the checkpoint's small files and header: they go first.
-                shape = await multicast.layout(self.bus, order.nodes[0], order)
-                if shape is not None:
-                    order = dataclasses.replace(
-                        order, multicast=msgspec.structs.replace(order.multicast, lead=shape.lead)
-                    )
-            for node_id in order.nodes:  # each target derives the same plan and carries out its part
-                self._track(
-                    asyncio.create_task(
-                        multicast.send(self.bus, order.multicast, node_id, self.settings.start_timeout_s)
-                    )
-                )
-            if shape is not None:
-                self._track(asyncio.create_task(self._pipeline(record, order, shape)))
-        await asyncio.sleep(0)  # its orders go out ahead of the starts
-
-    def _track(self, task: asyncio.Task[Any]) -> None:
-        """Keep a multicast's task from the collector until it is done."""
-        self._multicasts.add(task)
-        task.add_done_callback(self._multicasts.discard)
-
-    async def _pipeline(self, record: ModelRecord, order: multicast.Order, shape: StageLayout) -> None:
-        """Serve the model from the scale-out's targets before any holds it whole (FaaScale
-        §4.3): the pipeline's first node then counts as running it."""
-        try:
-            ready = await multicast.pipeline(
-                self.bus, record, order, shape, self.settings.pipeline_max_stages, self.settings.start_timeout_s
-            )
-        except Exception:  # the starts go on as they would have; the operator's log says why
-            log.exception("the pipeline of %s's scale-out failed", record.name, extra={"model": record.name})
-            return
-        if ready is None:
-            return
-        PIPELINES.inc()
-        view = self.nodes.get(ready.node_id)
-        if view is None or record.name not in view.instances:  # its heartbeat may have said so first
+    def _pipelined(self, node_id: str, model: str) -> None:
+        """A scale-out's pipeline serves `model` from `node_id`: it counts as running it there."""
+        view = self.nodes.get(node_id)
+        if view is None or model not in view.instances:  # its heartbeat may have said so first
             now = time.time()
-            self._set_instance(
-                ready.node_id, record.name, InstanceView(model=record.name, active=0, last_used=now, loaded_at=now)
-            )
+            self._set_instance(node_id, model, InstanceView(model=model, active=0, last_used=now, loaded_at=now))
 
     # --- keep-alive ---------------------------------------------------------------------------
 

@@ -13,6 +13,9 @@ class SchedulerSettings(CommonSettings):
     """Requests running or queued on one instance before new ones are turned away (429): the
     continuous-batching core's `max_num_seqs` (`services/engine/core.py`)."""
     keep_alive_check_s: float = 0.25
+    start_guess_s: float = 5.0
+    """A start's predicted seconds where no start of any model was measured yet (a request's
+    cold-start budget is judged against it: `policy.cold_budget`)."""
     reject_over_slo: float | None = None
     """Admission: refuse a request predicted to get its first token more than this many TTFT
     SLOs late (429 with Retry-After) instead of queueing it; unset: queue every request the

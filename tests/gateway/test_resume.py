@@ -28,11 +28,10 @@ from shared.messages import (
     Generate,
     GenerateAccepted,
     ModelRecord,
-    Placement,
-    PlaceRequest,
     SamplingParams,
     TokenChunk,
 )
+from shared.routing_messages import Placement, PlaceRequest
 
 
 @dataclass

@@ -43,14 +43,13 @@ from shared.messages import (
     Failed,
     Generate,
     GenerateAccepted,
-    Placement,
-    PlaceRequest,
     Rejected,
     Reserve,
     ReserveResult,
     SamplingParams,
 )
 from shared.registry import Registry
+from shared.routing_messages import Placement, PlaceRequest
 
 LIMIT_S = 60.0
 """Each request's own timeout, a bound on a hang: a request nobody answered fails with "no reply

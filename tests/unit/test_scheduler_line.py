@@ -23,11 +23,10 @@ from shared.messages import (
     ModelRecord,
     NodeStatus,
     PerfReport,
-    Placement,
-    PlaceRequest,
     Rejected,
 )
 from shared.registry import Registry
+from shared.routing_messages import Placement, PlaceRequest
 
 RECORD = ModelRecord(
     name="m",
