@@ -90,7 +90,9 @@ class Starts:
         name = req.model.name
         if (inst := self.node.instances.get(name)) is not None:
             zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded.loaded_from_cache
-            return InstanceReady(node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached)
+            return InstanceReady(
+                node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached, source="resident"
+            )
         if name not in self.node.starting:  # else a second start of the same model waits for the first
             start = self.node.starting[name] = asyncio.ensure_future(self._cold_start(req))
             start.add_done_callback(lambda _: self.node.starting.pop(name))
@@ -113,14 +115,19 @@ class Starts:
             raise
         t3 = time.monotonic()
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
-        self.node.serve(record, bound, kv, PendingColdStart(t0, phases, "resident" if hit else bound.source))
+        source = "resident" if hit else bound.source
+        self.node.serve(record, bound, kv, PendingColdStart(t0, phases, source))
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
         log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
         if not bound.loaded.loaded_from_cache:
             log.warning("%s was compiled at start: its materialized blob is missing", record.name)
         return InstanceReady(
-            node_id=self.node.id, model=record.name, phases=phases, loaded_from_cache=bound.loaded.loaded_from_cache
+            node_id=self.node.id,
+            model=record.name,
+            phases=phases,
+            loaded_from_cache=bound.loaded.loaded_from_cache,
+            source=source,
         )
 
     async def _materialized(self, record: ModelRecord) -> None:
