@@ -154,4 +154,5 @@ class Pipelines:
             model=name,
             phases=ColdStartPhases(init_s=0.0, load_s=time.monotonic() - t0, profile_s=0.0),
             loaded_from_cache=True,
+            source="pipeline",
         )
