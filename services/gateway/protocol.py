@@ -306,8 +306,9 @@ class ModelCard(BaseModel):
     # tree (its base for an adapter, itself for a base; vLLM names its path there).
     root: str | None = None
     parent: str | None = None
-    fallbacks: list[str] | None = None
-    """An alias's members, in order (Tessera's extension; absent for a model)."""
+    fallbacks: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """An alias's members, in order (Tessera's extension; absent for a model, where `parent`
+    and `root` are null as vLLM's are)."""
 
 
 class ModelList(BaseModel):

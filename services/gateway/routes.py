@@ -50,13 +50,13 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     handle_errors(app)
 
     # Models, then aliases (their members as `fallbacks`, Tessera's extension field).
-    @app.get("/v1/models", response_model_exclude_none=True)
+    @app.get("/v1/models")
     async def list_models(who: Caller) -> ModelList:
         cards = await model_cards(gateway.registry, who)
         cards += [alias_card(a) for a in await gateway.registry.aliases() if who.may_use(a.name)]
         return ModelList(data=cards)
 
-    @app.get("/v1/models/{name:path}", response_model_exclude_none=True)
+    @app.get("/v1/models/{name:path}")
     async def get_model(name: str, who: Caller) -> ModelCard:
         check_model(who, name)
         if (adapter := await gateway.registry.get_adapter(name)) is not None:

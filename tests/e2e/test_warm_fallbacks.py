@@ -18,7 +18,9 @@ from ops import cli
 from ops.localcluster import LocalCluster
 from tests.helpers.cluster import register
 
-COLD_HEADER = re.compile(r"source=(resident|arena|host|store|pipeline); seconds=[0-9]+\.[0-9]{2}; waited=[0-9]+\.[0-9]{2}")
+COLD_HEADER = re.compile(
+    r"source=(resident|arena|host|store|pipeline); seconds=[0-9]+\.[0-9]{2}; waited=[0-9]+\.[0-9]{2}"
+)
 HI = [{"role": "user", "content": "Hi"}]
 
 
