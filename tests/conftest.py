@@ -11,8 +11,10 @@ from typing import Any
 import openai
 import pytest
 
-from ops.localcluster import DEFAULT_MODEL_NAME, SERVICES, LocalCluster
+from ops.localcluster import DEFAULT_MODEL_NAME, SERVICES, LocalCluster, default_model_path
+from shared.artifact import TORCH_MANIFEST
 from tests.helpers.cluster import on_the_core
+from tests.helpers.torch_threads import one_torch_thread
 
 # The suite calls the API as any OpenAI client would, with api_key="unused": clusters run with
 # auth off unless a test asks for it (tests/e2e/test_auth.py). The environment default also
@@ -108,6 +110,35 @@ def auth_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) ->
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def torch_checkpoint_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's GGUF materialized once into a float32 torch checkpoint (the host's
+    dtype), for the tests that run the torch engine without a cluster. Writing one takes about
+    20 s of both cores, so the suite's workers share it: the first writes it (renamed into place
+    whole), the others wait on the lock and read it. Tests only read it."""
+    import torch
+    from filelock import FileLock
+
+    from services.loader.torch_checkpoint import materialize_into
+
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker's base is a folder of the run's own: its parent is shared.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    dest = shared / "default-torch-f32"
+    with FileLock(f"{dest}.lock"):
+        if not (dest / TORCH_MANIFEST).is_file():
+            materialize_into(default_model_path(), dest, torch.float32)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def torch_on_one_thread() -> Iterator[None]:
+    """For a module that runs a torch model in the test process (`tests/helpers/torch_threads.py`
+    says why): `pytestmark = pytest.mark.usefixtures("torch_on_one_thread")`."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
