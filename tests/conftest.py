@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ from typing import Any
 import openai
 import pytest
 
-from ops.localcluster import DEFAULT_MODEL_NAME, SERVICES, LocalCluster
+from ops.localcluster import DEFAULT_MODEL_NAME, SERVICES, LocalCluster, default_model_path
+from tests.helpers.checkpoints import export_ir, make_tiny_checkpoint
 from tests.helpers.cluster import on_the_core
+from tests.helpers.torch_threads import one_torch_thread
 
 # The suite calls the API as any OpenAI client would, with api_key="unused": clusters run with
 # auth off unless a test asks for it (tests/e2e/test_auth.py). The environment default also
@@ -108,6 +111,59 @@ def auth_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) ->
         yield c
     finally:
         c.stop()
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """`build(dest)` run once for the whole run at `dest` (named `name`), and `dest`: the suite's
+    workers (pytest-xdist) share it, the first building it while the others wait on its lock.
+    For inputs that take seconds of both cores to make and that tests only read."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker's base is a folder of the run's own: its parent is shared.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    dest = shared / name
+    done = shared / f"{name}.done"
+    with FileLock(f"{dest}.lock"):
+        if not done.is_file():
+            shutil.rmtree(dest, ignore_errors=True)  # a worker that failed half-way
+            build(dest)
+            done.touch()
+    return dest
+
+
+@pytest.fixture(scope="session")
+def torch_checkpoint_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's GGUF materialized into a float32 torch checkpoint (the host's dtype),
+    for the tests that run the torch engine without a cluster (≈ 20 s of both cores a copy)."""
+    import torch
+
+    from services.loader.torch_checkpoint import materialize
+
+    return built_once(
+        tmp_path_factory, "default-torch-f32", lambda dest: materialize(default_model_path(), dest, torch.float32)
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tests/helpers/checkpoints.py`'s tiny Hugging Face checkpoint (seeded: the same weights
+    wherever it is made)."""
+    return built_once(tmp_path_factory, "tiny-checkpoint", make_tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_ir_int8(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """The tiny checkpoint exported by the loader's exporter at int8."""
+    return built_once(tmp_path_factory, "tiny-ir-int8", lambda dest: export_ir(tiny_checkpoint, dest, "int8"))
+
+
+@pytest.fixture(scope="module")
+def torch_on_one_thread() -> Iterator[None]:
+    """For a module that runs a torch model in the test process (`tests/helpers/torch_threads.py`
+    says why): `pytestmark = pytest.mark.usefixtures("torch_on_one_thread")`."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -28,20 +28,19 @@ import httpx
 import pytest
 
 from ops.localcluster import LocalCluster, default_model_path
-from tests.helpers.checkpoints import export_ir, make_tiny_checkpoint
 from tests.helpers.cluster import register
 
 PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hf-checkpoint"))
+def hf_checkpoint(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def ir_dir(tmp_path_factory: pytest.TempPathFactory, hf_checkpoint: Path) -> Path:
-    return export_ir(hf_checkpoint, tmp_path_factory.mktemp("ir"), "int8")
+def ir_dir(tiny_ir_int8: Path) -> Path:
+    return tiny_ir_int8
 
 
 def _greedy(cluster: LocalCluster, model: str) -> str:

@@ -5,6 +5,7 @@ loader killed mid-transfer routed around."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import threading
@@ -343,16 +344,20 @@ def test_a_start_waiting_for_a_failed_multicast_reads_the_store(
 
 
 def test_a_torch_checkpoint_moves_along_the_same_plan(
-    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]]
+    loaders: LocalCluster, model: tuple[Artifact, BlockSet, dict[str, str]], request: pytest.FixtureRequest
 ) -> None:
     """What a torch node's starts load (`Tier.TORCH`: the checkpoint's directory, several
     files as one block set) is cached and multicast like a blob: every file arrives whole."""
-    torch = pytest.importorskip("torch", reason="writing a torch checkpoint needs torch")
-    from services.loader.torch_checkpoint import materialize_into
+    pytest.importorskip("torch", reason="writing a torch checkpoint needs torch")
 
     artifact, _, addr = model
-    if not has_torch_checkpoint(artifact):  # a torch node's registration writes it
-        materialize_into(default_model_path(), torch_checkpoint(artifact), torch.float32)
+    if not has_torch_checkpoint(artifact):  # a torch node's registration writes it (float32 here)
+        # The run's copy of the default model's checkpoint (materialized once for the run),
+        # renamed into place whole as the loader does.
+        made: Path = request.getfixturevalue("torch_checkpoint_f32")
+        tmp = torch_checkpoint(artifact).with_name(".torch-copy")
+        shutil.copytree(made, tmp)
+        tmp.rename(torch_checkpoint(artifact))
     bs = block_set(artifact, DEVICE, Tier.TORCH)
     assert len(bs.files) > 1 and bs.blocks > 8
     targets = ["node-1", "node-2"]

@@ -20,11 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cuda_ext import TensorArena
-from ops.localcluster import default_model_path
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
 from services.engine.torch_engine.stage_wire import PipelineBatch, StageServer
 from services.engine.torch_engine.stages import LayerRange, Stage
-from services.loader.torch_checkpoint import materialize
 from shared.messages import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -47,9 +45,12 @@ def serve_stage(checkpoint: str, r: LayerRange, conn: Connection) -> None:
         pass
 
 
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize(default_model_path(), tmp_path_factory.mktemp("torch") / "smol", dtype=torch.float32)
+def checkpoint(torch_checkpoint_f32: Path) -> Path:
+    return torch_checkpoint_f32
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +101,11 @@ def generate(addrs: list[str], prompt: list[int], params: SamplingParams, engine
         batch.close()
 
 
-def test_two_stages_serve_the_default_model_as_the_whole_model_does(
+def test_two_stages_serve_the_default_model_as_the_whole_model_does_and_one_that_dies_fails_it_by_name(
     stages: list[tuple[str, int, multiprocessing.Process]], engine: TorchEngine, checkpoint: Path
 ) -> None:
+    """One pair of stage processes for both halves (each stage is a spawned interpreter that
+    imports torch and loads its range): first they serve, then the last one is killed."""
     addrs = [addr for addr, _, _ in stages]
     specs = read_manifest(checkpoint)
     whole = sum(s.nbytes for s in specs)
@@ -125,12 +128,8 @@ def test_two_stages_serve_the_default_model_as_the_whole_model_does(
     sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
     assert generate(addrs, prompt, sampled, engine) == ([t for t, _ in engine.steps(prompt, sampled)], "")
 
-
-def test_a_stage_that_dies_fails_the_generation_by_name(
-    stages: list[tuple[str, int, multiprocessing.Process]], engine: TorchEngine
-) -> None:
-    addrs = [addr for addr, _, _ in stages]
+    # A stage that dies fails the next generation with a named error instead of hanging it.
     stages[1][2].kill()
     stages[1][2].join(10)
-    tokens, error = generate(addrs, engine.chat_ids(QUESTION), SamplingParams(max_tokens=4), engine)
+    tokens, error = generate(addrs, prompt, SamplingParams(max_tokens=4), engine)
     assert tokens == [] and "StageFailed" in error and addrs[1] in error

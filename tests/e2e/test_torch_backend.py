@@ -8,6 +8,7 @@ resident."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -33,8 +34,9 @@ from services.gateway.tokenizers import Tokenizers
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint, torch_tensor_bytes
 from shared.messages import Artifact
 from tests.conftest import start_cluster
-from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.cluster import cold_starts, engine_workers, loaded_models, metric, register, wait_for
+
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")  # transformers' reference runs here
 
 NAME = "smollm-torch"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -65,6 +67,9 @@ def torch_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -
         TESSERA_ENGINE_BACKEND="torch",
         TESSERA_TORCH_ARENA_BYTES=str(ARENA_BYTES),
         TESSERA_MEMORY_WAIT_S="2",  # a start the arena cannot take is refused soon
+        # A torch worker's intra-op pool at one thread: at two, beside the suite's other worker
+        # on two cores, its OpenMP barriers wait on descheduled threads (tests/helpers/torch_threads.py).
+        TESSERA_INFERENCE_THREADS="1",
     )
     try:
         yield c
@@ -96,11 +101,17 @@ def gateway_prompt_ids(artifact: Artifact) -> list[int]:
 
 def transformers_greedy(checkpoint: Path, prompt: list[int]) -> tuple[str, int, str]:
     """transformers' own greedy completion of `prompt` from the checkpoint: its text, its
-    tokens and its finish reason (an end-of-turn token is not part of the completion)."""
+    tokens and its finish reason (an end-of-turn token is not part of the completion). Worked
+    out once per checkpoint and prompt: the tests of the default model's artifact share it."""
+    return _transformers_greedy(checkpoint, tuple(prompt))
+
+
+@functools.cache
+def _transformers_greedy(checkpoint: Path, prompt: tuple[int, ...]) -> tuple[str, int, str]:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=MAX_TOKENS, do_sample=False)
     ids = out[0, len(prompt) :].tolist()
     ends = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     finish = "length"
@@ -396,12 +407,12 @@ def test_a_model_the_arena_has_no_room_for_stops_idle_ones_and_copies_only_its_o
 
 
 def test_a_torch_node_serves_a_hugging_face_checkpoint_as_transformers_does(
-    torch_cluster: LocalCluster, client: openai.OpenAI, tmp_path: Path
+    torch_cluster: LocalCluster, client: openai.OpenAI, tiny_checkpoint: Path
 ) -> None:
     """A Hugging Face checkpoint directory registered on a torch node is loaded as it is (its
     tensors in the node's dtype, no conversion to another format): greedy text is transformers'
     own on the checkpoint directory the user gave."""
-    checkpoint = make_tiny_checkpoint(tmp_path / "tiny")
+    checkpoint = tiny_checkpoint
     record = register(torch_cluster, "torch-hf", keep_alive_s=1.0, source=str(checkpoint))
     hf_artifact = msgspec.convert(record["artifact"], Artifact)
     assert hf_artifact.source_format == "hf"

@@ -19,20 +19,21 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cuda_ext import TensorArena
-from ops.localcluster import default_model_path
 from services.engine.torch_engine.batching import STEP_TOKENS, ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine, read_manifest
 from services.engine.torch_engine.guides import GuideError
-from services.loader.torch_checkpoint import materialize
 from shared.messages import FinishReason, Guide, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(torch_checkpoint_f32: Path) -> Path:
     # float32: the host's matmuls (bf16 has no fast path on this CPU).
-    return materialize(default_model_path(), tmp_path_factory.mktemp("torch") / "smol", dtype=torch.float32)
+    return torch_checkpoint_f32
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
+def checkpoint(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint
 
 
 def _reference(checkpoint: Path) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -94,9 +94,10 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_the_int8_export_is_within_its_quantization_error(checkpoint: Path, tmp_path: Path) -> None:
+def test_the_int8_export_is_within_its_quantization_error(checkpoint: Path, tiny_ir_int8: Path) -> None:
+    """The int8 export is the one tests/e2e/test_formats.py registers (made once for the run)."""
     ids, prefill, step = _reference(checkpoint)
-    got_prefill, got_step = _ir_logits(export_ir(checkpoint, tmp_path / "ir", "int8"), ids, int(prefill[-1].argmax()))
+    got_prefill, got_step = _ir_logits(tiny_ir_int8, ids, int(prefill[-1].argmax()))
     assert got_prefill.shape == prefill.shape
     for got, want in (*zip(got_prefill, prefill, strict=True), (got_step, step)):
         # Above the f32 export's error: the weights were compressed, not kept as they are.

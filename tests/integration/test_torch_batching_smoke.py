@@ -5,6 +5,7 @@ GPU run, bfloat16) does not fail on a mistake found here."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ def test_a_small_run_measures_both_sides_for_every_crowd(tmp_path: Path) -> None
     proc = subprocess.run(
         [sys.executable, "-m", "bench.torch_batching", "--crowds", "1,2", "--tokens", "3", "--out", str(tmp_path)],
         cwd=ROOT,
+        # torch on one intra-op thread (tests/helpers/torch_threads.py says why): the ratios it
+        # writes are the benchmark's business on its own machine, this run checks its plumbing.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
