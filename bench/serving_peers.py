@@ -269,7 +269,7 @@ def run_pipeline(
 def bench_pipeline(ir: Path, levels: list[int], duration_s: float, mixed_run: bool = True) -> Measured:
     """A fresh process per run (each level, then with `mixed_run` the mixed run alone and with
     the long request)."""
-    kv_clients = max(64, *levels)  # one KV size for every run, as one server would have
+    kv_clients = max([64, *levels])  # one KV size for every run, as one server would have
     out: dict[str, Any] = {}
     config: dict[str, Any] = {}
     for c in levels:
