@@ -2,7 +2,7 @@
 materialization costs against a bare llama.cpp start and the engine library in one process.
 
     python -m bench.models [--sizes smollm2-135m smollm2-1.7b llama3-8b] [--trials 2]
-        [--duration 15] [--hf-sizes smollm2-135m smollm2-1.7b] [--out bench/results]
+        [--duration 15] [--hf-sizes smollm2-135m smollm2-1.7b] [--out bench/results] [--merge]
 
 Per size (the real SmolLM2-135M, and random-weight models of SmolLM2-1.7B's and Llama-3-8B's
 shape with the real tokenizer: `bench/shaped_models.py`), one run, in this order:
@@ -128,8 +128,10 @@ def cold_trials(client: Client, model: str, artifact_id: str, trials: int) -> di
             client.wait_scaled_to_zero(model)
             if tier == "resident":
                 out["resident_when_idle"].append(artifact_id in client.node().get("resident", ()))
-            if drop:
+            if drop and artifact_id in client.node().get("resident", ()):
                 client.evict_until(artifact_id, {"tier": drop})
+            elif drop:  # not kept resident (a model the node could not hold idle): the caches below
+                client.http.post("/admin/cache/evict", params={"tier": drop}, timeout=30).raise_for_status()
             res = client.greedy(model, COLD_TOKENS)
             record = client.cold_start_after(model, res["sent_wall"])
             runs.append({"ttft_s": res["ttft_s"], "decode_tok_s": res["decode_tok_s"], "source": record.get("source")})
@@ -257,7 +259,9 @@ def size_result(size: str, gguf: Path, t: dict[str, Any], ll: dict[str, Any], pl
             "pipeline": pl["levels"]["8"]["tok_s"],
             "llamacpp": ll["levels"]["8"]["tok_s"],
         },
-        "resident_when_idle": all(t["cold"]["resident_when_idle"]),
+        # Kept resident when idle: its starts after a scale to zero found its weights loaded
+        # (the heartbeat's resident list may trail the scale to zero: the record is direct).
+        "resident_when_idle": all(r["source"] == "resident" for r in t["cold"]["resident"]),
         "start_tier": t["artifact"].get("start_tier"),
         "weight_format": t["artifact"].get("weight_format"),
         "forms": {f: {k: v for k, v in d.items() if k != "text"} for f, d in t["forms"].items()},
@@ -351,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2, help="cold starts per tier, and llama.cpp starts")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds each c=1 / c=8 load runs")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    ap.add_argument("--merge", action="store_true", help="add this run's sizes to the existing models.json")
     args = ap.parse_args(argv)
     if args.hf_sizes and importlib.util.find_spec("transformers") is None:
         log("transformers is not installed (`pip install -e '.[hf]'`): the GGUF form only")
@@ -359,19 +364,32 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     sizes: dict[str, Any] = {}
     served: set[str] = set()
+    failed: dict[str, str] = {}
     for size in args.sizes:
         gguf = shaped_models.ensure(size)
-        with tempfile.TemporaryDirectory(prefix="tessera-models-") as home:
-            t = tessera(size, gguf, Path(home), args)
-            ll = llamacpp(gguf, args)
-            pl = pipeline(Path(t["artifact"]["path"]), args)
+        try:
+            with tempfile.TemporaryDirectory(prefix="tessera-models-") as home:
+                t = tessera(size, gguf, Path(home), args)
+                ll = llamacpp(gguf, args)
+                pl = pipeline(Path(t["artifact"]["path"]), args)
+        except Exception as e:  # one size failing leaves the others' results
+            log(f"{size} failed: {type(e).__name__}: {e}")
+            failed[size] = f"{type(e).__name__}: {e}"
+            continue
         sizes[size] = size_result(size, gguf, t, ll, pl)
         served |= set(t["forms"])
         log(f"{size}: {json.dumps(sizes[size]['ratios'])}")
+    out_json = args.out / "models.json"
+    if args.merge and out_json.exists():  # the sizes of an earlier run, this run's replacing theirs
+        earlier = json.loads(out_json.read_text())
+        sizes = {**earlier.get("sizes", {}), **sizes}
+        served |= set(earlier.get("formats_served", ()))
+        failed = {k: v for k, v in {**earlier.get("failed", {}), **failed}.items() if k not in sizes}
     res = {
         "formats_served": sorted(served),
         "sizes": sizes,
         "targets": targets(sizes),
+        "failed": failed,
         "threads": THREADS,
         "trials": args.trials,
         "duration_s": args.duration,
@@ -380,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench_wall_s": time.perf_counter() - started,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "models.json").write_text(json.dumps(res, indent=2) + "\n")
+    out_json.write_text(json.dumps(res, indent=2) + "\n")
     plot(res, args.out / "models.png")
     print(json.dumps(res, indent=2))
     return 0
