@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import openvino as ov
 
-from services.engine.batch_types import Batch, Step
+from services.engine.batch_types import Step
 from services.engine.core import check_prompt
 from services.engine.sampling import Sampler, token_logprob
 from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
@@ -126,7 +126,7 @@ def vocab_size(compiled: ov.CompiledModel) -> int:
     return int(compiled.output("logits").get_partial_shape()[-1].get_length())
 
 
-class StartBatch(Batch):
+class StartBatch:
     """The stateful tier as a `Batch`. `compiled`: the model (its infer request's state is the
     running batch's KV cache); `kv_tokens`: the positions a batch may hold (one context, or a
     request's grown reservation); `join_recompute_tokens`: see `joinable`. A failed pass fails
@@ -169,6 +169,20 @@ class StartBatch(Batch):
     @property
     def waited(self) -> float:
         return self._turns.waited
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def set_threads(self, threads: int) -> None:
+        """Its threads are fixed when it is compiled."""
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        return 0  # nothing on a GPU
 
     def add(
         self,

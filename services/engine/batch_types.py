@@ -66,8 +66,8 @@ def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool
 class Batch(Protocol):
     """It makes tokens only: text, stop strings, chunking and `Done`'s figures are the loop's.
     `steps` reports each request's end once (`finish`, or `error`: it alone failed); `cancel`
-    of a request it no longer holds does nothing. A batch that declares it implements this
-    (PEP 544) takes the defaults below: alive, threads fixed when compiled, nothing on a GPU."""
+    of a request it no longer holds does nothing. Batches implement it structurally (no
+    engine class subclasses it)."""
 
     @property
     def active(self) -> int: ...

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.engine.batch_types import Batch, Step
+from services.engine.batch_types import Step
 from services.engine.sampling import is_greedy
 from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
 from shared.messages import FinishReason, SamplingParams, TokenLogprob
@@ -136,7 +136,7 @@ class _Request:
     generated: int = 0
 
 
-class CoreBatch(Batch):
+class CoreBatch:
     """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn at
     the gate. `kv_tokens`: the most a request may hold (the model's context). The worker's
     batch (`TieredBatch`) takes the gate's posting down when nothing is left to run."""
@@ -173,6 +173,12 @@ class CoreBatch(Batch):
     @property
     def kv_bytes(self) -> int:
         return int(self.pipeline.get_metrics().kv_cache_size_in_bytes)
+
+    def set_threads(self, threads: int) -> None:
+        """Its threads are fixed when it is compiled."""
+
+    def device_bytes(self) -> int:
+        return 0  # nothing on a GPU
 
     def add(
         self,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
-from services.engine.batch_types import Batch, Step
+from services.engine.batch_types import Step
 from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
 from services.engine.cpu_share import trim_heap
 from services.engine.step_gate import TakeTurn, Turns, no_turn
@@ -82,7 +82,7 @@ class CoreFirst:
     vocab_size: int
 
 
-class TieredBatch(Batch):
+class TieredBatch:
     """The `Batch` of an OpenVINO worker. `loaded`: the start tier (on the start's share of
     threads), or `CoreFirst`; `reload`: the stateful tier loaded again (for requests that need
     the logits once it was let go); `threads`: the core's; `first_batch_done`: called once, when
@@ -157,6 +157,9 @@ class TieredBatch(Batch):
     @property
     def kv_bytes(self) -> int:
         return self.core.kv_bytes if self.core is not None else 0
+
+    def device_bytes(self) -> int:
+        return 0  # nothing on a GPU
 
     def add(
         self,
