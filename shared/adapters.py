@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.messages import TTFT_SLO_PER_TOKEN_S, Artifact, Message, ModelRecord
+from shared.messages import TTFT_SLO_PER_TOKEN_S, AdapterRef, Artifact, Message, ModelRecord
 
 ADAPTERS_DIR = "adapters"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -116,3 +116,16 @@ def read_manifest(directory: Path) -> AdapterArtifact | None:
         return msgspec.json.decode(path.read_bytes(), type=AdapterArtifact)
     except msgspec.DecodeError:
         return None
+
+
+def adapter_ref(record: AdapterRecord) -> AdapterRef:
+    """What a request for `record` carries to its base's engine."""
+    a = record.adapter
+    return AdapterRef(
+        name=record.name,
+        adapter_id=a.adapter_id,
+        path=a.path,
+        scale=a.scale,
+        nbytes=a.nbytes,
+        keep_alive_s=record.keep_alive_s,
+    )

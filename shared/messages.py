@@ -399,6 +399,21 @@ class SamplingParams(Message, frozen=True):
     """(token id, bias added to its logit): OpenAI's, -100 bans and 100 forces a token."""
 
 
+class AdapterRef(Message, frozen=True):
+    """The LoRA adapter a request runs with (issue 34; `shared.adapters` holds its records):
+    enough for its base's engine to load it (`path`, `scale`), book it (`nbytes`) and drop it
+    when idle (`keep_alive_s`) without reading the registry."""
+
+    name: str
+    """The adapter's registered name (what the caller asked for)."""
+    adapter_id: str
+    path: str
+    """`AdapterArtifact.path`: its kept directory in the store."""
+    scale: float
+    nbytes: int
+    keep_alive_s: float
+
+
 class Generate(Message, frozen=True):
     request_id: str
     model: str
@@ -409,6 +424,8 @@ class Generate(Message, frozen=True):
     prompt_tokens: int
     params: SamplingParams
     stream_subject: str
+    adapter: AdapterRef | None = None
+    """Set where the caller named an adapter: `model` is then its base."""
 
 
 class GenerateAccepted(Message, frozen=True):
