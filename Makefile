@@ -66,7 +66,7 @@ bench: install
 
 # The compose cluster for real (Docker engine and compose v2 plugin; skips where no engine can
 # run): build, up, register the default model, chat, crash the engine, down.
-# Writes bench/results/compose-check.json; see deploy/README.md.
+# Writes deploy/compose-check.json; see deploy/README.md.
 compose-check:
 	$(PYTHON) deploy/compose-check
 

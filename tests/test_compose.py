@@ -5,7 +5,7 @@ checked against what the code says: every `services/<name>/__main__.py` is a ser
 compose entry running it, with a healthcheck on its own /readyz, started once NATS and Valkey are
 healthy. Where the `docker compose` CLI plugin is installed, `docker compose config` (which needs
 no engine) checks the file against the Compose specification as well. `deploy/compose-check`
-runs the cluster for real where a Docker engine can (bench/results/compose-check.json).
+runs the cluster for real where a Docker engine can (deploy/compose-check.json).
 """
 
 from __future__ import annotations

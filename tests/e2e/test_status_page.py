@@ -5,7 +5,7 @@ start as a bar stacked by phase, and the TTFT of a request made while it is open
 Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`,
 about 120 MB to download) and selenium from the `test` extra; skipped when the browser or its
 driver is missing. Selenium Manager is never used: it downloads drivers, and nothing can be
-downloaded here. The screenshot goes to bench/results/status_page.png when
+downloaded here. The screenshot goes to docs/status_page.png when
 TESSERA_WRITE_SCREENSHOT=1 (so that a test run leaves the tree clean), else to a temporary file.
 """
 
@@ -35,7 +35,7 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not in
 By = pytest.importorskip("selenium.webdriver.common.by").By
 StaleElementReferenceException = pytest.importorskip("selenium.common.exceptions").StaleElementReferenceException
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "status_page.png"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "status_page.png"
 PHASE_NAMES = {"init", "load", "profile", "prefill", "other"}
 PAGE_TIMEOUT_S = 30.0
 """The page polls every 2 s; a few polls at most, with room for a loaded 2-core machine."""
