@@ -45,7 +45,11 @@ library claims a block ahead for each chunk)."""
 
 
 @dataclass
-class _Sequence(Row):
+class _Sequence:
+    """A batch slot's request: its host `Row` (shared with the pipeline and the one-request path)
+    and what the batch keeps beside it."""
+
+    row: Row
     deadline: Callable[[int], float] = lambda _: math.inf
     error: str = ""
     """Its pick failed (on the library's thread): it fails alone at its next result."""
@@ -54,11 +58,12 @@ class _Sequence(Row):
 
     @property
     def ends(self) -> bool:
-        return self.finish is not None or bool(self.error)
+        return self.row.finish is not None or bool(self.error)
 
     @property
     def on_device(self) -> bool:
-        return self.guide is None and self.params.logprobs < 0 and self.sampler.plain
+        row = self.row
+        return row.guide is None and row.params.logprobs < 0 and row.sampler.plain
 
 
 class EngineSampling(ContinuousBatchingLogitsProcessor):
@@ -118,7 +123,7 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
             torch.set_num_threads(self.threads)
         sequences = [self.sequences.get(slot) for slot in self.slots]
         self.host_rows = [row for row, seq in enumerate(sequences) if seq is not None and not seq.on_device]
-        draws = [RowDraw.of(seq.sampler) if seq is not None and seq.on_device else GREEDY for seq in sequences]
+        draws = [RowDraw.of(seq.row.sampler) if seq is not None and seq.on_device else GREEDY for seq in sequences]
         fill_table(self.staging, draws)
         self.table.copy_(self.staging)  # waits for the copy: the step reads it on another stream
         self.branches = ALL if self.graphed else Branches.of(draws, self.vocab)
@@ -155,21 +160,21 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
         for row, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
             seq = self.sequences.get(slot)
             if seq is not None and row not in on_host:
-                seq.sampler.record(token)
-                seq.took(token)
+                seq.row.sampler.record(token)
+                seq.row.took(token)
 
     def _pick(self, slot: int, logits: npt.NDArray[np.float32]) -> int:
         seq = self.sequences.get(slot)
         if seq is None:  # cancelled since this step was formed: any token, it is dropped
             return int(logits.argmax())
         try:
-            return seq.pick(logits)
+            return seq.row.pick(logits)
         except Exception as e:  # this request fails (at its next result); the batch goes on
             seq.error = f"{type(e).__name__}: {e}"
             return int(logits.argmax())
 
     def _deadline(self) -> float:
-        going = [s.deadline(len(s.logprobs)) for s in list(self.sequences.values()) if not s.ends]
+        going = [s.deadline(len(s.row.logprobs)) for s in list(self.sequences.values()) if not s.ends]
         return min(going, default=math.inf)
 
     @contextmanager
@@ -320,9 +325,8 @@ class ContinuousBatcher:
             raise RuntimeError("the continuous batch has stopped")
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         slot = next(self._next_slot)
-        self.sampling.sequences[slot] = _Sequence(
-            params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide), deadline=deadline
-        )
+        row = Row(params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide))
+        self.sampling.sequences[slot] = _Sequence(row, deadline=deadline)
         self._slots[request_id] = slot
         self.manager.add_request(
             list(prompt_ids),
@@ -371,10 +375,10 @@ class ContinuousBatcher:
         finish = None
         if result.is_finished():  # `after_step` recorded how (before the library saw the token)
             self._forget(rid)
-            if seq.finish is FinishReason.STOP:
+            if seq.row.finish is FinishReason.STOP:
                 tokens.pop()  # the end of sequence ends it; it is not part of the text
-            finish = seq.finish or FinishReason.STOP
-        new = tuple(zip(tokens[seq.seen :], seq.logprobs[seq.seen :], strict=False))
+            finish = seq.row.finish or FinishReason.STOP
+        new = tuple(zip(tokens[seq.seen :], seq.row.logprobs[seq.seen :], strict=False))
         seq.seen = max(seq.seen, len(tokens))
         return Step(rid, new, finish)
 
