@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# A vLLM node's environment, `.venv-vllm` (README: vLLM nodes). vLLM pins FastAPI, pydantic and
+# A vLLM node's environment, `.venv-vllm` (docs/deploy.md: vLLM nodes). vLLM pins FastAPI, pydantic and
 # typer below this project's pins, so it gets a venv of its own: vLLM first, then this project
 # without its dependencies and those of them vLLM does not bring. Here vLLM's CPU build; on a
 # GPU machine `make vllm-env VLLM=vllm==0.33.0`.

@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 """The default model's recommended sampling (its model card's; its GGUF carries none): at the
-platform's 0.8 the 135M model rambles to the length cap on the README's "Say hello"."""
+platform's 0.8 the 135M model rambles to the length cap on `make up`'s curl line ("Say hello")."""
 
 
 def ephemeral_ports() -> range:

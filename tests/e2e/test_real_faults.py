@@ -6,7 +6,7 @@ clusters, the real model and the official client (issue 19, §3):
   that can never come);
 - resume and its cap: a request whose instance is preempted goes on on the other node from the
   text it had streamed, twice, and its client gets the whole completion, every token once; a
-  third preemption reaches the client as a 503 `preempted` (README: "A request moves at most
+  third preemption reaches the client as a 503 `preempted` (docs/operating.md: "A request moves at most
   twice"; `MAX_RESUMES` is a constant, not a setting). No node preempts one request three
   times on its own, so these preemptions are real `PreemptInstance` orders sent on the real
   bus to the real engines, each once the leg to preempt streams (the same order the scheduler

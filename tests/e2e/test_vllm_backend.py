@@ -4,7 +4,7 @@ worker on it (`services/engine/vllm_engine`), and the OpenAI API's parameters re
 
 vLLM pins versions the project's own environment does not take (FastAPI, llguidance), so it is
 not in the `test` extra: these tests run where a vLLM node's environment is installed (the
-README's "vLLM nodes"; here, vLLM's CPU build) and skip elsewhere, CI included.
+"vLLM nodes" in docs/deploy.md; here, vLLM's CPU build) and skip elsewhere, CI included.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.helpers.cluster import engine_workers, register
 
 # Looked up, not imported: the engine's workers import vLLM, not the tests.
 pytestmark = pytest.mark.skipif(
-    find_spec("vllm") is None, reason="vLLM is not installed in this environment (README: vLLM nodes)"
+    find_spec("vllm") is None, reason="vLLM is not installed in this environment (docs/deploy.md: vLLM nodes)"
 )
 
 NAME = "smollm-vllm"
