@@ -52,7 +52,7 @@ check: install
 # and the other worker runs meanwhile. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install check
-	$(PY) -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -ra --durations=20 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 unit: install
 	$(PY) -m pytest -q -m "not e2e and not integration"
