@@ -449,6 +449,25 @@ def test_external_nats_and_valkey_replace_the_bundled_ones(helm: Path) -> None:
     assert missing.returncode != 0 and "nats.url" in missing.stderr
 
 
+def test_a_misspelt_or_mistyped_value_is_refused_not_ignored(helm: Path) -> None:
+    """values.schema.json: a misspelt key or a size in the wrong form fails the render."""
+    for setting, why in (("gatway.port=8000", "gatway"), ("nodePools.cpu.hostCache.bytes=4Gi", "hostCache/bytes")):
+        result = render(helm, "--set", setting)
+        assert result.returncode != 0 and why in result.stderr, f"{setting} was accepted: {result.stderr}"
+
+
+def test_nats_and_valkey_take_connections_from_the_release_only(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["cpu"]
+    for name in ("nats", "valkey"):
+        policy = named(docs, "NetworkPolicy", f"{RELEASE}-{name}")
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"]["ingress"]:
+            [source] = rule["from"]
+            assert source["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE, rule
+    gateway = named(docs, "NetworkPolicy", f"{RELEASE}-gateway")
+    assert [r for r in gateway["spec"]["ingress"] if "from" not in r], "the gateway's API is not reachable"
+
+
 # --- the same services, settings and ports as compose.yaml --------------------------------------
 
 
