@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up check test unit bench compose-check clean vllm-env checkov-env chart-check
+.PHONY: install up check test unit bench compose-check clean vllm-env checkov-env chart-check chart-readonly-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,10 @@ $(CHECKOV_VENV)/.installed:
 # the rendered YAML, and its settings and ports against compose.yaml's.
 chart-check: install checkov-env
 	$(PY) -m pytest -q -ra tests/test_helm.py
+
+# The services on a read-only root filesystem, as the chart runs them (root; about a minute).
+chart-readonly-check: install
+	$(PY) deploy/helm/check-readonly-root
 
 clean:
 	rm -rf $(VENV) .tessera
