@@ -281,7 +281,9 @@ def test_every_selector_matches_its_pods_and_selects_something(
             spec = obj["spec"]
             selector = spec["selector"] if kind == "Service" else spec.get("selector", spec.get("podSelector"))
             selector = selector.get("matchLabels", selector)
-            assert len(selected_workloads(docs, selector)) == 1, f"{kind}/{obj['metadata']['name']} selects {selector}"
+            pods = [p for p in of_kind(docs, "Pod") if selects(selector, p["metadata"]["labels"])]
+            targets = len(selected_workloads(docs, selector)) + len(pods)
+            assert targets == 1, f"{kind}/{obj['metadata']['name']} selects {selector}: {targets} workloads"
 
 
 @pytest.mark.parametrize("values", sorted(RENDERS))
