@@ -391,6 +391,22 @@ def test_the_gateway_scales_on_cpu_and_keeps_one_replica_through_a_drain(
     assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
 
 
+def test_the_gateway_may_also_scale_on_its_in_flight_gauge(helm: Path) -> None:
+    from tests.test_deploy import registered_metrics
+
+    result = render(helm, "--set", "gateway.autoscaling.inflightTarget=128")
+    assert result.returncode == 0, result.stderr
+    [hpa] = of_kind(documents(result.stdout), "HorizontalPodAutoscaler")
+    [pods] = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert registered_metrics().get(pods["metric"]["name"]) == "Gauge", pods
+    assert pods["target"] == {"type": "AverageValue", "averageValue": "128"}
+    try:
+        import kubernetes_validate
+    except ImportError:
+        return
+    kubernetes_validate.validate(hpa, KUBE_VERSIONS[0], strict=True)
+
+
 def test_the_service_monitor_scrapes_every_tessera_service_only_with_the_operator(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
