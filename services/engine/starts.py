@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -26,8 +27,9 @@ from policy.prefetch import admission_bytes
 from services.engine import metrics
 from services.engine.memory import KvMemory
 from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Served
+from services.engine.progress import REPORTER, StartReporter, form_bytes, reported
 from shared import subjects
-from shared.artifact import has_torch_checkpoint, torch_tensor_bytes
+from shared.artifact import compiled_cache_dir, has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -101,9 +103,14 @@ class Starts:
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
         t0 = time.monotonic()
+        # This start's progress events (issue 35): the streams waiting for it show them.
+        progress = StartReporter(self.node.bus, self.node.id, record.name, self.node.settings.progress_interval_s)
+        REPORTER.set(progress)  # this task's own context: the load under it reports to it
+        await progress.enter("init")
         await self._materialized(record)
         bound, hit, t1 = await self._acquire(record.artifact)
         t2 = time.monotonic()
+        await progress.enter("profile")
         try:
             # Profile: KV sizing was measured at registration; here it becomes a reservation.
             kv = self.node.kv_account(record.artifact)
@@ -117,6 +124,7 @@ class Starts:
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         source = "resident" if hit else bound.source
         self.node.serve(record, bound, kv, PendingColdStart(t0, phases, source))
+        await progress.enter("ready")
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
         log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})
@@ -204,8 +212,15 @@ class Starts:
                 worker, warm = await self.node.workers.take()
                 if not warm:
                     metrics.COLD_WORKERS.inc()
+                # Bytes read: the worker's resident memory grows as the runtime maps the blob in.
+                base = worker.rss_bytes()
+                form = (
+                    Path(staged.cache_dir) if staged else compiled_cache_dir(artifact, self.node.settings.device, tier)
+                )
+                total = form_bytes(form) or artifact.weight_bytes
                 try:
-                    loaded, waited_s = await self._import(worker, artifact, tier, staged)
+                    importing = self._import(worker, artifact, tier, staged)
+                    loaded, waited_s = await reported(importing, lambda: worker.rss_bytes() - base, total)
                 except BaseException:  # bound to no model: its process goes
                     await asyncio.to_thread(worker.stop)
                     raise

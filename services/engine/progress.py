@@ -1,0 +1,147 @@
+"""A cold start's progress, as the engine tells the gateways (issue 35, part 4): its phase and
+the bytes of weights its worker has read, published on `subjects.start_progress()` so that a
+streamed request waiting for the start can show it (`services/gateway/loading.py`).
+
+Measured, not timed: during Load the worker's resident memory grows as the runtime maps the
+compiled blob in (OpenVINO imports a cached blob by mmap, so a read counter stays at 0 while
+its resident pages grow with every byte read), sampled every `interval_s` against the blob's
+size on disk; the bandwidth is what was read over the time it took, and the ETA what is left
+at that bandwidth. Every phase change is published at once; within a phase at most one event
+per `interval_s` (the `Throttle`).
+
+The pure parts (`Throttle`, `bandwidth`, `eta_s`, `form_bytes`) first; `StartReporter` is the
+I/O shell, one per start, reached through `REPORTER` (set by the start's own task, so the
+steps under it report without each being handed it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from shared import subjects
+from shared.bus import Bus
+from shared.messages import StartProgress
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Throttle:
+    """At most one event per `interval_s` within a phase; a new phase's first event at once."""
+
+    interval_s: float
+    _phase: str = ""
+    _last: float = -math.inf
+
+    def due(self, phase: str, now: float) -> bool:
+        if phase != self._phase or now - self._last >= self.interval_s:
+            self._phase, self._last = phase, now
+            return True
+        return False
+
+
+def bandwidth(done_bytes: int, elapsed_s: float) -> float:
+    """Bytes per second read so far; 0 before anything was read (or no time passed)."""
+    return done_bytes / elapsed_s if done_bytes > 0 and elapsed_s > 0 else 0.0
+
+
+def eta_s(done_bytes: int, total_bytes: int, bytes_per_s: float) -> float | None:
+    """Seconds until `total_bytes` are read at `bytes_per_s`; None while no bandwidth is measured."""
+    left = max(0, total_bytes - done_bytes)
+    if left == 0:
+        return 0.0
+    return left / bytes_per_s if bytes_per_s > 0 else None
+
+
+def form_bytes(directory: Path) -> int:
+    """Bytes of the files in a compiled form's directory (the blob a start reads); 0 if none."""
+    try:
+        return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    except OSError:
+        return 0
+
+
+@dataclass(eq=False)
+class StartReporter:
+    """One start's progress events (published best-effort: a lost event costs a comment line,
+    never the start)."""
+
+    bus: Bus
+    node_id: str
+    model: str
+    interval_s: float
+    total_bytes: int = 0
+    started_at: float = field(default_factory=time.time)
+    phase: str = "init"
+    done_bytes: int = 0
+    bytes_per_s: float = 0.0
+    _throttle: Throttle = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._throttle = Throttle(self.interval_s)
+
+    async def enter(self, phase: str) -> None:
+        """A new phase: published at once. "profile" and "ready" come after every byte is read."""
+        self.phase = phase
+        if phase in ("profile", "ready"):
+            self.done_bytes = max(self.done_bytes, self.total_bytes)
+        await self._publish(force=True)
+
+    async def watch(self, read_bytes: Callable[[], int], total_bytes: int) -> None:
+        """The Load phase: sample `read_bytes()` (bytes read so far) every `interval_s` until
+        cancelled, publishing what it read (never less than before; at most `total_bytes` - 1
+        until the phase ends: the last pages may be counted before the load is done)."""
+        self.total_bytes = max(total_bytes, 1)
+        await self.enter("load")
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            done = min(max(self.done_bytes, read_bytes()), self.total_bytes - 1)
+            self.done_bytes = done
+            self.bytes_per_s = bandwidth(done, time.monotonic() - t0)
+            await self._publish()
+
+    async def _publish(self, force: bool = False) -> None:
+        if not self._throttle.due(self.phase, time.monotonic()) and not force:
+            return
+        event = StartProgress(
+            node_id=self.node_id,
+            model=self.model,
+            started_at=self.started_at,
+            phase=self.phase,
+            done_bytes=self.done_bytes,
+            total_bytes=self.total_bytes,
+            bytes_per_s=self.bytes_per_s,
+            eta_s=eta_s(self.done_bytes, self.total_bytes, self.bytes_per_s) if self.total_bytes else None,
+        )
+        try:
+            await self.bus.publish(subjects.start_progress(), event)
+        except Exception as e:  # best-effort: the start goes on
+            log.debug("progress of %s not published: %s", self.model, e)
+
+
+REPORTER: ContextVar[StartReporter | None] = ContextVar("start_reporter", default=None)
+"""The start this task runs (`Starts._cold_start` sets it in the start's own task)."""
+
+
+async def reported(load: Awaitable[T], read_bytes: Callable[[], int], total_bytes: int) -> T:
+    """`load` awaited while the start this task runs (if any) reports its Load phase from
+    `read_bytes()` against `total_bytes`."""
+    reporter = REPORTER.get()
+    if reporter is None:
+        return await load
+    watch = asyncio.ensure_future(reporter.watch(read_bytes, total_bytes))
+    try:
+        return await load
+    finally:
+        watch.cancel()
