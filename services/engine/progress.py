@@ -24,15 +24,18 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from shared import subjects
-from shared.bus import Bus
 from shared.messages import StartProgress
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Publisher(Protocol):
+    async def publish(self, subject: str, message: Any) -> None: ...
 
 
 @dataclass
@@ -76,7 +79,7 @@ class StartReporter:
     """One start's progress events (published best-effort: a lost event costs a comment line,
     never the start)."""
 
-    bus: Bus
+    bus: Publisher
     node_id: str
     model: str
     interval_s: float
@@ -93,8 +96,9 @@ class StartReporter:
     async def enter(self, phase: str) -> None:
         """A new phase: published at once. "profile" and "ready" come after every byte is read."""
         self.phase = phase
-        if phase in ("profile", "ready"):
-            self.done_bytes = max(self.done_bytes, self.total_bytes)
+        if phase in ("profile", "ready"):  # a resident start read nothing: it is whole too
+            self.total_bytes = max(self.total_bytes, 1)
+            self.done_bytes = self.total_bytes
         await self._publish(force=True)
 
     async def watch(self, read_bytes: Callable[[], int], total_bytes: int) -> None:

@@ -66,6 +66,9 @@ class Starts:
 
     node: Node
     memory: KvMemory
+    load_growth: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Artifact → its worker's resident growth over its last load here: the bytes a load of it
+    reads in, which the next one's progress counts against (before one: its blob's size)."""
 
     async def tier_up_next(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
@@ -182,7 +185,7 @@ class Starts:
 
     async def _acquire_new(self, artifact: Artifact, tensors: dict[str, int], now: float) -> tuple[Bound, bool, float]:
         """`_acquire` of a model not bound here: a pre-warmed worker loads it."""
-        aid = artifact.artifact_id
+        aid, settings = artifact.artifact_id, self.node.settings
         missing = await self._arena_room(aid, tensors) if tensors else 0
         in_arena = bool(tensors) and missing == 0
         if tensors:
@@ -214,16 +217,16 @@ class Starts:
                     metrics.COLD_WORKERS.inc()
                 # Bytes read: the worker's resident memory grows as the runtime maps the blob in.
                 base = worker.rss_bytes()
-                form = (
-                    Path(staged.cache_dir) if staged else compiled_cache_dir(artifact, self.node.settings.device, tier)
-                )
-                total = form_bytes(form) or artifact.weight_bytes
+                form = Path(staged.cache_dir) if staged else compiled_cache_dir(artifact, settings.device, tier)
+                total = self.load_growth.get(aid) or form_bytes(form) or artifact.weight_bytes
                 try:
                     importing = self._import(worker, artifact, tier, staged)
                     loaded, waited_s = await reported(importing, lambda: worker.rss_bytes() - base, total)
                 except BaseException:  # bound to no model: its process goes
                     await asyncio.to_thread(worker.stop)
                     raise
+                if (grown := worker.rss_bytes() - base) > 0:
+                    self.load_growth[aid] = grown
                 stage_s += waited_s
         except ArenaFull as e:  # room for its bytes, but no range long enough
             raise TesseraError(

@@ -79,7 +79,7 @@ def states(cluster: LocalCluster) -> dict[str, str]:
 
 def test_a_cold_stream_shows_its_start_rising_and_parses_with_the_openai_client(own_cluster: LocalCluster) -> None:
     name = "progress-smollm"
-    register(own_cluster, name)
+    register(own_cluster, name, keep_alive_s=1.0)
     tee = Tee()
     client = openai.OpenAI(
         base_url=f"{own_cluster.base_url}/v1",
@@ -110,7 +110,8 @@ def test_models_say_cold_then_loading_then_loaded_then_cold(own_cluster: LocalCl
     name = "states-smollm"
     record = register(own_cluster, name, keep_alive_s=1.0)
     aid = str(record["artifact"]["artifact_id"])  # type: ignore[index]
-    # Nothing holds its weights (an earlier test's start left them resident): its start loads.
+    # Nothing holds its weights (an earlier test's model ran on them): its start loads.
+    wait_for(lambda: not loaded_models(own_cluster), 60, "every model to scale to zero")
     httpx.post(f"{own_cluster.base_url}/admin/cache/evict?tier=all", timeout=30).raise_for_status()
 
     def cold_and_prewarmed() -> bool:

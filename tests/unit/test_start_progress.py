@@ -105,3 +105,11 @@ async def test_a_load_outside_a_start_reports_nothing() -> None:
         return 7
 
     assert await reported(load(), lambda: 0, 100) == 7
+
+
+async def test_a_resident_start_that_read_nothing_ends_whole() -> None:
+    bus = Published()
+    reporter = StartReporter(bus, "node-0", "m", interval_s=0.2)
+    await reporter.enter("init")
+    await reporter.enter("ready")
+    assert [(e.phase, e.done_bytes, e.total_bytes) for e in bus.events] == [("init", 0, 0), ("ready", 1, 1)]
