@@ -77,6 +77,19 @@ def states(cluster: LocalCluster) -> dict[str, str]:
     return {c["id"]: c.get("status") for c in cards}
 
 
+def cold_from_the_store(cluster: LocalCluster, aid: str) -> None:
+    """Nothing holds the artifact's weights (an earlier test's model ran on them), so the next
+    start loads them: every model scaled to zero, every cache dropped, a worker prewarmed."""
+    wait_for(lambda: not loaded_models(cluster), 60, "every model to scale to zero")
+    httpx.post(f"{cluster.base_url}/admin/cache/evict?tier=all", timeout=30).raise_for_status()
+
+    def cold_and_prewarmed() -> bool:
+        nodes = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
+        return all(aid not in n["resident"] and n["prewarmed"] > 0 for n in nodes)
+
+    wait_for(cold_and_prewarmed, 60, "the evicted weights to leave the view and a worker to be prewarmed")
+
+
 def test_a_cold_stream_shows_its_start_rising_and_parses_with_the_openai_client(own_cluster: LocalCluster) -> None:
     name = "progress-smollm"
     register(own_cluster, name, keep_alive_s=1.0)
@@ -109,16 +122,7 @@ def test_a_cold_stream_shows_its_start_rising_and_parses_with_the_openai_client(
 def test_models_say_cold_then_loading_then_loaded_then_cold(own_cluster: LocalCluster) -> None:
     name = "states-smollm"
     record = register(own_cluster, name, keep_alive_s=1.0)
-    aid = str(record["artifact"]["artifact_id"])  # type: ignore[index]
-    # Nothing holds its weights (an earlier test's model ran on them): its start loads.
-    wait_for(lambda: not loaded_models(own_cluster), 60, "every model to scale to zero")
-    httpx.post(f"{own_cluster.base_url}/admin/cache/evict?tier=all", timeout=30).raise_for_status()
-
-    def cold_and_prewarmed() -> bool:
-        nodes = httpx.get(f"{own_cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
-        return all(aid not in n["resident"] and n["prewarmed"] > 0 for n in nodes)
-
-    wait_for(cold_and_prewarmed, 60, "the evicted weights to leave the view and a worker to be prewarmed")
+    cold_from_the_store(own_cluster, str(record["artifact"]["artifact_id"]))  # type: ignore[index]
     assert states(own_cluster)[name] == "cold"
 
     # Read while its start is under way: at its first comments (before its load is done).
@@ -140,3 +144,22 @@ def test_models_say_cold_then_loading_then_loaded_then_cold(own_cluster: LocalCl
     assert states(own_cluster)[name] == "loaded"
     wait_for(lambda: name not in loaded_models(own_cluster), 60, f"{name} to scale to zero")
     assert states(own_cluster)[name] == "cold"
+
+
+def test_a_cold_responses_stream_shows_its_start_and_parses_with_the_openai_client(own_cluster: LocalCluster) -> None:
+    name = "responses-smollm"
+    record = register(own_cluster, name, keep_alive_s=1.0)
+    cold_from_the_store(own_cluster, str(record["artifact"]["artifact_id"]))  # type: ignore[index]
+    tee = Tee()
+    client = openai.OpenAI(
+        base_url=f"{own_cluster.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=300,
+        http_client=openai.DefaultHttpxClient(transport=tee),
+    )
+    events = list(client.responses.create(model=name, input="Hi", max_output_tokens=4, stream=True))
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    pct = percents(tee.lines)
+    assert pct and pct == sorted(pct) and pct[-1] >= 90, tee.lines[:40]
