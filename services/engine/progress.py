@@ -9,18 +9,23 @@ size on disk; the bandwidth is what was read over the time it took, and the ETA 
 at that bandwidth. Every phase change is published at once; within a phase at most one event
 per `interval_s` (the `Throttle`).
 
+The state is published again each `interval_s` for the whole start, so that a request
+arriving during a long phase (a start waiting for memory) hears it at once, and a start whose
+engine died goes silent. A start ends with "ready" or "failed".
+
 The pure parts (`Throttle`, `bandwidth`, `eta_s`, `form_bytes`) first; `StartReporter` is the
-I/O shell, one per start, reached through `REPORTER` (set by the start's own task, so the
-steps under it report without each being handed it).
+I/O shell, one per start (`reporting`), reached through `REPORTER` (set in the start's own
+task, so the steps under it report without each being handed it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,30 +94,46 @@ class StartReporter:
     done_bytes: int = 0
     bytes_per_s: float = 0.0
     _throttle: Throttle = field(init=False)
+    _read: Callable[[], int] | None = None
+    """During Load: the bytes read so far."""
+    _load_t0: float = 0.0
 
     def __post_init__(self) -> None:
         self._throttle = Throttle(self.interval_s)
 
     async def enter(self, phase: str) -> None:
         """A new phase: published at once. "profile" and "ready" come after every byte is read."""
+        if self.phase == "load" and phase != "load":
+            self.sample()
+            self._read = None
         self.phase = phase
         if phase in ("profile", "ready"):  # a resident start read nothing: it is whole too
             self.total_bytes = max(self.total_bytes, 1)
             self.done_bytes = self.total_bytes
         await self._publish(force=True)
 
-    async def watch(self, read_bytes: Callable[[], int], total_bytes: int) -> None:
-        """The Load phase: sample `read_bytes()` (bytes read so far) every `interval_s` until
-        cancelled, publishing what it read (never less than before; at most `total_bytes` - 1
-        until the phase ends: the last pages may be counted before the load is done)."""
+    async def begin_load(self, read_bytes: Callable[[], int], total_bytes: int) -> None:
+        """The Load phase: `read_bytes()` (bytes read so far) sampled each tick against
+        `total_bytes`, until the next phase."""
         self.total_bytes = max(total_bytes, 1)
+        self._read, self._load_t0 = read_bytes, time.monotonic()
         await self.enter("load")
-        t0 = time.monotonic()
+
+    def sample(self) -> None:
+        """What the load read so far: never less than before, and at most `total_bytes` - 1
+        until the phase ends (the last pages may be counted before the load is done)."""
+        if self._read is None:
+            return
+        self.done_bytes = min(max(self.done_bytes, self._read()), self.total_bytes - 1)
+        self.bytes_per_s = bandwidth(self.done_bytes, time.monotonic() - self._load_t0)
+
+    async def run(self) -> None:
+        """Until cancelled, each `interval_s`: the load sampled and the state published again,
+        so that a stream that joins the start late hears it within one interval, and a gateway
+        tells a start under way from one whose engine went."""
         while True:
             await asyncio.sleep(self.interval_s)
-            done = min(max(self.done_bytes, read_bytes()), self.total_bytes - 1)
-            self.done_bytes = done
-            self.bytes_per_s = bandwidth(done, time.monotonic() - t0)
+            self.sample()
             await self._publish()
 
     async def _publish(self, force: bool = False) -> None:
@@ -135,17 +156,37 @@ class StartReporter:
 
 
 REPORTER: ContextVar[StartReporter | None] = ContextVar("start_reporter", default=None)
-"""The start this task runs (`Starts._cold_start` sets it in the start's own task)."""
+"""The start this task runs (`reporting` sets it in the start's own task)."""
+
+
+@contextlib.asynccontextmanager
+async def reporting(bus: Publisher, node_id: str, model: str, interval_s: float) -> AsyncIterator[StartReporter]:
+    """One start's progress, from "init" to "ready" (or "failed", if it raises), its state
+    published again each interval meanwhile; the steps under it reach it as `REPORTER`."""
+    progress = StartReporter(bus, node_id, model, interval_s)
+    token = REPORTER.set(progress)
+    ticker = asyncio.ensure_future(progress.run())
+    try:
+        await progress.enter("init")
+        yield progress
+        await progress.enter("ready")
+    except BaseException:
+        await progress.enter("failed")
+        raise
+    finally:
+        ticker.cancel()
+        REPORTER.reset(token)
+
+
+async def enter(phase: str) -> None:
+    """The start this task runs (if any) enters `phase`."""
+    if (reporter := REPORTER.get()) is not None:
+        await reporter.enter(phase)
 
 
 async def reported(load: Awaitable[T], read_bytes: Callable[[], int], total_bytes: int) -> T:
-    """`load` awaited while the start this task runs (if any) reports its Load phase from
-    `read_bytes()` against `total_bytes`."""
-    reporter = REPORTER.get()
-    if reporter is None:
-        return await load
-    watch = asyncio.ensure_future(reporter.watch(read_bytes, total_bytes))
-    try:
-        return await load
-    finally:
-        watch.cancel()
+    """`load` awaited as the Load phase of the start this task runs (if any), its bytes read
+    `read_bytes()` of `total_bytes`."""
+    if (reporter := REPORTER.get()) is not None:
+        await reporter.begin_load(read_bytes, total_bytes)
+    return await load

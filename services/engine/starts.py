@@ -24,10 +24,10 @@ from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from policy.prefetch import admission_bytes
-from services.engine import metrics
+from services.engine import metrics, progress
 from services.engine.memory import KvMemory
 from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Served
-from services.engine.progress import REPORTER, StartReporter, form_bytes, reported
+from services.engine.progress import form_bytes, reported
 from shared import subjects
 from shared.artifact import compiled_cache_dir, has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
@@ -99,17 +99,19 @@ class Starts:
                 node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached, source="resident"
             )
         if name not in self.node.starting:  # else a second start of the same model waits for the first
-            start = self.node.starting[name] = asyncio.ensure_future(self._cold_start(req))
+            start = self.node.starting[name] = asyncio.ensure_future(self._reported_start(req))
             start.add_done_callback(lambda _: self.node.starting.pop(name))
         return await asyncio.shield(self.node.starting[name])
+
+    async def _reported_start(self, req: StartInstance) -> InstanceReady:
+        """A cold start, its progress published (issue 35): the streams waiting for it show it."""
+        interval = self.node.settings.progress_interval_s
+        async with progress.reporting(self.node.bus, self.node.id, req.model.name, interval):
+            return await self._cold_start(req)
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
         t0 = time.monotonic()
-        # This start's progress events (issue 35): the streams waiting for it show them.
-        progress = StartReporter(self.node.bus, self.node.id, record.name, self.node.settings.progress_interval_s)
-        REPORTER.set(progress)  # this task's own context: the load under it reports to it
-        await progress.enter("init")
         await self._materialized(record)
         bound, hit, t1 = await self._acquire(record.artifact)
         t2 = time.monotonic()
@@ -127,7 +129,6 @@ class Starts:
         phases = ColdStartPhases(init_s=t1 - t0, load_s=t2 - t1, profile_s=t3 - t2)
         source = "resident" if hit else bound.source
         self.node.serve(record, bound, kv, PendingColdStart(t0, phases, source))
-        await progress.enter("ready")
         metrics.KV_RESERVED.labels(record.name).set(kv.reserved_bytes)
         extra = {"model": record.name, "resident": hit, "worker_pid": bound.worker.pid}
         log.info("instance of %s ready", record.name, extra={**extra, **msgspec.structs.asdict(phases)})

@@ -233,9 +233,10 @@ async def complete(
         check_model(who, name)
     budget = cold.max_wait_s(max_wait, req.tessera.max_wait_s if req.tessera else None)
     legs = legs_of(req, await gateway.prepare_all(req))
-    if req.stream:
+    if req.stream and budget is None:
         # Placed in a task of its own: if its model's start reports progress first, the stream
-        # begins now and shows it (`loading`); else it is answered as before.
+        # begins now and shows it (`loading`); else it is answered as before. (With a budget,
+        # its refusal must be a status: `loading`.)
         placing = Placing()
         opening = asyncio.ensure_future(open_legs(gateway, quotas, who, legs, budget, placing))
         try:

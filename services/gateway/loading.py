@@ -10,8 +10,10 @@ back (a second start of the same model elsewhere, or a retried one, may report l
 
 A stream starts (status 200 and its headers) once an event shows a start under way for a
 model one of its generations is still being placed on; a request whose placement is answered
-first (warm, or refused: a budget's 503, an unknown model) is answered exactly as before. An
-error that ends the start after the headers left travels as the API's error event.
+first (warm, or refused: an unknown model) is answered exactly as before. An error that ends
+the start after the headers left travels as the API's error event. A request with a
+cold-start budget shows no progress: its refusal must be a 503 with `Retry-After`, which the
+scheduler may send after a start of its model already reports.
 
 `/v1/models` says where each model is (`model_states`): `loaded`, `loading` or `cold`, from
 the scheduler's view.
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 1.0
 """The longest a waiting stream goes without a line."""
+LIVE_S = 2.0
+"""A start whose engine said nothing for this long is not taken as under way (an engine sends
+its start's state every `TESSERA_PROGRESS_INTERVAL_S`, 0.2 s by default, until it ends)."""
+ENDED = ("ready", "failed")
 
 
 def percent(done_bytes: int, total_bytes: int) -> int:
@@ -103,11 +109,15 @@ class StartWatch:
         news.set()
 
     def under_way(self, placing: Placing) -> tuple[StartProgress, float] | None:
-        """The latest event (and when it came) of a start a generation of `placing` waits on,
-        heard since the request began; None if there is none."""
+        """The latest event (and when it came) of a start a generation of `placing` waits on:
+        heard since the request began, or of a start still under way (not ended, heard within
+        `LIVE_S`); None if there is none."""
+        now = time.monotonic()
         for model, n in placing.models.items():
             seen = self.latest.get(model)
-            if n > 0 and seen is not None and seen[1] >= placing.since:
+            if n <= 0 or seen is None:
+                continue
+            if seen[1] >= placing.since or (seen[0].phase not in ENDED and now - seen[1] <= LIVE_S):
                 return seen
         return None
 

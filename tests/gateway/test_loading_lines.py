@@ -64,3 +64,16 @@ def test_model_states_from_the_schedulers_view() -> None:
         starting=("starting", "up"),  # a scale-out of a running model: loaded
     )
     assert model_states(status) == {"up": "loaded", "starting": "loading", "node-start": "loading"}
+
+
+def test_a_request_joining_a_start_under_way_hears_its_last_event() -> None:
+    watch = StartWatch()
+    watch.heard(event("load", 40, 100, model="m"))  # before the request: the start goes on
+    placing = Placing(since=time.monotonic())
+    placing.models["m"] += 1
+    seen = watch.under_way(placing)
+    assert seen is not None and seen[0].done_bytes == 40
+    watch.heard(event("failed", 40, 100, model="m"))
+    late = Placing(since=time.monotonic() + 1)  # a request after the start ended
+    late.models["m"] += 1
+    assert watch.under_way(late) is None

@@ -14,9 +14,11 @@ from services.engine.progress import (
     StartReporter,
     Throttle,
     bandwidth,
+    enter,
     eta_s,
     form_bytes,
     reported,
+    reporting,
 )
 from shared.messages import StartProgress
 
@@ -61,7 +63,6 @@ class Published:
 
 async def test_a_start_reports_its_phases_and_the_bytes_its_load_reads_never_less() -> None:
     bus = Published()
-    reporter = StartReporter(bus, "node-0", "m", interval_s=0.001)
     read = iter([10, 40, 30, 90, 120])  # a sample may read less than the last (pages dropped)
     last = [0]
 
@@ -69,22 +70,18 @@ async def test_a_start_reports_its_phases_and_the_bytes_its_load_reads_never_les
         last[0] = next(read, last[0])
         return last[0]
 
-    done = asyncio.Event()
-
     async def load() -> str:
+        # The load ends once its reporter has counted (nearly) all its bytes.
         while not any(e.done_bytes >= 99 for e in bus.events):
             bus.more.clear()
             await bus.more.wait()
-        done.set()
         return "loaded"
 
     async def start() -> str:
-        REPORTER.set(reporter)
-        await reporter.enter("init")
-        result = await reported(load(), read_bytes, 100)
-        await reporter.enter("profile")
-        await reporter.enter("ready")
-        return result
+        async with reporting(bus, "node-0", "m", interval_s=0.001):
+            result = await reported(load(), read_bytes, 100)
+            await enter("profile")
+            return result
 
     assert await asyncio.ensure_future(start()) == "loaded"
     phases = [e.phase for e in bus.events]
@@ -98,6 +95,23 @@ async def test_a_start_reports_its_phases_and_the_bytes_its_load_reads_never_les
     measured = [e for e in loads if e.done_bytes > 0]
     assert measured and all(e.bytes_per_s > 0 and e.eta_s is not None for e in measured)
     assert len({e.started_at for e in bus.events}) == 1
+    assert REPORTER.get() is None  # the start's own, gone with it
+
+
+async def test_a_start_that_fails_says_so_and_stops_reporting() -> None:
+    bus = Published()
+
+    async def start() -> None:
+        async with reporting(bus, "node-0", "m", interval_s=0.001):
+            while len(bus.events) < 3:  # its state again each interval meanwhile
+                bus.more.clear()
+                await bus.more.wait()
+            raise RuntimeError("no room")
+
+    with pytest.raises(RuntimeError):
+        await asyncio.ensure_future(start())
+    assert [e.phase for e in bus.events][-1] == "failed"
+    assert all(e.phase == "init" for e in bus.events[:-1])
 
 
 async def test_a_load_outside_a_start_reports_nothing() -> None:
