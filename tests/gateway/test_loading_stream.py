@@ -9,6 +9,8 @@ import json
 import time
 from typing import Any
 
+import pytest
+
 from services.gateway.completion import _loading_then, _start_seen
 from services.gateway.loading import Placing, StartWatch
 from services.gateway.responses import stream_error as responses_error
@@ -76,3 +78,24 @@ async def test_a_request_placed_before_any_start_event_is_not_streamed_early() -
     watch.heard(event("init", 0, 0))  # the start the refusal let go ahead: not this request's
     assert await _start_seen(watch, placing, placed) is None
     placed.exception()
+
+
+async def test_between_two_events_the_last_line_is_written_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.gateway.completion.KEEPALIVE_S", 0.01)  # not a second: a test
+    watch, placing = StartWatch(), Placing(since=time.monotonic())
+    placing.models["m"] += 1
+    watch.heard(
+        StartProgress(node_id="n", model="m", started_at=1.0, phase="load", done_bytes=40, total_bytes=100, eta_s=5.0)
+    )
+    first = watch.under_way(placing)
+    assert first is not None
+    opening: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    out: list[str] = []
+    async for part in _loading_then(watch, placing, first, opening, [], None, unused_shape, None):  # type: ignore[arg-type]
+        out.append(part)
+        if len(out) == 3:  # no event came since the first: the line again, its ETA counting down
+            opening.set_exception(TesseraError(ErrorCode.ENGINE_FAILED, "gone"))
+    etas = [float(line.split("eta=")[1].rstrip("s\n")) for line in out[:3]]
+    assert all(line.startswith(": tessera loading phase=load 40% eta=") for line in out[:3])
+    assert etas == sorted(etas, reverse=True) and etas[0] <= 5.0
+    assert '"engine_failed"' in out[3]
