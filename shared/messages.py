@@ -272,6 +272,29 @@ class ColdStartRecorded(Message, frozen=True):
     (`TESSERA_START_CPU_SHARE`), all of them on an idle node; 0 where nothing was loaded."""
 
 
+class StartProgress(Message, frozen=True):
+    """Engine → gateways: how far a cold start of `model` on `node_id` is (issue 35, part 4),
+    published at each phase change and, within a phase, at most every
+    `TESSERA_PROGRESS_INTERVAL_S`. Read from the start itself, not a timer: `done_bytes` of
+    `total_bytes` are the weights its worker has mapped in so far (its resident memory's
+    growth against the compiled blob's size), `bytes_per_s` the bandwidth measured over
+    them."""
+
+    node_id: str
+    model: str
+    started_at: float
+    """time.time() the start began on the engine: one start's events share it."""
+    phase: str
+    """"init" (room made, the blob staged), "load" (the worker reads the weights), "profile"
+    (the KV reservation) or "ready" (the instance serves)."""
+    done_bytes: int
+    total_bytes: int
+    bytes_per_s: float = 0.0
+    """Measured over this start's load so far; 0 before anything was read."""
+    eta_s: float | None = None
+    """Seconds until the weights are in at that bandwidth; None while it is unknown."""
+
+
 class InstanceView(Message, frozen=True):
     model: str
     active: int

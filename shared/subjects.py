@@ -107,6 +107,12 @@ def cold_start_recorded() -> str:
     return f"{_ROOT}.events.coldstart"
 
 
+def start_progress() -> str:
+    """Engine → gateways: a cold start's phase and bytes loaded (`StartProgress`, published;
+    every gateway hears every start: the streams waiting on it are relayed its progress)."""
+    return f"{_ROOT}.events.startprogress"
+
+
 def loader_import(node_id: str) -> str:
     """Engine → its node's loader: import a registered model for this node's engine, writing
     what the loader that registered it did not (a torch checkpoint, where that loader's node

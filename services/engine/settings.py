@@ -56,6 +56,9 @@ class EngineSettings(CommonSettings):
     torch_kv_tokens: int = 8192
     """torch or vllm: tokens of the paged KV cache each worker allocates when it binds a model,
     and the longest prompt + completion it takes."""
+    progress_interval_s: float = 0.2
+    """A cold start's progress events (`services/engine/progress.py`): at most one per this
+    interval within a phase (each phase change at once), and how often its Load is sampled."""
     stream_interval_s: float = 0.1
     """Text produced within this interval travels as one message (the first piece at once): each
     wakes NATS, the gateway and the client on the decoding cores (bench/serving.py at c=1: TPOT

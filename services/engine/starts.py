@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,11 +24,12 @@ from policy.affinity import most_reused
 from policy.eviction import Resident, choose_evictions
 from policy.node_cpu import StartTierWorker, next_tier_up, start_cores
 from policy.prefetch import admission_bytes
-from services.engine import metrics
+from services.engine import metrics, progress
 from services.engine.memory import KvMemory
 from services.engine.node import ARENA_REGION, Bound, Node, PendingColdStart, Served
+from services.engine.progress import form_bytes, reported
 from shared import subjects
-from shared.artifact import has_torch_checkpoint, torch_tensor_bytes
+from shared.artifact import compiled_cache_dir, has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -64,6 +66,9 @@ class Starts:
 
     node: Node
     memory: KvMemory
+    load_growth: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Artifact → its worker's resident growth over its last load here: the bytes a load of it
+    reads in, which the next one's progress counts against (before one: its blob's size)."""
 
     async def tier_up_next(self) -> None:
         """Tier up one START worker at a time, once the whole node has been idle for
@@ -94,9 +99,15 @@ class Starts:
                 node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached, source="resident"
             )
         if name not in self.node.starting:  # else a second start of the same model waits for the first
-            start = self.node.starting[name] = asyncio.ensure_future(self._cold_start(req))
+            start = self.node.starting[name] = asyncio.ensure_future(self._reported_start(req))
             start.add_done_callback(lambda _: self.node.starting.pop(name))
         return await asyncio.shield(self.node.starting[name])
+
+    async def _reported_start(self, req: StartInstance) -> InstanceReady:
+        """A cold start, its progress published (issue 35): the streams waiting for it show it."""
+        interval = self.node.settings.progress_interval_s
+        async with progress.reporting(self.node.bus, self.node.id, req.model.name, interval):
+            return await self._cold_start(req)
 
     async def _cold_start(self, req: StartInstance) -> InstanceReady:
         record = req.model
@@ -104,6 +115,7 @@ class Starts:
         await self._materialized(record)
         bound, hit, t1 = await self._acquire(record.artifact)
         t2 = time.monotonic()
+        await progress.enter("profile")
         try:
             # Profile: KV sizing was measured at registration; here it becomes a reservation.
             kv = self.node.kv_account(record.artifact)
@@ -174,7 +186,7 @@ class Starts:
 
     async def _acquire_new(self, artifact: Artifact, tensors: dict[str, int], now: float) -> tuple[Bound, bool, float]:
         """`_acquire` of a model not bound here: a pre-warmed worker loads it."""
-        aid = artifact.artifact_id
+        aid, settings = artifact.artifact_id, self.node.settings
         missing = await self._arena_room(aid, tensors) if tensors else 0
         in_arena = bool(tensors) and missing == 0
         if tensors:
@@ -204,11 +216,18 @@ class Starts:
                 worker, warm = await self.node.workers.take()
                 if not warm:
                     metrics.COLD_WORKERS.inc()
+                # Bytes read: the worker's resident memory grows as the runtime maps the blob in.
+                base = worker.rss_bytes()
+                form = Path(staged.cache_dir) if staged else compiled_cache_dir(artifact, settings.device, tier)
+                total = self.load_growth.get(aid) or form_bytes(form) or artifact.weight_bytes
                 try:
-                    loaded, waited_s = await self._import(worker, artifact, tier, staged)
+                    importing = self._import(worker, artifact, tier, staged)
+                    loaded, waited_s = await reported(importing, lambda: worker.rss_bytes() - base, total)
                 except BaseException:  # bound to no model: its process goes
                     await asyncio.to_thread(worker.stop)
                     raise
+                if (grown := worker.rss_bytes() - base) > 0:
+                    self.load_growth[aid] = grown
                 stage_s += waited_s
         except ArenaFull as e:  # room for its bytes, but no range long enough
             raise TesseraError(

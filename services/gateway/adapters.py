@@ -6,10 +6,11 @@ while no engine applies adapters yet."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from services.gateway.auth import ApiError, Principal
-from services.gateway.protocol import ModelCard, RegisterAdapter
+from services.gateway.protocol import ModelCard, ModelState, RegisterAdapter
 from services.gateway.settings import GatewaySettings
 from shared import subjects
 from shared.adapters import AdapterImported, AdapterRecord, ImportAdapter
@@ -94,18 +95,24 @@ class AdapterAdmin:
         return {"name": name, "base": base, "removed": True}
 
 
-async def model_cards(registry: Registry, who: Principal) -> list[ModelCard]:
-    """Every model the caller may use, each followed by its adapters (vLLM's `parent`)."""
+async def model_cards(
+    registry: Registry, who: Principal, states: Mapping[str, ModelState] | None = None
+) -> list[ModelCard]:
+    """Every model the caller may use, each followed by its adapters (vLLM's `parent`);
+    `states`: each running or starting model's `status` (the rest are cold; None: unknown,
+    no `status` given)."""
     by_base: dict[str, list[AdapterRecord]] = {}
     for a in await registry.adapters():
         by_base.setdefault(a.base, []).append(a)
     cards = []
     for r in await registry.all():
+        status = None if states is None else states.get(r.name, "cold")
         if who.may_use(r.name):
-            cards.append(ModelCard(id=r.name, created=int(r.created_at), root=r.name))
-        cards += [adapter_card(a) for a in by_base.get(r.name, []) if who.may_use(a.name)]
+            cards.append(ModelCard(id=r.name, created=int(r.created_at), root=r.name, status=status))
+        cards += [adapter_card(a, status) for a in by_base.get(r.name, []) if who.may_use(a.name)]
     return cards
 
 
-def adapter_card(a: AdapterRecord) -> ModelCard:
-    return ModelCard(id=a.name, created=int(a.created_at), root=a.base, parent=a.base)
+def adapter_card(a: AdapterRecord, status: ModelState | None = None) -> ModelCard:
+    """An adapter's card; `status`: its base's (it runs on its base's instance)."""
+    return ModelCard(id=a.name, created=int(a.created_at), root=a.base, parent=a.base, status=status)

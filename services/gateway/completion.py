@@ -12,6 +12,8 @@ slot and its quota come back.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -21,11 +23,15 @@ import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import cold
-from services.gateway.auth import Grant, Principal, Quotas, check_model
+from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
+from services.gateway.loading import KEEPALIVE_S, Lines, Placing, StartWatch
+from services.gateway.openai_format import error_body, sse
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Gateway, Generation, Prepared
 from shared.errors import TesseraError
-from shared.messages import ErrorCode, Finished, TokenChunk, TokenLogprob
+from shared.messages import ErrorCode, Finished, StartProgress, TokenChunk, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 _CLOSING: set[asyncio.Future[None]] = set()
 """Closings under way (the loop keeps only a weak reference to a task)."""
@@ -91,11 +97,17 @@ def legs_of(req: ChatCompletionRequest | CompletionRequest, prepared: Sequence[P
 
 
 async def open_legs(
-    gateway: Gateway, quotas: Quotas, who: Principal, legs: Sequence[Leg], max_wait_s: float | None = None
+    gateway: Gateway,
+    quotas: Quotas,
+    who: Principal,
+    legs: Sequence[Leg],
+    max_wait_s: float | None = None,
+    placing: Placing | None = None,
 ) -> None:
-    """Admit and place every leg (placement and cold start happen before any byte is sent);
-    if one cannot start, those already open are closed and the error goes to the client.
-    `max_wait_s`: the request's cold-start budget."""
+    """Admit and place every leg (placement and cold start happen before any token is sent;
+    a stream may show the start's progress meanwhile: `placing`); if one cannot start, those
+    already open are closed and the error goes to the client. `max_wait_s`: the request's
+    cold-start budget."""
     limit = gateway.settings.max_inflight
     if len(legs) > limit:  # its own legs would wait in line behind each other
         raise TesseraError(
@@ -107,7 +119,7 @@ async def open_legs(
         for leg in legs:
             p = leg.prepared
             leg.grant = await quotas.admit(who, p.prompt_tokens, p.params.max_tokens)
-            leg.gen = await gateway.open(p, max_wait_s)
+            leg.gen = await gateway.open(p, max_wait_s, placing)
     except BaseException:
         await close_legs(quotas, legs)
         raise
@@ -210,15 +222,34 @@ async def complete(
     req: ChatCompletionRequest | CompletionRequest,
     shape_of: Callable[[list[Leg]], ResponseShape],
     max_wait: str | None = None,
+    stream_error: Callable[[int, str, str | None, str | None], str] | None = None,
 ) -> Response:
     """Serve `req` (a Responses request comes as the chat request it is served as), answered in
     the shape `shape_of` makes for its opened legs. `max_wait`: the `X-Tessera-Max-Wait`
-    header's value, if sent."""
+    header's value, if sent. `stream_error`: the API's error event (status, message, code,
+    param), for a start that fails after a stream showing its progress began (chat's
+    `{"error": ...}` by default)."""
     for name in (req.model, *(req.models or ())):
         check_model(who, name)
     budget = cold.max_wait_s(max_wait, req.tessera.max_wait_s if req.tessera else None)
     legs = legs_of(req, await gateway.prepare_all(req))
-    await open_legs(gateway, quotas, who, legs, budget)
+    if req.stream and budget is None:
+        # Placed in a task of its own: if its model's start reports progress first, the stream
+        # begins now and shows it (`loading`); else it is answered as before. (With a budget,
+        # its refusal must be a status: `loading`.)
+        placing = Placing()
+        opening = asyncio.ensure_future(open_legs(gateway, quotas, who, legs, budget, placing))
+        try:
+            first = await _start_seen(gateway.starts, placing, opening)
+        except BaseException:  # the client left
+            _abandon(opening, quotas, legs)
+            raise
+        if first is not None:
+            body = _loading_then(gateway.starts, placing, first, opening, legs, quotas, shape_of, stream_error)
+            return StreamingResponse(body, media_type="text/event-stream", headers=dict(_SSE_HEADERS))
+        await opening
+    else:
+        await open_legs(gateway, quotas, who, legs, budget)
     try:
         shape = shape_of(legs)
         gens = [leg.gen for leg in legs]
@@ -232,10 +263,113 @@ async def complete(
         return StreamingResponse(
             stream(shape, legs, quotas),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            headers={**_SSE_HEADERS, **headers},
         )
     try:
         await collect(legs)
         return JSONResponse(await shape.answer(legs), headers=headers)
     finally:
         await close_legs(quotas, legs)
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def chat_stream_error(status: int, message: str, code: str | None, param: str | None) -> str:
+    """The error event of a chat or text completion stream, then its `[DONE]` (the openai
+    client raises the error)."""
+    return sse(error_body(status, message, code, param)) + sse("[DONE]")
+
+
+async def _start_seen(
+    watch: StartWatch, placing: Placing, opening: asyncio.Future[None]
+) -> tuple[StartProgress, float] | None:
+    """The first progress event of a start one of the request's generations waits on, or None
+    once its legs are open (or failed) first."""
+    while not opening.done():
+        if (seen := watch.under_way(placing)) is not None:
+            return seen
+        news = asyncio.ensure_future(watch.news(KEEPALIVE_S))
+        try:
+            await asyncio.wait({opening, news}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            news.cancel()
+    return None
+
+
+async def _loading_then(
+    watch: StartWatch,
+    placing: Placing,
+    first: tuple[StartProgress, float],
+    opening: asyncio.Future[None],
+    legs: list[Leg],
+    quotas: Quotas,
+    shape_of: Callable[[list[Leg]], ResponseShape],
+    stream_error: Callable[[int, str, str | None, str | None], str] | None,
+) -> AsyncIterator[str]:
+    """A stream that began during its model's start: a comment line per progress event (the
+    last one again each `KEEPALIVE_S` between events) until its legs are open, then the
+    start's cost as a comment (its `x-tessera-cold-start`, too late for a header), then the
+    answer as `stream` writes it; a failure to open, as the API's error event."""
+    lines, began = Lines(), False
+    (event, at), written = first, time.monotonic()
+    try:
+        yield lines.line(event, time.monotonic() - at)
+        while not opening.done():
+            news = asyncio.ensure_future(watch.news(KEEPALIVE_S))
+            try:
+                await asyncio.wait({opening, news}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                news.cancel()
+            newer = watch.under_way(placing)
+            now = time.monotonic()
+            if newer is not None and newer[1] > at:
+                (event, at), written = newer, now
+                yield lines.line(event, now - at)
+            elif now - written >= KEEPALIVE_S:
+                written = now
+                yield lines.line(event, now - at)
+        if (error := _failure(opening)) is not None:
+            yield (stream_error or chat_stream_error)(*error)
+            return
+        # Its last event (the instance ready) came before its placement did.
+        if (last := watch.latest.get(event.model)) is not None and last[1] > at:
+            yield lines.line(last[0], time.monotonic() - last[1])
+        gens = [leg.gen for leg in legs]
+        cost = cold.cold_start_header(
+            [g.placed if g else None for g in gens], [g.start_waited_s if g else 0.0 for g in gens]
+        )
+        if cost:
+            yield f": tessera cold-start {cost[cold.COLD_START_HEADER]}\n\n"
+        shape = shape_of(legs)
+        began = True
+        async for part in stream(shape, legs, quotas):
+            yield part
+    finally:
+        if not began:
+            _abandon(opening, quotas, legs)
+
+
+def _failure(opening: asyncio.Future[None]) -> tuple[int, str, str | None, str | None] | None:
+    """Why the legs could not open (status, message, code, param), or None if they did."""
+    e = opening.exception()
+    if e is None:
+        return None
+    if isinstance(e, TesseraError):
+        return e.status, e.message, e.code.value, e.param
+    if isinstance(e, ApiError):
+        return e.status, e.message, e.code, e.param
+    log.error("a streamed request failed before its first token", exc_info=e)
+    return 500, "internal error", "internal_error", None
+
+
+def _abandon(opening: asyncio.Future[None], quotas: Quotas, legs: list[Leg]) -> None:
+    """The request ended before its answer began (its client left, or it failed): placing
+    still, its task is cancelled (`open_legs` closes what it opened); opened, its legs are
+    closed by a task of their own (no await here: this may run in a cancelled scope)."""
+    if not opening.done():
+        opening.cancel()
+    elif not opening.cancelled() and opening.exception() is None:
+        closing = asyncio.ensure_future(close_legs(quotas, legs))
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)

@@ -297,6 +297,9 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+ModelState = Literal["loaded", "loading", "cold"]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -309,6 +312,9 @@ class ModelCard(BaseModel):
     fallbacks: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
     """An alias's members, in order (Tessera's extension; absent for a model, where `parent`
     and `root` are null as vLLM's are)."""
+    status: ModelState | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Tessera's extension: `loaded` (an instance runs), `loading` (a start is under way) or
+    `cold`; an adapter's is its base's; absent for an alias, or when the scheduler cannot say."""
 
 
 class ModelList(BaseModel):

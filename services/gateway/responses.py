@@ -382,8 +382,16 @@ async def respond(
     before the answer starts names what the client sent (`input`, not `messages`)."""
     chat = req.chat()
     try:
-        return await complete(gateway, quotas, who, chat, lambda legs: Answer(req, legs), max_wait)
+        return await complete(gateway, quotas, who, chat, lambda legs: Answer(req, legs), max_wait, stream_error)
     except (TesseraError, ApiError) as e:
         if e.param is not None:
             e.param = _RENAMED.get(e.param, e.param)
         raise
+
+
+def stream_error(status: int, message: str, code: str | None, param: str | None) -> str:
+    """The Responses stream's `error` event, for a start that failed after the stream showing
+    its progress began (before `response.created`: no response was made)."""
+    return "event: error\n" + sse(
+        {"type": "error", "sequence_number": 0, "code": code, "message": message, "param": param}
+    )

@@ -17,6 +17,7 @@ from services.gateway.choices import Choices
 from services.gateway.cold import MAX_WAIT_HEADER
 from services.gateway.completion import complete
 from services.gateway.edge import BodyLimit, Caller, admin_caller, handle_errors, unless_disconnected
+from services.gateway.loading import cluster_states
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,19 +53,22 @@ def create_app(gateway: Gateway, admin: Admin, readiness: Readiness) -> FastAPI:
     # Models, then aliases (their members as `fallbacks`, Tessera's extension field).
     @app.get("/v1/models")
     async def list_models(who: Caller) -> ModelList:
-        cards = await model_cards(gateway.registry, who)
+        states = await cluster_states(gateway.bus, gateway.settings.request_timeout_s)
+        cards = await model_cards(gateway.registry, who, states)
         cards += [alias_card(a) for a in await gateway.registry.aliases() if who.may_use(a.name)]
         return ModelList(data=cards)
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, who: Caller) -> ModelCard:
         check_model(who, name)
-        if (adapter := await gateway.registry.get_adapter(name)) is not None:
-            return adapter_card(adapter)
         if (alias := await gateway.registry.alias(name)) is not None:
             return alias_card(alias)
+        states = await cluster_states(gateway.bus, gateway.settings.request_timeout_s)
+        if (adapter := await gateway.registry.get_adapter(name)) is not None:
+            return adapter_card(adapter, None if states is None else states.get(adapter.base, "cold"))
         r = await gateway.model(name)
-        return ModelCard(id=r.name, created=int(r.created_at), root=r.name)
+        status = None if states is None else states.get(r.name, "cold")
+        return ModelCard(id=r.name, created=int(r.created_at), root=r.name, status=status)
 
     # One completion path (`completion.complete`); each API its own shape of the answer. The
     # cold-start budget's header goes with it.

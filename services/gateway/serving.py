@@ -25,6 +25,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from policy.slo import ttft_slo
 from services.gateway import fallbacks, guides
 from services.gateway.adapters import not_served
+from services.gateway.loading import Placing, StartWatch
 from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -114,10 +115,14 @@ class Prepared:
 class Generation:
     """One admitted request on its engine: iterate `events()`, always `close()`."""
 
-    def __init__(self, gateway: Gateway, prepared: Prepared, max_wait_s: float | None = None) -> None:
+    def __init__(
+        self, gateway: Gateway, prepared: Prepared, max_wait_s: float | None = None, placing: Placing | None = None
+    ) -> None:
         self.gw = gateway
         self.prepared = prepared
         self.max_wait_s = max_wait_s
+        self.placing = placing
+        """Its request's models being placed now (a stream shows their starts' progress)."""
         """Its cold-start budget, for its first placement (a resumed stream has begun)."""
         self.placed: Placement | None = None
         """Its first placement (a cold one says what the start cost it)."""
@@ -160,21 +165,28 @@ class Generation:
         not_on = ""
         for attempt in range(PLACE_ATTEMPTS):
             t0 = time.perf_counter()
-            placement = await self.gw.bus.request(
-                subjects.place(),
-                PlaceRequest(
-                    request_id=self.request_id,
-                    model=self.prepared.record.name,
-                    prompt_tokens=self.prepared.prompt_tokens,
-                    max_tokens=self.prepared.params.max_tokens,
-                    not_on=not_on,
-                    avoid=avoid,
-                    wait_s=self._line_budget_s(),
-                    max_wait_s=self.max_wait_s if self.placed is None else None,
-                ),
-                Placement | Rejected,
-                timeout=self.gw.settings.placement_timeout_s,
-            )
+            model = self.prepared.record.name
+            if self.placing is not None:
+                self.placing.models[model] += 1
+            try:
+                placement = await self.gw.bus.request(
+                    subjects.place(),
+                    PlaceRequest(
+                        request_id=self.request_id,
+                        model=model,
+                        prompt_tokens=self.prepared.prompt_tokens,
+                        max_tokens=self.prepared.params.max_tokens,
+                        not_on=not_on,
+                        avoid=avoid,
+                        wait_s=self._line_budget_s(),
+                        max_wait_s=self.max_wait_s if self.placed is None else None,
+                    ),
+                    Placement | Rejected,
+                    timeout=self.gw.settings.placement_timeout_s,
+                )
+            finally:
+                if self.placing is not None:  # at once, before any progress event is read
+                    self.placing.models[model] -= 1
             PLACEMENT_WAIT.observe(time.perf_counter() - t0)
             if isinstance(placement, Rejected):
                 raise TesseraError(placement.code, placement.message, retry_after_s=placement.retry_after_s)
@@ -318,9 +330,12 @@ class Gateway:
         self._line: collections.deque[asyncio.Future[None]] = collections.deque()
         """Requests waiting for a slot, first come first served."""
         self.node_seen: dict[str, float] = {}
+        self.starts = StartWatch()
+        """The starts under way, as their engines report them (streams show their progress)."""
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.node_heartbeat(), self._on_heartbeat)
+        await self.starts.start(self.bus)
 
     async def _on_heartbeat(self, msg: object) -> None:
         status = decode(msg.data, NodeStatus)  # type: ignore[attr-defined]
@@ -585,8 +600,10 @@ class Gateway:
         )
         return Prepared(record=record, prompt=prompt, prompt_ids=ids, params=params, tools=plan)
 
-    async def open(self, prepared: Prepared, max_wait_s: float | None = None) -> Generation:
-        gen = Generation(self, prepared, max_wait_s)
+    async def open(
+        self, prepared: Prepared, max_wait_s: float | None = None, placing: Placing | None = None
+    ) -> Generation:
+        gen = Generation(self, prepared, max_wait_s, placing)
         try:
             await gen.open()
         except BaseException:
