@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -51,9 +52,14 @@ def ask(c: LocalCluster, model: str) -> httpx.Response:
     return r
 
 
-def worker_of(c: LocalCluster, model: str) -> int | None:
+def instance(c: LocalCluster, model: str) -> dict[str, Any] | None:
     status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
-    return next((i["worker_pid"] for n in status["nodes"] for i in n["instances"] if i["model"] == model), None)
+    return next((i for n in status["nodes"] for i in n["instances"] if i["model"] == model), None)
+
+
+def worker_of(c: LocalCluster, model: str) -> int | None:
+    found = instance(c, model)
+    return None if found is None else int(found["worker_pid"])
 
 
 def tessera(c: LocalCluster, *args: str) -> str:
@@ -72,7 +78,7 @@ def test_a_pinned_model_starts_at_registration_and_survives_an_eviction_that_wou
 ) -> None:
     record = register(node, WARM, keep_alive_s=1.0, min_instances=1)
     assert (record["min_instances"], record["priority"]) == (1, 0)
-    wait_for(lambda: WARM in loaded_models(node), 120, f"{WARM} to start with no request")
+    first = wait_for(lambda: instance(node, WARM), 120, f"{WARM} to start with no request")
     started = time.monotonic()
     for name in OTHERS:
         register(node, name, keep_alive_s=600.0)
@@ -87,6 +93,8 @@ def test_a_pinned_model_starts_at_registration_and_survives_an_eviction_that_wou
         lambda: m if len(m := loaded_models(node) & {WARM, *OTHERS}) == 3 else None, 30, "the view to show three"
     )
     assert WARM in loaded and OTHERS[2] in loaded
+    # The same instance all along (not ended and started again).
+    assert instance(node, WARM)["loaded_at"] == first["loaded_at"]  # type: ignore[index]
     assert time.monotonic() - started > 1.0  # and it outlived its 1 s keep-alive
 
 
