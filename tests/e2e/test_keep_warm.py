@@ -6,8 +6,6 @@ pinned set the node cannot hold is refused with a 409. The tests run in order on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,8 +15,7 @@ from typer.testing import CliRunner
 
 from ops import cli
 from ops.localcluster import LocalCluster, default_model_path
-from tests.conftest import start_cluster
-from tests.e2e.test_memory_pressure import budget_for_three
+from tests.e2e.test_memory_pressure import budget_for_three, tight  # noqa: F401  (its cluster)
 from tests.helpers.cluster import loaded_models, metric, register, wait_for
 
 ENGINE = "engine@node-0"
@@ -27,19 +24,11 @@ OTHERS = ["warm-a", "warm-b", "warm-c"]
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    # As test_memory_pressure's: three names fit, a fourth does not (footprint true-up off).
-    c = start_cluster(
-        tmp_path_factory.mktemp("warm"),
-        model_store,
-        TESSERA_MEMORY_BUDGET_BYTES=str(budget_for_three()),
-        TESSERA_MAX_INFLIGHT="32",
-        TESSERA_TRUE_UP_INTERVAL_S="0",
-    )
-    try:
-        yield c
-    finally:
-        c.stop()
+def node(request: pytest.FixtureRequest) -> LocalCluster:
+    """test_memory_pressure's node (`tight`): three names fit, a fourth does not (its `mem-*`
+    names are registered there, never started here)."""
+    cluster: LocalCluster = request.getfixturevalue("tight")
+    return cluster
 
 
 def ask(c: LocalCluster, model: str) -> httpx.Response:
