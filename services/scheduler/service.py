@@ -592,10 +592,14 @@ class SchedulerService:
         its registration or pin, after a node restart: `keep_warm.restore` decides), and tell
         the engines running a model whose pin or priority changed. Nothing awaited: the
         starts run as any start does, and the next pass sees them under way."""
+        records = self._records
+        if not self._told and not any(r.min_instances or r.priority for r in records.values()):
+            return  # nothing kept warm, nothing to tell: no pass over the view
         now = time.time()
         live = scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
-        records = self._records
-        for model, node_id in keep_warm.restore(records.values(), live, self._profiles(), now, self._restore_failed):
+        pins = keep_warm.pinned(records.values())
+        profiles = self.perf.profiles(pins, kv_min_tokens=self.settings.kv_min_tokens)
+        for model, node_id in keep_warm.restore(pins, live, profiles, now, self._restore_failed):
             log.info("keeping %s warm: starting it on %s", model, node_id, extra={"model": model})
             RESTORES.inc()
             self._begin_start(records[model], node_id)
