@@ -67,7 +67,10 @@ def test_a_pinned_model_starts_at_registration_and_survives_an_eviction_that_wou
 ) -> None:
     record = register(node, WARM, keep_alive_s=1.0, min_instances=1)
     assert (record["min_instances"], record["priority"]) == (1, 0)
-    first = wait_for(lambda: instance(node, WARM), 120, f"{WARM} to start with no request")
+    # As its engine's heartbeat shows it (the scheduler's own entry, until then, has no worker).
+    first = wait_for(
+        lambda: i if (i := instance(node, WARM)) and i["worker_pid"] else None, 120, f"{WARM} to start with no request"
+    )
     started = time.monotonic()
     for name in OTHERS:
         register(node, name, keep_alive_s=600.0)
