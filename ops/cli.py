@@ -170,6 +170,7 @@ def models_ls(url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HO
         "keep-alive s",
         "TTFT SLO s (L prompt tokens)",
         "TPOT SLO s",
+        "kept warm",
         "defaults",
     )
     for m in found:
@@ -196,6 +197,7 @@ def _adapter_cells(a: dict[str, Any]) -> tuple[str, ...]:
         f"{a['keep_alive_s']:g}",
         _ttft_slo_text(a),
         f"{a['tpot_slo_s']:g}",
+        "-",
         f"{_bytes(kept['nbytes'])} on {a['base']}",
     )
 
@@ -215,8 +217,16 @@ def _model_cells(m: dict[str, Any]) -> tuple[str, ...]:
         f"{m['keep_alive_s']:g}",
         _ttft_slo_text(m),
         f"{m['tpot_slo_s']:g}",
+        _kept_warm_text(m),
         defaults,
     )
+
+
+def _kept_warm_text(m: dict[str, Any]) -> str:
+    """Its pin (`min_instances`) and priority (an older gateway has neither: not pinned)."""
+    n, priority = m.get("min_instances", 0), m.get("priority", 0)
+    pin = f"pinned ×{n}" if n else "no (scales to zero)"
+    return f"{pin}, priority {priority}" if priority else pin
 
 
 def _ttft_slo_text(m: dict[str, Any]) -> str:
@@ -251,6 +261,10 @@ def models_add(
         None, exists=True, dir_okay=False, help="A Jinja chat template file replacing the GGUF's own."
     ),
     replace: bool = typer.Option(False, help="Replace a model already registered as NAME (else that is an error)."),
+    min_instances: int = typer.Option(
+        0, min=0, help="Instances kept warm whatever the traffic (0: scale to zero); see `models pin`."
+    ),
+    priority: int = typer.Option(0, help="Higher is kept first when memory runs short."),
     weight_format: WeightFormat | None = typer.Option(
         None,
         help="What a Hugging Face checkpoint's weights are compressed to (default: int8 up to 3B "
@@ -287,6 +301,8 @@ def models_add(
                 "replace": replace,
                 **({"weight_format": str(weight_format)} if weight_format else {}),
                 **({"chat_template": chat_template.read_text()} if chat_template else {}),
+                **({"min_instances": min_instances} if min_instances else {}),
+                **({"priority": priority} if priority else {}),
                 **overrides,
             },
         )
@@ -366,6 +382,35 @@ def models_rm_adapter(
     with _admin(url, admin_key, home) as http:
         _ok(http.delete(f"/admin/models/{base}/adapters/{name}"))
     console.print(f"removed adapter {name} of {base}")
+
+
+@models.command("pin")
+def models_pin(
+    name: str,
+    instances: int = typer.Option(1, min=1, help="Instances kept running whatever the traffic."),
+    priority: int | None = typer.Option(
+        None, help="Higher is kept first when memory runs short (default: the model's own)."
+    ),
+    url: str = URL,
+    admin_key: str | None = ADMIN_KEY,
+    home: Path = HOME,
+) -> None:
+    """Keep NAME warm: started now and after a node restart, never scaled to zero, never evicted
+    for a model of lower priority. Refused where the nodes cannot hold every pinned model."""
+    body: dict[str, int] = {"min_instances": instances}
+    if priority is not None:
+        body["priority"] = priority
+    with _admin(url, admin_key, home) as http:
+        m = _ok(http.post(f"/admin/models/{name}/pin", json=body))
+    console.print(f"{name}: {_kept_warm_text(m)}")
+
+
+@models.command("unpin")
+def models_unpin(name: str, url: str = URL, admin_key: str | None = ADMIN_KEY, home: Path = HOME) -> None:
+    """Let NAME scale to zero again after its keep-alive."""
+    with _admin(url, admin_key, home) as http:
+        m = _ok(http.post(f"/admin/models/{name}/unpin"))
+    console.print(f"{name}: {_kept_warm_text(m)}")
 
 
 @models.command("scale")

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from policy.eviction import may_take
+
 T = TypeVar("T")
 
 
@@ -33,6 +35,10 @@ class Neighbour:
     """Bytes it would free: weights and KV cache."""
     relocatable: bool
     """Every request it runs validates on some other instance (the caller checked, §7.1)."""
+    priority: int = 0
+    """Its model's priority (issue 35): lower priorities are taken first."""
+    pinned: bool = False
+    """Its model is kept warm: taken only for a preemptor of higher priority."""
 
 
 @dataclass(frozen=True)
@@ -41,17 +47,25 @@ class Preempt:
     freed_bytes: int
 
 
-def choose_preemption(batch: int, need_bytes: int, neighbours: Iterable[Neighbour]) -> Preempt | None:
+def choose_preemption(
+    batch: int, need_bytes: int, neighbours: Iterable[Neighbour], for_priority: int = 0
+) -> Preempt | None:
     """Neighbours to preempt so an instance of `batch` gains `need_bytes`, or None.
 
     Only lower-batch neighbours, lowest batch first (ties: the one freeing more first, so
     fewer are disturbed); an idle neighbour (batch 0) is always relocatable. None when even
-    taking every eligible neighbour would not free enough.
+    taking every eligible neighbour would not free enough. Priority comes first (issue 35):
+    lower priorities are taken first, and a pinned neighbour only for a preemptor of higher
+    priority than its own (`for_priority`).
     """
     if need_bytes <= 0:
         return Preempt((), 0)
-    eligible = [n for n in neighbours if n.batch < batch and (n.relocatable or n.batch == 0)]
-    eligible.sort(key=lambda n: (n.batch, -n.nbytes, n.key))
+    eligible = [
+        n
+        for n in neighbours
+        if n.batch < batch and (n.relocatable or n.batch == 0) and may_take(n.priority, n.pinned, for_priority)
+    ]
+    eligible.sort(key=lambda n: (n.priority, n.batch, -n.nbytes, n.key))
     victims: list[str] = []
     freed = 0
     for n in eligible:

@@ -11,6 +11,10 @@ the caller has it), weighted by how likely it is to be needed (Tangram's p_m, es
 from its access rate and how recently it was used) and by the model's latency sensitivity α
 (1 by default). Plain LRU would ignore both the reload time and the likelihood.
 
+Priority comes before the cost (issue 35, keep warm): a model's `priority` orders its residents
+(the lowest first, then by cost), and a pinned model's (`min_instances > 0`) are never taken
+for a model of its own priority or lower (`may_take`).
+
 Pure: state and a clock in, a decision out.
 """
 
@@ -33,6 +37,17 @@ class Resident:
     users: int = 0
     """Instances running on it now; a resident in use is never evicted."""
     alpha: float = 1.0
+    priority: int = 0
+    """Its model's priority: lower priorities are evicted first, whatever their cost."""
+    pinned: bool = False
+    """Its model is kept warm: never evicted for a model of its priority or lower."""
+
+
+def may_take(priority: int, pinned: bool, for_priority: int | None) -> bool:
+    """Whether a model of `priority` may be evicted or preempted to make room for one of
+    `for_priority` (None: for no model in particular, as a pool over its budget): an unpinned
+    one always; a pinned one only for a model of higher priority."""
+    return not pinned or (for_priority is not None and for_priority > priority)
 
 
 def reuse_likelihood(r: Resident, now: float) -> float:
@@ -48,7 +63,9 @@ def eviction_cost(r: Resident, now: float) -> float:
     return reuse_likelihood(r, now) * r.reload_s * r.alpha
 
 
-def choose_evictions(residents: Iterable[Resident], need_bytes: int, now: float) -> list[str]:
+def choose_evictions(
+    residents: Iterable[Resident], need_bytes: int, now: float, for_priority: int | None = None
+) -> list[str]:
     """Idle residents to evict so that `need_bytes` are freed: Tangram §3.2.2 stage 1.
 
     The paper's greedy: idle residents in ascending eviction cost (eq. 2, the whole
@@ -66,14 +83,19 @@ def choose_evictions(residents: Iterable[Resident], need_bytes: int, now: float)
     Ties in cost go to the bigger (more room for the same price), then the least recently
     used. Returns [] when even evicting every idle resident would not free enough: evicting
     then would cost reloads and still not make room.
+
+    Before the cost, the priority: residents of a lower priority go first (and of the
+    unnecessary victims, the highest priority is kept first); a pinned resident is no
+    candidate unless `for_priority`, the priority of the model the room is for, is higher
+    (`may_take`).
     """
     if need_bytes <= 0:
         return []
-    idle = [r for r in residents if r.users == 0]
+    idle = [r for r in residents if r.users == 0 and may_take(r.priority, r.pinned, for_priority)]
     if sum(r.nbytes for r in idle) < need_bytes:
         return []
     cost = {id(r): eviction_cost(r, now) for r in idle}
-    idle.sort(key=lambda r: (cost[id(r)], -r.nbytes, r.last_used, r.key))
+    idle.sort(key=lambda r: (r.priority, cost[id(r)], -r.nbytes, r.last_used, r.key))
     chosen: list[Resident] = []
     freed = 0
     for r in idle:
@@ -82,7 +104,7 @@ def choose_evictions(residents: Iterable[Resident], need_bytes: int, now: float)
         chosen.append(r)
         freed += r.nbytes
     kept: set[int] = set()
-    for r in sorted(chosen, key=lambda r: cost[id(r)], reverse=True):
+    for r in sorted(chosen, key=lambda r: (r.priority, cost[id(r)]), reverse=True):
         if freed - r.nbytes >= need_bytes:
             kept.add(id(r))
             freed -= r.nbytes

@@ -347,28 +347,33 @@ def first_token_wait_s(
 
 
 def preemption_for(
-    node: NodeState, model: str, demand: Demand, profiles: Mapping[str, Profile], relocatable: Callable[[str], bool]
+    node: NodeState,
+    model: str,
+    demand: Demand,
+    profiles: Mapping[str, Profile],
+    relocatable: Callable[[str], bool],
+    priorities: Mapping[str, int] | None = None,
 ) -> tuple[str, ...] | None:
     """LLM-Mesh §7.1: the instance of `model` on `node` cannot take the request because its
     neighbours' decode rounds would break a TPOT SLO. The neighbours to preempt so that it
     validates: only instances with a smaller batch than it would have (a big instance is not
     broken up for a small one), the smallest first, and only those whose requests `relocatable`
-    says validate on another node. None when no such set makes the request validate."""
+    says validate on another node. None when no such set makes the request validate. Before
+    the batch, the priority (issue 35): the lowest of `priorities` (0 where not named) first."""
     inst = node.instances.get(model)
     if inst is None:
         return None
     mates = worker_mates(node, inst)
     own = sum(v.active for v in mates) + 1
+    priorities = priorities or {}
     candidates = sorted(
-        (sum(w.active for w in worker_mates(node, v)), m)
+        (priorities.get(m, 0), sum(w.active for w in worker_mates(node, v)), m)
         for m, v in node.instances.items()
         if v.active > 0 and v not in mates
     )
     victims: list[str] = []
-    for batch, m in candidates:
-        if batch >= own:
-            break
-        if not relocatable(m):
+    for _, batch, m in candidates:
+        if batch >= own or not relocatable(m):
             continue
         victims.append(m)
         if validate(node, model, demand, profiles, without=frozenset(victims)).ok:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from policy import defrag, placement
+from policy.eviction import may_take
 from policy.placement import Demand, NodeState, Profile
 from policy.slo import ttft_slo
 from shared.messages import ErrorCode, InstanceView, NodeStatus, Rejected, Tier
@@ -168,6 +171,8 @@ def place(
     exclusive: bool = False,
     reject_over_slo: float | None = None,
     joins: Joins | None = None,
+    priorities: Mapping[str, int] | None = None,
+    pinned: AbstractSet[str] = frozenset(),
 ) -> Decision:
     """Where a request for `model` goes. `starts_in_flight`: the starts under way, by model
     (the latest, where a model has several).
@@ -178,6 +183,10 @@ def place(
 
     `joins`: what `first_join` found over the nodes running the model, where the caller asked
     it first (`nodes` must hold those nodes too).
+
+    `priorities`, `pinned` (issue 35, keep warm): a preemption for this request takes the
+    lowest priorities first (0 where not named), and a pinned model only where this request's
+    model has a higher priority.
 
     `exclusive`: the baseline the papers compare with (Knative, ServerlessLLM): an instance
     has its node to itself, requests queue on the model's one instance, and a model with no
@@ -193,8 +202,9 @@ def place(
     if exclusive:
         return _place_exclusive(model, live, max_active_per_instance, {s.node_id for s in starts_in_flight.values()})
     if demand is not None and model in profiles:
+        ranks = Ranks(priorities or {}, pinned)
         return _place_validated(
-            model, live, start, now, max_active_per_instance, demand, profiles, reject_over_slo, joins
+            model, live, start, now, max_active_per_instance, demand, profiles, reject_over_slo, joins, ranks
         )
     return _fallback(model, live, max_active_per_instance, profiles.get(model))
 
@@ -209,6 +219,7 @@ def _place_validated(
     profiles: Mapping[str, Profile],
     reject_over_slo: float | None,
     joins: Joins | None,
+    ranks: Ranks,
 ) -> Decision:
     # Shadow validation: join the first instance where nobody would miss an SLO...
     if joins is None:
@@ -223,9 +234,8 @@ def _place_validated(
     # new fragment) ...
     for n in crowded:
         others = [o for o in live if o.node_id != n.node_id]
-        victims = placement.preemption_for(
-            n, model, demand, profiles, functools.partial(relocatable, others=others, profiles=profiles)
-        )
+        moves = functools.partial(_preemptible, model=model, ranks=ranks, others=others, profiles=profiles)
+        victims = placement.preemption_for(n, model, demand, profiles, moves, ranks.priorities)
         if victims:
             return UseNode(n.node_id, preempt=victims, why=why)
     spare: NodeState | None = None
@@ -286,6 +296,18 @@ def _place_validated(
     if isinstance(decision, UseNode) and spare is not None:
         return UseNode(decision.node_id, scale_out_to=spare.node_id, why=why)
     return decision
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Models' priorities and the pinned ones among them (issue 35): whom a preemption takes."""
+
+    priorities: Mapping[str, int] = field(default_factory=dict)
+    pinned: AbstractSet[str] = frozenset()
+
+    def may_preempt(self, victim: str, for_model: str) -> bool:
+        p = self.priorities.get
+        return may_take(p(victim, 0), victim in self.pinned, p(for_model, 0))
 
 
 @dataclass(frozen=True)
@@ -366,6 +388,13 @@ def relocatable(model: str, others: Iterable[NodeState], profiles: Mapping[str, 
     return any(placement.validate(o, model, typical, profiles).ok for o in others)
 
 
+def _preemptible(
+    victim: str, *, model: str, ranks: Ranks, others: Iterable[NodeState], profiles: Mapping[str, Profile]
+) -> bool:
+    """§7.1's condition (`relocatable`), and that its priority lets `model` take it."""
+    return ranks.may_preempt(victim, model) and relocatable(victim, others, profiles)
+
+
 def _scale_out_warming(model: str, live: list[NodeState]) -> bool:
     """Whether the model was scaled out and an instance of it still serves its START tier:
     not the time for another. It is about to tier up (faster), the compile shares its node's
@@ -426,8 +455,31 @@ def idle_instances(
     keep_alive_s: Mapping[str, float],
     last_placed: Mapping[tuple[str, str], float],
     now: float,
+    min_instances: Mapping[str, int] | None = None,
 ) -> list[StopOrder]:
-    """Instances idle past their model's keep-alive (or of a model no longer registered)."""
+    """Instances idle past their model's keep-alive (or of a model no longer registered), but
+    for a model kept warm (`min_instances`, issue 35) none that would leave it fewer than that:
+    only its idlest instances beyond them."""
+    nodes = list(nodes)
+    orders = _past_keep_alive(nodes, keep_alive_s, last_placed, now)
+    floors = {m: k for m, k in (min_instances or {}).items() if k > 0}
+    if not floors:
+        return orders
+    running = Counter(m for n in nodes for m in n.instances)
+    kept: list[StopOrder] = []
+    for order in sorted(orders, key=lambda o: (o.idle_since, o.node_id)):  # the idlest first
+        if running[order.model] > floors.get(order.model, 0):
+            running[order.model] -= 1
+            kept.append(order)
+    return kept
+
+
+def _past_keep_alive(
+    nodes: Iterable[NodeState],
+    keep_alive_s: Mapping[str, float],
+    last_placed: Mapping[tuple[str, str], float],
+    now: float,
+) -> list[StopOrder]:
     orders = []
     for node in nodes:
         for model, inst in node.instances.items():

@@ -157,6 +157,13 @@ class ModelRecord(Message, frozen=True):
     chat_template: str = ""
     """A Jinja chat template that replaces the model's own (vLLM's `--chat-template`); empty:
     the one its GGUF carries."""
+    min_instances: int = 0
+    """Instances kept running whatever the traffic (issue 35, keep warm): started at
+    registration and again after a node restart, never scaled below, never evicted or
+    preempted for a model of lower `priority`. 0: scale to zero after `keep_alive_s`."""
+    priority: int = 0
+    """Higher is kept first: evictions and preemptions take lower priorities first, before
+    Tangram's cost orders them (`policy.eviction`)."""
 
 
 class ImportModel(Message, frozen=True):

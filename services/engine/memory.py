@@ -191,13 +191,13 @@ class KvMemory:
         and a sole user's weights). False if the idle ones cannot free enough."""
         candidates = []
         for i in self.node.instances.values():
-            if i.active:
+            if i.active or i.pinned:  # a pinned one is never ended to make room
                 continue
             sole = self._sole(i)
             freed = frees(i, sole) if frees else self._frees(i)
             # Its restart costs a resident start at least, a full load if its weights go too.
             reload_s = i.bound.resident.reload_s if sole else 0.1
-            candidates.append(Resident(i.model, freed, reload_s, i.loaded_at, i.last_used))
+            candidates.append(Resident(i.model, freed, reload_s, i.loaded_at, i.last_used, priority=i.priority))
         victims = choose_evictions(candidates, need, time.time())
         if not victims:
             return False
@@ -343,7 +343,7 @@ class KvMemory:
         validate on another node (the scheduler says which), until `need` bytes would be free.
         False when no such set frees enough."""
         neighbours = [
-            Neighbour(i.model, i.active, self._frees(i), relocatable=False)
+            Neighbour(i.model, i.active, self._frees(i), relocatable=False, priority=i.priority, pinned=i.pinned)
             for i in self.node.instances.values()
             if i is not preemptor and not i.preempted and 0 < i.active < preemptor.active
         ]
@@ -358,7 +358,8 @@ class KvMemory:
             log.warning("no relocation check (%s): preempting nobody", e.message)
             return False
         ok = set(answer.relocatable)
-        plan = choose_preemption(preemptor.active, need, [replace(n, relocatable=n.key in ok) for n in neighbours])
+        candidates = [replace(n, relocatable=n.key in ok) for n in neighbours]
+        plan = choose_preemption(preemptor.active, need, candidates, for_priority=preemptor.priority)
         if plan is None or not plan.victims:
             return False
         for model in plan.victims:

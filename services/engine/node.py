@@ -140,10 +140,19 @@ class Served:
     start: PendingColdStart | None = None
     """Its own cold start until its first token (a pipelined instance's request is no measure of
     the replica that took its place)."""
+    priority: int = 0
+    pinned: bool = False
+    """Kept warm (issue 35): never ended to make room, nor preempted for a lower priority."""
 
     @property
     def active(self) -> int:
         return len(self.prompts)
+
+    def keep(self, record: ModelRecord) -> None:
+        """Take `record`'s keep-warm terms (at its start, and when the scheduler tells a pin);
+        its worker's weights are evicted in its priority's turn once idle."""
+        self.priority, self.pinned = record.priority, record.min_instances > 0
+        self.bound.resident.priority = record.priority
 
 
 @dataclass
@@ -235,6 +244,7 @@ class Node:
         self.instances[record.name] = Served(
             record.name, bound, now, now, kv, *slo, warm_since=float("inf"), start=start
         )
+        self.instances[record.name].keep(record)
         self.replaced(old)
 
     def cancel(self, request_id: str, by_client: bool) -> None:

@@ -94,6 +94,7 @@ class Starts:
     async def start_instance(self, req: StartInstance) -> InstanceReady:
         name = req.model.name
         if (inst := self.node.instances.get(name)) is not None:
+            inst.keep(req.model)  # a pin or an unpin, told by the scheduler
             zero, cached = ColdStartPhases(init_s=0, load_s=0, profile_s=0), inst.bound.loaded.loaded_from_cache
             return InstanceReady(
                 node_id=self.node.id, model=name, phases=zero, loaded_from_cache=cached, source="resident"

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from policy import fallbacks
+from policy import fallbacks, keep_warm
 from services.gateway.adapters import AdapterAdmin, name_taken
 from services.gateway.auth import ApiError, KeyStore
 from services.gateway.protocol import CreateApiKey, RegisterModel
@@ -130,7 +130,10 @@ class Admin:
             created_at=time.time(),
             defaults=generation_defaults(imported.artifact, req),
             chat_template=req.chat_template,
+            min_instances=req.min_instances,
+            priority=req.priority,
         )
+        await self._fits(record)  # before it is stored: the scheduler starts what is stored
         if req.replace:
             await self._keeps_adapters(record)
             await self.registry.put(record)
@@ -141,6 +144,60 @@ class Admin:
     # Below this method, `list` in the class body names it, not the builtin: `builtins.list`.
     async def list(self) -> list[dict[str, Any]]:
         return [as_json(r) for r in await self.registry.all()]
+
+    async def get(self, name: str) -> dict[str, Any]:
+        return as_json(await self._record(name))
+
+    async def _record(self, name: str) -> ModelRecord:
+        record = await self.registry.get(name)
+        if record is None:
+            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{name}` does not exist.", param="name")
+        return record
+
+    async def pin(self, name: str, min_instances: int, priority: int | None) -> dict[str, Any]:
+        """Keep `name` warm: `min_instances` instances whatever the traffic (the scheduler starts
+        them within a keep-alive pass), at `priority` (None: the one it has). A 409
+        (`insufficient_memory`) where the nodes cannot hold it beside the other pinned models."""
+        record = await self._record(name)
+        pinned = msgspec.structs.replace(
+            record, min_instances=min_instances, priority=record.priority if priority is None else priority
+        )
+        await self._fits(pinned)
+        await self.registry.put(pinned)
+        return as_json(pinned)
+
+    async def unpin(self, name: str) -> dict[str, Any]:
+        """Scale `name` to zero again after its keep-alive (its priority stays)."""
+        unpinned = msgspec.structs.replace(await self._record(name), min_instances=0)
+        await self.registry.put(unpinned)
+        return as_json(unpinned)
+
+    async def _fits(self, record: ModelRecord) -> None:
+        """Refuse (409, `insufficient_memory`) a pinned `record` that the live nodes' memory
+        budgets cannot hold beside the other pinned models, each at its footprint as the
+        scheduler estimates a start's (`keep_warm.need_of`): rather than have them evict one
+        another in turn. Nodes that have not told their budget yet: nothing to judge by."""
+        if record.min_instances == 0:
+            return
+        others = [r for r in await self.registry.all() if r.name != record.name]
+        status = await self.bus.request(
+            subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus, timeout=self.settings.request_timeout_s
+        )
+        budgets = [n.memory_budget_bytes for n in status.nodes if n.memory_budget_bytes > 0]
+        if not budgets:
+            return
+        pinned = keep_warm.pinned([*others, record])
+        fit = keep_warm.fit([keep_warm.need_of(r, self.settings.kv_min_tokens) for r in pinned], budgets)
+        if not fit.ok:
+            names = ", ".join(f"{r.name} ×{r.min_instances}" for r in pinned)
+            raise ApiError(
+                409,
+                f"the nodes cannot keep every pinned model warm at once ({names}): they need "
+                f"{fit.needed_bytes} bytes, and {len(budgets)} node(s) have {fit.available_bytes} bytes available "
+                "(at most one instance of a model per node); unpin another model or pin fewer instances",
+                "insufficient_memory",
+                param="min_instances",
+            )
 
     async def _keeps_adapters(self, record: ModelRecord) -> None:
         """A replacement on other weights would leave the name's adapters checked against

@@ -322,12 +322,26 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+MAX_INSTANCES = 1024
+MAX_PRIORITY = 1_000_000
+
+
 class ScaleModel(BaseModel):
     """Admin API: run a model on this many nodes in all (FaaScale's scale-out, ahead of a burst)."""
 
     model_config = _ADMIN
 
-    instances: int = Field(ge=1, le=1024)
+    instances: int = Field(ge=1, le=MAX_INSTANCES)
+
+
+class PinModel(BaseModel):
+    """Admin API: keep a model warm (`POST /admin/models/{name}/pin`; every field optional)."""
+
+    model_config = _ADMIN
+
+    min_instances: int = Field(default=1, ge=1, le=MAX_INSTANCES)
+    priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Left out: the model keeps the priority it has."""
 
 
 MAX_KEEP_ALIVE_S = 366 * 86_400.0
@@ -416,6 +430,11 @@ class RegisterModel(_Registration):
     """What a Hugging Face checkpoint's weights are compressed to (NNCF): int4, int8, f16 or f32;
     left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
     a 400), as does a GGUF (naming one is a 400)."""
+    # Keep warm (issue 35): instances kept running whatever the traffic, started now; a set of
+    # pinned models the nodes cannot hold is a 409 (`policy.keep_warm.fit`).
+    min_instances: int = Field(default=0, ge=0, le=MAX_INSTANCES)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Higher is kept first when memory runs short (evictions and preemptions)."""
 
     @model_validator(mode="after")
     def _model_or_alias(self) -> RegisterModel:

@@ -7,7 +7,9 @@ plumbing (body limit, errors, callers, client disconnects) is `edge`.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from services.gateway.adapters import adapter_card, model_cards
@@ -26,6 +28,7 @@ from services.gateway.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PinModel,
     RegisterAdapter,
     RegisterModel,
     ScaleModel,
@@ -127,6 +130,16 @@ def _admin_routes(admin: Admin) -> APIRouter:
     async def scale(name: str, req: ScaleModel) -> dict[str, object]:
         return await admin.scale(name, req.instances)
 
+    # Keep warm (issue 35): the body is optional, `{}` or none pins one instance.
+    @router.post("/models/{name:path}/pin")
+    async def pin(name: str, req: Annotated[PinModel | None, Body()] = None) -> dict[str, object]:
+        req = req or PinModel()
+        return await admin.pin(name, req.min_instances, req.priority)
+
+    @router.post("/models/{name:path}/unpin")
+    async def unpin(name: str) -> dict[str, object]:
+        return await admin.unpin(name)
+
     # Before `/models/{name:path}`, which would take `<base>/adapters/<name>` for a model name.
     @router.post("/models/{base:path}/adapters", status_code=201)
     async def register_adapter(base: str, req: RegisterAdapter) -> dict[str, object]:
@@ -139,6 +152,10 @@ def _admin_routes(admin: Admin) -> APIRouter:
     @router.delete("/models/{base:path}/adapters/{name:path}")
     async def remove_adapter(base: str, name: str) -> dict[str, object]:
         return await admin.adapters.remove(base, name)
+
+    @router.get("/models/{name:path}")
+    async def model(name: str) -> dict[str, object]:
+        return await admin.get(name)
 
     @router.delete("/models/{name:path}")
     async def remove(name: str, cascade: bool = False) -> dict[str, object]:

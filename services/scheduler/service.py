@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from policy import cold_budget, defrag, scheduling
+from policy import cold_budget, defrag, keep_warm, scheduling
 from policy.backoff import Backoff, Change
 from policy.perf_book import PerfBook
 from policy.placement import Demand, Profile, validate
@@ -60,6 +63,10 @@ KEEPALIVE_BACKOFF_CAP_S = 5.0
 LINE_WAITING = Gauge(
     "tessera_scheduler_line_waiting", "Requests waiting for room: no node takes them yet within the SLOs"
 )
+RESTORES = Counter(
+    "tessera_scheduler_keep_warm_starts_total",
+    "Starts of pinned models running on fewer nodes than their min_instances (registration, node restart)",
+)
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
@@ -85,6 +92,12 @@ class SchedulerService:
         self.line = Line()
         self._records: dict[str, ModelRecord] = {}
         """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
+        self._restore_failed: dict[str, float] = {}
+        """Pinned model → when its last keep-warm start failed (the next waits a while)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._told: dict[tuple[str, str], tuple[int, int]] = {}
+        """(model, node) → the (min_instances, priority) its engine last had from here: a pin
+        or an unpin of a running model is told to its engines (their evictions read it)."""
 
     async def start(self) -> None:
         try:  # the load-time model of the scheduler before this one (cold-start budgets)
@@ -304,6 +317,8 @@ class SchedulerService:
             profiles=profiles,
             exclusive=self.settings.placement == "exclusive",
             reject_over_slo=self.settings.reject_over_slo,
+            priorities={m: r.priority for m, r in self._records.items() if r.priority},
+            pinned=frozenset(m for m, r in self._records.items() if r.min_instances > 0),
         )
         if log.isEnabledFor(logging.DEBUG):
             at = next((n for n in view if isinstance(decision, UseNode) and n.node_id == decision.node_id), None)
@@ -507,6 +522,7 @@ class SchedulerService:
                 record.name,
                 InstanceView(model=record.name, active=0, last_used=now, loaded_at=now),
             )
+            self._told[(record.name, node_id)] = (record.min_instances, record.priority)
         return ready
 
     def _pipelined(self, node_id: str, model: str) -> None:
@@ -526,6 +542,7 @@ class SchedulerService:
             error: Exception | None = None
             try:
                 await self.scale_in_idle()
+                self.keep_warm()
             except Exception as e:
                 error = e
             step = backoff.step(error is None, time.monotonic())
@@ -545,9 +562,10 @@ class SchedulerService:
         records = await self.registry.all()
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}
+        floors = {r.name: r.min_instances for r in records if r.min_instances > 0}
         now = time.time()
         live = scheduling.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
-        for order in scheduling.idle_instances(live, keep, self._last_placed, now):
+        for order in scheduling.idle_instances(live, keep, self._last_placed, now, floors):
             if (order.model, order.node_id) in self._starts:
                 continue
             try:
@@ -566,3 +584,60 @@ class SchedulerService:
             if reply.stopped:
                 SCALE_INS.inc()
                 log.info("scaled %s to zero on %s", order.model, order.node_id, extra={"model": order.model})
+
+    # --- keep warm (issue 35) -------------------------------------------------------------------
+
+    def keep_warm(self) -> None:
+        """Start each pinned model where it runs on fewer nodes than its `min_instances` (at
+        its registration or pin, after a node restart: `keep_warm.restore` decides), and tell
+        the engines running a model whose pin or priority changed. Nothing awaited: the
+        starts run as any start does, and the next pass sees them under way."""
+        records = self._records
+        if not self._told and not any(r.min_instances or r.priority for r in records.values()):
+            return  # nothing kept warm, nothing to tell: no pass over the view
+        now = time.time()
+        live = scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
+        pins = keep_warm.pinned(records.values())
+        profiles = self.perf.profiles(pins, kv_min_tokens=self.settings.kv_min_tokens)
+        for model, node_id in keep_warm.restore(pins, live, profiles, now, self._restore_failed):
+            log.info("keeping %s warm: starting it on %s", model, node_id, extra={"model": model})
+            RESTORES.inc()
+            self._begin_start(records[model], node_id)
+            _, task = self._starts[(model, node_id)]
+            task.add_done_callback(functools.partial(self._restored, model))
+        running = {(m, n.node_id) for n in live for m in n.instances}
+        for key in set(self._told) - running:
+            del self._told[key]
+        for model, node_id in sorted(running - set(self._starts)):
+            record = records.get(model)
+            terms = (record.min_instances, record.priority) if record is not None else (0, 0)
+            if record is not None and self._told.get((model, node_id), (0, 0)) != terms:
+                self._told[(model, node_id)] = terms
+                self._background(self._tell(record, node_id))
+
+    def _restored(self, model: str, task: asyncio.Task[InstanceReady | Rejected]) -> None:
+        failed = task.cancelled() or task.exception() is not None or isinstance(task.result(), Rejected)
+        if failed:
+            log.warning("keep-warm start of %s failed; trying again in %gs", model, keep_warm.RETRY_S)
+            self._restore_failed[model] = time.time()
+        else:
+            self._restore_failed.pop(model, None)
+
+    async def _tell(self, record: ModelRecord, node_id: str) -> None:
+        """A start of a model running there: the engine answers at once, and keeps the
+        record's `min_instances` and `priority` for its evictions."""
+        try:
+            await self.bus.request(
+                subjects.engine_start(node_id),
+                StartInstance(model=record),
+                InstanceReady | Rejected,
+                timeout=self.settings.request_timeout_s,
+            )
+        except TesseraError as e:
+            log.warning("could not tell %s of %s's pin: %s", node_id, record.name, e.message)
+            self._told.pop((record.name, node_id), None)
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,122 @@
+"""Keep warm (issue 35, part 1): models pinned with `min_instances`, kept first by `priority`.
+
+A pinned model is started at registration and again whenever the nodes run it on fewer nodes
+than its `min_instances` (a node restarted, a worker died): `restore`. Whether the nodes can
+hold every pinned model at once is `fit`, asked before a registration or a pin is stored, so
+that a set that does not fit is refused rather than left to evict itself in turn. The keep-alive
+side (never scaled below `min_instances`) is `scheduling.idle_instances`; the eviction and
+preemption order (priority before Tangram's cost, pinned models only for a higher priority) is
+`eviction.may_take` and its callers.
+
+Pure: records, the cluster view and a clock in, decisions out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from policy.kv_watermark import floor_tokens
+from policy.placement import NodeState, Profile
+from policy.scheduling import scale_out_nodes
+from shared.messages import ModelRecord
+
+RETRY_S = 5.0
+"""After a start of a pinned model failed (no room, a node going away), the next try waits
+this long: a pass runs every quarter second."""
+
+
+def pinned(records: Iterable[ModelRecord]) -> list[ModelRecord]:
+    """The pinned records, the highest priority first (then by name: a stable order)."""
+    return sorted((r for r in records if r.min_instances > 0), key=lambda r: (-r.priority, r.name))
+
+
+def restore(
+    records: Iterable[ModelRecord],
+    nodes: Sequence[NodeState],
+    profiles: Mapping[str, Profile],
+    now: float,
+    failed_at: Mapping[str, float],
+    retry_s: float = RETRY_S,
+) -> list[tuple[str, str]]:
+    """The starts, (model, node), that bring each pinned model up to its `min_instances`: on
+    the nodes that neither run nor start it (`nodes`: the live ones, with the starts under way
+    as `scheduling.with_starts` adds them), the best first as a scale-out orders them, the
+    highest priority first. A model whose last start failed less than `retry_s` before `now`
+    waits. Fewer where fewer nodes can take it."""
+    view = list(nodes)
+    starts: list[tuple[str, str]] = []
+    for r in pinned(records):
+        if now - failed_at.get(r.name, float("-inf")) < retry_s:
+            continue
+        for node_id in scale_out_nodes(r.name, view, profiles, r.min_instances):
+            starts.append((r.name, node_id))
+            # The next model's choice sees this start (starts share a node's cores).
+            view = [replace(n, starting=n.starting | {r.name}) if n.node_id == node_id else n for n in view]  # type: ignore[type-var]
+    return starts
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one pinned model holds on every node that keeps it warm."""
+
+    name: str
+    artifact_id: str
+    weight_bytes: int
+    """Shared by every name on its artifact on one node."""
+    kv_bytes: int
+    """What a start reserves for its KV cache (the L_min floor)."""
+    instances: int
+
+
+def need_of(record: ModelRecord, kv_min_tokens: int) -> Need:
+    """A record's footprint as the scheduler estimates a start's (`PerfBook.profiles`): its
+    weights and the KV cache of its L_min floor."""
+    a = record.artifact
+    kv = a.kv_bytes_per_token * floor_tokens(kv_min_tokens, a.context_length)
+    return Need(record.name, a.artifact_id, a.weight_bytes, kv, record.min_instances)
+
+
+@dataclass(frozen=True)
+class Fit:
+    ok: bool
+    needed_bytes: int
+    """What the pinned models hold in all (each artifact's weights once per node it is on)."""
+    available_bytes: int
+    """The nodes' memory budgets, summed."""
+
+
+def fit(needs: Iterable[Need], budgets: Sequence[int]) -> Fit:
+    """Whether nodes of these memory `budgets` hold every pinned model's instances at once, each
+    instance of a model on a node of its own (first fit, the biggest first; names sharing an
+    artifact share its weights on a node)."""
+    needs = [n for n in needs if n.instances > 0]
+    copies: dict[str, int] = {}
+    for n in needs:
+        copies[n.artifact_id] = max(copies.get(n.artifact_id, 0), n.instances)
+    weights = {n.artifact_id: n.weight_bytes for n in needs}
+    needed = sum(weights[a] * k for a, k in copies.items()) + sum(n.kv_bytes * n.instances for n in needs)
+    nodes = [_Node(room) for room in budgets]
+    ok = True
+    for n in sorted(needs, key=lambda n: (-(n.weight_bytes + n.kv_bytes), n.name)):
+        for _ in range(n.instances):
+            ok = ok and any(node.take(n) for node in nodes)
+    return Fit(ok, needed, sum(budgets))
+
+
+@dataclass
+class _Node:
+    free: int
+    names: set[str] = field(default_factory=set)
+    artifacts: set[str] = field(default_factory=set)
+    """The artifacts whose weights are counted here already."""
+
+    def take(self, n: Need) -> bool:
+        """Hold an instance of `n` here if it fits (one instance of a model per node)."""
+        cost = n.kv_bytes + (0 if n.artifact_id in self.artifacts else n.weight_bytes)
+        if n.name in self.names or cost > self.free:
+            return False
+        self.free -= cost
+        self.names.add(n.name)
+        self.artifacts.add(n.artifact_id)
+        return True

@@ -1,0 +1,165 @@
+"""Keep warm (issue 35, part 1), the pure parts: priority before Tangram's cost in evictions and
+preemptions, pinned models taken only for a higher priority, no scale-in below min_instances,
+the restore decision after a node restart, and whether a pinned set fits the nodes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from policy.defrag import Neighbour, choose_preemption
+from policy.eviction import Resident, choose_evictions, may_take
+from policy.keep_warm import Need, fit, need_of, pinned, restore
+from policy.placement import Profile
+from policy.scheduling import NodeView, StopOrder, UseNode, idle_instances, place
+from shared.messages import Artifact, InstanceView, ModelRecord
+from tests.unit.test_placement import NOW as PLACED_AT
+from tests.unit.test_placement import PERF, demand, profile
+from tests.unit.test_placement import inst as busy
+from tests.unit.test_placement import node as pnode
+
+NOW = 10_000.0
+
+
+def resident(key: str, reload_s: float = 1.0, priority: int = 0, pinned: bool = False) -> Resident:
+    return Resident(key, 100, reload_s, NOW - 600, NOW - 10, priority=priority, pinned=pinned)
+
+
+def test_a_lower_priority_is_evicted_before_a_cheaper_one_of_higher_priority() -> None:
+    dear_low = resident("dear-low", reload_s=50.0, priority=0)
+    cheap_high = resident("cheap-high", reload_s=0.1, priority=5)
+    assert choose_evictions([dear_low, cheap_high], 100, NOW) == ["dear-low"]
+    # At one priority, the cost decides as before.
+    assert choose_evictions([resident("dear", 50.0), resident("cheap", 0.1)], 100, NOW) == ["cheap"]
+
+
+def test_a_pinned_resident_goes_only_for_a_model_of_higher_priority() -> None:
+    kept = resident("kept", reload_s=0.1, priority=2, pinned=True)
+    other = resident("other", reload_s=50.0, priority=2)
+    assert choose_evictions([kept, other], 100, NOW) == ["other"]
+    # Room only the pinned one can make: not for no one in particular, nor for priority 2 ...
+    assert choose_evictions([kept, other], 200, NOW) == []
+    assert choose_evictions([kept, other], 200, NOW, for_priority=2) == []
+    # ... but for a higher priority.
+    assert sorted(choose_evictions([kept, other], 200, NOW, for_priority=3)) == ["kept", "other"]
+    assert may_take(0, False, None) and not may_take(0, True, None) and may_take(0, True, 1)
+
+
+def test_preemption_takes_lower_priorities_first_and_spares_pinned_neighbours() -> None:
+    low = Neighbour("low", batch=2, nbytes=60, relocatable=True, priority=-1)
+    small = Neighbour("small", batch=1, nbytes=60, relocatable=True)
+    plan = choose_preemption(5, 60, [small, low])
+    assert plan is not None and plan.victims == ("low",)  # before the smaller batch
+    pin = Neighbour("pin", batch=1, nbytes=60, relocatable=True, pinned=True)
+    assert choose_preemption(5, 60, [pin]) is None
+    assert choose_preemption(5, 60, [pin], for_priority=1) is not None
+
+
+def test_placement_preempts_no_pinned_neighbour_for_a_lower_priority() -> None:
+    # As test_placement's §7.1 case: "m" (3 requests) beside o1 (1) and o2 (2), o1 preempted
+    # first (the smaller batch) ...
+    tight = Profile(PERF, 60.0, 0.05, "a1", weight_bytes=100, kv_bytes=10)
+    nodes = [pnode("a", busy("m", 3), busy("o1", 1), busy("o2", 2)), pnode("b")]
+    profiles = {"m": profile(ttft=60.0, tpot=1.0), "o1": tight, "o2": tight}
+    d = demand(ttft=60.0, tpot=1.0)
+
+    def decide(priorities: dict[str, int], pins: frozenset[str] = frozenset()) -> object:
+        return place(
+            "m",
+            nodes,
+            {},
+            PLACED_AT,
+            node_timeout_s=3,
+            max_active_per_instance=16,
+            demand=d,
+            profiles=profiles,
+            priorities=priorities,
+            pinned=pins,
+        )
+
+    assert decide({}) == UseNode("a", preempt=("o1",))
+    # ... unless o1 is pinned at m's priority: o2 goes instead; not so for a higher m.
+    assert decide({}, frozenset({"o1"})) == UseNode("a", preempt=("o2",))
+    assert decide({"m": 1}, frozenset({"o1"})) == UseNode("a", preempt=("o1",))
+    # A lower priority goes first, whatever its batch.
+    assert decide({"o1": 1}) == UseNode("a", preempt=("o2",))
+
+
+def view(node_id: str, *models: str, last_used: float = NOW - 100, starting: frozenset[str] = frozenset()) -> NodeView:
+    instances = {m: InstanceView(model=m, active=0, last_used=last_used, loaded_at=NOW - 200) for m in models}
+    return NodeView(node_id, NOW, instances, starting, memory_budget_bytes=10_000)
+
+
+def test_keep_alive_never_scales_a_pinned_model_below_its_min_instances() -> None:
+    nodes = [view("a", "pin", "free", last_used=NOW - 50), view("b", "pin", last_used=NOW - 90)]
+    keep = {"pin": 1.0, "free": 1.0}
+    assert len(idle_instances(nodes, keep, {}, NOW)) == 3  # as today without a pin
+    # Pinned to one: the idlest of its two goes, the other stays; the unpinned one goes.
+    orders = idle_instances(nodes, keep, {}, NOW, {"pin": 1})
+    assert sorted(orders, key=lambda o: o.model) == [StopOrder("a", "free", NOW - 50), StopOrder("b", "pin", NOW - 90)]
+    assert idle_instances(nodes, keep, {}, NOW, {"pin": 2, "free": 1}) == []
+
+
+def record(name: str, min_instances: int = 1, priority: int = 0, aid: str = "a1", weights: int = 100) -> ModelRecord:
+    artifact = Artifact(
+        artifact_id=aid,
+        path="/x",
+        source_sha256="s",
+        context_length=1000,
+        kv_bytes_per_token=1,
+        weight_bytes=weights,
+    )
+    return ModelRecord(
+        name=name,
+        source="/x",
+        artifact=artifact,
+        ttft_slo_s=2.0,
+        tpot_slo_s=0.1,
+        keep_alive_s=1.0,
+        created_at=0.0,
+        min_instances=min_instances,
+        priority=priority,
+    )
+
+
+def test_a_pinned_model_missing_after_a_node_restart_is_started_again() -> None:
+    pin = record("pin")
+    # The restarted node's heartbeat shows nothing: a start of it there.
+    assert restore([pin, record("free", 0)], [view("a")], {}, NOW, {}) == [("pin", "a")]
+    # Running or starting there: nothing to do.
+    assert restore([pin], [view("a", "pin")], {}, NOW, {}) == []
+    assert restore([pin], [view("a", starting=frozenset({"pin"}))], {}, NOW, {}) == []
+    # Two instances wanted, one running: the other node.
+    two = msgspec.structs.replace(pin, min_instances=2)
+    assert restore([two], [view("a", "pin"), view("b")], {}, NOW, {}) == [("pin", "b")]
+
+
+def test_a_failed_restore_is_retried_after_a_while_not_every_pass() -> None:
+    pin = record("pin")
+    assert restore([pin], [view("a")], {}, NOW, {"pin": NOW - 1}, retry_s=5) == []
+    assert restore([pin], [view("a")], {}, NOW, {"pin": NOW - 6}, retry_s=5) == [("pin", "a")]
+
+
+def test_restores_go_highest_priority_first() -> None:
+    records = [record("low", priority=0), record("high", priority=9), record("mid", priority=3)]
+    assert [r.name for r in pinned(records)] == ["high", "mid", "low"]
+    assert [m for m, _ in restore(records, [view("a")], {}, NOW, {})] == ["high", "mid", "low"]
+
+
+def test_pinned_models_fit_when_the_nodes_hold_them_all_at_once() -> None:
+    # Two names on one artifact share its weights on a node: 100 + 2 × 50.
+    a, b = Need("a", "x", 100, 50, 1), Need("b", "x", 100, 50, 1)
+    assert fit([a, b], [200]).ok
+    assert fit([a, b], [200]).needed_bytes == 200
+    refused = fit([a, b, Need("c", "y", 100, 50, 1)], [300])
+    assert not refused.ok and (refused.needed_bytes, refused.available_bytes) == (350, 300)
+    # One instance of a model per node: two instances need two nodes, whatever the memory.
+    assert not fit([Need("a", "x", 100, 50, 2)], [1000]).ok
+    assert fit([Need("a", "x", 100, 50, 2)], [150, 150]).ok
+    # Room in all but not on one node: refused too.
+    assert not fit([Need("c", "y", 100, 50, 1)], [100, 100]).ok
+
+
+def test_a_records_footprint_is_its_weights_and_its_kv_floor() -> None:
+    r = record("m", weights=100)  # 1 KV byte per token, 1000 tokens of context
+    assert need_of(r, kv_min_tokens=0) == Need("m", "a1", 100, 1000, 1)
+    assert need_of(r, kv_min_tokens=256).kv_bytes == 256
