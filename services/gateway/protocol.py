@@ -69,7 +69,9 @@ class UnsupportedParameter(ValueError):
     """A parameter Tessera does not serve yet (the 400 names it in `param`)."""
 
     def __init__(self, param: str, message: str = "") -> None:
-        super().__init__(message or f"`{param}` is not supported by Tessera yet (see the table of parameters in docs/api.md)")
+        super().__init__(
+            message or f"`{param}` is not supported by Tessera yet (see the table of parameters in docs/api.md)"
+        )
         self.param = param
 
 
