@@ -11,7 +11,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
-from services.engine import metrics
+from services.engine import adapters, metrics
 from services.engine.memory import KvMemory
 from services.engine.node import Cancelled, Node, Samples, Served, WorkerDied
 from services.engine.worker_wire import Chunk, Run
@@ -90,7 +90,10 @@ class Requests:
             received,
             slo,
             inst.tpot_slo_s,
+            req.adapter,
         )
+        if req.adapter is not None:
+            adapters.begin(inst, req.adapter)
         generated, completion, reason = 0, 0, FinishReason.CANCELLED
         final: Failed | None = None
 
@@ -124,6 +127,11 @@ class Requests:
                 if out.first_token_at is not None:
                     metrics.TTFT.observe(out.first_token_at - received)
                     await self._maybe_record_cold_start(inst, out.first_token_at)
+                    if req.adapter is not None and out.adapter_load is not None:
+                        record = adapters.cold_start(
+                            self.node.id, req.adapter, out.adapter_load, received, out.first_token_at
+                        )
+                        await self.node.bus.publish(subjects.cold_start_recorded(), record)
             preempted = inst.preempted or rid in inst.evicted
             if reason is FinishReason.CANCELLED and preempted and not cancelled.by_client:
                 why = (
@@ -145,6 +153,9 @@ class Requests:
                 # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
+        finally:
+            if req.adapter is not None:
+                adapters.end(inst, req.adapter)
         outcome = reason.value if final is None else "preempted" if final.code is ErrorCode.PREEMPTED else "error"
         metrics.REQUESTS.labels(outcome).inc()
         ended = Finished(
