@@ -47,8 +47,16 @@ def base(cluster: LocalCluster, tiny_checkpoint: Path, adapters: dict[str, Path]
 
 
 def _complete(cluster: LocalCluster, model: str, stream: bool = False) -> tuple[str, str]:
-    """(the answer's `model`, its text), greedy, `TOKENS` tokens."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    """(the answer's `model`, its text), greedy, `TOKENS` tokens, without the checkpoint's
+    default repetition penalty (the library's plain greedy is what it is compared with)."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "repetition_penalty": 1.0,
+    }
     if not stream:
         r = httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
