@@ -125,14 +125,7 @@ class AdaptedBatch(Batch, Protocol):
     adapter (loaded at its first use, kept until `drop_adapter`). A batch without these
     refuses a request for an adapter (never serves it the base's output)."""
 
-    def add_adapted(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        deadline: Callable[[int], float],
-        kv_tokens: int,
-        adapter: AdapterRef,
-    ) -> None: ...
+    add_adapted: Callable[[str, Sequence[int], SamplingParams, Callable[[int], float], int, AdapterRef], None]
+    """(request_id, prompt_ids, params, deadline, kv_tokens, adapter)."""
 
     def drop_adapter(self, name: str) -> None: ...
