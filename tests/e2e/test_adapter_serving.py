@@ -5,7 +5,9 @@ answer for that adapter on the base's exported IR (an in-process OpenVINO GenAI 
 as `tests/integration/test_adapter_genai.py` builds it, on the store's IR, at the adapter's
 scale), not the base's; requests for two adapters and the base at once each get their own
 answer; an adapter idle its keep-alive is dropped from its base's instance and comes back on
-its next request with no new start of its base."""
+its next request with no new start of its base; an adapter registered while its base is warm,
+on linears the base's core was not built to update, is served right (the core is built again
+for it, the instance stays)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import httpx
 import pytest
 
 from ops.localcluster import LocalCluster
-from tests.helpers.adapters import make_adapter
-from tests.helpers.cluster import cold_starts, register, wait_for
+from tests.helpers.adapters import LLAMA_TARGETS, make_adapter
+from tests.helpers.cluster import cold_starts, on_the_core, register, wait_for
 
 BASE = "lora-serve"
 PROMPT = "The capital of France is"
@@ -182,3 +184,30 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
         assert [s["tier"] for s in starts] == ["adapter", "adapter"]
     finally:
         httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/ad-short", timeout=10)
+
+
+def test_an_adapter_registered_on_a_warm_base_is_served_right(
+    cluster: LocalCluster, base: dict[str, Any], tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The base serves from its core (built LoRA-able for the q/v adapters kept so far); an
+    adapter on every linear is registered then: the library applies an adapter only on the
+    linears its pipeline was built for, so the core is built again, and the answer is the
+    library's for that adapter."""
+    on_the_core(cluster, BASE)
+    inst = wait_for(lambda: _instance(cluster), 30, "the base's instance")
+    base_starts = len(cold_starts(cluster, BASE))
+    wide = make_adapter(tiny_checkpoint, tmp_path / "wide", seed=5, targets=LLAMA_TARGETS)
+    r = httpx.post(
+        f"{cluster.base_url}/admin/models/{BASE}/adapters", json={"name": "ad-wide", "source": str(wide)}, timeout=300
+    )
+    assert r.status_code == 201, r.text
+    try:
+        named, text = _complete(cluster, "ad-wide")
+        assert named == "ad-wide"
+        assert text == _library_greedy(cluster, base, _adapter(cluster, "ad-wide"))
+        assert text != _complete(cluster, BASE)[1]
+        now = _instance(cluster)
+        assert now is not None and now["worker_pid"] == inst["worker_pid"]
+        assert len(cold_starts(cluster, BASE)) == base_starts
+    finally:
+        httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/ad-wide", timeout=10)
