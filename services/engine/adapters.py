@@ -37,9 +37,14 @@ def end(inst: Served, ref: AdapterRef) -> None:
         inst.adapters[ref.name] = AdapterUse(use.keep_alive_s, time.monotonic(), max(0, use.active - 1))
 
 
+def owner(model: str, name: str) -> str:
+    """The memory manager's owner of an adapter's bytes on `model`'s instance."""
+    return f"{model}:adapter:{name}"
+
+
 def drop_idle(instances: list[Served]) -> list[str]:
-    """Every adapter idle its keep-alive leaves its instance's worker: what was dropped, as
-    `instance model/adapter`."""
+    """Every adapter idle its keep-alive leaves its instance's worker: the owners of their
+    bytes, for the caller to release."""
     dropped = []
     now = time.monotonic()
     for inst in instances:
@@ -47,7 +52,7 @@ def drop_idle(instances: list[Served]) -> list[str]:
             inst.bound.worker.drop_adapter(name)
             del inst.adapters[name]
             metrics.ADAPTER_DROPS.inc()
-            dropped.append(f"{inst.model}/{name}")
+            dropped.append(owner(inst.model, name))
     if dropped:
         log.info("adapters idle their keep-alive dropped: %s", ", ".join(dropped))
     return dropped

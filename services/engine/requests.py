@@ -59,6 +59,8 @@ class Requests:
         await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         try:
             try:
+                if req.adapter is not None:
+                    await self.memory.book_adapter(inst, req.adapter)
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 metrics.REQUESTS.labels("error").inc()

@@ -87,7 +87,8 @@ class EngineService:
         while True:
             try:
                 await self.node.learn_artifacts()
-                adapters.drop_idle(list(self.node.instances.values()))  # each its own keep-alive
+                for owner in adapters.drop_idle(list(self.node.instances.values())):  # each its own keep-alive
+                    await self.memory.release(owner)
                 if self.bus.connected.is_set():
                     await self.node.beat()
             except Exception:
