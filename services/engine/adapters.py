@@ -23,12 +23,14 @@ ADAPTER_TIER = "adapter"
 """`ColdStartRecorded.tier` of an adapter's start on its warm base."""
 
 
-def begin(inst: Served, ref: AdapterRef) -> None:
-    """A request for `ref` runs on `inst`: its adapter is in use (never dropped meanwhile)."""
+def begin(inst: Served, ref: AdapterRef) -> bool:
+    """A request for `ref` runs on `inst`: its adapter is in use (never dropped meanwhile).
+    Whether it is its first use there (not loaded yet: its bytes are to be booked)."""
     use = inst.adapters.get(ref.name)
     active = use.active if use is not None else 0
     inst.adapters[ref.name] = AdapterUse(ref.keep_alive_s, time.monotonic(), active + 1)
     metrics.ADAPTER_REQUESTS.labels(ref.name).inc()
+    return use is None
 
 
 def end(inst: Served, ref: AdapterRef) -> None:

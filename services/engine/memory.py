@@ -158,9 +158,8 @@ class KvMemory:
     async def book_adapter(self, inst: Served, ref: AdapterRef) -> None:
         """An adapter's bytes (its file, what the worker holds of it) booked before its first
         request on `inst` (room made as for any reservation); released when it is dropped."""
-        if ref.name not in inst.adapters:
-            async with self.reserved(adapters.owner(inst.model, ref.name), ref.nbytes):
-                pass
+        async with self.reserved(adapters.owner(inst.model, ref.name), ref.nbytes):
+            pass
 
     async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]

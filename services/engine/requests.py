@@ -57,18 +57,24 @@ class Requests:
         inst.drained.clear()
         inst.last_used = time.time()
         await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
+        # In use from here (its keep-alive cannot drop it meanwhile); booked at its first use.
+        first_use = req.adapter is not None and adapters.begin(inst, req.adapter)
         try:
             try:
-                if req.adapter is not None:
+                if req.adapter is not None and first_use:
                     await self.memory.book_adapter(inst, req.adapter)
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
+                if first_use and req.adapter is not None:
+                    inst.adapters.pop(req.adapter.name, None)  # never loaded
                 metrics.REQUESTS.labels("error").inc()
                 failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
                 await self.node.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
+            if req.adapter is not None:
+                adapters.end(inst, req.adapter)
             del inst.prompts[req.request_id]
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
@@ -94,8 +100,6 @@ class Requests:
             inst.tpot_slo_s,
             req.adapter,
         )
-        if req.adapter is not None:
-            adapters.begin(inst, req.adapter)
         generated, completion, reason = 0, 0, FinishReason.CANCELLED
         final: Failed | None = None
 
@@ -155,9 +159,6 @@ class Requests:
                 # now and sends the next requests to an instance.
                 await self.memory.unload(inst)
                 await self.node.beat()
-        finally:
-            if req.adapter is not None:
-                adapters.end(inst, req.adapter)
         outcome = reason.value if final is None else "preempted" if final.code is ErrorCode.PREEMPTED else "error"
         metrics.REQUESTS.labels(outcome).inc()
         ended = Finished(
