@@ -17,8 +17,11 @@ OpenVINO GenAI's `Adapter(<path>/adapter_model.safetensors)` reads the kept file
 an IR exported from the base's checkpoint; a pipeline built with `adapters=AdapterConfig(...)`
 is LoRA-able, and a generation's `GenerationConfig.adapters = AdapterConfig(adapter,
 AdapterArtifact.scale)` gives PEFT's greedy tokens (alpha 1 would apply the raw B·A). Its
-continuous-batching core applies one adapter set per infer request (its `generate` asserts
-that every request's adapters are the same): an OpenVINO engine batches by adapter.
+continuous-batching pipeline applies one adapter set to every request of a step: `step()`
+ignores a request's own `GenerationConfig.adapters`, and `generate` applies the first
+request's set to all (refused while requests run); a pipeline built without adapters, or an
+adapter on linears the build's adapters do not update, applies nothing, silently. An OpenVINO
+engine batches by adapter (`services/engine/core.py`, `policy/adapter_turns.py`).
 """
 
 from __future__ import annotations

@@ -219,6 +219,9 @@ class ColdStartPhases(Message, frozen=True):
     load_s: float
     profile_s: float
     prefill_s: float = 0.0
+    apply_s: float = 0.0
+    """An adapter's start (tier "adapter", issue 34): applying it on its base's pipeline, after
+    `load_s` read its file (`prefill_s`: its first token, after)."""
 
 
 class InstanceReady(Message, frozen=True):
@@ -323,6 +326,9 @@ class InstanceView(Message, frozen=True):
     ready_in_s: float = 0.0
     """Seconds until it can run a newcomer's prefill (its weights or KV cache still being
     loaded or resized); 0 where the engine does not say."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters loaded on it (issue 34), by name: each dropped when idle its own
+    keep-alive, the instance staying."""
 
 
 class PerfReport(Message, frozen=True):

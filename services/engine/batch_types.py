@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from shared.messages import AdapterRef, FinishReason, SamplingParams, TokenLogprob
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, kv_tokens: int) -> None:
@@ -41,6 +41,17 @@ class Step:
     error: str = ""
     prefill_tokens: int = 0
     """Positions its prefill computed where not its prompt's (a static batch pads); 0: its prompt's."""
+    adapter_load: AdapterLoad | None = None
+    """Its adapter was loaded for it just now (told once, with no tokens)."""
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """An adapter's start on a warm base (issue 34): reading its file, and applying it."""
+
+    name: str
+    load_s: float
+    apply_s: float
 
 
 def drain(steps: queue.Queue[Step], timeout: float, wanted: Callable[[str], bool] = lambda _: True) -> dict[str, Step]:
@@ -107,3 +118,14 @@ class Batch(Protocol):
     def steps(self, timeout: float) -> list[Step]: ...
 
     def close(self) -> None: ...
+
+
+class AdaptedBatch(Batch, Protocol):
+    """A batch that applies LoRA adapters (issue 34): `add_adapted` is `add` with the request's
+    adapter (loaded at its first use, kept until `drop_adapter`). A batch without these
+    refuses a request for an adapter (never serves it the base's output)."""
+
+    add_adapted: Callable[[str, Sequence[int], SamplingParams, Callable[[int], float], int, AdapterRef], None]
+    """(request_id, prompt_ids, params, deadline, kv_tokens, adapter)."""
+
+    def drop_adapter(self, name: str) -> None: ...

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.engine.batch_types import Step
+from policy.adapter_turns import BASE, joins_now, next_group
+from services.engine.batch_types import AdapterLoad, Step
 from services.engine.sampling import is_greedy
 from services.engine.step_gate import TakeTurn, Turns, most_urgent, no_turn, post
-from shared.messages import FinishReason, SamplingParams, TokenLogprob
+from shared.adapters import ADAPTER_WEIGHTS
+from shared.messages import AdapterRef, FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # imported by the worker at build time (its pre-warm already loaded it)
     import openvino_genai as ov_genai
@@ -93,20 +96,30 @@ def needs_logits(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.logprobs > 0
 
 
-def build_pipeline(artifact_path: str, device: str, threads: int) -> ov_genai.ContinuousBatchingPipeline:
+def build_pipeline(
+    artifact_path: str, device: str, threads: int, adapters: Sequence[str] = ()
+) -> ov_genai.ContinuousBatchingPipeline:
     """The pipeline on the artifact's IR, its KV cache the library's dynamic allocation: it grows
     as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and reuses
     freed blocks; a fixed block count had to guess at build time. ≈ 2.4 s here, mostly compiling
-    paged attention, which `CACHE_DIR` does not save: hence the start tier serves meanwhile."""
+    paged attention, which `CACHE_DIR` does not save: hence the start tier serves meanwhile.
+
+    `adapters` (LoRA weight files, issue 34): built LoRA-able for them. The library makes a
+    pipeline LoRA-able only when built with adapters, and only on the linears those adapters
+    update (an adapter applied later on other linears has them silently ignored: "Unused LoRA
+    tensor"), hence every adapter kept for the base. Without prefix caching: its blocks are
+    keyed by tokens alone, and a prefix computed under one adapter is no prefix of another's."""
     import openvino_genai as ov_genai
 
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = 0
     scheduler.num_kv_blocks = 0
-    scheduler.enable_prefix_caching = True
+    scheduler.enable_prefix_caching = not adapters
     scheduler.dynamic_split_fuse = True
     scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
     properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads} if device == "CPU" else {}
+    if adapters:
+        properties["adapters"] = ov_genai.AdapterConfig([ov_genai.Adapter(path) for path in adapters])
     tokenizer = ov_genai.Tokenizer(str(Path(artifact_path)))
     return ov_genai.ContinuousBatchingPipeline(str(Path(artifact_path)), tokenizer, scheduler, device, **properties)
 
@@ -136,10 +149,29 @@ class _Request:
     generated: int = 0
 
 
+@dataclass(frozen=True)
+class _Waiting:
+    """A request whose adapter group waits for its turn (`policy.adapter_turns`)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    deadline: Callable[[int], float]
+    adapter: AdapterRef | None
+    arrived: float
+
+
 class CoreBatch:
     """The pipeline as a `Batch`: a `steps` call is at most one `pipeline.step()`, in a turn at
     the gate. `kv_tokens`: the most a request may hold (the model's context). The worker's
-    batch (`TieredBatch`) takes the gate's posting down when nothing is left to run."""
+    batch (`TieredBatch`) takes the gate's posting down when nothing is left to run.
+
+    A LoRA-able pipeline (`lora`, built with `build_pipeline`'s adapters) runs its requests by
+    adapter group (`policy.adapter_turns`): the library's `step()` ignores a request's own
+    `GenerationConfig.adapters` and applies the set its last `generate` applied (which it
+    refuses while requests run), so requests of different adapters cannot share a step. Between
+    groups the drained pipeline's `generate` of one token applies the next group's adapter
+    (≈ 1 ms here); an adapter is read at its group's first turn and kept until `drop_adapter`."""
 
     def __init__(
         self,
@@ -148,6 +180,8 @@ class CoreBatch:
         vocab_size: int,
         kv_tokens: int,
         turn: TakeTurn = no_turn,
+        lora: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._turns = Turns(turn)
         self.pipeline = pipeline
@@ -157,10 +191,21 @@ class CoreBatch:
         self._live: dict[str, _Request] = {}
         self._next_id = 0
         self._error = ""
+        self.lora = lora
+        self.clock = clock
+        self._applied: str | None = None if lora else BASE
+        """The adapter group the pipeline applies now (None: not known, the next turn applies)."""
+        self._waiting: dict[str, list[_Waiting]] = {}
+        self._adapters: dict[str, Any] = {}
+        """Loaded adapters (`ov_genai.Adapter`) by name."""
 
     @property
     def active(self) -> int:
-        return len(self._live)
+        return len(self._live) + sum(len(q) for q in self._waiting.values())
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
 
     @property
     def alive(self) -> bool:
@@ -187,12 +232,28 @@ class CoreBatch:
         params: SamplingParams,
         deadline: Callable[[int], float] = lambda _: math.inf,
         kv_tokens: int = 0,
+        adapter: AdapterRef | None = None,
     ) -> None:
         if self._error:
             raise RuntimeError(f"the continuous-batching core has stopped: {self._error}")
         check_prompt(prompt_ids, params.max_tokens, self.vocab_size, self.kv_tokens)
+        if adapter is not None and not self.lora:  # never the base's output for it
+            raise ValueError(f"this pipeline was not built LoRA-able: `{adapter.name}` cannot be applied")
+        group = adapter.name if adapter is not None else BASE
+        if not joins_now(group, self._applied, self._waiting):
+            generation_config(params, self.eos_token_id)  # a spec the library refuses raises now
+            waiting = _Waiting(request_id, prompt_ids, params, deadline, adapter, self.clock())
+            self._waiting.setdefault(group, []).append(waiting)
+            return
         handle = self._submit(prompt_ids, params)  # a spec the library refuses raises here, alone
         self._live[request_id] = _Request(handle, prompt_ids, params, deadline)
+
+    def drop_adapter(self, name: str) -> None:
+        """Its keep-alive passed with none of its requests here: let it go (read again at its
+        group's next turn)."""
+        self._adapters.pop(name, None)
+        if self._applied == name:
+            self._applied = None
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
         import numpy as np
@@ -206,11 +267,66 @@ class CoreBatch:
         request = self._live.pop(request_id, None)
         if request is not None:
             request.handle.stop()
+        for group, queue in list(self._waiting.items()):
+            self._waiting[group] = [w for w in queue if w.request_id != request_id]
+            if not self._waiting[group]:
+                del self._waiting[group]
 
     def steps(self, timeout: float) -> list[Step]:
-        """One step (`timeout` is not waited: with requests there is always a step to run)."""
+        """One step (`timeout` is not waited: with requests there is always a step to run); a
+        drained pipeline with groups waiting first gives the next group its turn."""
+        turn = self._next_turn() if not self._live and self._waiting else []
         if not self.pipeline.has_non_finished_requests():
-            return self._read_all()  # a stopped request's last words, if any
+            return turn + self._read_all()  # a stopped request's last words, if any
+        return turn + self._step()
+
+    def _next_turn(self) -> list[Step]:
+        """The longest waiting group into the drained pipeline, its adapter applied (read
+        first where not loaded: that request's step says so)."""
+        if self.pipeline.has_non_finished_requests():
+            self.pipeline.step()  # stopped requests not yet cleared: the library frees them here
+            if self.pipeline.has_non_finished_requests():
+                return []
+        group = next_group({g: q[0].arrived for g, q in self._waiting.items()})
+        queue = self._waiting.pop(group)
+        try:
+            load = self._apply(group, queue[0].adapter)
+        except Exception as e:  # its file unreadable, or refused: its requests fail, others go on
+            self._applied = None
+            return [Step(w.request_id, (), None, f"the adapter `{group}` could not be applied: {e}") for w in queue]
+        out = [Step(queue[0].request_id, (), adapter_load=load)] if load is not None else []
+        for w in queue:
+            try:
+                handle = self._submit(w.prompt_ids, w.params)
+            except Exception as e:  # that request alone
+                out.append(Step(w.request_id, (), None, f"{type(e).__name__}: {e}"))
+                continue
+            self._live[w.request_id] = _Request(handle, w.prompt_ids, w.params, w.deadline)
+        return out
+
+    def _apply(self, group: str, ref: AdapterRef | None) -> AdapterLoad | None:
+        """Apply `group`'s adapter (none for the base) by a one-token `generate`: the library's
+        one way to set a continuous-batching pipeline's adapters."""
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        t0 = time.perf_counter()
+        fresh = ref is not None and group not in self._adapters
+        if ref is not None and fresh:
+            self._adapters[group] = ov_genai.Adapter(str(Path(ref.path) / ADAPTER_WEIGHTS))
+        t1 = time.perf_counter()
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens = 1
+        config.ignore_eos = True
+        config.adapters = (
+            ov_genai.AdapterConfig(self._adapters[group], ref.scale) if ref is not None else ov_genai.AdapterConfig()
+        )
+        self.pipeline.generate([ov.Tensor(np.asarray([[self.eos_token_id]], dtype=np.int64))], [config])
+        self._applied = group
+        return AdapterLoad(group, t1 - t0, time.perf_counter() - t1) if fresh else None
+
+    def _step(self) -> list[Step]:
         try:
             with self._turns(most_urgent(r.deadline(r.generated) for r in self._live.values())) as held:
                 self.pipeline.step()
@@ -263,3 +379,5 @@ class CoreBatch:
         for request in self._live.values():
             request.handle.stop()
         self._live.clear()
+        self._waiting.clear()
+        self._adapters.clear()

@@ -19,11 +19,12 @@ from policy.eviction import Resident, choose_evictions, over_budget
 from policy.footprint import true_up
 from policy.kv_watermark import Action, KvPlan
 from policy.slo import ttft_slo
-from services.engine import metrics
+from services.engine import adapters, metrics
 from services.engine.node import ARENA_REGION, Bound, Node, Publisher, Served
 from shared import subjects
 from shared.errors import TesseraError
 from shared.messages import (
+    AdapterRef,
     ErrorCode,
     Generate,
     Release,
@@ -154,8 +155,16 @@ class KvMemory:
         if inst.bound.source != "pipeline":  # a pipelined one holds no weights
             await self.release_worker(inst.bound)
 
+    async def book_adapter(self, inst: Served, ref: AdapterRef) -> None:
+        """An adapter's bytes (its file, what the worker holds of it) booked before its first
+        request on `inst` (room made as for any reservation); released when it is dropped."""
+        async with self.reserved(adapters.owner(inst.model, ref.name), ref.nbytes):
+            pass
+
     async def _forget(self, inst: Served) -> None:
         del self.node.instances[inst.model]
+        for name in list(inst.adapters):
+            await self.release(adapters.owner(inst.model, name))
         for gauge in (metrics.KV_RESERVED, metrics.KV_ALLOCATED):
             with contextlib.suppress(KeyError):
                 gauge.remove(inst.model)

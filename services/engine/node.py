@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.msg import Msg
 
+from policy.adapter_turns import AdapterUse
 from policy.affinity import reusable_shares
 from policy.eviction import Resident
 from policy.kv_account import KvAccount
@@ -143,6 +144,8 @@ class Served:
     priority: int = 0
     pinned: bool = False
     """Kept warm (issue 35): never ended to make room, nor preempted for a lower priority."""
+    adapters: dict[str, AdapterUse] = field(default_factory=dict)
+    """LoRA adapters its worker has loaded, by name (`services/engine/adapters.py`)."""
 
     @property
     def active(self) -> int:
@@ -324,6 +327,7 @@ class Node:
                     running=len(i.held),
                     held_tokens=sum(i.held.values()),
                     queued_tokens=sum(n for r, n in i.prompts.items() if r not in i.held),
+                    adapters=tuple(sorted(i.adapters)),
                 )
                 for i in self.instances.values()
             ),

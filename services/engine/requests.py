@@ -11,7 +11,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from policy.slo import ttft_slo
-from services.engine import metrics
+from services.engine import adapters, metrics
 from services.engine.memory import KvMemory
 from services.engine.node import Cancelled, Node, Samples, Served, WorkerDied
 from services.engine.worker_wire import Chunk, Run
@@ -57,16 +57,24 @@ class Requests:
         inst.drained.clear()
         inst.last_used = time.time()
         await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
+        # In use from here (its keep-alive cannot drop it meanwhile); booked at its first use.
+        first_use = req.adapter is not None and adapters.begin(inst, req.adapter)
         try:
             try:
+                if req.adapter is not None and first_use:
+                    await self.memory.book_adapter(inst, req.adapter)
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
+                if first_use and req.adapter is not None:
+                    inst.adapters.pop(req.adapter.name, None)  # never loaded
                 metrics.REQUESTS.labels("error").inc()
                 failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
                 await self.node.bus.publish(req.stream_subject, failed)
                 return
             await self._generate(inst, req, cancelled)
         finally:
+            if req.adapter is not None:
+                adapters.end(inst, req.adapter)
             del inst.prompts[req.request_id]
             inst.held.pop(req.request_id, None)
             inst.evicted.discard(req.request_id)
@@ -90,6 +98,7 @@ class Requests:
             received,
             slo,
             inst.tpot_slo_s,
+            req.adapter,
         )
         generated, completion, reason = 0, 0, FinishReason.CANCELLED
         final: Failed | None = None
@@ -124,6 +133,11 @@ class Requests:
                 if out.first_token_at is not None:
                     metrics.TTFT.observe(out.first_token_at - received)
                     await self._maybe_record_cold_start(inst, out.first_token_at)
+                    if req.adapter is not None and out.adapter_load is not None:
+                        record = adapters.cold_start(
+                            self.node.id, req.adapter, out.adapter_load, received, out.first_token_at
+                        )
+                        await self.node.bus.publish(subjects.cold_start_recorded(), record)
             preempted = inst.preempted or rid in inst.evicted
             if reason is FinishReason.CANCELLED and preempted and not cancelled.by_client:
                 why = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.engine import adapters
 from services.engine.backends import BACKENDS
 from services.engine.memory import BusMemoryManager, KvMemory, MemoryManager
 from services.engine.node import Node, every
@@ -86,6 +87,8 @@ class EngineService:
         while True:
             try:
                 await self.node.learn_artifacts()
+                for owner in adapters.drop_idle(list(self.node.instances.values())):  # each its own keep-alive
+                    await self.memory.release(owner)
                 if self.bus.connected.is_set():
                     await self.node.beat()
             except Exception:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.engine.batch import Request, StartBatch, vocab_size
@@ -31,8 +32,9 @@ from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logi
 from services.engine.cpu_share import trim_heap
 from services.engine.step_gate import TakeTurn, Turns, no_turn
 from services.engine.worker_wire import TieredUp
+from shared.adapters import ADAPTER_WEIGHTS, AdapterArtifact, adapters_root, read_manifest
 from shared.artifact import model_xml
-from shared.messages import Artifact, SamplingParams, Tier
+from shared.messages import AdapterRef, Artifact, SamplingParams, Tier
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -44,13 +46,40 @@ CLOSE_BUILD_S = 60.0
 library's build thread aborts."""
 
 NO_GRAMMAR = "this instance cannot enforce structured output: its continuous-batching core failed to build"
+NO_ADAPTER = "this instance cannot apply LoRA adapters: its continuous-batching core failed to build"
+
+
+@dataclass(frozen=True)
+class LoraCover:
+    """What a LoRA-able core was built for (`core.build_pipeline`): the library applies an
+    adapter only on the linears the build's adapters update."""
+
+    files: tuple[str, ...]
+    targets: frozenset[str]
+    layers: int
+
+    def covers(self, adapter: AdapterArtifact) -> bool:
+        return bool(self.files) and set(adapter.targets) <= self.targets and adapter.layers <= self.layers
+
+
+def kept_adapters(artifact: Artifact) -> LoraCover:
+    """Every adapter the store keeps for `artifact` (`shared.adapters`): what its core is built
+    LoRA-able for. PEFT adapters update every layer of their targets: by targets and layers."""
+    root = adapters_root(artifact)
+    kept = [a for d in sorted(root.iterdir()) if (a := read_manifest(d)) is not None] if root.is_dir() else []
+    return LoraCover(
+        tuple(str(Path(a.path) / ADAPTER_WEIGHTS) for a in kept),
+        frozenset(t for a in kept for t in a.targets),
+        max((a.layers for a in kept), default=0),
+    )
 
 
 class _CoreBuild:
     """The core's pipeline, built on a thread (the library releases the GIL meanwhile)."""
 
-    def __init__(self, artifact_path: str, device: str, threads: int, warm: bool) -> None:
+    def __init__(self, artifact_path: str, device: str, threads: int, warm: bool, adapters: Sequence[str] = ()) -> None:
         self.pipeline: object | None = None
+        self.adapters = adapters
         self.error = ""
         self.seconds = 0.0
         self.began = time.monotonic()
@@ -63,7 +92,7 @@ class _CoreBuild:
         from services.engine.core import build_pipeline, warm_up  # (tests stand in for the build)
 
         try:
-            pipeline = build_pipeline(artifact_path, device, threads)
+            pipeline = build_pipeline(artifact_path, device, threads, self.adapters)
             if warm:
                 warm_up(pipeline)
             self.pipeline = pipeline
@@ -128,6 +157,13 @@ class TieredBatch:
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
         self._closed = False
+        self.cover = LoraCover((), frozenset(), 0)
+        """What the core (built or building) applies adapters on."""
+        self._adapter_of: dict[str, AdapterRef] = {}
+        """The adapters of requests waiting for a core (`_for_core`)."""
+        self._rebuild = False
+        """An adapter came that the core was not built for: a core built for it replaces it
+        once it drains (the base's instance starts its core again; never the base's output)."""
         if self.core_first:
             self._start_tiers_up()
 
@@ -174,7 +210,7 @@ class TieredBatch:
         request = Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens)
         if needs_logits(params):
             self._to_start(request)
-        elif self.core is not None:
+        elif self.core is not None and not self._rebuild:
             self.core.add(request_id, prompt_ids, params, deadline)
         elif params.guide is not None and self.build_failed:
             raise ValueError(NO_GRAMMAR)
@@ -184,9 +220,49 @@ class TieredBatch:
         else:  # the start tier's sampler has seeds, penalties, top-k, min-p where the core failed
             self._to_start(request)
 
+    def add_adapted(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float],
+        kv_tokens: int,
+        adapter: AdapterRef,
+    ) -> None:
+        """A request for a LoRA adapter: always on the core (the start tier's stateful model has
+        no adapter support the library exposes), which waits for a build LoRA-able for it."""
+        check_prompt(prompt_ids, params.max_tokens, self.vocab_size, max(self.artifact.context_length, kv_tokens))
+        if needs_logits(params):
+            raise ValueError(
+                "logit_bias and top_logprobs are served by the stateful tier, which does not apply LoRA adapters"
+            )
+        if self.build_failed:
+            raise ValueError(NO_ADAPTER)
+        kept = read_manifest(Path(adapter.path))
+        if kept is None:
+            raise ValueError(f"the adapter `{adapter.name}` is not kept in the store at {adapter.path}")
+        self._adopt_core()
+        if self.core is not None and not self._rebuild and self.cover.covers(kept):
+            self.core.add(request_id, prompt_ids, params, deadline, adapter=adapter)
+            return
+        self._for_core[request_id] = Request(request_id, tuple(prompt_ids), params, deadline, kv_tokens)
+        self._adapter_of[request_id] = adapter
+        if self.core is not None or (self.build is not None and not self.cover.covers(kept)):
+            self._rebuild = True  # built before this adapter was kept: built again, once drained
+        self._start_build()
+
+    def drop_adapter(self, name: str) -> None:
+        if self.core is not None:
+            self.core.drop_adapter(name)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return self.core.adapters if self.core is not None else ()
+
     def cancel(self, request_id: str) -> None:
         was = self.active
         self._for_core.pop(request_id, None)
+        self._adapter_of.pop(request_id, None)
         self._failed = [s for s in self._failed if s.request_id != request_id]
         for batch in (self.start, self.core):
             if batch is not None:
@@ -215,6 +291,10 @@ class TieredBatch:
             if not core.alive:  # its requests failed; the start tier serves, a new core is built
                 core.close()
                 self.core = None
+        if self._rebuild and self.core is not None and not self.core.active:
+            self.core.close()  # drained: a core LoRA-able for every kept adapter takes its place
+            self.core = None
+            self._start_build()
         self._let_start_go()
         return out
 
@@ -283,7 +363,9 @@ class TieredBatch:
         """Only on an idle node does the build warm up too: beside requests, the CPU is theirs."""
         if self.build is not None or self.core is not None or self.build_failed or self._closed:
             return
-        self.build = _CoreBuild(self.artifact.path, self.device, self.threads, warm=idle)
+        self._rebuild = False
+        self.cover = kept_adapters(self.artifact)
+        self.build = _CoreBuild(self.artifact.path, self.device, self.threads, warm=idle, adapters=self.cover.files)
         self.build_window = (self.build.began, math.inf)
 
     def _adopt_core(self) -> None:
@@ -297,21 +379,38 @@ class TieredBatch:
         self._for_core.clear()
         if build.pipeline is not None and not self._closed:
             self.core = CoreBatch(
-                build.pipeline, self.tokenizer.eos_token_id, self.vocab_size, self.artifact.context_length, self._turns
+                build.pipeline,
+                self.tokenizer.eos_token_id,
+                self.vocab_size,
+                self.artifact.context_length,
+                self._turns,
+                lora=bool(build.adapters),
             )
             for r in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
+                adapter = self._adapter_of.pop(r.request_id, None)
                 try:
-                    self.core.add(r.request_id, r.prompt_ids, r.params, r.deadline)
+                    if adapter is not None and not self._covers(adapter):
+                        # Registered while this core built: wait for one built for it.
+                        self._for_core[r.request_id], self._adapter_of[r.request_id] = r, adapter
+                        self._rebuild = True
+                        continue
+                    self.core.add(r.request_id, r.prompt_ids, r.params, r.deadline, adapter=adapter)
                 except Exception as e:  # a spec the library refuses: that request fails alone
                     self._failed.append(Step(r.request_id, (), None, f"{type(e).__name__}: {e}"))
         else:
             self.build_failed = True
             for r in waiting:
-                if r.params.guide is not None:
+                if self._adapter_of.pop(r.request_id, None) is not None:
+                    self._failed.append(Step(r.request_id, (), None, NO_ADAPTER))
+                elif r.params.guide is not None:
                     self._failed.append(Step(r.request_id, (), None, NO_GRAMMAR))
                 else:
                     self._to_start(r)
         self._tiered_up = TieredUp(self.tier, build.seconds, build.error)
+
+    def _covers(self, adapter: AdapterRef) -> bool:
+        kept = read_manifest(Path(adapter.path))
+        return kept is not None and self.cover.covers(kept)
 
     def _let_start_go(self) -> None:
         """The core serves everything: the start tier's memory goes back."""

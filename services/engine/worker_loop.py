@@ -15,15 +15,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import Protocol, cast
 
-from services.engine.batch_types import Batch, Step
+from services.engine.batch_types import AdaptedBatch, AdapterLoad, Batch, Step
 from services.engine.cpu_share import pin_all_threads
 from services.engine.text import DecodeMany, StreamText
 from services.engine.worker_wire import (
     CancelRun,
     Chunks,
     Done,
+    DropAdapter,
     DropSession,
     Failure,
     Load,
@@ -89,6 +90,7 @@ class _Live:
     generated: int = 0
     first: float | None = None
     prefill_tokens: int = 0
+    adapter_load: AdapterLoad | None = None
 
 
 class WorkerLoop:
@@ -157,6 +159,9 @@ class WorkerLoop:
                     self.conn.send(answer)
             elif isinstance(cmd, DropSession):
                 self.binding.drop_session(cmd.session)
+            elif isinstance(cmd, DropAdapter):
+                if self.batch is not None and hasattr(self.batch, "drop_adapter"):
+                    cast(AdaptedBatch, self.batch).drop_adapter(cmd.name)
         except Exception as e:  # the engine turns this into an error for the request (or the load)
             self.conn.send(Failure(getattr(cmd, "request_id", None), _error(e)))
 
@@ -176,7 +181,7 @@ class WorkerLoop:
         while self.queue:
             run = self.queue.popleft()
             try:
-                self.batch.add(run.request_id, run.prompt_ids, run.params, run.deadline, run.kv_tokens)
+                self._add(self.batch, run)
             except Exception as e:  # refused (too long, a grammar that does not compile): alone
                 self.conn.send(Failure(run.request_id, _error(e)))
                 continue
@@ -185,6 +190,19 @@ class WorkerLoop:
             self.live[run.request_id] = live
             self.text.open(run.request_id, run.stream_interval_s, run.params.stop)
             self.conn.send(Started(run.request_id, live.batch))
+
+    @staticmethod
+    def _add(batch: Batch, run: Run) -> None:
+        if run.adapter is None:
+            batch.add(run.request_id, run.prompt_ids, run.params, run.deadline, run.kv_tokens)
+        elif hasattr(batch, "add_adapted"):
+            adapted = cast(AdaptedBatch, batch)
+            adapted.add_adapted(run.request_id, run.prompt_ids, run.params, run.deadline, run.kv_tokens, run.adapter)
+        else:  # never the base's output for an adapter's request
+            raise ValueError(
+                f"`{run.adapter.name}` is a LoRA adapter, and this node's engine does not apply adapters: "
+                "request its base, or serve the adapter on an OpenVINO node"
+            )
 
     def pump(self, timeout: float) -> None:
         """One look at the batch: every request's new text in one `Chunks`, then the ends."""
@@ -224,6 +242,7 @@ class WorkerLoop:
         assert self.batch is not None and self.text is not None
         live.batch = max(live.batch, len(self.live))
         live.prefill_tokens = max(live.prefill_tokens, step.prefill_tokens)
+        live.adapter_load = step.adapter_load or live.adapter_load
         if step.tokens:
             if live.first is None:
                 live.first, live.waited_first = self.clock(), self.batch.waited
@@ -268,6 +287,7 @@ class WorkerLoop:
             beside_build=live.started < end and now > start,
             kv_allocated_bytes=batch.kv_bytes if batch is not None else 0,
             device_bytes=batch.device_bytes() if batch is not None else 0,
+            adapter_load=live.adapter_load,
         )
 
     # --- models ------------------------------------------------------------------------------

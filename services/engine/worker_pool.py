@@ -29,6 +29,7 @@ from services.engine.worker_wire import (
     Chunk,
     Chunks,
     Done,
+    DropAdapter,
     DropSession,
     Failure,
     Load,
@@ -287,6 +288,10 @@ class Worker:
 
     def drop_session(self, session: str) -> None:
         self._send(DropSession(session))
+
+    def drop_adapter(self, name: str) -> None:
+        """Let a LoRA adapter go (its keep-alive passed); it is read again at its next request."""
+        self._send(DropAdapter(name))
 
     def stop(self) -> None:
         """End the process; idempotent and safe from any thread (a second caller returns once

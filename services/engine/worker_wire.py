@@ -8,8 +8,9 @@ from pathlib import Path
 
 from cuda_ext.ledger import Placement
 from cuda_ext.progress import FillSignal
+from services.engine.batch_types import AdapterLoad
 from shared.artifact import TORCH_MANIFEST, torch_checkpoint
-from shared.messages import Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
+from shared.messages import AdapterRef, Artifact, FinishReason, SamplingParams, Tier, TokenLogprob
 
 NO_SLO_S = 3600.0
 """A request of a model without SLOs is due this long after it arrived (last in line)."""
@@ -97,6 +98,8 @@ class Run:
     """time.monotonic() the engine received it: ST of its headroom (eq. 1)."""
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
+    adapter: AdapterRef | None = None
+    """The LoRA adapter it runs with (issue 34): the batch applies it (`AdaptedBatch`)."""
 
     def deadline(self, generated: int) -> float:
         """When its next token is due (eq. 1's headroom + now), for the node's gate."""
@@ -142,6 +145,8 @@ class Done:
     """The batch's KV cache when it ended (0 on the stateful tier)."""
     device_bytes: int = 0
     """What the worker holds on its GPU outside the node's arena when it ended."""
+    adapter_load: AdapterLoad | None = None
+    """Its adapter was loaded for it (not found loaded in the worker): that start's phases."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,13 @@ class CancelRun:
 @dataclass(frozen=True)
 class DropSession:
     session: str
+
+
+@dataclass(frozen=True)
+class DropAdapter:
+    """The adapter's keep-alive passed: the worker lets it go (its base stays)."""
+
+    name: str
 
 
 @dataclass(frozen=True)

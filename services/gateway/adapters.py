@@ -1,7 +1,7 @@
 """LoRA adapters at the gateway (issue 34): their registration on a registered base (the
 loader checks and keeps them: `services/loader/adapters.py`), their listing beside the models
-(`/v1/models`, with `parent` as vLLM gives it), and the answer to a request that names one
-while no engine applies adapters yet."""
+(`/v1/models`, with `parent` as vLLM gives it). A request that names one is served on its base
+(`fallbacks.candidates`, `Generate.adapter`)."""
 
 from __future__ import annotations
 
@@ -26,19 +26,6 @@ def name_taken(name: str, by: str) -> ApiError:
         f"the name `{name}` is taken by a registered {by}; models and adapters share one namespace",
         "model_exists",
         param="name",
-    )
-
-
-def not_served(name: str, base: str) -> ApiError:
-    """A request naming an adapter: registered, but no engine here applies adapters yet. Said
-    plainly rather than served by its base (which would answer without the fine-tune). A 400,
-    not a 5xx: OpenAI clients retry a 5xx, and retrying cannot help."""
-    return ApiError(
-        400,
-        f"`{name}` is a LoRA adapter on `{base}`, and adapter serving is not available on this node yet: "
-        f"request `{base}` for the base model",
-        "adapter_serving_unavailable",
-        param="model",
     )
 
 

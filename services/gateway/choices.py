@@ -69,7 +69,7 @@ class Choices:
             first = legs[0].gen
             assert first is not None
             chat = isinstance(req, ChatCompletionRequest)
-            return Choices(gateway, req, Shape(chat, first.request_id, legs[0].prepared.record.name))
+            return Choices(gateway, req, Shape(chat, first.request_id, legs[0].prepared.name))
 
         return shape_of
 

@@ -12,6 +12,7 @@ slot and its quota come back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -89,7 +90,7 @@ def legs_of(req: ChatCompletionRequest | CompletionRequest, prepared: Sequence[P
                 Leg(
                     p_i * k + j,
                     p_i,
-                    Prepared(p.record, p.prompt, p.prompt_ids, params, p.tools),
+                    dataclasses.replace(p, params=params),
                     p.prompt if echo else "",
                 )
             )

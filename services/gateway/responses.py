@@ -261,7 +261,7 @@ class Answer:
         self.id = "resp_" + leg.gen.request_id
         self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
-        self.model = prepared.record.name
+        self.model = prepared.name
         # The values used, the model's defaults included (OpenAI echoes its own defaults).
         self.temperature = prepared.params.temperature
         self.top_p = prepared.params.top_p

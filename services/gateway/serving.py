@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,7 +25,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from policy.slo import ttft_slo
 from services.gateway import fallbacks, guides
-from services.gateway.adapters import not_served
 from services.gateway.loading import Placing, StartWatch
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -41,6 +41,7 @@ from services.gateway.tools import ToolPlan, native_history
 from services.gateway.tools import plan as tool_plan
 from services.gateway.tools import render as render_tools
 from shared import subjects
+from shared.adapters import AdapterRecord, adapter_ref
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.health import NotReady
@@ -106,6 +107,14 @@ class Prepared:
     params: SamplingParams
     tools: ToolPlan | None = None
     """How a chat request's tools were shown to the model, and how to read its calls back."""
+    adapter: AdapterRecord | None = None
+    """The LoRA adapter the caller named (issue 34): `record` is then its base (with the
+    adapter's SLOs), which is placed and started as for a request for the base."""
+
+    @property
+    def name(self) -> str:
+        """What the caller asked for: the answer's `model`."""
+        return self.adapter.name if self.adapter is not None else self.record.name
 
     @property
     def prompt_tokens(self) -> int:
@@ -205,6 +214,7 @@ class Generation:
                     prompt_tokens=self.prepared.prompt_tokens,
                     params=self.prepared.params,
                     stream_subject=subjects.token_stream(self.request_id),
+                    adapter=adapter_ref(self.prepared.adapter) if self.prepared.adapter is not None else None,
                 ),
                 GenerateAccepted | Failed,
                 timeout=self.gw.settings.request_timeout_s,
@@ -237,7 +247,8 @@ class Generation:
         ids = await self.gw.tokenizers.encode(await self.gw.tokenizers.get(p.record.artifact), prompt)
         left = p.params.max_tokens - (tokens - self._carried)
         self._carried = tokens
-        self.prepared = Prepared(p.record, prompt, ids, msgspec.structs.replace(p.params, max_tokens=max(left, 1)))
+        params = msgspec.structs.replace(p.params, max_tokens=max(left, 1))
+        self.prepared = dataclasses.replace(p, prompt=prompt, prompt_ids=ids, params=params, tools=None)
         self.request_id = uuid.uuid4().hex
         await self._send(avoid=preempted_on)
 
@@ -404,13 +415,11 @@ class Gateway:
         self.inflight -= 1
         INFLIGHT.set(self.inflight)
 
-    async def model(self, name: str, *, adapter_as_base: bool = False) -> ModelRecord:
-        """The model registered as `name`; for an adapter's name, a 400 (no engine applies
-        adapters yet), or with `adapter_as_base` its base (whose tokenizer it shares)."""
+    async def model(self, name: str) -> ModelRecord:
+        """The model registered as `name`; for an adapter's name, its base (whose tokenizer it
+        shares)."""
         record = await self.registry.get(name)
         if record is None and (adapter := await self.registry.get_adapter(name)) is not None:
-            if not adapter_as_base:
-                raise not_served(name, adapter.base)
             record = await self.registry.get(adapter.base)
         if record is None:
             REJECTED.labels(ErrorCode.MODEL_NOT_FOUND.value).inc()
@@ -433,7 +442,7 @@ class Gateway:
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: the ids a completion or chat request with this input would send."""
-        record = await self.model(req.model, adapter_as_base=True)
+        record = await self.model(req.model)
         tok = await self.tokenizers.get(record.artifact)
         text = (
             req.prompt
@@ -444,7 +453,7 @@ class Gateway:
         return TokenizeResponse(count=len(ids), max_model_len=record.artifact.context_length, tokens=list(ids))
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        record = await self.model(req.model, adapter_as_base=True)
+        record = await self.model(req.model)
         tok = await self.tokenizers.get(record.artifact)
         vocab = await self.tokenizers.vocab_size(tok)
         bad = [t for t in req.tokens if t >= vocab]
@@ -465,16 +474,18 @@ class Gateway:
         for the model that serves it: `req.model`, or of an alias's members (or `req.models`)
         the one the scheduler chooses, sized by the first's tokens."""
         records = await fallbacks.candidates(self.registry, req)
-        prepared = await self._prepare_for(req, records[0])
+        prepared = await self._prepare_for(req, *records[0])
         if len(records) > 1:
             first = prepared[0]
             timeout = self.settings.request_timeout_s
             chosen = await fallbacks.choose(self.bus, records, first.prompt_tokens, first.params.max_tokens, timeout)
             if chosen is not records[0]:
-                prepared = await self._prepare_for(req, chosen)
+                prepared = await self._prepare_for(req, *chosen)
         return prepared
 
-    async def _prepare_for(self, req: ChatCompletionRequest | CompletionRequest, record: ModelRecord) -> list[Prepared]:
+    async def _prepare_for(
+        self, req: ChatCompletionRequest | CompletionRequest, record: ModelRecord, adapter: AdapterRecord | None
+    ) -> list[Prepared]:
         tok = await self.tokenizers.get(record.artifact)
         plan: ToolPlan | None = None
         if isinstance(req, ChatCompletionRequest):
@@ -525,7 +536,10 @@ class Gateway:
         if req.best_of is not None and req.best_of > req.choices() and logprobs < 0:
             logprobs = 0  # best_of ranks candidates by their log-probability
         return [
-            await self._prepare_one(req, record, tok, prompt, param, guide, logit_bias, logprobs, plan)
+            dataclasses.replace(
+                await self._prepare_one(req, record, tok, prompt, param, guide, logit_bias, logprobs, plan),
+                adapter=adapter,
+            )
             for prompt in prompts
         ]
 
