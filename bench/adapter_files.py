@@ -1,0 +1,106 @@
+"""The LoRA adapters of `bench/adapters.py`: a few made with PEFT on the Hugging Face form of the
+default model, the rest derived from them, and the ones llama-server serves converted to GGUF
+LoRA with llama.cpp's own converter.
+
+PEFT takes about 5 s per adapter here (it loads the base each time), so `peft` adapters are made
+with `tests.helpers.adapters.make_adapter` (seeds 1..peft) and the rest are perturbed copies of
+them: the same `adapter_config.json`, every matrix scaled and moved by noise of its own seed,
+written with safetensors. Each is a distinct file (its own bytes, so its own adapter id), with
+the shape and targets PEFT gave.
+
+`make_adapter` draws its matrices at a std of 0.5, sized for the tiny test checkpoint; on the
+real 135M model that update is tens of times the weights (the output is noise). Every adapter
+here is scaled by `UPDATE_SCALE` on both A and B (the update by its square): of the order of the
+model's own weights, so greedy output changes and stays text."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.llama_server import download_source
+from tests.helpers.adapters import make_adapter
+
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+UPDATE_SCALE = 0.1
+"""Factor on each LoRA matrix that `make_adapter` drew (std 0.5 -> 0.05: B·A·alpha/r entries of
+std ≈ 0.014 with rank 8, alpha 16)."""
+PERTURB_STD = 0.01
+"""Noise added to each derived adapter's matrices (after scaling): distinct, and of the same size."""
+CONVERT_TIMEOUT_S = 300.0
+
+
+def rescale(path: Path, factor: float, seed: int | None = None) -> None:
+    """Scale every matrix of the adapter at `path` by `factor` (and add noise of `seed`), in place."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / WEIGHTS)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = {}
+    for name in sorted(tensors):
+        t = tensors[name].to(torch.float32) * factor
+        if gen is not None:
+            t = t + torch.randn(t.shape, generator=gen) * PERTURB_STD
+        out[name] = t.contiguous()
+    save_file(out, str(path / WEIGHTS), metadata={"format": "pt"})
+
+
+def derive(source: Path, dest: Path, seed: int) -> Path:
+    """A copy of the adapter at `source` (config as it is), its matrices moved by noise of `seed`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source / CONFIG, dest / CONFIG)
+    shutil.copy2(source / WEIGHTS, dest / WEIGHTS)
+    rescale(dest, 1.0, seed)
+    return dest
+
+
+def make_adapters(base: Path, dest: Path, count: int, peft: int) -> list[Path]:
+    """`count` adapters in `dest/lora-NNN`: the first `peft` made with PEFT (seeds 1..peft,
+    scaled by UPDATE_SCALE), the rest derived from them in turn (seed 1000 + index)."""
+    peft = max(1, min(peft, count))
+    out = []
+    for i in range(peft):
+        path = make_adapter(base, dest / f"lora-{i:03d}", seed=i + 1)
+        (path / "README.md").unlink(missing_ok=True)
+        rescale(path, UPDATE_SCALE)
+        out.append(path)
+    for i in range(peft, count):
+        out.append(derive(out[i % peft], dest / f"lora-{i:03d}", seed=1000 + i))
+    return out
+
+
+def converter(workdir: Path) -> Path:
+    """llama.cpp's `convert_lora_to_gguf.py`, from the same source `bench/llama_server.py` builds
+    llama-server from (it imports the `conversion/` package and `gguf-py/` beside it)."""
+    return download_source(workdir) / "convert_lora_to_gguf.py"
+
+
+def to_gguf(script: Path, base: Path, adapter: Path, dest: Path) -> Path:
+    """The PEFT adapter at `adapter` as a GGUF LoRA (f32, as PEFT saved it) at `dest`."""
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter's own gguf-py, of its llama.cpp's version
+    p = subprocess.run(
+        [sys.executable, str(script), "--base", str(base), "--outtype", "f32", "--outfile", str(dest), str(adapter)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=CONVERT_TIMEOUT_S,
+        check=False,
+    )
+    if p.returncode != 0 or not dest.is_file():
+        raise RuntimeError(f"convert_lora_to_gguf.py failed ({p.returncode}) on {adapter}:\n{p.stderr[-2000:]}")
+    return dest
+
+
+def to_ggufs(base: Path, adapters: list[Path], dest: Path) -> list[Path]:
+    """Each of `adapters` converted for llama-server, into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tessera-lora-convert-") as tmp:
+        script = converter(Path(tmp))
+        return [to_gguf(script, base, a, dest / f"{a.name}.gguf") for a in adapters]
