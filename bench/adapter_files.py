@@ -5,8 +5,8 @@ LoRA with llama.cpp's own converter.
 PEFT takes about 5 s per adapter here (it loads the base each time), so `peft` adapters are made
 with `tests.helpers.adapters.make_adapter` (seeds 1..peft) and the rest are perturbed copies of
 them: the same `adapter_config.json`, every matrix scaled and moved by noise of its own seed,
-written with safetensors. Each is a distinct file (its own bytes, so its own adapter id), with
-the shape and targets PEFT gave.
+written with safetensors. Each is a distinct file (its own bytes, so its own adapter id, and an
+update of its own), with the shape and targets PEFT gave.
 
 `make_adapter` draws its matrices at a std of 0.5, sized for the tiny test checkpoint; on the
 real 135M model that update is tens of times the weights (the output is noise). Every adapter
@@ -30,8 +30,10 @@ CONFIG = "adapter_config.json"
 UPDATE_SCALE = 0.1
 """Factor on each LoRA matrix that `make_adapter` drew (std 0.5 -> 0.05: B·A·alpha/r entries of
 std ≈ 0.014 with rank 8, alpha 16)."""
-PERTURB_STD = 0.01
-"""Noise added to each derived adapter's matrices (after scaling): distinct, and of the same size."""
+DERIVE_KEEP = 0.5**0.5
+"""A derived adapter's matrices: its parent's times this, plus noise of std PERTURB_STD; half its
+variance its parent's, half new, its size the parent's (0.05 after UPDATE_SCALE)."""
+PERTURB_STD = 0.05 * 0.5**0.5
 CONVERT_TIMEOUT_S = 300.0
 
 
@@ -52,11 +54,12 @@ def rescale(path: Path, factor: float, seed: int | None = None) -> None:
 
 
 def derive(source: Path, dest: Path, seed: int) -> Path:
-    """A copy of the adapter at `source` (config as it is), its matrices moved by noise of `seed`."""
+    """A copy of the adapter at `source` (config as it is), its matrices half replaced by noise of
+    `seed`: as large as its parent's, and its greedy text its own."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(source / CONFIG, dest / CONFIG)
     shutil.copy2(source / WEIGHTS, dest / WEIGHTS)
-    rescale(dest, 1.0, seed)
+    rescale(dest, DERIVE_KEEP, seed)
     return dest
 
 

@@ -322,9 +322,15 @@ def llama_server(gguf: Path, loras: list[Path], args: argparse.Namespace) -> dic
         out["cmd"] = server.cmd
         with httpx.Client(base_url=server.base_url, timeout=REGISTER_TIMEOUT_S) as http:
             listed = http.get("/lora-adapters").raise_for_status().json()
-            out["lora_adapters"] = listed
             ids = {Path(a["path"]).name: int(a["id"]) for a in listed}
             lora_ids = [ids[p.name] for p in loras]
+            # `--lora-init-without-apply` only leaves them off the context at its start: a
+            # request without `lora` takes the server's list, every adapter at its --lora
+            # scale (1.0). Set to 0, as /lora-adapters allows, a base request is the base's.
+            http.post("/lora-adapters", json=[{"id": i, "scale": 0.0} for i in lora_ids]).raise_for_status()
+            out["lora_adapters"] = http.get("/lora-adapters").raise_for_status().json()
+            if any(a["scale"] != 0.0 for a in out["lora_adapters"]):
+                raise RuntimeError(f"llama-server's adapters not all at scale 0: {out['lora_adapters']}")
             out["base_text"] = first_token(http, request_body("gguf", args))["text"]  # warm-up
 
             def lora(j: int) -> list[dict[str, Any]]:
