@@ -226,6 +226,8 @@ class Client(TesseraClient):
             self.http.post("/admin/cache/evict", params={"tier": "all"}, timeout=30).raise_for_status()
         res = first_token(self.http, body)
         res["record"] = self.cold_record(BASE, res["sent_wall"])
+        if body["model"] != BASE:  # the adapter's own start record, beside its base's
+            res["adapter_record"] = self.cold_record(body["model"], res["sent_wall"])
         log(f"{body['model']} on a cold base: ttft {res['ttft_s']:.2f}s, source {(res['record'] or {}).get('source')}")
         return res
 
