@@ -90,17 +90,22 @@ def cold_from_the_store(cluster: LocalCluster, aid: str) -> None:
     wait_for(cold_and_prewarmed, 60, "the evicted weights to leave the view and a worker to be prewarmed")
 
 
-def test_a_cold_stream_shows_its_start_rising_and_parses_with_the_openai_client(own_cluster: LocalCluster) -> None:
-    name = "progress-smollm"
-    register(own_cluster, name, keep_alive_s=1.0)
-    tee = Tee()
-    client = openai.OpenAI(
-        base_url=f"{own_cluster.base_url}/v1",
+def _client(cluster: LocalCluster, tee: Tee) -> openai.OpenAI:
+    """The official client, its traffic seen by `tee` (comment lines included)."""
+    return openai.OpenAI(
+        base_url=f"{cluster.base_url}/v1",
         api_key="unused",
         max_retries=0,
         timeout=300,
         http_client=openai.DefaultHttpxClient(transport=tee),
     )
+
+
+def test_a_cold_stream_shows_its_start_rising_and_parses_with_the_openai_client(own_cluster: LocalCluster) -> None:
+    name = "progress-smollm"
+    register(own_cluster, name, keep_alive_s=1.0)
+    tee = Tee()
+    client = _client(own_cluster, tee)
     chunks = list(client.chat.completions.create(model=name, messages=HI, max_tokens=4, stream=True))
     assert chunks and all(c.model == name for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -151,13 +156,7 @@ def test_a_cold_responses_stream_shows_its_start_and_parses_with_the_openai_clie
     record = register(own_cluster, name, keep_alive_s=1.0)
     cold_from_the_store(own_cluster, str(record["artifact"]["artifact_id"]))  # type: ignore[index]
     tee = Tee()
-    client = openai.OpenAI(
-        base_url=f"{own_cluster.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=300,
-        http_client=openai.DefaultHttpxClient(transport=tee),
-    )
+    client = _client(own_cluster, tee)
     events = list(client.responses.create(model=name, input="Hi", max_output_tokens=4, stream=True))
     assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
     assert events[-1].type in ("response.completed", "response.incomplete")
