@@ -56,13 +56,17 @@ $(VLLM_VENV)/.installed: $(VLLM_DEPS)/.installed pyproject.toml
 	cp -al $(VLLM_DEPS)/lib/. $(VLLM_VENV)/lib/ 2>/dev/null || cp -a $(VLLM_DEPS)/lib/. $(VLLM_VENV)/lib/
 	cp -an $(VLLM_DEPS)/bin/. $(VLLM_VENV)/bin/
 	# The scripts name the interpreter of the venv they were installed in.
-	grep -lI '^#!.*/bin/python' $(VLLM_VENV)/bin/* | xargs -r sed -i '1s|^#!.*/bin/python.*|#!$(CURDIR)/$(VLLM_VENV)/bin/python|'
+	grep -lI -d skip '^#!.*/bin/python' $(VLLM_VENV)/bin/* | xargs -r sed -i '1s|^#!.*/bin/python.*|#!$(CURDIR)/$(VLLM_VENV)/bin/python|'
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
-# vLLM's path end to end (tests/e2e/test_vllm_backend.py) in its environment; CI runs it.
+# vLLM's path end to end (tests/e2e/test_vllm_backend.py) in its environment; CI runs it. Its
+# temporary files in one place each run: vLLM's compile cache (~/.cache/vllm) is keyed by the
+# model's path, so a run under pytest's numbered folders would compile the model again.
+VLLM_TEST_TMP ?= /tmp/tessera-test-vllm
 test-vllm: $(VLLM_VENV)/.installed
-	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -ra --timeout 900 tests/e2e/test_vllm_backend.py
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -ra --timeout 900 --basetemp $(VLLM_TEST_TMP) \
+	  tests/e2e/test_vllm_backend.py
 
 up: install
 	$(VENV)/bin/tessera up $(if $(PORT),--port $(PORT)) $(if $(NODES),--nodes $(NODES))
