@@ -100,4 +100,4 @@ compose-check:
 	$(PYTHON) deploy/compose-check
 
 clean:
-	rm -rf $(VENV) .tessera
+	rm -rf $(VENV) $(VLLM_VENV) .tessera
