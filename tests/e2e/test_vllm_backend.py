@@ -3,8 +3,9 @@ the whole stack: registration materializes the torch checkpoint, the engine star
 worker on it (`services/engine/vllm_engine`), and the OpenAI API's parameters reach vLLM.
 
 vLLM pins versions the project's own environment does not take (FastAPI, llguidance), so it is
-not in the `test` extra: these tests run where a vLLM node's environment is installed (the
-"vLLM nodes" in docs/deploy.md; here, vLLM's CPU build) and skip elsewhere, CI included.
+not in the `test` extra: these tests run in a vLLM node's environment ("vLLM nodes" in
+docs/deploy.md; here, vLLM's CPU build): `make test-vllm` builds it and runs them, as CI does. They
+skip where vLLM is not installed (the main suite's environment).
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, model_store: Path) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("vllm-node"), model_store, TESSERA_ENGINE_BACKEND="vllm")
+    # A vLLM cold start compiles the model (torch.compile, C++ by inductor): on two busy cores it
+    # took 3 of the gateway's 5 minutes for a placement, so the first request may wait longer.
+    c = start_cluster(
+        tmp_path_factory.mktemp("vllm-node"),
+        model_store,
+        TESSERA_ENGINE_BACKEND="vllm",
+        TESSERA_PLACEMENT_TIMEOUT_S="900",
+    )
     try:
         yield c
     finally:
