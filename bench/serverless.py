@@ -16,8 +16,9 @@ over `--duration` seconds, the same seeded trace in every run. Each run starts a
 streamed chat completion of `--max-tokens` greedy tokens) and reads:
 
 - `cold_starts_per_hour`: the engine's starts during the replay (`tessera_coldstart_seconds`'
-  count), over the replay's wall time, times 3600 (the trace is time-compressed: the count per
-  replayed hour, comparable between runs, not a forecast for a real hour);
+  count) per hour of the trace's span (`--duration` of wall-clock replay, the same in every
+  run): the trace is time-compressed, so this is a rate of the replay, comparable between runs,
+  not a forecast for a real hour of traffic;
 - `ttft_p50_s`, `ttft_p99_s`: sent → first content, over the answered requests;
 - `timeouts_30s`: requests a 30 s client read timeout would have lost without progress
   comments (no data line for 30 s: before the first, between two, or before a failure);
@@ -266,7 +267,7 @@ def bench_run(
         with NodeSampler(cluster.base_url) as node, RssSampler(lambda: [engine_pid, *descendants(engine_pid)]) as rss:
             records, _, wall_s = asyncio.run(replay(cluster.base_url, schedule, args.max_tokens))
         cold = admin.cold_start_count() - before
-        res = summarize(records, wall_s, cold)
+        res = summarize(records, args.duration, wall_s, cold)
         seen_progress = progress or res["progress_comments"] > 0
         if not seen_progress:
             res["timeouts_30s_with_progress"] = None

@@ -157,15 +157,17 @@ def monotonic(xs: list[int]) -> bool:
     return all(a <= b for a, b in itertools.pairwise(xs))
 
 
-def summarize(records: list[Timed], wall_s: float, cold_starts: int) -> dict[str, Any]:
-    """A run's figures: the issue's four, and what they were read from."""
+def summarize(records: list[Timed], trace_s: float, wall_s: float, cold_starts: int) -> dict[str, Any]:
+    """A run's figures: the issue's four, and what they were read from. Starts per hour are
+    counted over the trace's span (`trace_s`, the same in every run, so runs compare by their
+    counts), not over the replay's wall time, which a slow run stretches."""
     ok = [r for r in records if r.status == "200"]
     ttfts = [t for r in ok if (t := r.ttft_s) is not None]
     served: dict[str, Counter[str]] = {}
     for r in ok:
         served.setdefault(r.requested, Counter())[r.served_by or "?"] += 1
     return {
-        "cold_starts_per_hour": cold_starts / wall_s * 3600.0 if wall_s > 0 else None,
+        "cold_starts_per_hour": cold_starts / trace_s * 3600.0,
         "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
         # What a 30 s read timeout loses without progress comments: no data line for 30 s
