@@ -51,6 +51,8 @@ class Timed:
     served_by: str | None = None
     first_content: float | None = None
     cold_header: str | None = None
+    error: str = ""
+    """The error's message (an HTTP error's body, a stream's error event, the exception)."""
     comments: int = 0
     progress_pct: list[int] = field(default_factory=list)
     max_data_gap_s: float = 0.0
@@ -90,7 +92,7 @@ class Lines:
             return False
         obj = json.loads(payload)
         if "error" in obj:
-            rec.status = "stream_error"
+            rec.status, rec.error = "stream_error", json.dumps(obj["error"])[:300]
             return False
         rec.served_by = rec.served_by or obj.get("model")
         if rec.first_content is None and any((c.get("delta") or {}).get("content") for c in obj.get("choices") or []):
@@ -114,16 +116,16 @@ async def send(http: httpx.AsyncClient, rec: Timed, max_tokens: int) -> None:
             rec.cold_header = r.headers.get("x-tessera-cold-start")
             if r.status_code != 200:
                 await r.aread()
-                rec.status = str(r.status_code)
+                rec.status, rec.error = str(r.status_code), r.text[:300]
                 return
             rec.status = "200"
             async for line in r.aiter_lines():
                 if not lines.feed(line, time.perf_counter()):
                     break
-    except httpx.TimeoutException:
-        rec.status = "timeout"
-    except httpx.HTTPError:
-        rec.status = "transport"
+    except httpx.TimeoutException as e:
+        rec.status, rec.error = "timeout", repr(e)[:300]
+    except httpx.HTTPError as e:
+        rec.status, rec.error = "transport", repr(e)[:300]
     finally:
         rec.done = time.perf_counter()
         if rec.status == "200" and rec.first_content is None:
@@ -179,6 +181,7 @@ def summarize(records: list[Timed], trace_s: float, wall_s: float, cold_starts: 
         "requests": len(records),
         "completed": len(ok),
         "errors": dict(Counter(r.status for r in records if r.status != "200")),
+        "error_samples": error_samples(records),
         "ttft_max_s": max(ttfts) if ttfts else None,
         "requests_waiting_on_a_start": sum(1 for r in records if r.cold_header),
         "progress_comments": sum(r.comments for r in records),
@@ -188,6 +191,15 @@ def summarize(records: list[Timed], trace_s: float, wall_s: float, cold_starts: 
         "max_data_gap_s": max((r.max_data_gap_s for r in records), default=None),
         "max_line_gap_s": max((r.max_line_gap_s for r in records), default=None),
     }
+
+
+def error_samples(records: list[Timed]) -> dict[str, list[str]]:
+    """Up to three distinct messages per error status."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        if r.status != "200" and r.error not in (seen := out.setdefault(r.status, [])) and len(seen) < 3:
+            seen.append(r.error)
+    return out
 
 
 def per_model(records: list[Timed]) -> dict[str, dict[str, Any]]:
@@ -202,5 +214,6 @@ def per_model(records: list[Timed]) -> dict[str, dict[str, Any]]:
             "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
             "ttft_max_s": max(ttfts) if ttfts else None,
             "waited_on_a_start": sum(1 for r in mine if r.cold_header),
+            "errors": sum(1 for r in mine if r.status != "200"),
         }
     return out
