@@ -67,7 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import serverless_trace
 from bench.common import THREADS, machine_info, make_log
-from bench.serverless_client import per_model, replay, summarize
+from bench.serverless_client import per_model, replay, rows, summarize
 from bench.serverless_models import BenchModel, bench_models
 from bench.serving_memory import RssSampler, descendants
 from ops.localcluster import REPO_ROOT, LocalCluster
@@ -282,6 +282,7 @@ def bench_run(
                 "loaded_mean": sum(node.samples) / len(node.samples) if node.samples else None,
                 **setup,
                 "per_model": per_model(records),
+                "records": rows(records),
             }
         )
         log(

@@ -193,6 +193,24 @@ def summarize(records: list[Timed], trace_s: float, wall_s: float, cold_starts: 
     }
 
 
+def rows(records: list[Timed]) -> list[dict[str, Any]]:
+    """Every request, compactly: when, what it asked and got, and its gaps."""
+    return [
+        {
+            "at_s": round(r.at_s, 3),
+            "requested": r.requested,
+            "served_by": r.served_by,
+            "status": r.status,
+            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3),
+            "max_data_gap_s": round(r.max_data_gap_s, 3),
+            "max_line_gap_s": round(r.max_line_gap_s, 3),
+            "comments": r.comments,
+            "cold_header": r.cold_header,
+        }
+        for r in records
+    ]
+
+
 def error_samples(records: list[Timed]) -> dict[str, list[str]]:
     """Up to three distinct messages per error status."""
     out: dict[str, list[str]] = {}
