@@ -262,7 +262,7 @@ def bench_run(
         progress = admin.progress_api()
         schedule = schedule_for(run, models, arrivals)
         engine_pid = cluster.procs[ENGINE].pid
-        before, since_wall = admin.cold_start_count(), time.time()
+        before, since_wall, load_before = admin.cold_start_count(), time.time(), os.getloadavg()
         log(f"{run}: replaying {len(schedule)} requests over {args.duration:.0f}s")
         with NodeSampler(cluster.base_url) as node, RssSampler(lambda: [engine_pid, *descendants(engine_pid)]) as rss:
             records, _, wall_s = asyncio.run(replay(cluster.base_url, schedule, args.max_tokens))
@@ -274,6 +274,9 @@ def bench_run(
         res.update(
             {
                 "available": True,
+                # The host's load around this run: runs on a shared machine compare only at like load.
+                "loadavg_before": list(load_before),
+                "loadavg_after": list(os.getloadavg()),
                 "progress_api": seen_progress,
                 "cold_start_sources": admin.cold_start_sources(since_wall),
                 "node_memory_peak_bytes": node.peak_used,
@@ -323,7 +326,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
             xs = [x + i * width for x in range(len(runs))]
             ax.bar(xs, [v or 0 for v in values], width, label=label or None)
             for x, v in zip(xs, values, strict=True):
-                ax.annotate("n/a" if v is None else f"{v:.3g}", (x, v or 0), ha="center", va="bottom", fontsize=7)
+                text = "n/a" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+                ax.annotate(text, (x, v or 0), ha="center", va="bottom", fontsize=7)
         ax.set_xticks([x + (len(keys) - 1) * width / 2 for x in range(len(runs))], runs)
         ax.set_title(title, fontsize=10)
         if len(keys) > 1:
