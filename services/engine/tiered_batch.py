@@ -63,15 +63,23 @@ class LoraCover:
 
 
 def kept_adapters(artifact: Artifact) -> LoraCover:
-    """Every adapter the store keeps for `artifact` (`shared.adapters`): what its core is built
-    LoRA-able for. PEFT adapters update every layer of their targets: by targets and layers."""
+    """What the core is built LoRA-able for: the adapters the store keeps for `artifact`
+    (`shared.adapters`), as few of them as cover every linear any of them updates (PEFT adapters
+    update every layer of their targets: by targets and layers). The library applies an adapter
+    on a pipeline built with another on the same linears, whatever their ranks (both give the
+    library's own tokens), so a base with a hundred adapters on `q_proj`/`v_proj` builds with one
+    of them instead of reading the hundred."""
     root = adapters_root(artifact)
     kept = [a for d in sorted(root.iterdir()) if (a := read_manifest(d)) is not None] if root.is_dir() else []
-    return LoraCover(
-        tuple(str(Path(a.path) / ADAPTER_WEIGHTS) for a in kept),
-        frozenset(t for a in kept for t in a.targets),
-        max((a.layers for a in kept), default=0),
-    )
+    chosen: list[AdapterArtifact] = []
+    targets: set[str] = set()
+    layers = 0
+    for a in sorted(kept, key=lambda a: (-len(a.targets), -a.layers, a.adapter_id)):
+        if not set(a.targets) <= targets or a.layers > layers:
+            chosen.append(a)
+            targets |= set(a.targets)
+            layers = max(layers, a.layers)
+    return LoraCover(tuple(str(Path(a.path) / ADAPTER_WEIGHTS) for a in chosen), frozenset(targets), layers)
 
 
 class _CoreBuild:
