@@ -83,21 +83,31 @@ class Lines:
             if m := PCT.search(line):
                 rec.progress_pct.append(int(m.group(1)))
             return True
-        rec.max_data_gap_s = max(rec.max_data_gap_s, now - self.last_data)
-        self.last_data = now
         if not line.startswith("data:"):
             return True
         payload = line[5:].strip()
         if payload == "[DONE]":
+            self.data(now)
             return False
         obj = json.loads(payload)
         if "error" in obj:
+            self.data(now)
             rec.status, rec.error = "stream_error", json.dumps(obj["error"])[:300]
             return False
         rec.served_by = rec.served_by or obj.get("model")
-        if rec.first_content is None and any((c.get("delta") or {}).get("content") for c in obj.get("choices") or []):
-            rec.first_content = now
+        choices = obj.get("choices") or []
+        # The role-only first chunk does not count: the gateway sends it as its stream begins,
+        # which without progress comments is once the model is ready, not while it starts.
+        if any((c.get("delta") or {}).get("content") or c.get("finish_reason") for c in choices):
+            self.data(now)
+            if rec.first_content is None and any((c.get("delta") or {}).get("content") for c in choices):
+                rec.first_content = now
         return True
+
+    def data(self, now: float) -> None:
+        """A line a client without progress comments would have seen: its read timeout resets."""
+        self.rec.max_data_gap_s = max(self.rec.max_data_gap_s, now - self.last_data)
+        self.last_data = now
 
 
 async def send(http: httpx.AsyncClient, rec: Timed, max_tokens: int) -> None:
