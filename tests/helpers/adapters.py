@@ -45,5 +45,5 @@ def make_adapter(
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * LORA_SCALE)
     dest.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(dest, safe_serialization=True)
+    peft_model.save_pretrained(str(dest), safe_serialization=True)
     return dest
