@@ -115,9 +115,19 @@ class Worker:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._on_death)
+                self._tell(self._on_death)
                 return
-            self._loop.call_soon_threadsafe(self._on_message, msg)
+            if not self._tell(self._on_message, msg):
+                return
+
+    def _tell(self, callback: Callable[..., None], *args: object) -> bool:
+        """Run `callback` on the loop; False once the loop is closed (the engine stopped before
+        its worker's pipe did: nobody is left to tell)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _on_message(self, msg: object) -> None:
         if isinstance(msg, Ready):

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import cold
 from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
-from services.gateway.loading import KEEPALIVE_S, Lines, Placing, StartWatch
+from services.gateway.loading import ENDED, KEEPALIVE_S, Lines, Placing, StartWatch
 from services.gateway.openai_format import error_body, sse
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Gateway, Generation, Prepared
@@ -285,12 +285,24 @@ def chat_stream_error(status: int, message: str, code: str | None, param: str | 
 async def _start_seen(
     watch: StartWatch, placing: Placing, opening: asyncio.Future[None]
 ) -> tuple[StartProgress, float] | None:
-    """The first progress event of a start one of the request's generations waits on, or None
-    once its legs are open (or failed) first."""
+    """The progress event that begins the stream of a request waiting on a start, or None once
+    its legs are open (or failed) first. The stream begins at the start's second event, or a
+    keep-alive interval after its first: a start that fails at once (its memory refused, its
+    worker gone) is still answered with its HTTP error, a 503 with `Retry-After`, not an event
+    in a stream already begun; an ended start ("ready", "failed") begins none (its placement's
+    answer is on its way)."""
+    first: float | None = None
     while not opening.done():
-        if (seen := watch.under_way(placing)) is not None:
-            return seen
-        news = asyncio.ensure_future(watch.news(KEEPALIVE_S))
+        wait = KEEPALIVE_S
+        if (seen := watch.under_way(placing)) is not None and seen[0].phase not in ENDED:
+            if first is None:
+                first = seen[1]
+            elif seen[1] > first:
+                return seen
+            wait = first + KEEPALIVE_S - time.monotonic()
+            if wait <= 0:
+                return seen
+        news = asyncio.ensure_future(watch.news(wait))
         try:
             await asyncio.wait({opening, news}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -171,7 +171,8 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
         assert first[0] == "ad-short"
         base_starts = len(cold_starts(cluster, BASE))
         inst = wait_for(lambda: _instance(cluster), 30, "the base's instance")
-        assert "ad-short" in inst["adapters"]
+        # Listed from the heartbeat after its request, and dropped a second idle later: it may
+        # be gone before a read. That it was dropped and read again shows in its two starts.
         wait_for(
             lambda: "ad-short" not in ((_instance(cluster) or {}).get("adapters", ["ad-short"])),
             60,
@@ -182,7 +183,6 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
         assert again == first
         now = _instance(cluster)
         assert now is not None and now["worker_pid"] == inst["worker_pid"] and now["loaded_at"] == inst["loaded_at"]
-        assert "ad-short" in now["adapters"]
         assert len(cold_starts(cluster, BASE)) == base_starts  # its base did not start again
         starts = wait_for(lambda: len(s := cold_starts(cluster, "ad-short")) >= 2 and s, 30, "two adapter starts")
         assert [s["tier"] for s in starts] == ["adapter", "adapter"]

@@ -242,7 +242,9 @@ class _Quotas:
 
 
 def _leg(gen: _FailingGeneration) -> Leg:
-    prepared = SimpleNamespace(record=SimpleNamespace(name="m"), params=SimpleNamespace(temperature=0.0, top_p=1.0))
+    prepared = SimpleNamespace(
+        name="m", record=SimpleNamespace(name="m"), params=SimpleNamespace(temperature=0.0, top_p=1.0)
+    )
     gen.request_id = "abc"  # type: ignore[attr-defined]
     return Leg(0, 0, prepared, "", gen=gen, grant=object())  # type: ignore[arg-type]
 
