@@ -149,7 +149,18 @@ def test_two_adapters_and_the_base_at_once_each_get_their_own_answer(
     crowd = ["ad-a", "ad-b", BASE] * 3
     with ThreadPoolExecutor(len(crowd)) as pool:
         answers = list(pool.map(lambda m: _complete(cluster, m), crowd))
-    assert answers == [(m, alone[m]) for m in crowd]
+    assert [named for named, _ in answers] == crowd
+    # Greedy in a batch may differ from greedy alone in late tokens (kernels round differently at
+    # another batch width), so each answer is judged by whose answer alone it follows furthest:
+    # its own adapter's (an adapter applied to another group's rows would follow that one).
+    for m, (_, text) in zip(crowd, answers, strict=True):
+        follows = {other: _shared(text, alone[other]) for other in alone}
+        assert max(follows, key=lambda o: follows[o]) == m and follows[m] > 0, (m, text, alone)
+
+
+def _shared(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _instance(cluster: LocalCluster) -> dict[str, Any] | None:
