@@ -93,9 +93,12 @@ def test_a_start_over_budget_is_refused_at_once_and_goes_ahead(own_cluster: Loca
     assert retry.http_response.status_code == 200 and retry.parse().model == NAME
     assert "x-tessera-cold-start" not in retry.headers
 
-    # The refusal's Retry-After was the start's time, within 2x of what it measured: checked on
-    # the exact `retry-after-ms` (OpenAI's, which its clients read first), whose whole seconds
-    # rounded up `Retry-After` is (a start here takes under a second).
+    # The refusal's Retry-After was the start's time, within 2x of what starts from the store
+    # measure: checked on the exact `retry-after-ms` (OpenAI's, which its clients read first),
+    # whose whole seconds rounded up `Retry-After` is (a start here takes under a second). A
+    # prediction is as good as the starts it comes from: a read from a cold disk varies from
+    # one start to the next (0.27 s and 0.63 s seen in one run), so the bounds are those of the
+    # three starts measured, this one included.
     starts = wait_for(lambda: (s := cold_starts(cluster, NAME)) and len(s) == 3 and s, 30, "the third start")
-    measured = start_ready_s(starts[0])
-    assert measured / 2 <= retry_after_s <= 2 * measured, (retry_after_s, starts[0])
+    measured = [start_ready_s(s) for s in starts]
+    assert min(measured) / 2 <= retry_after_s <= 2 * max(measured), (retry_after_s, measured)
