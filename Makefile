@@ -82,9 +82,13 @@ check: install
 
 # Two workers, a test module each (pytest-xdist): an end-to-end test mostly waits on its cluster,
 # and the other worker runs meanwhile. TEST_WORKERS=0 runs the suite in one process.
+# Its temporary files in one folder per checkout, emptied by pytest at each run: a run's model
+# stores take about 10 GB, and pytest's numbered folders would keep the last three runs' (a
+# full disk failed CI once). A passed test's own folder goes at its end (pyproject.toml).
 TEST_WORKERS ?= 2
+TEST_TMP ?= /tmp/tessera-test-$(shell printf %s "$(CURDIR)" | cksum | cut -d' ' -f1)
 test: install check
-	$(PY) -m pytest -q -ra --durations=20 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -ra --durations=20 --basetemp $(TEST_TMP) $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 unit: install
 	$(PY) -m pytest -q -m "not e2e and not integration"

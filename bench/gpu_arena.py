@@ -51,6 +51,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = tuple(range(100, 116))
+T0 = time.perf_counter()
+
+
+def log(what: str) -> None:
+    """Each step to stderr as it begins: a run cut off by its time limit says where it was."""
+    print(f"[gpu_arena {time.perf_counter() - T0:7.1f}s] {what}", file=sys.stderr, flush=True)
 
 
 def checkpoint(work: Path, skeleton: str | None, device: str, shape: str) -> tuple[Any, dict[str, int]]:
@@ -108,6 +114,7 @@ async def spawn(device: str, threads: int, capacity: int, arena: Any) -> tuple[A
     from services.engine.backends import TORCH, WorkerSpec
     from services.engine.worker_pool import Worker
 
+    log(f"spawn a worker on {device}")
     t = time.perf_counter()
     spec = WorkerSpec(device, threads, arena_bytes=capacity, kv_tokens=2048, max_batch=4, arena=arena)
     worker = Worker(TORCH, spec)
@@ -118,9 +125,11 @@ async def spawn(device: str, threads: int, capacity: int, arena: Any) -> tuple[A
 async def start(
     worker: Any, artifact: Any, tensors: dict[str, int], n: int, admit_bytes: int | None = None
 ) -> dict[str, Any]:
+    log(f"load on worker {worker.pid} (admit at {admit_bytes} bytes)")
     t = time.perf_counter()
     loaded = await worker.load(artifact, None, None, 600, tensors=tensors, admit_bytes=admit_bytes)
     start_s = time.perf_counter() - t
+    log(f"loaded in {start_s:.2f} s; first token")
     ttft = await first_token(worker, n)
     return {
         "start_s": start_s,
@@ -146,6 +155,7 @@ async def scenario(shared: bool, args: argparse.Namespace, artifact: Any, tensor
         for i in range(args.restarts):
             fresh, ready_s = await spawn(args.device, args.threads, args.arena_bytes, arena)
             out["spawn_ready_s"].append(ready_s)
+            log(f"stop worker {current.pid}")
             await asyncio.to_thread(current.stop)  # its model goes with it, or stays in the node's arena
             current = fresh
             runs.append(await start(current, artifact, tensors, i + 1))
@@ -244,18 +254,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for shape in args.shapes.split(","):
             m: dict[str, Any] = {}
+            log(f"{shape}: write its checkpoint")
             t = time.perf_counter()
             artifact, tensors = checkpoint(work, args.skeleton, "cuda" if cuda else "cpu", shape)
             m["checkpoint_s"] = time.perf_counter() - t
+            log(f"{shape}: an arena per worker")
             m["own_arena"] = await scenario(False, args, artifact, tensors)
+            log(f"{shape}: the node's arena")
             m["node_arena"] = await scenario(True, args, artifact, tensors)
             own, node = m["own_arena"]["restart"], m["node_arena"]["restart"]
             m["restart_speedup"] = own["start_to_first_token_s"] / node["start_to_first_token_s"]
             m["restart_start_speedup"] = own["start_s"] / node["start_s"]
+            log(f"{shape}: streaming")
             m["streaming"] = await streaming(args, artifact, tensors)
             r["models"][shape] = m
             shutil.rmtree(work / shape, ignore_errors=True)
         if cuda:
+            log("copies")
             r["copies"] = copies(args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
