@@ -197,7 +197,7 @@ def _adapter_cells(a: dict[str, Any]) -> tuple[str, ...]:
         f"{a['keep_alive_s']:g}",
         _ttft_slo_text(a),
         f"{a['tpot_slo_s']:g}",
-        "-",
+        _kept_warm_text(a),
         f"{_bytes(kept['nbytes'])} on {a['base']}",
     )
 
@@ -223,7 +223,8 @@ def _model_cells(m: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _kept_warm_text(m: dict[str, Any]) -> str:
-    """Its pin (`min_instances`) and priority (an older gateway has neither: not pinned)."""
+    """Its pin (`min_instances`) and priority (an older gateway has neither: not pinned); an
+    adapter's keeps its base's instances."""
     n, priority = m.get("min_instances", 0), m.get("priority", 0)
     pin = f"pinned ×{n}" if n else "no (scales to zero)"
     return f"{pin}, priority {priority}" if priority else pin
@@ -396,7 +397,8 @@ def models_pin(
     home: Path = HOME,
 ) -> None:
     """Keep NAME warm: started now and after a node restart, never scaled to zero, never evicted
-    for a model of lower priority. Refused where the nodes cannot hold every pinned model."""
+    for a model of lower priority (an adapter: its base's instances, the adapter kept loaded on
+    them). Refused where the nodes cannot hold every pinned model."""
     body: dict[str, int] = {"min_instances": instances}
     if priority is not None:
         body["priority"] = priority

@@ -1,7 +1,7 @@
 """Keep warm (issue 35, part 1): models pinned with `min_instances`, kept first by `priority`.
 
-A pinned model is started at registration and again whenever the nodes run it on fewer nodes
-than its `min_instances` (a node restarted, a worker died): `restore`. Whether the nodes can
+A pinned model (or a model whose pinned adapter keeps it: `with_adapter_pins`) is started at
+registration and again whenever the nodes run it on fewer nodes than its `min_instances` (a node restarted, a worker died): `restore`. Whether the nodes can
 hold every pinned model at once is `fit`, asked before a registration or a pin is stored, so
 that a set that does not fit is refused rather than left to evict itself in turn. The keep-alive
 side (never scaled below `min_instances`) is `scheduling.idle_instances`; the eviction and
@@ -16,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+import msgspec
+
 from policy.kv_watermark import floor_tokens
 from policy.placement import NodeState, Profile
 from policy.scheduling import scale_out_nodes
+from shared.adapters import AdapterRecord
 from shared.messages import ModelRecord
 
 RETRY_S = 5.0
@@ -29,6 +32,24 @@ this long: a pass runs every quarter second."""
 def pinned(records: Iterable[ModelRecord]) -> list[ModelRecord]:
     """The pinned records, the highest priority first (then by name: a stable order)."""
     return sorted((r for r in records if r.min_instances > 0), key=lambda r: (-r.priority, r.name))
+
+
+def with_adapter_pins(records: Iterable[ModelRecord], adapters: Iterable[AdapterRecord]) -> list[ModelRecord]:
+    """Each base as its pinned adapters keep it: an adapter runs on its base's instances, so an
+    adapter pinned with `min_instances` keeps that many of its base warm, at the higher of the
+    two priorities (the adapter's own stay loaded there: `shared.adapters.adapter_ref`)."""
+    pins: dict[str, tuple[int, int]] = {}
+    for a in adapters:
+        if a.min_instances > 0:
+            k, p = pins.get(a.base, (0, a.priority))
+            pins[a.base] = (max(k, a.min_instances), max(p, a.priority))
+    out = []
+    for r in records:
+        if r.name in pins:
+            k, p = pins[r.name]
+            r = msgspec.structs.replace(r, min_instances=max(r.min_instances, k), priority=max(r.priority, p))
+        out.append(r)
+    return out
 
 
 def restore(

@@ -26,6 +26,7 @@ engine batches by adapter (`services/engine/core.py`, `policy/adapter_turns.py`)
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import msgspec
@@ -83,6 +84,12 @@ class AdapterRecord(Message, frozen=True):
     tpot_slo_s: float
     created_at: float
     ttft_slo_per_token_s: float = TTFT_SLO_PER_TOKEN_S
+    min_instances: int = 0
+    """Keep warm (issue 35): its base's instances kept running whatever the traffic, at least
+    this many (`policy.keep_warm.with_adapter_pins`), and the adapter never dropped from them
+    for idleness once loaded. 0: dropped after `keep_alive_s`."""
+    priority: int = 0
+    """Its base is kept at least at this priority (evictions and preemptions)."""
 
 
 class ImportAdapter(Message, frozen=True):
@@ -122,7 +129,9 @@ def read_manifest(directory: Path) -> AdapterArtifact | None:
 
 
 def adapter_ref(record: AdapterRecord) -> AdapterRef:
-    """What a request for `record` carries to its base's engine."""
+    """What a request for `record` carries to its base's engine; a pinned adapter's keep-alive
+    is endless (its engine never drops it for idleness; a later request after an unpin brings
+    its keep-alive back)."""
     a = record.adapter
     return AdapterRef(
         name=record.name,
@@ -130,5 +139,5 @@ def adapter_ref(record: AdapterRecord) -> AdapterRef:
         path=a.path,
         scale=a.scale,
         nbytes=a.nbytes,
-        keep_alive_s=record.keep_alive_s,
+        keep_alive_s=math.inf if record.min_instances > 0 else record.keep_alive_s,
     )

@@ -66,6 +66,12 @@ if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return -3 end
 redis.call('SADD', KEYS[3], ARGV[2])
 return 1
 """
+# KEYS: adapters. ARGV: name, record. Only over a stored one: a removed adapter stays removed.
+_UPDATE_ADAPTER = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 # KEYS: models, adapters, the model's adapter set. ARGV: name, cascade ("1" or "0").
 # Returns {-1} (no such model), {0, adapters...} (kept by them), {1, adapters removed...}.
 _REMOVE_MODEL = """
@@ -83,6 +89,7 @@ class Registry:
     def __init__(self, valkey: aioredis.Redis) -> None:
         self.valkey = valkey
         self._put_adapter: AsyncScript | None = None
+        self._update_adapter: AsyncScript | None = None
         self._remove_model: AsyncScript | None = None
 
     async def put(self, record: ModelRecord) -> None:
@@ -108,6 +115,12 @@ class Registry:
             self._put_adapter = self.valkey.register_script(_PUT_ADAPTER)
         keys = [MODELS_KEY, ADAPTERS_KEY, _adapters_of(record.base)]
         return AdapterPut(int(await self._put_adapter(keys=keys, args=[record.base, record.name, encode(record)])))
+
+    async def update_adapter(self, record: AdapterRecord) -> bool:
+        """Store `record` over the adapter of its name; False where none is stored (removed)."""
+        if self._update_adapter is None:
+            self._update_adapter = self.valkey.register_script(_UPDATE_ADAPTER)
+        return bool(await self._update_adapter(keys=[ADAPTERS_KEY], args=[record.name, encode(record)]))
 
     async def get_adapter(self, name: str) -> AdapterRecord | None:
         data = await self.valkey.hget(ADAPTERS_KEY, name)

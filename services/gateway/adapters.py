@@ -6,7 +6,7 @@ loader checks and keeps them: `services/loader/adapters.py`), their listing besi
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from services.gateway.auth import ApiError, Principal
@@ -16,7 +16,7 @@ from shared import subjects
 from shared.adapters import AdapterImported, AdapterRecord, ImportAdapter
 from shared.bus import Bus
 from shared.errors import TesseraError
-from shared.messages import ErrorCode, Rejected
+from shared.messages import ErrorCode, ModelRecord, Rejected
 from shared.registry import AdapterPut, Registry
 
 
@@ -30,10 +30,18 @@ def name_taken(name: str, by: str) -> ApiError:
 
 
 class AdapterAdmin:
-    def __init__(self, settings: GatewaySettings, bus: Bus, registry: Registry) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        bus: Bus,
+        registry: Registry,
+        fits: Callable[[ModelRecord, AdapterRecord | None], Awaitable[None]],
+    ) -> None:
+        """`fits`: refuses a pin the nodes cannot hold (`Admin.fits`)."""
         self.settings = settings
         self.bus = bus
         self.registry = registry
+        self.fits = fits
 
     async def register(self, base: str, req: RegisterAdapter) -> AdapterRecord:
         record = await self.registry.get(base)
@@ -55,6 +63,7 @@ class AdapterAdmin:
             # Replaced while the loader checked the adapter against it.
             raise ApiError(409, f"the base model `{base}` changed during the registration; retry", "base_changed")
         adapter = AdapterRecord(**req.service_terms(), base=base, adapter=imported.adapter, created_at=time.time())
+        await self.fits(now or record, adapter)  # before it is stored: the scheduler starts what is stored
         put = await self.registry.put_adapter_new(adapter)
         if put is AdapterPut.NO_BASE:
             raise ApiError(409, f"the base model `{base}` was removed during the registration", "base_changed")

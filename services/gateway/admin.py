@@ -16,6 +16,7 @@ from services.gateway.protocol import CreateApiKey, RegisterModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizers import Tokenizers
 from shared import subjects
+from shared.adapters import AdapterRecord
 from shared.bus import Bus
 from shared.errors import TesseraError
 from shared.messages import (
@@ -94,7 +95,7 @@ class Admin:
         self.tokenizers = tokenizers
         """Renders a registration's chat template once, so that a broken one is a 400 now."""
         self.keys = KeyStore(registry)
-        self.adapters = AdapterAdmin(settings, bus, registry)
+        self.adapters = AdapterAdmin(settings, bus, registry, self.fits)
 
     async def register(self, req: RegisterModel) -> dict[str, Any]:
         if req.fallbacks is not None:
@@ -130,10 +131,8 @@ class Admin:
             created_at=time.time(),
             defaults=generation_defaults(imported.artifact, req),
             chat_template=req.chat_template,
-            min_instances=req.min_instances,
-            priority=req.priority,
         )
-        await self._fits(record)  # before it is stored: the scheduler starts what is stored
+        await self.fits(record)  # before it is stored: the scheduler starts what is stored
         if req.replace:
             await self._keeps_adapters(record)
             await self.registry.put(record)
@@ -156,30 +155,49 @@ class Admin:
 
     async def pin(self, name: str, min_instances: int, priority: int | None) -> dict[str, Any]:
         """Keep `name` warm: `min_instances` instances whatever the traffic (the scheduler starts
-        them within a keep-alive pass), at `priority` (None: the one it has). A 409
-        (`insufficient_memory`) where the nodes cannot hold it beside the other pinned models."""
+        them within a keep-alive pass), at `priority` (None: the one it has). An adapter's pin
+        keeps its base's instances, the adapter loaded on them. A 409 (`insufficient_memory`)
+        where the nodes cannot hold it beside the other pinned models."""
+        if (adapter := await self.registry.get_adapter(name)) is not None:
+            pinned_adapter = msgspec.structs.replace(
+                adapter, min_instances=min_instances, priority=adapter.priority if priority is None else priority
+            )
+            await self.fits(await self._record(adapter.base), pinned_adapter)
+            return await self._update_adapter(pinned_adapter)
         record = await self._record(name)
         pinned = msgspec.structs.replace(
             record, min_instances=min_instances, priority=record.priority if priority is None else priority
         )
-        await self._fits(pinned)
+        await self.fits(pinned)
         await self.registry.put(pinned)
         return as_json(pinned)
 
     async def unpin(self, name: str) -> dict[str, Any]:
         """Scale `name` to zero again after its keep-alive (its priority stays)."""
+        if (adapter := await self.registry.get_adapter(name)) is not None:
+            return await self._update_adapter(msgspec.structs.replace(adapter, min_instances=0))
         unpinned = msgspec.structs.replace(await self._record(name), min_instances=0)
         await self.registry.put(unpinned)
         return as_json(unpinned)
 
-    async def _fits(self, record: ModelRecord) -> None:
-        """Refuse (409, `insufficient_memory`) a pinned `record` that the live nodes' memory
-        budgets cannot hold beside the other pinned models, each at its footprint as the
-        scheduler estimates a start's (`keep_warm.need_of`): rather than have them evict one
-        another in turn. Nodes that have not told their budget yet: nothing to judge by."""
+    async def _update_adapter(self, adapter: AdapterRecord) -> dict[str, Any]:
+        if not await self.registry.update_adapter(adapter):
+            raise TesseraError(ErrorCode.MODEL_NOT_FOUND, f"The model `{adapter.name}` does not exist.", param="name")
+        return as_json(adapter)
+
+    async def fits(self, record: ModelRecord, adapter: AdapterRecord | None = None) -> None:
+        """Refuse (409, `insufficient_memory`) a pinned `record` (or `record` as its pinned
+        `adapter` keeps it: `keep_warm.with_adapter_pins`) that the live nodes' memory budgets
+        cannot hold beside the other pinned models, each at its footprint as the scheduler
+        estimates a start's (`keep_warm.need_of`): rather than have them evict one another in
+        turn. Nodes that have not told their budget yet: nothing to judge by."""
+        adapters = [a for a in await self.registry.adapters() if adapter is None or a.name != adapter.name]
+        others = [r for r in await self.registry.all() if r.name != record.name]
+        everyone = keep_warm.with_adapter_pins([*others, record], [*adapters, *([adapter] if adapter else [])])
+        record = next(r for r in everyone if r.name == record.name)
         if record.min_instances == 0:
             return
-        others = [r for r in await self.registry.all() if r.name != record.name]
+        others = [r for r in everyone if r.name != record.name]
         status = await self.bus.request(
             subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus, timeout=self.settings.request_timeout_s
         )

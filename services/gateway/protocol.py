@@ -375,11 +375,26 @@ class _Registration(BaseModel):
     ttft_slo_per_token_s: float = Field(default=TTFT_SLO_PER_TOKEN_S, ge=0, le=MAX_SLO_S)
     tpot_slo_s: float = Field(default=0.1, gt=0, le=MAX_SLO_S)
     keep_alive_s: float = Field(default=300.0, gt=0, le=MAX_KEEP_ALIVE_S)
+    # Keep warm (issue 35): instances kept running whatever the traffic, started now (an
+    # adapter's: its base's, the adapter loaded on them); a set of pinned models the nodes
+    # cannot hold is a 409 (`policy.keep_warm.fit`).
+    min_instances: int = Field(default=0, ge=0, le=MAX_INSTANCES)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Higher is kept first when memory runs short (evictions and preemptions)."""
 
     def service_terms(self) -> dict[str, Any]:
-        """Its name, source, latency targets and keep-alive, as its record keeps them."""
+        """Its name, source, latency targets, keep-alive and pin, as its record keeps them."""
         return self.model_dump(
-            include={"name", "source", "ttft_slo_s", "ttft_slo_per_token_s", "tpot_slo_s", "keep_alive_s"}
+            include={
+                "name",
+                "source",
+                "ttft_slo_s",
+                "ttft_slo_per_token_s",
+                "tpot_slo_s",
+                "keep_alive_s",
+                "min_instances",
+                "priority",
+            }
         )
 
     @field_validator("name")
@@ -432,11 +447,6 @@ class RegisterModel(_Registration):
     """What a Hugging Face checkpoint's weights are compressed to (NNCF): int4, int8, f16 or f32;
     left out, int8 up to 3 B parameters and int4 above. An IR keeps its own (naming another is
     a 400), as does a GGUF (naming one is a 400)."""
-    # Keep warm (issue 35): instances kept running whatever the traffic, started now; a set of
-    # pinned models the nodes cannot hold is a 409 (`policy.keep_warm.fit`).
-    min_instances: int = Field(default=0, ge=0, le=MAX_INSTANCES)
-    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
-    """Higher is kept first when memory runs short (evictions and preemptions)."""
 
     @model_validator(mode="after")
     def _model_or_alias(self) -> RegisterModel:

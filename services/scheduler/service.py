@@ -25,6 +25,7 @@ from services.scheduler.casts import Casts
 from services.scheduler.line import Line
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
+from shared.adapters import AdapterRecord
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -91,6 +92,8 @@ class SchedulerService:
         self.perf = PerfBook()
         self.line = Line()
         self._records: dict[str, ModelRecord] = {}
+        """Each model's record, its pin and priority raised by its pinned adapters'."""
+        self._adapter_pins: list[AdapterRecord] = []
         """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
         self._restore_failed: dict[str, float] = {}
         """Pinned model → when its last keep-warm start failed (the next waits a while)."""
@@ -199,7 +202,7 @@ class SchedulerService:
         record = await self.registry.get(req.model)
         if record is None:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
-        self._records[record.name] = record
+        self._records[record.name] = self._pinned(record)
         now = time.time()
         view = scheduling.with_starts(
             scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s),
@@ -264,7 +267,7 @@ class SchedulerService:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
-        self._records[record.name] = record
+        self._records[record.name] = self._pinned(record)
         decision = self._decide(req)
         if isinstance(decision, NoRoom):
             # No node takes it yet without breaking the SLOs of requests already there: wait
@@ -559,7 +562,9 @@ class SchedulerService:
             await asyncio.sleep(step.delay_s)
 
     async def scale_in_idle(self) -> None:
-        records = await self.registry.all()
+        adapters = await self.registry.adapters()
+        self._adapter_pins = [a for a in adapters if a.min_instances > 0]
+        records = keep_warm.with_adapter_pins(await self.registry.all(), self._adapter_pins)
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}
         floors = {r.name: r.min_instances for r in records if r.min_instances > 0}
@@ -586,6 +591,10 @@ class SchedulerService:
                 log.info("scaled %s to zero on %s", order.model, order.node_id, extra={"model": order.model})
 
     # --- keep warm (issue 35) -------------------------------------------------------------------
+
+    def _pinned(self, record: ModelRecord) -> ModelRecord:
+        """`record` as the pinned adapters of the last keep-alive pass keep it."""
+        return keep_warm.with_adapter_pins([record], self._adapter_pins)[0]
 
     def keep_warm(self) -> None:
         """Start each pinned model where it runs on fewer nodes than its `min_instances` (at

@@ -7,7 +7,7 @@ scale), not the base's; requests for two adapters and the base at once each get 
 answer; an adapter idle its keep-alive is dropped from its base's instance and comes back on
 its next request with no new start of its base; an adapter registered while its base is warm,
 on linears the base's core was not built to update, is served right (the core is built again
-for it, the instance stays)."""
+for it, the instance stays); a pinned adapter keeps its base warm and stays loaded (issue 35)."""
 
 from __future__ import annotations
 
@@ -163,9 +163,9 @@ def _shared(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _instance(cluster: LocalCluster) -> dict[str, Any] | None:
+def _instance(cluster: LocalCluster, model: str = BASE) -> dict[str, Any] | None:
     nodes = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()["nodes"]
-    return next((i for n in nodes for i in n["instances"] if i["model"] == BASE), None)
+    return next((i for n in nodes for i in n["instances"] if i["model"] == model), None)
 
 
 def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
@@ -226,3 +226,44 @@ def test_an_adapter_registered_on_a_warm_base_is_served_right(
         assert len(cold_starts(cluster, BASE)) == base_starts
     finally:
         httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/ad-wide", timeout=10)
+
+
+def test_a_pinned_adapter_keeps_its_base_warm_and_stays_loaded_past_its_keep_alive(
+    cluster: LocalCluster, tiny_checkpoint: Path, adapters: dict[str, Path]
+) -> None:
+    """A base whose own keep-alive is a second, with an adapter pinned at registration: the
+    scheduler starts the base with no request, the base outlives its keep-alive, and the pinned
+    adapter stays loaded while an unpinned one used after it is dropped; unpinned, the base
+    scales to zero."""
+    pin_base = "lora-pin-base"
+    register(cluster, pin_base, source=str(tiny_checkpoint), keep_alive_s=1)
+    url = f"{cluster.base_url}/admin/models/{pin_base}/adapters"
+    try:
+        for name, extra in (("ad-pin", {"min_instances": 1}), ("ad-idle", {})):
+            r = httpx.post(
+                url, json={"name": name, "source": str(adapters["ad-a"]), "keep_alive_s": 1, **extra}, timeout=300
+            )
+            assert r.status_code == 201, r.text
+        assert {a["name"]: a["min_instances"] for a in httpx.get(url, timeout=10).json()} == {
+            "ad-pin": 1,
+            "ad-idle": 0,
+        }
+        first = wait_for(lambda: _instance(cluster, pin_base), 120, "the pinned adapter's base started by itself")
+        assert _complete(cluster, "ad-pin")[0] == "ad-pin"
+        assert _complete(cluster, "ad-idle")[0] == "ad-idle"
+        # The unpinned adapter, used last, idles its second out and is dropped: by then the
+        # pinned one and the base have been idle longer than their keep-alives.
+        wait_for(
+            lambda: "ad-idle" not in ((_instance(cluster, pin_base) or {}).get("adapters", ["ad-idle"])),
+            60,
+            "ad-idle dropped from its base's instance",
+            detail=lambda: _instance(cluster, pin_base),
+        )
+        now = _instance(cluster, pin_base)
+        assert now is not None and now["worker_pid"] == first["worker_pid"]
+        assert "ad-pin" in now["adapters"]
+        r = httpx.post(f"{cluster.base_url}/admin/models/ad-pin/unpin", timeout=10)
+        assert r.status_code == 200 and r.json()["min_instances"] == 0, r.text
+        wait_for(lambda: _instance(cluster, pin_base) is None, 60, "the base scaled to zero once unpinned")
+    finally:
+        httpx.delete(f"{cluster.base_url}/admin/models/{pin_base}?cascade=true", timeout=30)

@@ -4,14 +4,18 @@ the restore decision after a node restart, and whether a pinned set fits the nod
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
+from policy.adapter_turns import AdapterUse, idle_adapters
 from policy.defrag import Neighbour, choose_preemption
 from policy.eviction import Resident, choose_evictions, may_take
-from policy.keep_warm import Need, fit, need_of, pinned, restore
+from policy.keep_warm import Need, fit, need_of, pinned, restore, with_adapter_pins
 from policy.placement import Profile
 from policy.scheduling import NodeView, StopOrder, UseNode, idle_instances, place
-from shared.messages import Artifact, InstanceView, ModelRecord
+from shared.adapters import AdapterArtifact, AdapterRecord, adapter_ref
+from shared.messages import AdapterRef, Artifact, InstanceView, ModelRecord
 from tests.unit.test_placement import NOW as PLACED_AT
 from tests.unit.test_placement import PERF, demand, profile
 from tests.unit.test_placement import inst as busy
@@ -163,3 +167,57 @@ def test_a_records_footprint_is_its_weights_and_its_kv_floor() -> None:
     r = record("m", weights=100)  # 1 KV byte per token, 1000 tokens of context
     assert need_of(r, kv_min_tokens=0) == Need("m", "a1", 100, 1000, 1)
     assert need_of(r, kv_min_tokens=256).kv_bytes == 256
+
+
+def adapter(name: str, base: str, min_instances: int = 0, priority: int = 0) -> AdapterRecord:
+    kept = AdapterArtifact(
+        adapter_id=name,
+        path=f"/x/adapters/{name}",
+        base_artifact_id="a1",
+        rank=8,
+        alpha=16.0,
+        scale=2.0,
+        targets=("q_proj",),
+        layers=2,
+        dtype="F32",
+        nbytes=1 << 20,
+        sha256="",
+    )
+    return AdapterRecord(
+        name=name,
+        base=base,
+        source="/src",
+        adapter=kept,
+        keep_alive_s=1.0,
+        ttft_slo_s=2.0,
+        tpot_slo_s=0.1,
+        created_at=0.0,
+        min_instances=min_instances,
+        priority=priority,
+    )
+
+
+def test_a_pinned_adapter_keeps_its_base_warm_at_the_higher_pin_and_priority() -> None:
+    base, other = record("base", min_instances=0, priority=1), record("other", min_instances=0)
+    adapters = [
+        adapter("a", "base", min_instances=2, priority=0),
+        adapter("b", "base", min_instances=1, priority=7),
+        adapter("idle", "other"),  # not pinned: its base stays as registered
+    ]
+    got = {r.name: (r.min_instances, r.priority) for r in with_adapter_pins([base, other], adapters)}
+    assert got == {"base": (2, 7), "other": (0, 0)}
+    # A base pinned higher than its adapters keeps its own pin.
+    [kept] = with_adapter_pins([record("base", min_instances=3, priority=9)], adapters)
+    assert (kept.min_instances, kept.priority) == (3, 9)
+    # Pinned through its adapter, the base is what restore starts.
+    assert [r.name for r in pinned(with_adapter_pins([base, other], adapters))] == ["base"]
+
+
+def test_a_pinned_adapters_engine_never_drops_it_for_idleness() -> None:
+    pinned_ref = adapter_ref(adapter("a", "base", min_instances=1))
+    plain_ref = adapter_ref(adapter("b", "base"))
+    assert plain_ref.keep_alive_s == 1.0 and math.isinf(pinned_ref.keep_alive_s)
+    uses = {r.name: AdapterUse(r.keep_alive_s, last_used=NOW - 3600, active=0) for r in (pinned_ref, plain_ref)}
+    assert idle_adapters(uses, NOW) == ["b"]
+    # The reference survives the bus (msgpack carries an infinite float).
+    assert math.isinf(msgspec.msgpack.decode(msgspec.msgpack.encode(pinned_ref), type=AdapterRef).keep_alive_s)
