@@ -84,11 +84,13 @@ check: install
 # and the other worker runs meanwhile. TEST_WORKERS=0 runs the suite in one process.
 # Its temporary files in one folder per checkout, emptied by pytest at each run: a run's model
 # stores take about 10 GB, and pytest's numbered folders would keep the last three runs' (a
-# full disk failed CI once). A passed test's own folder goes at its end (pyproject.toml).
+# full disk failed CI once). A passed test's own folder goes at its end (pyproject.toml), a
+# green run's whole folder after it.
 TEST_WORKERS ?= 2
 TEST_TMP ?= /tmp/tessera-test-$(shell printf %s "$(CURDIR)" | cksum | cut -d' ' -f1)
 test: install check
 	$(PY) -m pytest -q -ra --durations=20 --basetemp $(TEST_TMP) $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	rm -rf $(TEST_TMP) # a green run leaves nothing to look at
 
 unit: install
 	$(PY) -m pytest -q -m "not e2e and not integration"

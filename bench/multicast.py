@@ -58,10 +58,8 @@ from policy.multicast import STORE, naive, pipecast, transfer_s
 from services.loader.blockset import MULTICAST_BLOCK_BYTES
 from services.loader.hostcache import block_set
 from shared.bus import Bus
-from shared.messages import (
-    MulticastDone,
-    Tier,
-)
+from shared.cache_messages import MulticastDone
+from shared.messages import Tier
 
 log = make_log("multicast")
 REPO_ROOT = Path(__file__).resolve().parent.parent

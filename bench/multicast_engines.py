@@ -33,10 +33,9 @@ from services.loader.peer import BlockServer, Holding, Link
 from shared import subjects
 from shared.artifact import torch_checkpoint
 from shared.bus import Bus, decode
+from shared.cache_messages import Evicted, EvictResidents
 from shared.messages import (
     Artifact,
-    Evicted,
-    EvictResidents,
     Failed,
     Generate,
     GenerateAccepted,

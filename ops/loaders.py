@@ -10,21 +10,18 @@ from collections.abc import Mapping, Sequence
 
 from shared import subjects
 from shared.bus import Bus
-from shared.errors import TesseraError
-from shared.messages import (
-    Artifact,
+from shared.cache_messages import (
     CacheQuery,
     CacheStatus,
     Evicted,
     EvictHostCache,
-    ImportModel,
-    ModelImported,
     Multicast,
     MulticastDone,
     StageArtifact,
     Staged,
-    Tier,
 )
+from shared.errors import TesseraError
+from shared.messages import Artifact, ImportModel, ModelImported, Tier
 
 
 class LoaderClient:

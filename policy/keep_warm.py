@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import msgspec
 
 from policy.kv_watermark import floor_tokens
 from policy.placement import NodeState, Profile
 from policy.scheduling import scale_out_nodes
-from shared.adapters import AdapterRecord
 from shared.messages import ModelRecord
 
 RETRY_S = 5.0
@@ -34,7 +34,18 @@ def pinned(records: Iterable[ModelRecord]) -> list[ModelRecord]:
     return sorted((r for r in records if r.min_instances > 0), key=lambda r: (-r.priority, r.name))
 
 
-def with_adapter_pins(records: Iterable[ModelRecord], adapters: Iterable[AdapterRecord]) -> list[ModelRecord]:
+class AdapterPin(Protocol):
+    """What keep-warm reads of an adapter (`shared.adapters.AdapterRecord` has it)."""
+
+    @property
+    def base(self) -> str: ...
+    @property
+    def min_instances(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
+
+
+def with_adapter_pins(records: Iterable[ModelRecord], adapters: Iterable[AdapterPin]) -> list[ModelRecord]:
     """Each base as its pinned adapters keep it: an adapter runs on its base's instances, so an
     adapter pinned with `min_instances` keeps that many of its base warm, at the higher of the
     two priorities (the adapter's own stay loaded there: `shared.adapters.adapter_ref`)."""

@@ -101,8 +101,10 @@ def build_pipeline(
 ) -> ov_genai.ContinuousBatchingPipeline:
     """The pipeline on the artifact's IR, its KV cache the library's dynamic allocation: it grows
     as the admitted requests need (bounded by the memory manager's KV grant, §6.4) and reuses
-    freed blocks; a fixed block count had to guess at build time. ≈ 2.4 s here, mostly compiling
-    paged attention, which `CACHE_DIR` does not save: hence the start tier serves meanwhile.
+    freed blocks; a fixed block count had to guess at build time. ≈ 2.4 s here, mostly the
+    compile, which `CACHE_DIR` does not save: OpenVINO 2026.4 writes the paged-attention model's
+    blob but cannot import it (`tests/integration/test_core_cache.py`, the library's canary):
+    hence the start tier serves meanwhile.
 
     `adapters` (LoRA weight files, issue 34): built LoRA-able for them. The library makes a
     pipeline LoRA-able only when built with adapters, and only on the linears those adapters

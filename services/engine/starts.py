@@ -31,13 +31,12 @@ from services.engine.progress import form_bytes, reported
 from shared import subjects
 from shared.artifact import compiled_cache_dir, has_torch_checkpoint, torch_tensor_bytes
 from shared.bus import decode
+from shared.cache_messages import Evicted, EvictResidents, StageArtifact, Staged, VerifyStaged
 from shared.errors import TesseraError
 from shared.messages import (
     Artifact,
     ColdStartPhases,
     ErrorCode,
-    Evicted,
-    EvictResidents,
     ImportModel,
     InstanceReady,
     InstanceStopped,
@@ -45,12 +44,9 @@ from shared.messages import (
     ModelRecord,
     PreemptInstance,
     Rejected,
-    StageArtifact,
-    Staged,
     StartInstance,
     StopInstance,
     Tier,
-    VerifyStaged,
 )
 
 if TYPE_CHECKING:

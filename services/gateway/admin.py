@@ -18,17 +18,13 @@ from services.gateway.tokenizers import Tokenizers
 from shared import subjects
 from shared.adapters import AdapterRecord
 from shared.bus import Bus
+from shared.cache_messages import CacheQuery, CacheStatus, Evicted, EvictHostCache, EvictResidents
 from shared.errors import TesseraError
 from shared.messages import (
     Artifact,
-    CacheQuery,
-    CacheStatus,
     ClusterStatus,
     ClusterStatusQuery,
     ErrorCode,
-    Evicted,
-    EvictHostCache,
-    EvictResidents,
     GenerationDefaults,
     ImportModel,
     ModelImported,

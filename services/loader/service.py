@@ -35,25 +35,18 @@ from shared import subjects
 from shared.adapters import AdapterImported, ImportAdapter
 from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
-from shared.messages import (
-    Artifact,
+from shared.cache_messages import (
     CachedArtifact,
     CacheStatus,
-    ErrorCode,
     Evicted,
     EvictHostCache,
-    ImportModel,
-    ModelImported,
     Multicast,
     MulticastDone,
-    Rejected,
-    SourceFormat,
     StageArtifact,
     Staged,
-    Tier,
     VerifyStaged,
-    WeightFormat,
 )
+from shared.messages import Artifact, ErrorCode, ImportModel, ModelImported, Rejected, SourceFormat, Tier, WeightFormat
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld, LayoutQuery, StageLayout
 
 log = logging.getLogger(__name__)

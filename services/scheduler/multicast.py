@@ -24,17 +24,9 @@ from policy import pipeline_stages
 from policy.multicast import STORE, pipecast
 from shared import subjects
 from shared.bus import Bus
+from shared.cache_messages import CacheQuery, CacheStatus, Multicast, MulticastDone
 from shared.errors import TesseraError
-from shared.messages import (
-    CacheQuery,
-    CacheStatus,
-    InstanceReady,
-    ModelRecord,
-    Multicast,
-    MulticastDone,
-    Rejected,
-    Tier,
-)
+from shared.messages import InstanceReady, ModelRecord, Rejected, Tier
 from shared.pipeline_messages import EndStage, LayoutQuery, StageLayout, StageReady, StartPipelined, StartStage
 
 log = logging.getLogger(__name__)

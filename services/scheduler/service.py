@@ -562,9 +562,9 @@ class SchedulerService:
             await asyncio.sleep(step.delay_s)
 
     async def scale_in_idle(self) -> None:
-        adapters = await self.registry.adapters()
-        self._adapter_pins = [a for a in adapters if a.min_instances > 0]
-        records = keep_warm.with_adapter_pins(await self.registry.all(), self._adapter_pins)
+        models = await self.registry.all()
+        self._adapter_pins = [a for a in await self.registry.adapters() if a.min_instances > 0]
+        records = keep_warm.with_adapter_pins(models, self._adapter_pins)
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}
         floors = {r.name: r.min_instances for r in records if r.min_instances > 0}

@@ -25,8 +25,9 @@ from services.loader.hostcache import block_set
 from shared import subjects
 from shared.artifact import has_torch_checkpoint, torch_checkpoint
 from shared.bus import Bus
+from shared.cache_messages import CacheStatus, MulticastDone, StageArtifact, Staged
 from shared.errors import TesseraError
-from shared.messages import Artifact, CacheStatus, MulticastDone, StageArtifact, Staged, Tier
+from shared.messages import Artifact, Tier
 from shared.pipeline_messages import AwaitBlocks, BlocksHeld
 from tests.conftest import TEST_ENV, running_cluster
 from tests.helpers.cluster import wait_for

@@ -30,16 +30,12 @@ from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import Bus, encode
+from shared.cache_messages import CacheQuery, CacheStatus, Evicted, EvictHostCache, EvictResidents
 from shared.errors import TesseraError
 from shared.messages import (
-    CacheQuery,
-    CacheStatus,
     ClusterStatus,
     ClusterStatusQuery,
     ErrorCode,
-    Evicted,
-    EvictHostCache,
-    EvictResidents,
     Failed,
     Generate,
     GenerateAccepted,

@@ -33,7 +33,7 @@ def files(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-MESSAGE_MODULES = ("shared.messages", "shared.routing_messages", "shared.pipeline_messages")
+MESSAGE_MODULES = ("shared.messages", "shared.routing_messages", "shared.pipeline_messages", "shared.cache_messages")
 
 
 @pytest.mark.parametrize("floor", ["policy", "shared"])

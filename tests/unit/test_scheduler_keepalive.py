@@ -10,6 +10,7 @@ import pytest
 
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
+from shared.adapters import AdapterRecord
 from shared.messages import ModelRecord
 from shared.registry import Registry
 
@@ -27,6 +28,9 @@ class FlakyRegistry(Registry):
         self.read.set()
         if self.reads <= self.failures:
             raise ConnectionError("Error 111 connecting to valkey. Connection refused.")
+        return []
+
+    async def adapters(self, base: str | None = None) -> list[AdapterRecord]:
         return []
 
     async def reads_reach(self, n: int) -> None:

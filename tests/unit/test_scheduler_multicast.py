@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from policy.multicast import STORE, pipecast
 from services.scheduler.multicast import choose
-from shared.messages import CachedArtifact, CacheStatus, Tier
+from shared.cache_messages import CachedArtifact, CacheStatus
+from shared.messages import Tier
 from tests.helpers.records import RECORD
 
 
