@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from services.gateway.completion import Leg, LegEvent, ResponseShape, usage
+from services.gateway.generation import Prepared
 from services.gateway.openai_format import (
     Shape,
     chat_logprobs,
@@ -20,7 +21,7 @@ from services.gateway.openai_format import (
     sse,
 )
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.serving import Gateway, Prepared
+from services.gateway.serving import Gateway
 from services.gateway.tool_stream import ToolStream
 from services.gateway.tools import parse
 from shared.errors import TesseraError

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import cold
 from services.gateway.auth import ApiError, Grant, Principal, Quotas, check_model
+from services.gateway.generation import Generation, Prepared
 from services.gateway.loading import ENDED, KEEPALIVE_S, Lines, Placing, StartWatch
 from services.gateway.openai_format import error_body, sse
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.serving import Gateway, Generation, Prepared
+from services.gateway.serving import Gateway
 from shared.errors import TesseraError
 from shared.messages import ErrorCode, Finished, StartProgress, TokenChunk, TokenLogprob
 

@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import Histogram
 
 from services.gateway.admin import Admin
-from services.gateway.serving import TPOT, TTFT
+from services.gateway.generation import TPOT, TTFT
 from shared.errors import TesseraError
 
 COLD_STARTS_SHOWN = 40

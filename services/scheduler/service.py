@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -24,8 +21,8 @@ from services.scheduler import routing
 from services.scheduler.casts import Casts
 from services.scheduler.line import Line
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.warm import KeepWarm
 from shared import subjects
-from shared.adapters import AdapterRecord
 from shared.bus import Bus, decode
 from shared.errors import TesseraError
 from shared.messages import (
@@ -64,10 +61,6 @@ KEEPALIVE_BACKOFF_CAP_S = 5.0
 LINE_WAITING = Gauge(
     "tessera_scheduler_line_waiting", "Requests waiting for room: no node takes them yet within the SLOs"
 )
-RESTORES = Counter(
-    "tessera_scheduler_keep_warm_starts_total",
-    "Starts of pinned models running on fewer nodes than their min_instances (registration, node restart)",
-)
 SCALE_OUTS = Counter(
     "tessera_scheduler_scale_outs_total", "Starts of a model already running elsewhere (no instance validated)"
 )
@@ -92,15 +85,9 @@ class SchedulerService:
         self.perf = PerfBook()
         self.line = Line()
         self._records: dict[str, ModelRecord] = {}
-        """Each model's record, its pin and priority raised by its pinned adapters'."""
-        self._adapter_pins: list[AdapterRecord] = []
-        """Registered models as the last keep-alive pass read them: SLOs of the neighbours."""
-        self._restore_failed: dict[str, float] = {}
-        """Pinned model → when its last keep-warm start failed (the next waits a while)."""
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._told: dict[tuple[str, str], tuple[int, int]] = {}
-        """(model, node) → the (min_instances, priority) its engine last had from here: a pin
-        or an unpin of a running model is told to its engines (their evictions read it)."""
+        """Registered models as the last keep-alive pass read them (SLOs of the neighbours),
+        each pinned as its pinned adapters keep it."""
+        self.warm = KeepWarm(settings, bus, self.perf, self._warm_start)
 
     async def start(self) -> None:
         try:  # the load-time model of the scheduler before this one (cold-start budgets)
@@ -202,7 +189,7 @@ class SchedulerService:
         record = await self.registry.get(req.model)
         if record is None:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
-        self._records[record.name] = self._pinned(record)
+        self._records[record.name] = self.warm.pinned(record)
         now = time.time()
         view = scheduling.with_starts(
             scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s),
@@ -267,7 +254,7 @@ class SchedulerService:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
-        self._records[record.name] = self._pinned(record)
+        self._records[record.name] = self.warm.pinned(record)
         decision = self._decide(req)
         if isinstance(decision, NoRoom):
             # No node takes it yet without breaking the SLOs of requests already there: wait
@@ -488,6 +475,10 @@ class SchedulerService:
             self._starts[key] = (StartUnderWay(node_id, time.time()), task)
             task.add_done_callback(lambda _: self._starts.pop(key, None))
 
+    def _warm_start(self, record: ModelRecord, node_id: str) -> asyncio.Task[InstanceReady | Rejected]:
+        self._begin_start(record, node_id)
+        return self._starts[(record.name, node_id)][1]
+
     async def _ensure_started(self, record: ModelRecord, node_id: str) -> InstanceReady | Rejected:
         """Every request that needs the model while it starts waits for the same start."""
         self._begin_start(record, node_id)
@@ -525,7 +516,7 @@ class SchedulerService:
                 record.name,
                 InstanceView(model=record.name, active=0, last_used=now, loaded_at=now),
             )
-            self._told[(record.name, node_id)] = (record.min_instances, record.priority)
+            self.warm.started(record, node_id)
         return ready
 
     def _pipelined(self, node_id: str, model: str) -> None:
@@ -545,7 +536,9 @@ class SchedulerService:
             error: Exception | None = None
             try:
                 await self.scale_in_idle()
-                self.keep_warm()
+                now = time.time()
+                live = scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
+                self.warm.run(self._records, live, set(self._starts))
             except Exception as e:
                 error = e
             step = backoff.step(error is None, time.monotonic())
@@ -563,8 +556,8 @@ class SchedulerService:
 
     async def scale_in_idle(self) -> None:
         models = await self.registry.all()
-        self._adapter_pins = [a for a in await self.registry.adapters() if a.min_instances > 0]
-        records = keep_warm.with_adapter_pins(models, self._adapter_pins)
+        self.warm.adapter_pins = [a for a in await self.registry.adapters() if a.min_instances > 0]
+        records = keep_warm.with_adapter_pins(models, self.warm.adapter_pins)
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}
         floors = {r.name: r.min_instances for r in records if r.min_instances > 0}
@@ -589,64 +582,3 @@ class SchedulerService:
             if reply.stopped:
                 SCALE_INS.inc()
                 log.info("scaled %s to zero on %s", order.model, order.node_id, extra={"model": order.model})
-
-    # --- keep warm (issue 35) -------------------------------------------------------------------
-
-    def _pinned(self, record: ModelRecord) -> ModelRecord:
-        """`record` as the pinned adapters of the last keep-alive pass keep it."""
-        return keep_warm.with_adapter_pins([record], self._adapter_pins)[0]
-
-    def keep_warm(self) -> None:
-        """Start each pinned model where it runs on fewer nodes than its `min_instances` (at
-        its registration or pin, after a node restart: `keep_warm.restore` decides), and tell
-        the engines running a model whose pin or priority changed. Nothing awaited: the
-        starts run as any start does, and the next pass sees them under way."""
-        records = self._records
-        if not self._told and not any(r.min_instances or r.priority for r in records.values()):
-            return  # nothing kept warm, nothing to tell: no pass over the view
-        now = time.time()
-        live = scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s)
-        pins = keep_warm.pinned(records.values())
-        profiles = self.perf.profiles(pins, kv_min_tokens=self.settings.kv_min_tokens)
-        for model, node_id in keep_warm.restore(pins, live, profiles, now, self._restore_failed):
-            log.info("keeping %s warm: starting it on %s", model, node_id, extra={"model": model})
-            RESTORES.inc()
-            self._begin_start(records[model], node_id)
-            _, task = self._starts[(model, node_id)]
-            task.add_done_callback(functools.partial(self._restored, model))
-        running = {(m, n.node_id) for n in live for m in n.instances}
-        for key in set(self._told) - running:
-            del self._told[key]
-        for model, node_id in sorted(running - set(self._starts)):
-            record = records.get(model)
-            terms = (record.min_instances, record.priority) if record is not None else (0, 0)
-            if record is not None and self._told.get((model, node_id), (0, 0)) != terms:
-                self._told[(model, node_id)] = terms
-                self._background(self._tell(record, node_id))
-
-    def _restored(self, model: str, task: asyncio.Task[InstanceReady | Rejected]) -> None:
-        failed = task.cancelled() or task.exception() is not None or isinstance(task.result(), Rejected)
-        if failed:
-            log.warning("keep-warm start of %s failed; trying again in %gs", model, keep_warm.RETRY_S)
-            self._restore_failed[model] = time.time()
-        else:
-            self._restore_failed.pop(model, None)
-
-    async def _tell(self, record: ModelRecord, node_id: str) -> None:
-        """A start of a model running there: the engine answers at once, and keeps the
-        record's `min_instances` and `priority` for its evictions."""
-        try:
-            await self.bus.request(
-                subjects.engine_start(node_id),
-                StartInstance(model=record),
-                InstanceReady | Rejected,
-                timeout=self.settings.request_timeout_s,
-            )
-        except TesseraError as e:
-            log.warning("could not tell %s of %s's pin: %s", node_id, record.name, e.message)
-            self._told.pop((record.name, node_id), None)
-
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -22,7 +22,8 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 
 from ops.localcluster import LocalCluster
-from services.gateway.serving import Gateway, Generation
+from services.gateway.generation import Generation
+from services.gateway.serving import Gateway
 from services.gateway.settings import GatewaySettings
 from shared.bus import encode
 from shared.errors import TesseraError

@@ -1,4 +1,4 @@
-"""A preempted request resumes on another node (services/gateway/serving.py), and one preempted
+"""A preempted request resumes on another node (services/gateway/generation.py), and one preempted
 more often than MAX_RESUMES ends with a 503 `preempted` error. The bus here is a fake (named
 so): the scheduler and an engine that preempts every request it gets are scripted, since no
 real cluster preempts one request three times on demand. The real path is in
@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from services.gateway.serving import MAX_RESUMES, Gateway, Generation, Prepared
+from services.gateway.generation import MAX_RESUMES, Generation, Prepared
+from services.gateway.serving import Gateway
 from services.gateway.settings import GatewaySettings
 from shared import subjects
 from shared.bus import encode
