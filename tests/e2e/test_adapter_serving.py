@@ -248,7 +248,12 @@ def test_a_pinned_adapter_keeps_its_base_warm_and_stays_loaded_past_its_keep_ali
             "ad-pin": 1,
             "ad-idle": 0,
         }
-        first = wait_for(lambda: _instance(cluster, pin_base), 120, "the pinned adapter's base started by itself")
+        # Its engine's own view (a worker): the scheduler lists a start it ordered before that.
+        first = wait_for(
+            lambda: (i := _instance(cluster, pin_base)) is not None and i["worker_pid"] and i,
+            120,
+            "the pinned adapter's base started by itself",
+        )
         assert _complete(cluster, "ad-pin")[0] == "ad-pin"
         assert _complete(cluster, "ad-idle")[0] == "ad-idle"
         # The unpinned adapter, used last, idles its second out and is dropped: by then the
