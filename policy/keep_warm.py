@@ -47,13 +47,13 @@ class AdapterPin(Protocol):
 
 def with_adapter_pins(records: Iterable[ModelRecord], adapters: Iterable[AdapterPin]) -> list[ModelRecord]:
     """Each base as its pinned adapters keep it: an adapter runs on its base's instances, so an
-    adapter pinned with `min_instances` keeps that many of its base warm, at the higher of the
-    two priorities (the adapter's own stay loaded there: `shared.adapters.adapter_ref`)."""
+    adapter pinned with `min_instances` keeps that many of its base warm, and the base is kept at
+    the highest of its own and its adapters' priorities (a pinned adapter stays loaded there:
+    `shared.adapters.adapter_ref`)."""
     pins: dict[str, tuple[int, int]] = {}
     for a in adapters:
-        if a.min_instances > 0:
-            k, p = pins.get(a.base, (0, a.priority))
-            pins[a.base] = (max(k, a.min_instances), max(p, a.priority))
+        k, p = pins.get(a.base, (0, a.priority))
+        pins[a.base] = (max(k, a.min_instances), max(p, a.priority))
     out = []
     for r in records:
         if r.name in pins:

@@ -63,7 +63,8 @@ class AdapterAdmin:
             # Replaced while the loader checked the adapter against it.
             raise ApiError(409, f"the base model `{base}` changed during the registration; retry", "base_changed")
         adapter = AdapterRecord(**req.service_terms(), base=base, adapter=imported.adapter, created_at=time.time())
-        await self.fits(now or record, adapter)  # before it is stored: the scheduler starts what is stored
+        if adapter.min_instances > 0:  # before it is stored: the scheduler starts what is stored
+            await self.fits(now or record, adapter)
         put = await self.registry.put_adapter_new(adapter)
         if put is AdapterPut.NO_BASE:
             raise ApiError(409, f"the base model `{base}` was removed during the registration", "base_changed")

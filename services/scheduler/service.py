@@ -189,7 +189,7 @@ class SchedulerService:
         record = await self.registry.get(req.model)
         if record is None:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
-        self._records[record.name] = self.warm.pinned(record)
+        self._records[record.name] = record = self.warm.pinned(record)
         now = time.time()
         view = scheduling.with_starts(
             scheduling.live_nodes(self._view(now), now, self.settings.node_timeout_s),
@@ -254,7 +254,7 @@ class SchedulerService:
             return Rejected(code=ErrorCode.MODEL_NOT_FOUND, message=f"model {req.model!r} does not exist")
         if req.not_on:
             self._set_instance(req.not_on, req.model, None)
-        self._records[record.name] = self.warm.pinned(record)
+        self._records[record.name] = record = self.warm.pinned(record)
         decision = self._decide(req)
         if isinstance(decision, NoRoom):
             # No node takes it yet without breaking the SLOs of requests already there: wait
@@ -556,7 +556,7 @@ class SchedulerService:
 
     async def scale_in_idle(self) -> None:
         models = await self.registry.all()
-        self.warm.adapter_pins = [a for a in await self.registry.adapters() if a.min_instances > 0]
+        self.warm.adapter_pins = [a for a in await self.registry.adapters() if a.min_instances > 0 or a.priority > 0]
         records = keep_warm.with_adapter_pins(models, self.warm.adapter_pins)
         self._records = {r.name: r for r in records}
         keep = {r.name: r.keep_alive_s for r in records}

@@ -211,6 +211,9 @@ def test_a_pinned_adapter_keeps_its_base_warm_at_the_higher_pin_and_priority() -
     assert (kept.min_instances, kept.priority) == (3, 9)
     # Pinned through its adapter, the base is what restore starts.
     assert [r.name for r in pinned(with_adapter_pins([base, other], adapters))] == ["base"]
+    # An unpinned adapter's priority raises its base's all the same.
+    [raised] = with_adapter_pins([other], [adapter("urgent", "other", priority=4)])
+    assert (raised.min_instances, raised.priority) == (0, 4)
 
 
 def test_a_pinned_adapters_engine_never_drops_it_for_idleness() -> None:
