@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.util import find_spec
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -148,3 +149,57 @@ def test_a_crowd_is_served_in_one_batch(artifact: Artifact, client: openai.OpenA
     assert all(text and finish in ("stop", "length") for text, finish in answers), answers
     alone = ask(topics[0])
     assert answers[0] == alone, "a request in a crowd gets what it gets alone (greedy)"
+
+
+def test_lora_adapters_and_the_base_share_a_vllm_batch_each_with_its_own_answer(
+    vllm_cluster: LocalCluster, artifact: Artifact, tmp_path: Path
+) -> None:
+    """Two adapters (PEFT's layout, written here) registered on the running model: the engine,
+    built without LoRA, drains and is built again LoRA-able; each adapter's greedy tokens are
+    transformers' with that adapter merged into the weights, and requests for both adapters and
+    the base at once each get their own answer (vLLM applies each row's adapter in one step)."""
+    from tests.helpers.adapters import merged_greedy, write_adapter
+
+    checkpoint = torch_checkpoint(artifact)
+    for name, seed in (("vllm-ad-a", 1), ("vllm-ad-b", 2)):
+        r = httpx.post(
+            f"{vllm_cluster.base_url}/admin/models/{NAME}/adapters",
+            json={"name": name, "source": str(write_adapter(checkpoint, tmp_path / name, seed=seed))},
+            timeout=300,
+        )
+        assert r.status_code == 201, r.text
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{vllm_cluster.base_url}/tokenize", json={"model": NAME, "prompt": prompt}, timeout=30).json()
+
+    def complete(model: str) -> str:
+        r = httpx.post(
+            f"{vllm_cluster.base_url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "repetition_penalty": 1.0,
+            },
+            timeout=900,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        return str(r.json()["choices"][0]["text"])
+
+    def text_of(tokens: list[int]) -> str:
+        r = httpx.post(f"{vllm_cluster.base_url}/detokenize", json={"model": NAME, "tokens": tokens}, timeout=30)
+        return str(r.json()["prompt"])
+
+    alone = {m: complete(m) for m in ("vllm-ad-a", "vllm-ad-b", NAME)}
+    for name in ("vllm-ad-a", "vllm-ad-b"):
+        expected = text_of(merged_greedy(checkpoint, tmp_path / name, ids["tokens"], 8))
+        assert alone[name] == expected, (name, alone[name], expected)
+    assert alone[NAME] == text_of(merged_greedy(checkpoint, None, ids["tokens"], 8))
+    assert len(set(alone.values())) == 3
+    crowd = ["vllm-ad-a", "vllm-ad-b", NAME] * 2
+    with ThreadPoolExecutor(len(crowd)) as pool:
+        answers = list(pool.map(complete, crowd))
+    for model, answer in zip(crowd, answers, strict=True):
+        assert answer == alone[model], (model, answer, alone[model])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.vllm_engine.params import kv_cache_bytes, sampling_kwargs, structured_kwargs
+from services.engine.vllm_engine.params import LORA_RANKS, kv_cache_bytes, lora_rank, sampling_kwargs, structured_kwargs
 from shared.messages import Guide, SamplingParams
 
 
@@ -65,3 +65,13 @@ def test_the_cache_holds_keys_and_values_of_every_layers_kv_heads() -> None:
     assert kv_cache_bytes(smol, 1, 2) == 2 * 30 * 3 * 64 * 2
     assert kv_cache_bytes({**smol, "head_dim": 128}, 10, 4) == 2 * 30 * 3 * 128 * 4 * 10
     assert kv_cache_bytes({k: v for k, v in smol.items() if k != "num_key_value_heads"}, 1, 2) == 2 * 30 * 9 * 64 * 2
+
+
+def test_a_lora_able_engine_takes_the_smallest_rank_vllm_accepts_that_fits_every_kept_adapter() -> None:
+    assert lora_rank([]) == 0  # nothing kept: LoRA off
+    assert lora_rank([4, 8]) == 8
+    assert lora_rank([9]) == 16
+    assert lora_rank([300]) == 320
+    with pytest.raises(ValueError, match="rank 600"):
+        lora_rank([600])
+    assert list(LORA_RANKS) == sorted(LORA_RANKS)

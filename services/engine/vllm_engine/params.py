@@ -13,6 +13,23 @@ STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "grammar": "grammar"
 EBNF, which vLLM's default backend compiles with xgrammar, as the OpenVINO engine does)."""
 
 
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts."""
+MAX_LORAS = 8
+"""Adapters one vLLM step applies at most (each row its own)."""
+
+
+def lora_rank(ranks: Sequence[int]) -> int:
+    """The `max_lora_rank` an engine needs for adapters of these ranks (0: none, LoRA off)."""
+    need = max(ranks, default=0)
+    if need == 0:
+        return 0
+    fit = [r for r in LORA_RANKS if r >= need]
+    if not fit:
+        raise ValueError(f"a LoRA adapter of rank {need} is past vLLM's largest ({LORA_RANKS[-1]})")
+    return fit[0]
+
+
 def structured_kwargs(guide: Guide) -> dict[str, str]:
     key = STRUCTURED_KEYS.get(guide.kind)
     if key is None:
