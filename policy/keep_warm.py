@@ -99,14 +99,16 @@ class Need:
     kv_bytes: int
     """What a start reserves for its KV cache (the L_min floor)."""
     instances: int
+    adapter_bytes: int = 0
+    """Its pinned adapters', loaded on each of its instances."""
 
 
-def need_of(record: ModelRecord, kv_min_tokens: int) -> Need:
+def need_of(record: ModelRecord, kv_min_tokens: int, adapter_bytes: int = 0) -> Need:
     """A record's footprint as the scheduler estimates a start's (`PerfBook.profiles`): its
-    weights and the KV cache of its L_min floor."""
+    weights and the KV cache of its L_min floor; `adapter_bytes`: of its pinned adapters."""
     a = record.artifact
     kv = a.kv_bytes_per_token * floor_tokens(kv_min_tokens, a.context_length)
-    return Need(record.name, a.artifact_id, a.weight_bytes, kv, record.min_instances)
+    return Need(record.name, a.artifact_id, a.weight_bytes, kv, record.min_instances, adapter_bytes)
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,18 @@ def fit(needs: Iterable[Need], budgets: Sequence[int]) -> Fit:
     for n in needs:
         copies[n.artifact_id] = max(copies.get(n.artifact_id, 0), n.instances)
     weights = {n.artifact_id: n.weight_bytes for n in needs}
-    needed = sum(weights[a] * k for a, k in copies.items()) + sum(n.kv_bytes * n.instances for n in needs)
+    needed = sum(weights[a] * k for a, k in copies.items()) + sum(_own(n) * n.instances for n in needs)
     nodes = [_Node(room) for room in budgets]
     ok = True
-    for n in sorted(needs, key=lambda n: (-(n.weight_bytes + n.kv_bytes), n.name)):
+    for n in sorted(needs, key=lambda n: (-(n.weight_bytes + _own(n)), n.name)):
         for _ in range(n.instances):
             ok = ok and any(node.take(n) for node in nodes)
     return Fit(ok, needed, sum(budgets))
+
+
+def _own(n: Need) -> int:
+    """What each instance holds beside the weights it shares."""
+    return n.kv_bytes + n.adapter_bytes
 
 
 @dataclass
@@ -145,7 +152,7 @@ class _Node:
 
     def take(self, n: Need) -> bool:
         """Hold an instance of `n` here if it fits (one instance of a model per node)."""
-        cost = n.kv_bytes + (0 if n.artifact_id in self.artifacts else n.weight_bytes)
+        cost = _own(n) + (0 if n.artifact_id in self.artifacts else n.weight_bytes)
         if n.name in self.names or cost > self.free:
             return False
         self.free -= cost

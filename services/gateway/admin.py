@@ -188,8 +188,9 @@ class Admin:
         estimates a start's (`keep_warm.need_of`): rather than have them evict one another in
         turn. Nodes that have not told their budget yet: nothing to judge by."""
         adapters = [a for a in await self.registry.adapters() if adapter is None or a.name != adapter.name]
+        adapters += [adapter] if adapter else []
         others = [r for r in await self.registry.all() if r.name != record.name]
-        everyone = keep_warm.with_adapter_pins([*others, record], [*adapters, *([adapter] if adapter else [])])
+        everyone = keep_warm.with_adapter_pins([*others, record], adapters)
         record = next(r for r in everyone if r.name == record.name)
         if record.min_instances == 0:
             return
@@ -201,7 +202,8 @@ class Admin:
         if not budgets:
             return
         pinned = keep_warm.pinned([*others, record])
-        fit = keep_warm.fit([keep_warm.need_of(r, self.settings.kv_min_tokens) for r in pinned], budgets)
+        kept = {r.name: sum(a.adapter.nbytes for a in adapters if a.base == r.name and a.min_instances) for r in pinned}
+        fit = keep_warm.fit([keep_warm.need_of(r, self.settings.kv_min_tokens, kept[r.name]) for r in pinned], budgets)
         if not fit.ok:
             names = ", ".join(f"{r.name} ×{r.min_instances}" for r in pinned)
             raise ApiError(

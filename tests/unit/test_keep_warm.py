@@ -169,6 +169,15 @@ def test_a_records_footprint_is_its_weights_and_its_kv_floor() -> None:
     assert need_of(r, kv_min_tokens=256).kv_bytes == 256
 
 
+def test_a_pinned_adapters_bytes_count_on_each_instance_of_its_base() -> None:
+    # 100 of weights and 50 of KV fit a node of 150; the adapter's 10 more on it do not.
+    assert fit([Need("a", "x", 100, 50, 1)], [150]).ok
+    with_adapter = Need("a", "x", 100, 50, 1, adapter_bytes=10)
+    assert not fit([with_adapter], [150]).ok
+    assert fit([with_adapter], [160]).needed_bytes == 160
+    assert need_of(record("m", weights=100), 0, adapter_bytes=10).adapter_bytes == 10
+
+
 def adapter(name: str, base: str, min_instances: int = 0, priority: int = 0) -> AdapterRecord:
     kept = AdapterArtifact(
         adapter_id=name,
