@@ -200,8 +200,9 @@ class WorkerLoop:
             adapted.add_adapted(run.request_id, run.prompt_ids, run.params, run.deadline, run.kv_tokens, run.adapter)
         else:  # never the base's output for an adapter's request
             raise ValueError(
-                f"`{run.adapter.name}` is a LoRA adapter, and this node's engine does not apply adapters: "
-                "request its base, or serve the adapter on an OpenVINO node"
+                f"`{run.adapter.name}` is a LoRA adapter, and this node's engine does not apply adapters "
+                "(its model is served through other nodes' pipeline stages): request its base, or again "
+                "once its replica is whole"
             )
 
     def pump(self, timeout: float) -> None:

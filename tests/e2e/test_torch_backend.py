@@ -420,3 +420,59 @@ def test_a_torch_node_serves_a_hugging_face_checkpoint_as_transformers_does(
     answer = client.chat.completions.create(model="torch-hf", messages=QUESTION, **GREEDY)  # type: ignore[call-overload]
     assert answer.choices[0].message.content == expected
     assert answer.usage.completion_tokens == tokens and answer.choices[0].finish_reason == finish
+
+
+def test_lora_adapters_and_the_base_share_a_torch_batch_each_with_its_own_answer(
+    torch_cluster: LocalCluster, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Adapters on a Hugging Face base served by a torch node (issue 34): one registered before
+    the base's start (its batch is built LoRA-able for it), one after on linears the batch was
+    not built for (the batch drains and is built again); each adapter's greedy tokens are
+    transformers' with that adapter merged into the weights, and requests for both adapters
+    and the base at once each get their own answer (each row its own adapter in one step)."""
+    from tests.helpers.adapters import merged_greedy, write_adapter
+
+    base = "torch-lora"
+    record = register(torch_cluster, base, source=str(tiny_checkpoint))
+    checkpoint = torch_checkpoint(msgspec.convert(record["artifact"], Artifact))
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{torch_cluster.base_url}/tokenize", json={"model": base, "prompt": prompt}, timeout=30).json()
+
+    def add(name: str, seed: int, targets: tuple[str, ...]) -> None:
+        source = write_adapter(checkpoint, tmp_path / name, seed=seed, targets=targets)
+        r = httpx.post(
+            f"{torch_cluster.base_url}/admin/models/{base}/adapters",
+            json={"name": name, "source": str(source)},
+            timeout=300,
+        )
+        assert r.status_code == 201, r.text
+
+    def complete(model: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(
+            f"{torch_cluster.base_url}/v1/completions", json={**body, "repetition_penalty": 1.0}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        return str(r.json()["choices"][0]["text"])
+
+    def text_of(tokens: list[int]) -> str:
+        r = httpx.post(f"{torch_cluster.base_url}/detokenize", json={"model": base, "tokens": tokens}, timeout=30)
+        return str(r.json()["prompt"])
+
+    try:
+        add("torch-ad-a", 1, ("q_proj", "v_proj"))
+        alone = {base: complete(base), "torch-ad-a": complete("torch-ad-a")}
+        add("torch-ad-b", 2, ("q_proj", "up_proj", "down_proj"))  # the running batch has no up_proj update
+        alone["torch-ad-b"] = complete("torch-ad-b")
+        assert alone[base] == text_of(merged_greedy(checkpoint, None, ids["tokens"], 8))
+        for name in ("torch-ad-a", "torch-ad-b"):
+            expected = text_of(merged_greedy(checkpoint, tmp_path / name, ids["tokens"], 8))
+            assert alone[name] == expected, (name, alone[name], expected)
+        assert len(set(alone.values())) == 3
+        crowd = ["torch-ad-a", "torch-ad-b", base] * 2
+        with ThreadPoolExecutor(len(crowd)) as pool:
+            answers = list(pool.map(complete, crowd))
+        assert answers == [alone[m] for m in crowd]
+    finally:
+        httpx.delete(f"{torch_cluster.base_url}/admin/models/{base}?cascade=true", timeout=30)

@@ -1,5 +1,6 @@
-"""A request for a LoRA adapter on a worker whose batch does not apply adapters (the torch and
-vLLM engines, GPU-only here) is refused with a clear error, never run as its base."""
+"""A request for a LoRA adapter on a worker whose batch does not apply adapters (a model served
+through other nodes' pipeline stages, `PipelineBatch`) is refused with a clear error, never run
+as its base."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from services.engine.worker_wire import Run
 from shared.messages import AdapterRef, SamplingParams
 
 
-class FakeGpuBatch:
-    """Stands in for a torch/vLLM batch (no GPU here): it has `add` and no `add_adapted`."""
+class FakeStagesBatch:
+    """Stands in for a batch of pipeline stages: it has `add` and no `add_adapted`."""
 
     def __init__(self) -> None:
         self.added: list[str] = []
@@ -35,7 +36,7 @@ def _run(adapter: AdapterRef | None) -> Run:
 
 
 def test_an_adapter_request_on_a_batch_without_adapters_is_refused_not_served_by_its_base() -> None:
-    batch = FakeGpuBatch()
+    batch = FakeStagesBatch()
     ref = AdapterRef(name="tuned", adapter_id="x", path="/nowhere", scale=2.0, nbytes=1, keep_alive_s=math.inf)
     with pytest.raises(ValueError, match="`tuned` is a LoRA adapter, and this node's engine does not apply"):
         WorkerLoop._add(batch, _run(ref))  # type: ignore[arg-type]

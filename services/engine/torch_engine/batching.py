@@ -14,7 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,12 +29,14 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from services.engine.batch_types import Step, check_fits
+from services.engine.batch_types import AdapterLoad, Step, check_fits
 from services.engine.step_gate import StepGate, Turns, no_turn, post
 from services.engine.torch_engine.engine import TorchEngine
 from services.engine.torch_engine.guides import Guides, Row
+from services.engine.torch_engine.lora import LoraShape, RowLoras, unwrap
 from services.engine.torch_engine.row_sampling import ALL, COLUMNS, GREEDY, Branches, RowDraw, fill_table, pick_rows
-from shared.messages import FinishReason, SamplingParams
+from shared.adapters import AdapterArtifact, read_manifest
+from shared.messages import AdapterRef, FinishReason, SamplingParams
 
 BLOCK_TOKENS = 32
 """Tokens per KV block (the library's 256 would strand up to 255 tokens of cache per sequence:
@@ -55,6 +58,8 @@ class _Sequence:
     """Its pick failed (on the library's thread): it fails alone at its next result."""
     seen: int = 0
     """Tokens `steps` handed out."""
+    adapter: int = -1
+    """Its adapter's slot (`lora.RowLoras`); -1: the base."""
 
     @property
     def ends(self) -> bool:
@@ -229,6 +234,40 @@ class EngineSampling(ContinuousBatchingLogitsProcessor):
                 self.gate.idle(self.gate_slot)
 
 
+class _Processors(ContinuousBatchingLogitsProcessorList):
+    """The library's processor list, which also fills the step's adapter table as it forms the
+    step (its tokens are packed in `requests_in_batch`'s order)."""
+
+    def __init__(self, sampling: EngineSampling, loras: RowLoras | None) -> None:
+        super().__init__(LogitsProcessorList([sampling]))
+        self.tensors_required = 1
+        self.sampling = sampling
+        self.loras = loras
+
+    def prepare_tensor_args(self, requests_in_batch: list, arg_storage: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
+        if self.loras is not None:
+            sequences = self.sampling.sequences
+            rows = []
+            for r in requests_in_batch:
+                seq = sequences.get(r.state.logit_processor_kwargs.get("slot", -1))
+                rows.append((seq.adapter if seq is not None else -1, r.query_length))
+            self.loras.fill(rows)
+        return super().prepare_tensor_args(requests_in_batch, arg_storage)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A request waiting: an adapter's for a slot, or any behind one for which the batch drains
+    to be built again (`adapter` None: the base's)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    deadline: Callable[[int], float]
+    adapter: AdapterRef | None = None
+    kept: AdapterArtifact | None = None
+
+
 class ContinuousBatcher:
     def __init__(
         self,
@@ -238,39 +277,53 @@ class ContinuousBatcher:
         gate: StepGate | None = None,
         gate_slot: int = -1,
         graphs: bool | tuple[bool, bool] | None = None,
+        lora: LoraShape | None = None,
     ) -> None:
         """`graphs`: replay steps from the library's CUDA graphs, or (prefill, decode) apart;
-        None: where the model is on a CUDA device."""
+        None: where the model is on a CUDA device. `lora`: built LoRA-able for adapters of that
+        shape (each row its own, `lora.py`); an adapter past it waits for the batch to drain."""
+        self.engine = engine
         self.device = engine.device
         if graphs is None:
             graphs = engine.device.type == "cuda"
+        self.graphs = graphs
         graphed = any(graphs) if isinstance(graphs, tuple) else graphs
         vocab = int(engine.model.config.vocab_size)
+        self.max_batch = max_batch
         self.sampling = EngineSampling(vocab, max_batch, engine.device, graphed, gate, gate_slot)
-        self.sampling.hook = self._hook
         self.eos_ids = sorted(engine.eos_ids)
         self.guides = Guides(engine.tokenizer, vocab, self.eos_ids)
         self.kv_tokens = kv_tokens
+        self._slots: dict[str, int] = {}
+        self._next_slot = itertools.count()
+        self._pending: list[_Pending] = []
+        self._loads: dict[str, AdapterLoad] = {}
+        """Requests whose adapter was read for them, told with their next step."""
+        self._start(lora)
+
+    def _start(self, lora: LoraShape | None) -> None:
+        """The library's manager on the model (its linears wrapped for `lora`), started."""
+        self.loras = RowLoras(self.engine.model, lora, STEP_TOKENS) if lora is not None else None
+        if lora is None:
+            unwrap(self.engine.model)
+        self.sampling.hook = self._hook
+        self.sampling.closing = False
         config = ContinuousBatchingConfig(
             block_size=BLOCK_TOKENS,
-            num_blocks=-(-kv_tokens // BLOCK_TOKENS) + -(-kv_tokens // STEP_TOKENS) + 1,
+            num_blocks=-(-self.kv_tokens // BLOCK_TOKENS) + -(-self.kv_tokens // STEP_TOKENS) + 1,
             max_batch_tokens=STEP_TOKENS,
-            max_requests_per_batch=max_batch,
+            max_requests_per_batch=self.max_batch,
             max_memory_percent=0.9,
-            use_cuda_graph=graphs,
+            use_cuda_graph=self.graphs,
             use_async_batching=False,
         )
         generation = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos_ids)
-        model: Any = engine.model  # transformers' continuous-batching mixin is untyped
+        model: Any = self.engine.model  # transformers' continuous-batching mixin is untyped
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         # The engine's sampler is the one processor (do_sample=False makes none), one int a request.
-        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self.sampling]))
-        processors.tensors_required = 1
-        self.manager.logit_processor = processors
-        if engine.fill is not None:  # its tensors stream in behind its first forward pass
-            engine.fill.around = self.sampling.aside
-        self._slots: dict[str, int] = {}
-        self._next_slot = itertools.count()
+        self.manager.logit_processor = _Processors(self.sampling, self.loras)
+        if self.engine.fill is not None:  # its tensors stream in behind its first forward pass
+            self.engine.fill.around = self.sampling.aside
         self.manager.start()
 
     def _hook(self) -> None:
@@ -290,7 +343,7 @@ class ContinuousBatcher:
 
     @property
     def active(self) -> int:
-        return len(self._slots)
+        return len(self._slots) + len(self._pending)
 
     @property
     def waited(self) -> float:
@@ -321,12 +374,94 @@ class ContinuousBatcher:
         deadline: Callable[[int], float] = lambda _: math.inf,
         kv_tokens: int = 0,
     ) -> None:
+        if self._pending:  # behind the drain, in order
+            check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
+            self.guides.start(params.guide)  # a guide the library refuses fails now, alone
+            self._pending.append(_Pending(request_id, prompt_ids, params, deadline))
+            return
+        self._add(request_id, prompt_ids, params, deadline)
+
+    def add_adapted(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float],
+        kv_tokens: int,
+        adapter: AdapterRef,
+    ) -> None:
+        """`add` with the request's LoRA adapter: read into a slot at its first request; it
+        waits while every slot is in use, or for the batch to drain where the batch was not
+        built for its linears or rank (then it is built again for them)."""
+        if not self.alive:
+            raise RuntimeError("the continuous batch has stopped")
+        check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
+        kept = read_manifest(Path(adapter.path))
+        if kept is None:
+            raise ValueError(f"the adapter `{adapter.name}` is missing from the store ({adapter.path})")
+        self.guides.start(params.guide)  # a guide the library refuses fails now, alone
+        self._pending.append(_Pending(request_id, prompt_ids, params, deadline, adapter, kept))
+        self._admit_pending()
+
+    def drop_adapter(self, name: str) -> None:
+        """Its keep-alive passed with none of its requests here: its slot is free."""
+        if self.loras is not None:
+            self.loras.free(name)
+
+    def _admit_pending(self) -> None:
+        """The waiting adapters' requests that can run now into the batch, in order; a batch
+        drained with requests it was not built for is built again for them."""
+        if self._pending and not self._slots and not all(map(self._covered, self._pending)):
+            shape = self.loras.shape if self.loras is not None else LoraShape(frozenset(), 0)
+            for kept in (p.kept for p in self._pending if p.kept is not None):
+                shape = LoraShape(shape.targets | set(kept.targets), max(shape.rank, kept.rank))
+            self._restart(shape)
+        waiting, self._pending = self._pending, []
+        for p in waiting:
+            slot = self._slot_for(p) if not self._pending and self._covered(p) else None
+            if slot is None:
+                self._pending.append(p)  # behind the first that waits, in order
+                continue
+            self._add(p.request_id, p.prompt_ids, p.params, p.deadline, slot)
+
+    def _covered(self, p: _Pending) -> bool:
+        if p.kept is None:
+            return True
+        return self.loras is not None and self.loras.shape.covers(p.kept.targets, p.kept.rank)
+
+    def _slot_for(self, p: _Pending) -> int | None:
+        if p.adapter is None:
+            return -1
+        assert self.loras is not None
+        slot = self.loras.slot_of(p.adapter.name)
+        if slot is not None:
+            return slot
+        busy = {s.adapter for s in self.sampling.sequences.values()}
+        load = self.loras.load(p.adapter.name, p.adapter.path, p.adapter.scale, busy)
+        if load is None:
+            return None
+        self._loads[p.request_id] = load
+        return self.loras.slot_of(p.adapter.name)
+
+    def _restart(self, lora: LoraShape) -> None:
+        self.sampling.release()
+        self.manager.stop(block=True, timeout=30, hard_stop=True)
+        self._start(lora)
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        deadline: Callable[[int], float],
+        adapter: int = -1,
+    ) -> None:
         if not self.alive:
             raise RuntimeError("the continuous batch has stopped")
         check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
         slot = next(self._next_slot)
         row = Row(params, list(prompt_ids), self.eos_ids, self.guides.start(params.guide))
-        self.sampling.sequences[slot] = _Sequence(row, deadline=deadline)
+        self.sampling.sequences[slot] = _Sequence(row, deadline=deadline, adapter=adapter)
         self._slots[request_id] = slot
         self.manager.add_request(
             list(prompt_ids),
@@ -338,11 +473,18 @@ class ContinuousBatcher:
         )
 
     def cancel(self, request_id: str) -> None:
+        self._pending = [p for p in self._pending if p.request_id != request_id]
         if request_id in self._slots:
             self.manager.cancel_request(request_id)
             self._forget(request_id)
 
     def steps(self, timeout: float) -> list[Step]:
+        if self._pending:
+            try:
+                self._admit_pending()
+            except Exception as e:  # an adapter unreadable, or a rebuild failed: those requests fail
+                failed, self._pending = self._pending, []
+                return [Step(p.request_id, (), None, f"{type(e).__name__}: {e}") for p in failed]
         latest: dict[str, Any] = {}  # a result holds all its request's tokens so far: the last says all
         outputs = self.manager.output_router.output_queue
         wait: float | None = timeout
@@ -353,7 +495,13 @@ class ContinuousBatcher:
                 break
             wait = None
             latest[result.request_id] = result
-        out = {step.request_id: step for step in map(self._step, latest.values()) if step is not None}
+        loads, self._loads = self._loads, {}
+        out = {
+            s.request_id: replace(s, adapter_load=loads.pop(s.request_id, None))
+            for s in map(self._step, latest.values())
+            if s is not None
+        }
+        out.update((rid, Step(rid, (), adapter_load=load)) for rid, load in loads.items())
         if not self.alive:  # the library's thread died (its log says why)
             self.sampling.release()
             for rid in list(self._slots):

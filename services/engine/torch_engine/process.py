@@ -28,10 +28,12 @@ from services.engine.step_gate import StepGate
 from services.engine.text import batch_decoder
 from services.engine.torch_engine.batching import ContinuousBatcher
 from services.engine.torch_engine.engine import TorchEngine
+from services.engine.torch_engine.lora import kept_shape
 from services.engine.torch_engine.stage_wire import LoopThread, PipelineBatch, StageServer
 from services.engine.torch_engine.stages import LayerRange, Stage
 from services.engine.worker_loop import Bound, WorkerLoop
 from services.engine.worker_wire import Load, Loaded, Ready, TieredUp
+from shared.adapters import adapters_root, read_manifest
 from shared.messages import Tier
 
 
@@ -79,8 +81,11 @@ class TorchBinding:
         self._end_stages()
         self.engine = engine = TorchEngine.start(checkpoint, self.arena, load.placement, load.fill)
 
+        root = adapters_root(load.artifact)
+        lora = kept_shape(a for d in (sorted(root.iterdir()) if root.is_dir() else []) if (a := read_manifest(d)))
+
         def make(threads: int) -> Batch:
-            batch = ContinuousBatcher(engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot)
+            batch = ContinuousBatcher(engine, max(1, self.max_batch), self.kv_tokens, self.gate, self.slot, lora=lora)
             batch.set_threads(threads)  # its steps run on the library's thread, which keeps its own count
             return batch
 
