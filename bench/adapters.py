@@ -27,7 +27,13 @@ One run, in this order (progress on stderr):
      and requested again: a full cold start from the disk (`base_cold_ttft_s`, `--cold-trials`);
      once more with a never-used adapter as the request (`adapter_on_cold_base_ttft_s`: the
      base's start and the adapter's load together).
-3. **llama-server** on the same model's GGUF, started with `--lora` for each active adapter and
+3. **A torch node** (`TESSERA_ENGINE_BACKEND=torch`, `--torch`, on by default): the same base
+   and the `--active` adapters on a cluster of one torch node, the same two crowds
+   (`torch_node`: `base_c32_tok_s`, `mixed_c32_tok_s`). OpenVINO GenAI applies one adapter set
+   to a whole step, so the OpenVINO node batches by adapter; the torch engine applies each row's
+   own in one step (`services/engine/torch_engine/lora.py`): the mixed crowd's cost there is the
+   low-rank updates alone.
+4. **llama-server** on the same model's GGUF, started with `--lora` for each active adapter and
    `--lora-init-without-apply` (every adapter at scale 0 unless a request names it): the same warm
    base / first-use adapter pairs (a request names its adapter with `"lora": [{"id": i, "scale":
    1.0}]`; llama-server loads every adapter at its start, so its "cold" adapter is a first use),
@@ -251,6 +257,37 @@ def register_all(client: Client, base_hf: Path, adapters: list[Path]) -> dict[st
     }
 
 
+def tessera_torch(base_hf: Path, adapters: list[Path], home: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The base and the active adapters on one torch node: the base's crowd, then the mixed one."""
+    from ops.localcluster import LocalCluster
+
+    env = {"TESSERA_INFERENCE_THREADS": str(THREADS), "TESSERA_ENGINE_BACKEND": "torch"}
+    cluster = LocalCluster(home=home / "torch-home", store=home / "torch-store", env=env)
+    cluster.start(timeout_s=120.0)
+    client = Client(cluster.base_url)
+    client.http.headers.update(cluster.admin_headers)
+    try:
+        out = register_all(client, base_hf, adapters[: args.active])
+        engine_pid = cluster.procs["engine@node-0"].pid
+
+        def pids() -> list[int]:
+            return [engine_pid, *descendants(engine_pid)]
+
+        names = [adapter_name(i) for i in range(args.active)]
+        out["base_text"] = first_token(client.http, request_body(BASE, args))["text"]
+        out["adapter_texts"] = [first_token(client.http, request_body(n, args))["text"] for n in names]
+        out["base_crowd"] = crowd(
+            cluster.base_url, lambda i, k: request_body(BASE, args, i + k), args, pids, "torch base"
+        )
+        out["mixed_crowd"] = crowd(
+            cluster.base_url, lambda i, k: request_body(names[i % len(names)], args, i + k), args, pids, "torch mixed"
+        )
+        return out
+    finally:
+        client.close()
+        cluster.stop()
+
+
 def tessera(base_hf: Path, adapters: list[Path], home: Path, args: argparse.Namespace) -> dict[str, Any]:
     from ops.localcluster import LocalCluster
 
@@ -379,7 +416,9 @@ def figures(sys_: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def result(t: dict[str, Any], ll: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def result(
+    t: dict[str, Any], ll: dict[str, Any], args: argparse.Namespace, tt: dict[str, Any] | None = None
+) -> dict[str, Any]:
     tf = figures(t)
     active_bytes = sum(t["adapter_bytes"][: args.active])
     node_rss = (t.get("mixed_crowd") or {}).get("peak_rss_bytes")
@@ -414,6 +453,15 @@ def result(t: dict[str, Any], ll: dict[str, Any], args: argparse.Namespace) -> d
             "start_s": ll["start_s"],
         },
     }
+    if tt is not None:
+        res["torch_node"] = {
+            "base_c32_tok_s": tt["base_crowd"]["tok_s"],
+            "mixed_c32_tok_s": tt["mixed_crowd"]["tok_s"],
+            "mixed_vs_base_c32": ratio(tt["mixed_crowd"]["tok_s"], tt["base_crowd"]["tok_s"]),
+            "adapters_change_output": sum(text != tt["base_text"] for text in tt["adapter_texts"]),
+            "adapter_texts_distinct": len(set(tt["adapter_texts"])),
+            "errors": {"base": tt["base_crowd"]["errors"], "mixed": tt["mixed_crowd"]["errors"]},
+        }
     lf = res["llama_server"]
     res["ratios"] = {
         "adapter_cold_vs_base_warm": ratio(res["adapter_cold_ttft_s"], res["base_warm_ttft_s"]),
@@ -438,7 +486,10 @@ def result(t: dict[str, Any], ll: dict[str, Any], args: argparse.Namespace) -> d
         "mixed_c32_at_least_0.8x_base": None if r["mixed_vs_base_c32"] is None else r["mixed_vs_base_c32"] >= 0.8,
         "memory_at_most_base_plus_active_plus_10pct": at_most(r["memory_vs_base_plus_active"], MEMORY_TARGET),
     }
-    res["detail"] = {"tessera": t, "llama_server": ll}
+    if tt is not None:
+        mixed = res["torch_node"]["mixed_vs_base_c32"]
+        res["targets"]["torch_node_mixed_c32_at_least_0.8x_base"] = None if mixed is None else mixed >= 0.8
+    res["detail"] = {"tessera": t, "llama_server": ll, "torch_node": tt}
     return res
 
 
@@ -462,8 +513,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax1.legend(fontsize=8)
     keys = ("base_c32_tok_s", "mixed_c32_tok_s")
     x = range(len(keys))
-    ax2.bar([i - 0.2 for i in x], [res[k] or 0 for k in keys], 0.4, label="Tessera")
-    ax2.bar([i + 0.2 for i in x], [ll[k] or 0 for k in keys], 0.4, label="llama-server")
+    tn = res.get("torch_node")
+    width = 0.27 if tn else 0.4
+    ax2.bar([i - width for i in x], [res[k] or 0 for k in keys], width, label="Tessera (OpenVINO node)")
+    if tn:
+        ax2.bar(list(x), [tn[k] or 0 for k in keys], width, label="Tessera (torch node, float32)")
+    ax2.bar([i + width for i in x], [ll[k] or 0 for k in keys], width, label="llama-server")
     ax2.set_xticks(list(x), [f"{k.split('_')[0]} (c={res['settings']['clients']})" for k in keys])
     ax2.set_ylabel("tok/s")
     ax2.legend(fontsize=8)
@@ -483,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds each crowd runs")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (ignore_eos)")
     ap.add_argument("--cold-trials", type=int, default=2, help="full cold starts of the base (and of llama.cpp)")
+    ap.add_argument(
+        "--torch", action=argparse.BooleanOptionalAction, default=True, help="the same crowds on a torch node"
+    )
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     if not 1 <= args.active <= args.adapters:
@@ -499,8 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         loras = to_ggufs(base_hf, adapters[: args.active], home / "gguf")
         log(f"{len(adapters)} adapters made in {made_s:.1f}s ({args.peft} with PEFT); {len(loras)} converted to GGUF")
         t = tessera(base_hf, adapters, home, args)
+        tt = tessera_torch(base_hf, adapters, home, args) if args.torch else None
         ll = llama_server(gguf, loras, args)
-    res = result(t, ll, args)
+    res = result(t, ll, args, tt)
     res.update(
         {
             "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"threads": THREADS},

@@ -5,11 +5,15 @@ stays), and an adapter start's cold-start record. The worker's batch loads and a
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from policy.adapter_turns import AdapterUse, idle_adapters
+from policy.adapter_turns import AdapterUse, adapter_residents, idle_adapters
+from policy.eviction import Resident
 from services.engine import metrics
 from shared.messages import AdapterRef, ColdStartPhases, ColdStartRecorded
 
@@ -27,8 +31,13 @@ def begin(inst: Served, ref: AdapterRef) -> bool:
     """A request for `ref` runs on `inst`: its adapter is in use (never dropped meanwhile).
     Whether it is its first use there (not loaded yet: its bytes are to be booked)."""
     use = inst.adapters.get(ref.name)
-    active = use.active if use is not None else 0
-    inst.adapters[ref.name] = AdapterUse(ref.keep_alive_s, time.monotonic(), active + 1)
+    now = time.monotonic()
+    if use is None:
+        inst.adapters[ref.name] = AdapterUse(ref.keep_alive_s, now, 1, ref.nbytes, first_used=now)
+    else:
+        inst.adapters[ref.name] = replace(
+            use, keep_alive_s=ref.keep_alive_s, last_used=now, active=use.active + 1, uses=use.uses + 1
+        )
     metrics.ADAPTER_REQUESTS.labels(ref.name).inc()
     return use is None
 
@@ -36,7 +45,35 @@ def begin(inst: Served, ref: AdapterRef) -> bool:
 def end(inst: Served, ref: AdapterRef) -> None:
     use = inst.adapters.get(ref.name)
     if use is not None:
-        inst.adapters[ref.name] = AdapterUse(use.keep_alive_s, time.monotonic(), max(0, use.active - 1))
+        inst.adapters[ref.name] = replace(use, last_used=time.monotonic(), active=max(0, use.active - 1))
+
+
+def loaded(inst: Served, name: str, load: AdapterLoad) -> None:
+    """Its load was measured: what evicting it would cost its next request."""
+    use = inst.adapters.get(name)
+    if use is not None:
+        inst.adapters[name] = replace(use, reload_s=load.load_s + load.apply_s)
+
+
+def residents(instances: Iterable[Served]) -> dict[str, tuple[Served, str, Resident]]:
+    """Every idle loaded adapter as an eviction candidate (`policy.adapter_turns.adapter_residents`),
+    with its instance and name, by the owner of its bytes."""
+    now, wall = time.monotonic(), time.time()
+    out = {}
+    for inst in instances:
+        names = {owner(inst.model, name): name for name in inst.adapters}
+        for r in adapter_residents(inst.adapters, now, wall, functools.partial(owner, inst.model), inst.priority):
+            out[r.key] = (inst, names[r.key], r)
+    return out
+
+
+def drop(inst: Served, name: str) -> str:
+    """Let the worker drop a loaded adapter (its base stays); the owner of its bytes, for the
+    caller to release."""
+    inst.bound.worker.drop_adapter(name)
+    del inst.adapters[name]
+    metrics.ADAPTER_DROPS.inc()
+    return owner(inst.model, name)
 
 
 def owner(model: str, name: str) -> str:
@@ -50,11 +87,7 @@ def drop_idle(instances: list[Served]) -> list[str]:
     dropped = []
     now = time.monotonic()
     for inst in instances:
-        for name in idle_adapters(inst.adapters, now):
-            inst.bound.worker.drop_adapter(name)
-            del inst.adapters[name]
-            metrics.ADAPTER_DROPS.inc()
-            dropped.append(owner(inst.model, name))
+        dropped += [drop(inst, name) for name in idle_adapters(inst.adapters, now)]
     if dropped:
         log.info("adapters idle their keep-alive dropped: %s", ", ".join(dropped))
     return dropped

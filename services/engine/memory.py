@@ -442,7 +442,15 @@ class KvMemory:
         return True
 
     async def _evict_idle_residents(self, need: int) -> bool:
-        keys = choose_evictions((b.resident for b in self.node.bound.values()), need, time.time())
-        if keys:
-            await self.evict(keys)
+        """Idle models' weights and idle loaded adapters, the cheapest to need again first
+        (Tangram eq. 2, one order for both)."""
+        loras = adapters.residents(self.node.instances.values())
+        models = [b.resident for b in self.node.bound.values()]
+        keys = choose_evictions([*models, *(r for _, _, r in loras.values())], need, time.time())
+        for key in [k for k in keys if k in loras]:
+            inst, name, _ = loras[key]
+            log.info("dropping idle adapter %s of %s to make room", name, inst.model, extra={"model": inst.model})
+            await self.release(adapters.drop(inst, name))
+        if models_out := [k for k in keys if k not in loras]:
+            await self.evict(models_out)
         return bool(keys)

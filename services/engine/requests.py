@@ -134,6 +134,7 @@ class Requests:
                     metrics.TTFT.observe(out.first_token_at - received)
                     await self._maybe_record_cold_start(inst, out.first_token_at)
                     if req.adapter is not None and out.adapter_load is not None:
+                        adapters.loaded(inst, req.adapter.name, out.adapter_load)
                         record = adapters.cold_start(
                             self.node.id, req.adapter, out.adapter_load, received, out.first_token_at
                         )

@@ -110,6 +110,7 @@ class FakeWorker:
     stopped: bool = False
     cancelled: list[str] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
+    dropped_adapters: list[str] = field(default_factory=list)
     owner: str = "w"
     load_error: BaseException | None = None
 
@@ -127,6 +128,9 @@ class FakeWorker:
 
     def drop_session(self, session: str) -> None:
         pass
+
+    def drop_adapter(self, name: str) -> None:
+        self.dropped_adapters.append(name)
 
     def tier_up(self) -> None:
         self.tiering = True

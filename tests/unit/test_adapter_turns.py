@@ -3,7 +3,10 @@ adapters' keep-alive (`policy/adapter_turns.py`)."""
 
 from __future__ import annotations
 
-from policy.adapter_turns import BASE, AdapterUse, idle_adapters, joins_now, next_group
+import math
+
+from policy.adapter_turns import BASE, AdapterUse, adapter_residents, idle_adapters, joins_now, next_group
+from policy.eviction import Resident, choose_evictions
 
 
 def test_a_request_joins_at_once_only_with_its_group_applied_and_no_other_waiting() -> None:
@@ -40,3 +43,33 @@ def test_an_adapter_is_dropped_when_idle_its_keep_alive_and_never_while_in_use()
     assert idle_adapters(loaded, now=12.0) == ["idle", "short"]
     assert idle_adapters(loaded, now=15.0) == ["fresh", "idle", "short"]
     assert idle_adapters({}, now=1.0) == []
+
+
+def test_idle_adapters_are_evicted_by_tangrams_cost_beside_idle_models() -> None:
+    """Memory pressure before any keep-alive: an idle adapter is a resident like an idle model's
+    weights (Tangram eq. 2: reload time by reuse likelihood), so one order takes the cheapest
+    to need again first; a busy adapter is never a candidate, a pinned one never taken for a
+    model of its priority."""
+    now, wall = 1_000.0, 50_000.0  # monotonic and wall clocks, 49,000 s apart
+    loaded = {
+        "rare": AdapterUse(keep_alive_s=600, last_used=now - 300, nbytes=8, first_used=now - 900, uses=1),
+        "hot": AdapterUse(keep_alive_s=600, last_used=now - 1, nbytes=8, first_used=now - 60, uses=40, reload_s=0.2),
+        "busy": AdapterUse(keep_alive_s=600, last_used=now, active=2, nbytes=8, first_used=now - 60, uses=9),
+        "pinned": AdapterUse(keep_alive_s=math.inf, last_used=now - 900, nbytes=8, first_used=now - 900),
+    }
+    residents = adapter_residents(loaded, now, wall, lambda n: f"m:adapter:{n}")
+    by_key = {r.key: r for r in residents}
+    assert set(by_key) == {"m:adapter:hot", "m:adapter:pinned", "m:adapter:rare"}
+    rare = by_key["m:adapter:rare"]
+    assert (rare.last_used, rare.first_used, rare.nbytes, rare.priority) == (wall - 300, wall - 900, 8, 0)
+    assert {r.priority for r in adapter_residents(loaded, now, wall, str, priority=3)} == {3}  # its base's
+    assert by_key["m:adapter:pinned"].pinned and not rare.pinned
+    # An idle model's weights: 100 bytes, reloaded in 2 s, last used a minute ago.
+    weights = Resident("model-b", 100, 2.0, first_used=wall - 600, last_used=wall - 60, uses=5)
+    # 8 bytes needed: the rarely used adapter is the cheapest to need again.
+    assert choose_evictions([weights, *residents], 8, wall) == ["m:adapter:rare"]
+    # 16: the hot adapter's expected reload (0.2 s, used every 1.5 s) is still below the
+    # model's (2 s, likely): both adapters go before the weights.
+    assert choose_evictions([weights, *residents], 16, wall) == ["m:adapter:rare", "m:adapter:hot"]
+    # More than the adapters hold: the weights alone make the room (the adapters stay).
+    assert choose_evictions([weights, *residents], 50, wall) == ["model-b"]

@@ -70,3 +70,34 @@ def test_a_gpu_workers_reservation_is_what_it_holds_on_the_device_less_its_kv() 
 
 def test_a_gpu_worker_that_has_not_reported_keeps_its_reservation() -> None:
     assert true_up("CUDA", rss=5000, device_bytes=0, kv=0)[0] == {"weights:a": 100}
+
+
+def test_a_reservation_drops_idle_adapters_by_cost_and_never_a_busy_one() -> None:
+    """Loaded adapters are booked on the node (`book_adapter`); an idle one goes to make room
+    before its keep-alive, the cheapest to need again first, beside idle models' weights; one
+    with a request in flight stays. Its worker lets it go and its booking is released."""
+    import time
+
+    from policy.adapter_turns import AdapterUse
+    from services.engine.adapters import owner
+
+    book = FakeMemoryManager(
+        100,
+        {"weights:base": 60, "m:adapter:rare": 10, "m:adapter:busy": 10, "weights:idle": 15},
+    )
+    engine = parts(book)
+    idle = bind(engine.node, "idle", 15, reload_s=5.0).resident  # an idle model: dear to reload
+    idle.first_used, idle.last_used, idle.uses = time.time() - 600, time.time() - 60, 5
+    base = bind(engine.node, "base", 60, users=1)
+    inst = serve(engine.node, "m", base, active=1)
+    now = time.monotonic()
+    inst.adapters = {
+        "rare": AdapterUse(600, now - 500, 0, 10, first_used=now - 1000),
+        "busy": AdapterUse(600, now, 1, 10, first_used=now - 10, uses=5),
+    }
+    assert asyncio.run(engine.memory.reserve("m:kv", 12)) == 12  # 5 free, 7 to make
+    assert base.worker.dropped_adapters == ["rare"] and set(inst.adapters) == {"busy"}
+    assert owner("m", "rare") not in book.regions and set(engine.node.bound) == {"idle", "base"}
+    # 30 more: the busy adapter is no candidate, so the idle model's weights go.
+    assert asyncio.run(engine.memory.reserve("other", 15)) == 15
+    assert "weights:idle" not in book.regions and base.worker.dropped_adapters == ["rare"]
