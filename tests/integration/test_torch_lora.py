@@ -158,3 +158,36 @@ def test_an_adapter_the_batch_was_not_built_for_waits_for_the_drain_then_is_serv
     assert tokens_of(got["base"]) == base and tokens_of(got["after"]) == base
     # The base's first request ran before the rebuild, the one behind the adapter after it.
     assert got["base"][-1].finish is not None
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_passed_by_the_adapter_draining_for_it(
+    engine: TorchEngine, checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every slot busy and a ninth adapter waits: the loaded adapter with the fewest rows (the
+    first slot, at a tie) takes no new rows until its slot is free for the waiter, so a later
+    request for it starts after the waiter's, while the base's requests go on meanwhile."""
+    refs = [kept(checkpoint, tmp_path / f"ad-{i}", seed=20 + i) for i in range(MAX_LORAS + 1)]
+    prompt = prompt_of(engine)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    batch = ContinuousBatcher(engine, max_batch=16, kv_tokens=512, lora=LoraShape(frozenset({"q_proj", "v_proj"}), 8))
+    order: list[str] = []
+    out: dict[str, list[Step]] = {}
+    try:
+        for r in refs[:MAX_LORAS]:
+            batch.add_adapted(r.name, prompt, params, lambda _: float("inf"), 0, r)
+        batch.add_adapted("waiter", prompt, params, lambda _: float("inf"), 0, refs[-1])
+        batch.add_adapted("again", prompt, params, lambda _: float("inf"), 0, refs[0])
+        batch.add("base", prompt, params)
+        deadline = time.monotonic() + 120
+        while len([rid for rid, s in out.items() if s[-1].finish is not None]) < MAX_LORAS + 3:
+            assert time.monotonic() < deadline, f"the batch never ended: {out}"
+            for step in batch.steps(0.05):
+                assert not step.error, step.error
+                if step.tokens and step.request_id not in order:
+                    order.append(step.request_id)
+                out.setdefault(step.request_id, []).append(step)
+    finally:
+        batch.close()
+    assert order.index("base") < order.index("waiter") < order.index("again")
+    assert tokens_of(out["waiter"]) == merged_greedy(checkpoint, Path(refs[-1].path), prompt, TOKENS)
+    assert tokens_of(out["again"]) == tokens_of(out[refs[0].name])

@@ -12,6 +12,7 @@ import math
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -297,6 +298,8 @@ class ContinuousBatcher:
         self._slots: dict[str, int] = {}
         self._next_slot = itertools.count()
         self._pending: list[_Pending] = []
+        self._draining: str | None = None
+        """A loaded adapter whose slot another waits for: its new requests wait meanwhile."""
         self._loads: dict[str, AdapterLoad] = {}
         """Requests whose adapter was read for them, told with their next step."""
         self._start(lora)
@@ -374,7 +377,7 @@ class ContinuousBatcher:
         deadline: Callable[[int], float] = lambda _: math.inf,
         kv_tokens: int = 0,
     ) -> None:
-        if self._pending:  # behind the drain, in order
+        if not all(map(self._covered, self._pending)):  # behind the drain, in order
             check_fits(len(prompt_ids), params.max_tokens, self.kv_tokens)
             self.guides.start(params.guide)  # a guide the library refuses fails now, alone
             self._pending.append(_Pending(request_id, prompt_ids, params, deadline))
@@ -409,20 +412,39 @@ class ContinuousBatcher:
             self.loras.free(name)
 
     def _admit_pending(self) -> None:
-        """The waiting adapters' requests that can run now into the batch, in order; a batch
-        drained with requests it was not built for is built again for them."""
+        """The waiting requests that can run now into the batch: the base's and those of an
+        adapter in a slot go on; one whose adapter finds no slot waits, and the loaded adapter
+        with the fewest rows takes no new ones until its slot frees for it (no adapter waits
+        for ever behind busier ones). Behind one the batch was not built for, every request
+        waits, in order; drained, the batch is built again for them."""
         if self._pending and not self._slots and not all(map(self._covered, self._pending)):
             shape = self.loras.shape if self.loras is not None else LoraShape(frozenset(), 0)
             for kept in (p.kept for p in self._pending if p.kept is not None):
                 shape = LoraShape(shape.targets | set(kept.targets), max(shape.rank, kept.rank))
             self._restart(shape)
         waiting, self._pending = self._pending, []
+        rebuild = False
         for p in waiting:
-            slot = self._slot_for(p) if not self._pending and self._covered(p) else None
+            rebuild = rebuild or not self._covered(p)
+            slot = None if rebuild else self._slot_for(p)
             if slot is None:
-                self._pending.append(p)  # behind the first that waits, in order
+                self._pending.append(p)
                 continue
             self._add(p.request_id, p.prompt_ids, p.params, p.deadline, slot)
+        self._draining = self._drain_choice()
+
+    def _drain_choice(self) -> str | None:
+        """The loaded adapter that takes no new rows while another waits for a slot: the one
+        chosen already while it still has rows, else the one with the fewest."""
+        if self.loras is None or all(
+            p.adapter is None or self.loras.slot_of(p.adapter.name) is not None for p in self._pending
+        ):
+            return None
+        rows = Counter(s.adapter for s in self.sampling.sequences.values() if s.adapter >= 0)
+        names = {slot: name for slot, name in enumerate(self.loras.slots) if name is not None and rows[slot]}
+        if self._draining in names.values() or not names:
+            return self._draining if names else None
+        return names[min(names, key=lambda slot: (rows[slot], slot))]
 
     def _covered(self, p: _Pending) -> bool:
         if p.kept is None:
@@ -435,7 +457,7 @@ class ContinuousBatcher:
         assert self.loras is not None
         slot = self.loras.slot_of(p.adapter.name)
         if slot is not None:
-            return slot
+            return slot if p.adapter.name != self._draining else None
         busy = {s.adapter for s in self.sampling.sequences.values()}
         load = self.loras.load(p.adapter.name, p.adapter.path, p.adapter.scale, busy)
         if load is None:

@@ -4,7 +4,7 @@ operations. Every linear an adapter may update is wrapped once, when the batch i
 adapters' A and B matrices sit stacked in `MAX_LORAS` slots of fixed shape, and a step's
 one-hot table says which slot each token's row uses (none: the base). The shapes never change,
 so a CUDA graph captured once replays with any adapters loaded, and a step costs
-`slots × rank × (in + out)` more per token and linear: about 3 % of a 4096-wide linear at 4
+`slots × rank × (in + out)` more per token and linear: about 6 % of a 4096-wide linear at 8
 slots of rank 16.
 
 An adapter is read from the store's kept PEFT file (`shared.adapters`) into a free slot at its
@@ -24,8 +24,9 @@ from torch import nn
 from services.engine.batch_types import AdapterLoad
 from shared.adapters import ADAPTER_WEIGHTS, AdapterArtifact
 
-MAX_LORAS = 4
-"""Adapters one step applies at most (each row its own); more wait for a slot."""
+MAX_LORAS = 8
+"""Adapters one step applies at most (each row its own; vLLM's nodes take as many,
+`vllm_engine/params.py`); more wait for a slot."""
 
 _PEFT_PREFIX = "base_model.model."
 
