@@ -26,7 +26,8 @@ batching prefill-first, which it predicts in its continuous branch. Two baseline
 The package, by what each part handles:
 
 - `hardware.py`: the node kinds' timing curves and costs (LLM-Mesh Figs. 1-3, Tangram eq. 3,
-  Fig. 8), the SLOs (LLM-Mesh §3.1, §8.1), the policies simulated (`Policy`).
+  Fig. 8), the default SLOs (LLM-Mesh §3.1, §8.1; each model's are its `ModelSpec`'s), the
+  policies simulated (`Policy`), the testbed a run is on and judged by (`Testbed`).
 - `state.py`: requests, instances and nodes as placement sees them and as they run (`Req`,
   `Inst`, `Node`), and a run's `Stats`.
 - `core.py`: `SimCore`, the simulator's state, its indexes and event queue, and what a node
@@ -51,6 +52,7 @@ from bench.sim.hardware import (
     GPU,
     GPU_ONLY,
     L_MIN_TOKENS,
+    LLM_MESH,
     RESIZE_FIXED_S,
     TESSERA,
     TPOT_SLO,
@@ -59,6 +61,7 @@ from bench.sim.hardware import (
     UNLOAD_S,
     Hardware,
     Policy,
+    Testbed,
     cpu_decode,
     cpu_prefill,
     first_kv_bytes,
@@ -81,6 +84,7 @@ __all__ = [
     "GPU",
     "GPU_ONLY",
     "KEEPALIVE",
+    "LLM_MESH",
     "L_MIN_TOKENS",
     "NODE_NEXT",
     "OP_DONE",
@@ -107,6 +111,7 @@ __all__ = [
     "SimMemory",
     "SimPlacement",
     "Stats",
+    "Testbed",
     "capacity",
     "cell_trace",
     "cpu_decode",
