@@ -152,12 +152,14 @@ class SimCore:
         if dec > 0 and node.round_s > 0:
             node.D += dec / node.round_s
         node.t = t1
-        for tpot, h in node.dec_heaps.items():
-            g = tpot * node.D - t1
-            while h and h[0][0] + g < -1e-7:
-                _, _, seg, r = heapq.heappop(h)
-                if r.done < 0 and r.seg == seg:
-                    r.met = False
+        if node.dec_heaps:
+            D = node.D
+            for tpot, h in node.dec_heaps.items():
+                g = tpot * D - t1
+                while h and h[0][0] + g < -1e-7:
+                    _, _, seg, r = heapq.heappop(h)
+                    if r.done < 0 and r.seg == seg:
+                        r.met = False
 
     def reschedule(self, node: Node) -> None:
         """Recompute the node's decode round and its next completion."""
