@@ -36,6 +36,13 @@ SIZES_B = (3.0, 7.0, 13.0)
 SIZE_MIX = (4.0, 1.0, 1.0)
 """LLM-Mesh §8.4's "small models dominate" mix."""
 
+TPOT_SLO = 0.25
+"""LLM-Mesh §3.1, §8.1: every model's TPOT SLO unless its spec says otherwise."""
+TTFT_SLO_S = 2.0
+"""LLM-Mesh §3.1, §8.1: a request of L prompt tokens has max(2, L / 512) s to its first token,
+this floor and the registration's default allowance per token (`policy.slo.ttft_slo`, as the
+scheduler and the gateway judge it)."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -43,6 +50,11 @@ class ModelSpec:
     params_b: float
     weight_bytes: int
     kv_bytes_per_token: int
+    ttft_slo_s: float = TTFT_SLO_S
+    """Its TTFT SLO's floor, as a registration sets it (`policy.slo.ttft_slo` grows it with
+    the prompt): a request's TTFT SLO is its model's."""
+    tpot_slo_s: float = TPOT_SLO
+    """Its TPOT SLO, as a registration sets it: a request's is its model's."""
 
 
 def model_spec(name: str, params_b: float) -> ModelSpec:

@@ -26,7 +26,8 @@ batching prefill-first, which it predicts in its continuous branch. Two baseline
 The package, by what each part handles:
 
 - `hardware.py`: the node kinds' timing curves and costs (LLM-Mesh Figs. 1-3, Tangram eq. 3,
-  Fig. 8), the SLOs (LLM-Mesh §3.1, §8.1), the policies simulated (`Policy`).
+  Fig. 8), the default SLOs (LLM-Mesh §3.1, §8.1; each model's are its `ModelSpec`'s), the
+  policies simulated (`Policy`), the testbed a run is on and judged by (`Testbed`).
 - `state.py`: requests, instances and nodes as placement sees them and as they run (`Req`,
   `Inst`, `Node`), and a run's `Stats`.
 - `core.py`: `SimCore`, the simulator's state, its indexes and event queue, and what a node
@@ -37,6 +38,11 @@ The package, by what each part handles:
   Tessera's (`sched.place`, §7.1 preemption) and the exclusive baseline's (LLM-Mesh §8.1).
 - `simulator.py`: `Sim(SimPlacement)`, the event loop dispatching to the layers; `simulate`.
 - `scale.py`: the scale run (cells in parallel) and the capacity search.
+- `fit.py`: a node's `Hardware` fitted to a real engine's measurements (prefill tok/s, decode
+  step vs batch).
+- `real_cluster.py`: `bench.cluster`'s setup on the simulator (issue 37, setup (a): its models
+  and SLOs, arrivals, ramp, keep-alive, judgement, search; exclusive with no scale-out), run by
+  `python -m bench.sim_cluster`.
 - `__main__.py`: the command line and its plot.
 """
 
@@ -51,6 +57,7 @@ from bench.sim.hardware import (
     GPU,
     GPU_ONLY,
     L_MIN_TOKENS,
+    LLM_MESH,
     RESIZE_FIXED_S,
     TESSERA,
     TPOT_SLO,
@@ -59,6 +66,7 @@ from bench.sim.hardware import (
     UNLOAD_S,
     Hardware,
     Policy,
+    Testbed,
     cpu_decode,
     cpu_prefill,
     first_kv_bytes,
@@ -81,6 +89,7 @@ __all__ = [
     "GPU",
     "GPU_ONLY",
     "KEEPALIVE",
+    "LLM_MESH",
     "L_MIN_TOKENS",
     "NODE_NEXT",
     "OP_DONE",
@@ -107,6 +116,7 @@ __all__ = [
     "SimMemory",
     "SimPlacement",
     "Stats",
+    "Testbed",
     "capacity",
     "cell_trace",
     "cpu_decode",

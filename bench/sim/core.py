@@ -15,13 +15,17 @@ round or stalls it happens. Validation takes every predicted time 10% longer; wh
 see (a request's own KV growth, lengths growing while they decode) is where admitted requests
 still miss.
 
-SLO accounting: request r meets its SLO if its first token comes within the TTFT SLO and its
+SLO accounting: request r meets its SLO if its first token comes within its TTFT SLO and its
 eq. 1 headroom ST + TTFT_SLO + TPOT_SLO · k − t never goes negative while it decodes (k its
-decode tokens so far). Every decoding request on a node gains tokens at the same rate, so its
-headroom is c_r + g(t) with c_r fixed per request and g(t) = TPOT_SLO · D(t) − t common to the
-node (D: the node's decode clock, tokens per decoding request since the node started). g is
-linear between a node's events, so a heap of c_r per node, checked at every event, finds every
-miss exactly, at O(log n) per event instead of a scan of the node's requests.
+decode tokens so far; both SLOs its model's). Every decoding request on a node gains tokens at
+the same rate, so its headroom is c_r + g(t) with c_r fixed per request and g(t) = TPOT_SLO ·
+D(t) − t common to the node's requests of one TPOT SLO (D: the node's decode clock, tokens per
+decoding request since the node started). g is linear between a node's events, so a heap of
+c_r per node and TPOT SLO, checked at every event, finds every miss exactly, at O(log n) per
+event instead of a scan of the node's requests. A testbed judged as `bench.cluster` judges
+(`Testbed.mean_tpot`) asks instead, at completion, for the first token within the TTFT SLO
+and the mean time per token after it within the TPOT SLO; eq. 1 still says what placement
+reads (`Node.prefill_slack_s`), as the services' scheduler reads it.
 """
 
 from __future__ import annotations
@@ -33,13 +37,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.sim.hardware import (
-    CPU,
     DEFAULT_MEAN_OUTPUT,
-    GPU,
-    TPOT_SLO,
-    TTFT_SLO_S,
+    LLM_MESH,
     TYPICAL_LENGTH,
     Policy,
+    Testbed,
     _profile,
     first_kv_bytes,
 )
@@ -58,17 +60,18 @@ class SimCore:
     """The state every layer works on (all of it declared here), its indexes, the event queue,
     and the nodes' engines."""
 
-    def __init__(self, trace: Trace, n_cpu: int, n_gpu: int, policy: Policy) -> None:
-        self.trace, self.policy = trace, policy
+    def __init__(self, trace: Trace, n_cpu: int, n_gpu: int, policy: Policy, testbed: Testbed = LLM_MESH) -> None:
+        self.trace, self.policy, self.testbed = trace, policy, testbed
+        self.kinds = (testbed.cpu, testbed.gpu)
         self.nodes: list[Node] = []
         if policy.use_cpu:
-            self.nodes += [Node(self, i, CPU) for i in range(n_cpu)]
-        self.nodes += [Node(self, len(self.nodes) + i, GPU) for i in range(n_gpu)]
+            self.nodes += [Node(self, i, testbed.cpu) for i in range(n_cpu)]
+        self.nodes += [Node(self, len(self.nodes) + i, testbed.gpu) for i in range(n_gpu)]
         self.models = trace.models
         self.tensors = [(Tensor(f"w{i}", m.weight_bytes),) for i, m in enumerate(self.models)]
         self.perf: dict[tuple[float, str], PerfModel] = {}
         for p in sorted({m.params_b for m in self.models}):
-            for hw in (CPU, GPU):
+            for hw in self.kinds:
                 self.perf[(p, hw.kind)] = _profile(hw, p)
         self.insts: list[list[Inst]] = [[] for _ in self.models]
         self.iheap: list[dict[str, list[tuple[int, int, int, Inst]]]] = [{"cpu": [], "gpu": []} for _ in self.models]
@@ -106,13 +109,13 @@ class SimCore:
     def _model_profile(self, m: int) -> Profile:
         """What placement knows of model m: the sim's perf models are its measurements."""
         spec = self.models[m]
-        by_kind = {hw.kind: self.perf[(spec.params_b, hw.kind)] for hw in (CPU, GPU)}
+        by_kind = {hw.kind: self.perf[(spec.params_b, hw.kind)] for hw in self.kinds}
         kv0 = first_kv_bytes(spec, int(TYPICAL_LENGTH), DEFAULT_MEAN_OUTPUT)
-        starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in (CPU, GPU)}
+        starts = {hw.kind: hw.init_s + spec.weight_bytes / hw.load_bps for hw in self.kinds}
         return Profile(
             by_kind["gpu"],
-            TTFT_SLO_S,
-            TPOT_SLO,
+            spec.ttft_slo_s,
+            spec.tpot_slo_s,
             f"w{m}",
             spec.weight_bytes,
             kv0,
@@ -120,7 +123,7 @@ class SimCore:
             0.0,
             by_kind,
             starts,
-            max(CPU.init_s, GPU.init_s),
+            max(hw.init_s for hw in self.kinds),
             ttft_slo_per_token_s=TTFT_SLO_PER_TOKEN_S,
         )
 
@@ -149,13 +152,14 @@ class SimCore:
         if dec > 0 and node.round_s > 0:
             node.D += dec / node.round_s
         node.t = t1
-        h = node.dec_heap
-        if h:
-            g = TPOT_SLO * node.D - t1
-            while h and h[0][0] + g < -1e-7:
-                _, _, seg, r = heapq.heappop(h)
-                if r.done < 0 and r.seg == seg:
-                    r.met = False
+        if node.dec_heaps:
+            D = node.D
+            for tpot, h in node.dec_heaps.items():
+                g = tpot * D - t1
+                while h and h[0][0] + g < -1e-7:
+                    _, _, seg, r = heapq.heappop(h)
+                    if r.done < 0 and r.seg == seg:
+                        r.met = False
 
     def reschedule(self, node: Node) -> None:
         """Recompute the node's decode round and its next completion."""
@@ -229,7 +233,7 @@ class SimCore:
         inst.pend_inp -= r.inp
         # Its next token's deadline (eq. 1): the first token's, plus TPOT for each it had
         # generated before a preemption.
-        deadline = r.arrival + r.ttft + TPOT_SLO * r.k0
+        deadline = r.arrival + r.ttft + r.tpot * r.k0
         if r.first < 0:
             r.first = self.now
             self.stats.ttfts.append(self.now - r.arrival)
@@ -241,7 +245,8 @@ class SimCore:
         inst.s += r.inp - r.d0
         inst.inp_dec += r.inp
         if r.met:
-            heapq.heappush(node.dec_heap, (deadline - TPOT_SLO * r.d0, r.rid, seg, r))
+            heap = node.dec_heaps.setdefault(r.tpot, [])
+            heapq.heappush(heap, (deadline - r.tpot * r.d0, r.rid, seg, r))
         heapq.heappush(node.done_heap, (r.d0 + max(r.out - r.k0 - 1, 0), r.rid, seg, r))
         self.reschedule(node)
 
@@ -353,7 +358,9 @@ class SimCore:
             if not r.outcome:
                 r.outcome = "unfinished"
                 r.met = False
-        outcomes = [r.outcome for r in self.reqs]
+        counted = [r for r in self.reqs if r.arrival >= self.testbed.count_from_s]
+        s.requests = len(counted)
+        outcomes = [r.outcome for r in counted]
         s.met = outcomes.count("met")
         s.late = outcomes.count("late")
         s.rejected = outcomes.count("rejected")

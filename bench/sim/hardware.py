@@ -15,16 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench.trace import TPOT_SLO as TPOT_SLO
+from bench.trace import TTFT_SLO_S as TTFT_SLO_S
 from bench.trace import ModelSpec
 from policy import kv_watermark as kvw
 from policy.perf_model import PerfModel, profile
 
-TPOT_SLO = 0.25
-"""LLM-Mesh §3.1, §8.1."""
-TTFT_SLO_S = 2.0
-"""LLM-Mesh §3.1, §8.1: a request of L prompt tokens has max(2, L / 512) s to its first token,
-this floor and the registration's default allowance per token (`policy.slo.ttft_slo`, as the
-scheduler and the gateway judge it)."""
+# The SLOs (LLM-Mesh §3.1, §8.1) are the models' (`bench.trace.ModelSpec`); TPOT_SLO and
+# TTFT_SLO_S, imported above, are every model's in the LLM-Mesh setup.
 GB = 1_000_000_000
 EPS = 1e-9
 
@@ -63,6 +61,27 @@ class Hardware:
 CPU = Hardware("cpu", 192 * GB, 16 * GB, 0.3, 20 * GB, cpu_prefill, cpu_decode)
 GPU = Hardware("gpu", 76 * GB, 24 * GB, 0.3, 34 * GB, gpu_prefill, gpu_decode)
 """A100-80GB less the runtime's own; 34 GB/s puts a 32→64 GB KV resize at Fig. 8's 1.9 s."""
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """What a run is simulated on and judged by, beside its trace and its policy. The default
+    is LLM-Mesh's (§8.1); `bench.sim.real_cluster` builds `bench.cluster`'s."""
+
+    cpu: Hardware = CPU
+    gpu: Hardware = GPU
+    count_from_s: float = 0.0
+    """Requests arriving before this are a ramp (`bench.cluster --ramp`): served, not counted."""
+    mean_tpot: bool = False
+    """Judge a request as `bench.cluster` does: its first token within its TTFT SLO and its mean
+    time per output token after that within its TPOT SLO. Otherwise by eq. 1 (every token k
+    by arrival + TTFT SLO + TPOT SLO · k), LLM-Mesh's rule."""
+
+    def hardware(self, kind: str) -> Hardware:
+        return self.cpu if kind == "cpu" else self.gpu
+
+
+LLM_MESH = Testbed()
 
 UNLOAD_S = 0.01
 RESIZE_FIXED_S = 0.01
@@ -107,18 +126,22 @@ class Policy:
     limit_tpot_fraction: float = 1.0
     """Exclusive: the concurrency limit is the largest batch whose decode iteration at
     TYPICAL_LENGTH stays within this fraction of the TPOT SLO."""
+    exclusive_scale_out: bool = True
+    """Exclusive: a model gets another instance (node) when its instances are at their
+    limits (LLM-Mesh §8.1). False: one instance per model, its requests queue in its
+    engine's batch up to `max_active_per_instance`, as `bench.cluster`'s exclusive runs."""
 
 
 TESSERA = Policy("tessera")
 GPU_ONLY = Policy("gpu_only", use_cpu=False)
 EXCLUSIVE = Policy("exclusive", shared=False)
 
-_PROFILES: dict[tuple[str, float], PerfModel] = {}
+_PROFILES: dict[tuple[Hardware, float], PerfModel] = {}
 
 
 def _profile(hw: Hardware, params_b: float) -> PerfModel:
     """The perf model of a model size on a node kind, measured on the §5.2 grid."""
-    key = (hw.kind, params_b)
+    key = (hw, params_b)  # a testbed's node of a kind is not LLM-Mesh's
     if key not in _PROFILES:
         _PROFILES[key] = profile(
             lambda n: hw.prefill(params_b, n),

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from bench.sim.core import KEEPALIVE, READY
-from bench.sim.hardware import CPU, GPU, RESIZE_FIXED_S, TPOT_SLO, TYPICAL_LENGTH, first_kv_bytes
+from bench.sim.hardware import RESIZE_FIXED_S, TYPICAL_LENGTH, first_kv_bytes
 from bench.sim.memory import SimMemory
 from bench.sim.state import Inst, Node, Req
 from policy import defrag
@@ -84,8 +84,8 @@ class SimPlacement(SimMemory):
         name = self.names[m]
         self.placements += 1
         # A resumed request's next token is due by its eq. 1 deadline.
-        due = r.arrival + r.ttft + TPOT_SLO * r.k0 - self.now
-        demand = Demand(r.inp, r.out - r.k0, max(due, 0.0), TPOT_SLO)
+        due = r.arrival + r.ttft + r.tpot * r.k0 - self.now
+        demand = Demand(r.inp, r.out - r.k0, max(due, 0.0), r.tpot)
         # What the scheduler decides first (a join), from the model's own nodes: the other
         # candidates are gathered only when no instance of it validates.
         running = self.running_on(m, avoid)
@@ -310,12 +310,16 @@ class SimPlacement(SimMemory):
 
     # -- the exclusive baseline
     def limit(self, m: int, kind: str) -> int:
-        """Its concurrency limit per instance: tuned per model and kind (LLM-Mesh §8.1)."""
+        """Its concurrency limit per instance: tuned per model and kind (LLM-Mesh §8.1); with no
+        scale-out, the engine's own (requests queue in its batch, as in `bench.cluster`)."""
+        if not self.policy.exclusive_scale_out:
+            return self.policy.max_active_per_instance
         key = (m, kind)
         if key not in self.limit_cache:
             spec = self.models[m]
-            hw = CPU if kind == "cpu" else GPU
-            by_compute = self.perf_of(m, kind).max_batch(TYPICAL_LENGTH, TPOT_SLO * self.policy.limit_tpot_fraction)
+            hw = self.testbed.hardware(kind)
+            tpot = spec.tpot_slo_s * self.policy.limit_tpot_fraction
+            by_compute = self.perf_of(m, kind).max_batch(TYPICAL_LENGTH, tpot)
             by_memory = int((hw.memory_bytes - spec.weight_bytes) // (spec.kv_bytes_per_token * TYPICAL_LENGTH))
             self.limit_cache[key] = max(0, min(by_compute, by_memory))
         return self.limit_cache[key]
@@ -344,6 +348,8 @@ class SimPlacement(SimMemory):
 
     def start_exclusive(self, r: Req) -> bool:
         m = r.model
+        if self.insts[m] and not self.policy.exclusive_scale_out:
+            return False  # one instance per model: r waits for a place in its batch
         spec = self.models[m]
         kinds = self.policy.exclusive_kinds if self.policy.use_cpu else ("gpu",)
         for kind in kinds:

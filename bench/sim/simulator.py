@@ -11,7 +11,7 @@ import heapq
 from typing import Any
 
 from bench.sim.core import KEEPALIVE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK
-from bench.sim.hardware import Policy
+from bench.sim.hardware import LLM_MESH, Policy, Testbed
 from bench.sim.placement import SimPlacement
 from bench.sim.state import Node, Req, Stats
 from bench.trace import Trace
@@ -60,7 +60,8 @@ class Sim(SimPlacement):
                     self.dispatch(kind, obj, ver)
             else:
                 self.now = arrival[i]
-                r = Req(i, model[i], arrival[i], inp[i], out[i], ttft_slo(slos[model[i]], inp[i]))
+                slo = slos[model[i]]
+                r = Req(i, model[i], arrival[i], inp[i], out[i], ttft_slo(slo, inp[i]), slo.tpot_slo_s)
                 self.reqs.append(r)
                 i += 1
                 self.on_arrive(r)
@@ -103,6 +104,8 @@ class Sim(SimPlacement):
 
     def complete(self, r: Req) -> None:
         r.done = self.now
+        if self.testbed.mean_tpot:
+            r.met = met_as_benched(r)
         r.outcome = "met" if r.met else "late"
         inst = r.inst
         assert inst is not None
@@ -137,5 +140,12 @@ class Sim(SimPlacement):
         self.exclusive_expire()
 
 
-def simulate(trace: Trace, n_cpu: int, n_gpu: int, policy: Policy) -> Stats:
-    return Sim(trace, n_cpu, n_gpu, policy).run()
+def met_as_benched(r: Req) -> bool:
+    """`bench.cluster`'s judgement of a completed request: its first token within its TTFT SLO
+    and the mean time per output token after it within its TPOT SLO."""
+    tpot = (r.done - r.first) / (r.out - 1) if r.out > 1 else 0.0
+    return r.first - r.arrival <= r.ttft + 1e-9 and tpot <= r.tpot + 1e-9
+
+
+def simulate(trace: Trace, n_cpu: int, n_gpu: int, policy: Policy, testbed: Testbed = LLM_MESH) -> Stats:
+    return Sim(trace, n_cpu, n_gpu, policy, testbed).run()

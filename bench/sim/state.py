@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from bench.sim.hardware import GB, TPOT_SLO, Hardware
+from bench.sim.hardware import GB, Hardware
 from policy.perf_model import PerfModel
 from policy.station import Station
 from policy.tensor_pool import TensorPool
@@ -52,13 +52,16 @@ class Req:
         "queued",
         "rid",
         "seg",
+        "tpot",
         "ttft",
     )
 
-    def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int, ttft: float) -> None:
+    def __init__(self, rid: int, model: int, arrival: float, inp: int, out: int, ttft: float, tpot: float) -> None:
         self.rid, self.model, self.arrival, self.inp, self.out = rid, model, arrival, inp, out
         self.ttft = ttft
         """Its TTFT SLO (its model's, grown to its prompt)."""
+        self.tpot = tpot
+        """Its TPOT SLO (its model's)."""
         self.first = -1.0
         self.done = -1.0
         self.d0 = 0.0  # the node's decode clock at its first token
@@ -162,7 +165,7 @@ class Node:
 
     __slots__ = (
         "D",
-        "dec_heap",
+        "dec_heaps",
         "done_heap",
         "fifo",
         "hw",
@@ -218,8 +221,9 @@ class Node:
         """[request, its seg, start, end] of the prefills queued or running, in order."""
         self.unq: list[Req] = []
         """Placed requests not yet eligible for the FIFO (instance loading, KV growing)."""
-        self.dec_heap: list[tuple[float, int, int, Req]] = []
-        """(c_r, id, seg, r) of decoding requests still within their SLO; headroom = c_r + g."""
+        self.dec_heaps: dict[float, list[tuple[float, int, int, Req]]] = {}
+        """TPOT SLO → (c_r, id, seg, r) of its decoding requests still within their SLO;
+        headroom = c_r + g, g = TPOT SLO · D − t common to the heap (see `core`)."""
         self.done_heap: list[tuple[float, int, int, Req]] = []
         """(decode clock at which r finishes, id, seg, r)."""
         self.ver = 0
@@ -246,22 +250,24 @@ class Node:
         least eq. 1 headroom among them once the prefills queued have run. For a decoding
         request, its headroom now less every queued prefill; for a queued one, its headroom
         at its first token less the prefills queued after it."""
-        h = self.dec_heap
-        while h and (h[0][3].done >= 0 or h[0][3].seg != h[0][2]):
-            heapq.heappop(h)
         # The prefills that run before one placed now: the queue's, then the ones waiting
         # for a load or a KV resize (they join the queue in arrival order, so ahead of it).
         end = max(self.pf_end, self.t)
         for r in self.unq:
             if r.inst is not None:
                 end = max(end, r.eligible_at) + r.inst.perf.prefill_s(r.inp)
-        least = h[0][0] + TPOT_SLO * self.D - end if h else math.inf
+        least = math.inf
+        for tpot, h in self.dec_heaps.items():
+            while h and (h[0][3].done >= 0 or h[0][3].seg != h[0][2]):
+                heapq.heappop(h)
+            if h:
+                least = min(least, h[0][0] + tpot * self.D - end)
         for r, seg, _, _ in self.fifo:
             if r.seg == seg and r.met:
-                least = min(least, r.arrival + r.ttft + TPOT_SLO * r.k0 - end)
+                least = min(least, r.arrival + r.ttft + r.tpot * r.k0 - end)
         for r in self.unq:
             if r.met:
-                least = min(least, r.arrival + r.ttft + TPOT_SLO * r.k0 - end)
+                least = min(least, r.arrival + r.ttft + r.tpot * r.k0 - end)
         return least
 
 

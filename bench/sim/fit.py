@@ -1,0 +1,91 @@
+"""A simulated node's `Hardware` fitted to what a real engine measured, rather than to the
+papers' testbeds (`hardware.CPU`, `hardware.GPU`).
+
+The simulator's engine prefills first and runs decode rounds between prefills (`core`), so a
+node needs two curves: a prefill's seconds for a prompt, and a decode iteration's seconds at a
+batch. Both are fitted for one model on one kind of node (the curves ignore `params_b`):
+
+- prefill: linear in the prompt, at `prefill_tok_s` (no fixed part: a short prompt's fixed
+  cost cannot be told apart from the services' own overhead in a TTFT);
+- decode: step(b) = a + c · b, least squares over measured (batch, step seconds) points. A
+  real engine's step costs a fixed part (the model's weights read once per step) and a part
+  per row (each row's attention, sampling, detokenizing and streaming). No length term: the
+  points come from short requests, whose length changes the step little.
+
+`decode_points` makes those points from the requests of a model served alone on a node
+(`bench.cluster`'s exclusive run: one model per node), each a (mean batch over its decode,
+its decode seconds per token) pair. Its decode seconds exclude the prefills that ran in its
+window: the measured time per output token includes them (OpenVINO fuses a newcomer's prompt
+into the running step), and the simulator prices them as prefills of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.sim.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One measured request as the fit reads it: sent, first token, last token (seconds)."""
+
+    sent: float
+    first: float
+    last: float
+    tokens: int
+
+
+def decode_points(requests: Sequence[Timed], prefill_s: float) -> list[tuple[float, float]]:
+    """(mean batch, decode seconds per token) of each request of one node's model.
+
+    Its mean batch: the time-average, over its decode window [first, last], of the windows
+    open at once (its own included). Its decode seconds per token: the window less the
+    prefills of the requests whose first token came in it (`prefill_s` each), over the tokens
+    after its first."""
+    rs = [r for r in requests if r.tokens > 1 and r.last > r.first]
+    if not rs:
+        return []
+    first = np.array([r.first for r in rs])
+    last = np.array([r.last for r in rs])
+    span = last - first
+    overlap = np.clip(np.minimum(last[:, None], last[None, :]) - np.maximum(first[:, None], first[None, :]), 0, None)
+    batch = overlap.sum(axis=1) / span
+    starts_inside = ((first[None, :] > first[:, None]) & (first[None, :] < last[:, None])).sum(axis=1)
+    decode = np.maximum(span - starts_inside * prefill_s, 0.0)
+    steps = decode / np.array([r.tokens - 1 for r in rs])
+    return [(float(b), float(s)) for b, s in zip(batch, steps, strict=True)]
+
+
+def fit_step(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(a, c) of step(b) = a + c · b, least squares; a and c kept non-negative."""
+    b = np.array([p[0] for p in points])
+    s = np.array([p[1] for p in points])
+    a, c = np.linalg.lstsq(np.vstack([np.ones_like(b), b]).T, s, rcond=None)[0]
+    return max(float(a), 0.0), max(float(c), 0.0)
+
+
+def fitted_hardware(
+    kind: str,
+    *,
+    prefill_tok_s: float,
+    step: tuple[float, float],
+    memory_bytes: int,
+    load_bps: float,
+    init_s: float,
+    kv_copy_bps: float,
+) -> Hardware:
+    """A node whose prefill runs at `prefill_tok_s` and whose decode iteration at batch b takes
+    step[0] + step[1] · b seconds, whatever the model's size (the fit is for one model)."""
+    a, c = step
+
+    def prefill(_params_b: float, length: int) -> float:
+        return length / prefill_tok_s
+
+    def decode(_params_b: float, batch: int, _length: int) -> float:
+        return a + c * batch
+
+    return Hardware(kind, memory_bytes, load_bps, init_s, kv_copy_bps, prefill, decode)

