@@ -115,7 +115,8 @@ def plot_setups(report: Mapping[str, Any], path: Path) -> None:
         ax.set_ylim(0, 1.05)
         real_ratio = (entry.get("real") or {}).get("capacity_ratio_vs_exclusive")
         sim_ratio = (entry.get("sim") or {}).get("capacity_ratio_vs_exclusive")
-        ax.set_title(f"{entry.get('title', name)}\nratio real {real_ratio}, sim {sim_ratio}", fontsize=9)
+        shown = [f"{r:.2f}" if r is not None else "none" for r in (real_ratio, sim_ratio)]
+        ax.set_title(f"{entry.get('title', name)}\ncapacity ratio real {shown[0]}, sim {shown[1]}", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("Capacity on the local cluster: real services (solid) against the simulator (dashed)")
     fig.tight_layout()
