@@ -95,7 +95,7 @@ def plot_setups(report: Mapping[str, Any], path: Path) -> None:
     for ax, (name, entry) in zip(axes[0], sorted(setups.items(), key=lambda kv: kv[0] != "three"), strict=False):
         for side, style in (("real", "-"), ("sim", "--")):
             data = entry.get(side)
-            if not data:
+            if not data or "curves" not in data:
                 continue
             for policy, curve in data["curves"].items():
                 pts = sorted((float(p[0]), float(p[1])) for p in curve)
@@ -117,7 +117,8 @@ def plot_setups(report: Mapping[str, Any], path: Path) -> None:
         sim_ratio = (entry.get("sim") or {}).get("capacity_ratio_vs_exclusive")
         shown = [f"{r:.2f}" if r is not None else "none" for r in (real_ratio, sim_ratio)]
         ax.set_title(f"{entry.get('title', name)}\ncapacity ratio real {shown[0]}, sim {shown[1]}", fontsize=9)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a setup with neither side yet has no curves
+            ax.legend(fontsize=7)
     fig.suptitle("Capacity on the local cluster: real services (solid) against the simulator (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
