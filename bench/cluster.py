@@ -1,8 +1,17 @@
 """Capacity on the real local cluster: Tessera's placement against the exclusive baseline.
 
-    python -m bench.cluster [--duration 40] [--nodes 3] [--steps 3] [--seed 1] [--out bench/results]
+    python -m bench.cluster [--setup three|many] [--sim-only] [--duration S] [--ramp S] [--nodes 3]
+                            [--steps 3] [--seed N] [--out bench/results]
 
-For each policy (`TESSERA_PLACEMENT=tessera`, then `exclusive`), a fresh `LocalCluster` with
+`--setup` picks the work (`bench/cluster_setups.py`, issue 37): `three` (setup (a), the
+default, below) or `many` (setup (b): 12 models, each a distinct artifact with one of (a)'s
+three SLO pairs, popularity Zipf-skewed and each model ON and OFF in periods of tens of
+seconds as in the Azure Functions trace (`bench.trace.generate`), seed 2, a 90 s counted
+window after a 30 s ramp, the search from 1.5 req/s). `--duration`, `--ramp` and `--seed`
+default to the setup's. Every model of the setup is registered once in the shared store
+(`prepare_store`) before either policy runs.
+
+Setup (a): for each policy (`TESSERA_PLACEMENT=tessera`, then `exclusive`), a fresh `LocalCluster` with
 `--nodes` engine nodes, each pinned to its own cores with as many inference threads (one model
 store shared by both runs, so each GGUF converts once), serves three models with different
 SLOs and the same keep-alive (`--keep-alive`, 30 s), each a different artifact (the default GGUF, and two
@@ -37,10 +46,23 @@ measured performance, scale-out to other nodes (sharing them) when the queue wou
 TTFT SLO. `--nodes` defaults to 3, the issue's cluster; on a machine with fewer cores each
 node gets an equal CPU quota (`core_shares` in ops/localcluster.py), which the JSON records.
 
+With more models than nodes (setup (b)) the exclusive baseline (`policy.scheduling.
+_place_exclusive`) holds at most one model per node, three at a time: a request for a model
+with no instance starts it only on a node running nothing (no instance, no start under way),
+else it is refused (503, Retry-After 1 s) and the client retries for up to `RETRY_BUDGET_S`;
+a node frees only when its model has been idle past the keep-alive. So exclusive scales tail
+models to zero and starts them again, and a model waits while three others hold the nodes.
+
 Prints one JSON object with `capacity_ratio_vs_exclusive` (Tessera's capacity over the
-exclusive baseline's) beside the simulator's (from `bench/results/sim.json`: LLM-Mesh §8.1's
-larger CPU+GPU setup, so a figure to set beside this one, not the same cluster), and writes
-`<out>/cluster.json` and `<out>/cluster.png`.
+exclusive baseline's), and writes `<out>/cluster.json`: its `setups[SETUP]` (the others
+kept) with the setup's `models`, `nodes`, and `real` and `sim` side by side, each with both
+policies' `capacity_req_per_s`, `curves` and `capacity_ratio_vs_exclusive` (`sim`: the
+simulator's search on the same setup and search, `bench.sim.real_cluster`, its node fitted to
+setup (a)'s real run; seconds), and `ratio_sim_over_real`. A real run of setup (a) also writes
+the file's top-level keys (the format before the setups, which `bench.sim_cluster` reads) and
+`<out>/cluster.png`; of another setup, `<out>/cluster-SETUP.png`, its runs and requests kept in
+`setups[SETUP].real`. `<out>/cluster_setups.png` plots real against simulated, a panel per
+setup. `--sim-only` runs no cluster: it fills `setups[SETUP].sim` alone (`real` kept, or null).
 """
 
 from __future__ import annotations
