@@ -547,8 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "capacity_req_per_s": caps,
         "capacity_ratio_vs_exclusive": ratio,
-        "target": "tessera's capacity above the exclusive baseline's (LLM-Mesh: +44-63 %)",
-        "target_met": ratio is not None and ratio > 1.0,
+        "target": "tessera's capacity above the exclusive baseline's (LLM-Mesh: +44-63 %)"
+        + ("; issue 37, many models: at least 1.44x" if setup.name == "many" else ""),
+        "target_met": ratio is not None and ratio >= (1.44 if setup.name == "many" else 1.0) and ratio > 1.0,
         "simulator": simulated_ratio(),
         "slo_target": SLO_TARGET,
         "search": {

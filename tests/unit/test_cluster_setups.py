@@ -6,6 +6,9 @@ from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
+import pytest
+
+from bench import cluster
 from bench.cluster import main
 from bench.cluster_setups import MANY, MANY_COUNT, THREE, Load
 
@@ -71,3 +74,26 @@ def test_sim_only_writes_the_setups_format_and_keeps_the_others(tmp_path: Path) 
     assert set(sim["capacity_req_per_s"]) == set(sim["curves"]) == {"tessera", "exclusive"}
     assert "capacity_ratio_vs_exclusive" in sim
     assert (tmp_path / "cluster_setups.png").exists()
+
+
+def test_a_real_run_of_setup_b_lands_beside_its_simulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real path's bookkeeping, the cluster stubbed out: what the other engineer's run writes.
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(cluster, "default_model_path", lambda: gguf)
+    monkeypatch.setattr(cluster, "prepare_store", lambda *a: None)
+
+    def run_policy(variant: str, *_: object) -> dict[str, object]:
+        cap = {"tessera": 6.0, "exclusive": 2.0}[variant]
+        point = {"rate_req_per_s": cap, "slo_attainment": 1.0, "slo_attainment_ci95": (0.9, 1.0), "results": []}
+        return {"policy": variant, "capacity_req_per_s": cap, "cold_starts": 1, "tiers_before": {}, "points": [point]}
+
+    monkeypatch.setattr(cluster, "run_policy", run_policy)
+    argv = ["--setup", "many", "--duration", "20", "--ramp", "10", "--steps", "0", "--out", str(tmp_path)]
+    assert cluster.main(argv) == 0
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    assert "capacity_req_per_s" not in report  # the top-level keys are setup (a)'s
+    many = report["setups"]["many"]
+    assert many["real"]["capacity_ratio_vs_exclusive"] == 3.0 and many["real"]["runs"]
+    assert many["sim"]["capacity_req_per_s"]["tessera"] > 0
+    assert (tmp_path / "cluster-many.png").exists()
