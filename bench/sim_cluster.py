@@ -20,40 +20,22 @@ import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
-from bench.sim.hardware import Hardware
 from bench.sim.real_cluster import (
     BENCH_LOAD,
     EXCLUSIVE_CLUSTER,
     PROMPT_TOKENS,
     TESSERA_CLUSTER,
     ClusterSetup,
-    capacity,
     cluster_models,
     fit_node,
     real_result,
+    searched,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGREEMENT = 0.20
 """Issue 37: the simulator's capacity ratio within 20 % of the real one."""
-
-
-def searched(setup: ClusterSetup, node: Hardware, log: Any) -> dict[str, Any]:
-    """Both policies' capacity searches on `setup`, as `cluster.json` reports them."""
-    caps: dict[str, float] = {}
-    curves: dict[str, list[list[float]]] = {}
-    for pol in (TESSERA_CLUSTER, EXCLUSIVE_CLUSTER):
-        cap, pts = capacity(setup, pol, node, log)
-        caps[pol.name] = round(cap, 4)
-        curves[pol.name] = [[round(r, 4), round(a, 4)] for r, a in pts]
-    ratio = caps["tessera"] / caps["exclusive"] if caps["exclusive"] > 0 else None
-    return {
-        "capacity_req_per_s": caps,
-        "curves": curves,
-        "capacity_ratio_vs_exclusive": None if ratio is None else round(ratio, 4),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,8 +86,12 @@ def generate(
     duration_s: float,
     rate_per_s: float,
     size_mix: tuple[float, ...] = SIZE_MIX,
+    *,
+    on_mean_s: float = ON_MEAN_S,
+    off_mean_s: float = OFF_MEAN_S,
 ) -> Trace:
-    """A trace of `n_models` models over `duration_s` seconds at a mean of `rate_per_s`."""
+    """A trace of `n_models` models over `duration_s` seconds at a mean of `rate_per_s`, each
+    model's ON and OFF periods `on_mean_s` and `off_mean_s` long on average."""
     shape = np.random.default_rng([seed, 0])  # models, popularity, bursts: fixed by the seed
     draws = np.random.default_rng([seed, 1, round(rate_per_s * 1e6)])
 
@@ -98,18 +102,18 @@ def generate(
     shape.shuffle(weights)  # popularity is not tied to the model's size or index
     mean_rates = rate_per_s * weights / weights.sum()
 
-    p_on = ON_MEAN_S / (ON_MEAN_S + OFF_MEAN_S)
+    p_on = on_mean_s / (on_mean_s + off_mean_s)
     on_factor = (1.0 - (1.0 - p_on) * OFF_INTENSITY) / p_on
 
     arrivals: list[np.ndarray] = []
     owners: list[np.ndarray] = []
-    n_periods = int(duration_s / (ON_MEAN_S + OFF_MEAN_S) * 2) + 8
+    n_periods = int(duration_s / (on_mean_s + off_mean_s) * 2) + 8
     for m in range(n_models):
         # ON/OFF periods, starting in a random phase.
         lens = np.empty(2 * n_periods)
-        lens[0::2] = shape.exponential(OFF_MEAN_S, n_periods)
-        lens[1::2] = shape.exponential(ON_MEAN_S, n_periods)
-        ends = np.cumsum(lens) - shape.uniform(0, OFF_MEAN_S + ON_MEAN_S)
+        lens[0::2] = shape.exponential(off_mean_s, n_periods)
+        lens[1::2] = shape.exponential(on_mean_s, n_periods)
+        ends = np.cumsum(lens) - shape.uniform(0, off_mean_s + on_mean_s)
         starts = np.concatenate(([ends[0] - lens[0]], ends[:-1]))
         keep = (ends > 0) & (starts < duration_s)
         starts, ends = np.clip(starts[keep], 0, duration_s), np.clip(ends[keep], 0, duration_s)

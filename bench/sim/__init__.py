@@ -40,7 +40,7 @@ The package, by what each part handles:
 - `scale.py`: the scale run (cells in parallel) and the capacity search.
 - `fit.py`: a node's `Hardware` fitted to a real engine's measurements (prefill tok/s, decode
   step vs batch).
-- `real_cluster.py`: `bench.cluster`'s setup on the simulator (issue 37, setup (a): its models
+- `real_cluster.py`: `bench.cluster`'s setups on the simulator (issue 37, `bench.cluster_setups`: its models
   and SLOs, arrivals, ramp, keep-alive, judgement, search; exclusive with no scale-out), run by
   `python -m bench.sim_cluster`.
 - `__main__.py`: the command line and its plot.

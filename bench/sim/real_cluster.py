@@ -1,5 +1,6 @@
-"""`bench.cluster`'s setup as the simulator runs it (issue 37, setup (a)): the same models and
-SLOs, arrivals (`bench.cluster.arrivals`, through its `Load`, seed and scale included),
+"""`bench.cluster`'s setups as the simulator runs them (issue 37, `bench.cluster_setups`: (a)
+three models, (b) many): the same models and SLOs, arrivals (the setup's plan, through its
+`Load`, seed and rate included),
 keep-alive, uncounted ramp, SLO judgement and capacity search, on nodes whose hardware is
 fitted to what the real engine measured there (`bench.sim.fit`).
 
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.capacity import capacity_search
-from bench.cluster import MODELS, TOKENS, Load, base_rate
+from bench.cluster_setups import THREE, THREE_MODELS, TOKENS, Load, Model
 from bench.sim.fit import Timed, decode_points, fit_step, fitted_hardware
 from bench.sim.hardware import GB, Hardware, Policy, Testbed
 from bench.sim.simulator import Sim
@@ -36,30 +37,35 @@ PROMPT_TOKENS = 40
 with its default system line: about 40 tokens (an estimate; the TTFT SLOs are 1.5 s and more,
 where a prompt this short takes a few tens of ms)."""
 NODE_MEMORY_BYTES = 4 * GB
-"""Room for every model many times over: memory decides nothing in this setup."""
+"""Room for every model of setup (a) many times over, and for (b)'s twelve on one node: memory
+decides nothing (the services' memory manager books 8 GiB a node, `memory_budget_bytes`)."""
 
 TESSERA_CLUSTER = Policy("tessera", keep_alive_s=30.0)
 EXCLUSIVE_CLUSTER = Policy(
     "exclusive", shared=False, keep_alive_s=30.0, exclusive_scale_out=False, exclusive_kinds=("cpu",)
 )
-"""`bench.cluster`'s exclusive: one node per model, its requests queue on it, no scale-out."""
+"""`bench.cluster`'s exclusive (`policy.scheduling._place_exclusive`): one node per model, its
+requests queue on it, no scale-out; a model with no instance starts only on a node running
+nothing, and its requests wait (the client's retries after 429) until an instance elsewhere
+passes its keep-alive and frees a node (`exclusive_node_free`: the longest waiting first)."""
 
 
-def cluster_models() -> tuple[ModelSpec, ...]:
-    """`bench.cluster.MODELS` as the simulator's models: one SmolLM2 artifact each, their SLOs
-    (the keep-alive is the policy's: `TESSERA_CLUSTER`, `EXCLUSIVE_CLUSTER`)."""
+def cluster_models(models: tuple[Model, ...] = THREE_MODELS) -> tuple[ModelSpec, ...]:
+    """A setup's models as the simulator's: one SmolLM2 artifact each, their SLOs (the
+    keep-alive is the policy's: `TESSERA_CLUSTER`, `EXCLUSIVE_CLUSTER`)."""
     return tuple(
-        ModelSpec(m.name, PARAMS_B, WEIGHT_BYTES, KV_BYTES_PER_TOKEN, m.ttft_slo_s, m.tpot_slo_s) for m in MODELS
+        ModelSpec(m.name, PARAMS_B, WEIGHT_BYTES, KV_BYTES_PER_TOKEN, m.ttft_slo_s, m.tpot_slo_s) for m in models
     )
 
 
 def cluster_trace(load: Load, rate: float) -> Trace:
     """The requests `bench.cluster` sends at `rate` (its ramp included), as a trace."""
     plan = load.plan(rate)
-    index = {m.name: i for i, m in enumerate(MODELS)}
+    models = load.setup.models
+    index = {m.name: i for i, m in enumerate(models)}
     n = len(plan)
     return Trace(
-        cluster_models(),
+        cluster_models(models),
         load.ramp_s + load.duration_s,
         np.array([t for t, _ in plan], dtype=float),
         np.array([index[name] for _, name in plan], dtype=int),
@@ -68,8 +74,8 @@ def cluster_trace(load: Load, rate: float) -> Trace:
     )
 
 
-BENCH_LOAD = Load(seed=1, duration_s=40.0, burst=6, spread_s=0.5, ramp_s=20.0)
-"""`bench.cluster`'s defaults (the run in `bench/results/cluster.json`)."""
+BENCH_LOAD = Load(seed=THREE.seed, duration_s=THREE.duration_s, burst=6, spread_s=0.5, ramp_s=THREE.ramp_s)
+"""`bench.cluster`'s defaults for setup (a) (the run in `bench/results/cluster.json`)."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,12 @@ class ClusterSetup:
     steps: int = 3
     mean_tpot: bool = True
     """Judge requests as `bench.cluster` does (`Testbed.mean_tpot`); False: by eq. 1."""
+    first_rate: float | None = None
+    """The search's first rate (req/s); None: the setup's."""
 
     @property
     def start_rate(self) -> float:
-        return base_rate(self.load.burst)
+        return self.first_rate or self.load.setup.start_rate(self.load.burst)
 
     def testbed(self, node: Hardware) -> Testbed:
         """CPU nodes of `node`'s hardware, the ramp not counted."""
@@ -105,6 +113,23 @@ def capacity(
         return att
 
     return capacity_search(attainment, setup.start_rate, steps=setup.steps)
+
+
+def searched(setup: ClusterSetup, node: Hardware, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Both policies' capacity searches on `setup`, shaped as `bench.cluster` reports a real
+    run's: capacities (req/s), curves, the capacity ratio."""
+    caps: dict[str, float] = {}
+    curves: dict[str, list[list[float]]] = {}
+    for pol in (TESSERA_CLUSTER, EXCLUSIVE_CLUSTER):
+        cap, pts = capacity(setup, pol, node, log)
+        caps[pol.name] = round(cap, 4)
+        curves[pol.name] = [[round(r, 4), round(a, 4)] for r, a in pts]
+    ratio = caps["tessera"] / caps["exclusive"] if caps["exclusive"] > 0 else None
+    return {
+        "capacity_req_per_s": caps,
+        "curves": curves,
+        "capacity_ratio_vs_exclusive": None if ratio is None else round(ratio, 4),
+    }
 
 
 # --- the node's hardware, fitted to the real run -------------------------------------------------
@@ -146,12 +171,12 @@ def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFi
     overhead = float(coldstart["tessera_host_stack_overhead_s"])
     run = next(r for r in cluster["runs"] if r["policy"] == "exclusive")
     lowest = min(run["points"], key=lambda p: p["rate_req_per_s"])["summary"]
-    ttft = float(np.median([lowest[m.name]["ttft_p50_s"] for m in MODELS]))
+    ttft = float(np.median([lowest[m.name]["ttft_p50_s"] for m in THREE_MODELS]))
     prefill_s = max(ttft - overhead, 1e-3)
     prefill_tok_s = PROMPT_TOKENS / prefill_s
     points: list[tuple[float, float]] = []
     requests = cluster["requests_at_capacity"]["exclusive"]
-    for m in MODELS:
+    for m in THREE_MODELS:
         timed = [
             Timed(
                 r["at_s"],

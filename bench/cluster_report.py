@@ -1,0 +1,125 @@
+"""`bench/results/cluster.json`'s `setups` (issue 37): for each setup of `bench.cluster_setups`,
+its models and nodes, and the real run's and the simulator's capacities side by side, each
+with both policies' capacities (req/s), curves and `capacity_ratio_vs_exclusive`; and the plot
+of real against simulated, one panel per setup.
+
+A run of `bench.cluster --setup X` replaces `setups[X]` alone; the simulated side is the
+simulator's capacity search on the same setup and search (`bench.sim.real_cluster`), its node
+fitted to setup (a)'s real run (`real_cluster.fit_node`: the same node kind in every setup).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.cluster_setups import Load, Setup
+from bench.sim.real_cluster import ClusterSetup, fit_node, searched
+
+
+def real_side(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A real run's comparison (`bench.cluster`'s result) as a setup's `real`."""
+    return {
+        "capacity_req_per_s": result["capacity_req_per_s"],
+        "curves": result["curves"],
+        "capacity_ratio_vs_exclusive": result["capacity_ratio_vs_exclusive"],
+        **{k: result[k] for k in ("curves_ci95", "search", "date") if k in result},
+    }
+
+
+def simulated_side(
+    load: Load,
+    nodes: int,
+    steps: int,
+    start_rate: float,
+    fitted_from: Mapping[str, Any],
+    coldstart: Mapping[str, Any],
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """The simulator's capacity search on `load`'s setup, as a setup's `sim`."""
+    fit = fit_node(fitted_from, coldstart)
+    setup = ClusterSetup(load, nodes=nodes, steps=steps, first_rate=start_rate)
+    return {
+        **searched(setup, fit.hardware, log),
+        "search": {
+            "start_rate_req_per_s": start_rate,
+            "steps": steps,
+            "duration_s_per_rate": load.duration_s,
+            "ramp_s_per_rate": load.ramp_s,
+        },
+        "node_fit": {**fit.describe(), "from": "setup (a)'s real run (cluster.json) and coldstart.json"},
+    }
+
+
+def setup_entry(setup: Setup, load: Load, nodes: int, keep_alive_s: float, real: Any, sim: Any) -> dict[str, Any]:
+    return {
+        "title": setup.title,
+        "models": [{"name": m.name, "ttft_slo_s": m.ttft_slo_s, "tpot_slo_s": m.tpot_slo_s} for m in setup.models],
+        "nodes": nodes,
+        "seed": load.seed,
+        "keep_alive_s": keep_alive_s,
+        "real": real,
+        "sim": sim,
+        "ratio_sim_over_real": ratio_over(sim, real),
+    }
+
+
+def ratio_over(sim: Any, real: Any) -> float | None:
+    """The simulated capacity ratio over the real one (issue 37's target: within 20 %)."""
+    a = (sim or {}).get("capacity_ratio_vs_exclusive")
+    b = (real or {}).get("capacity_ratio_vs_exclusive")
+    return None if a is None or not b else round(a / b, 4)
+
+
+def with_setup(report: Mapping[str, Any], name: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """`report` with `setups[name]` replaced, every other key and setup kept."""
+    return {**report, "setups": {**report.get("setups", {}), name: dict(entry)}}
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def plot_setups(report: Mapping[str, Any], path: Path) -> None:
+    """SLO attainment against rate, real (solid) and simulated (dashed), a panel per setup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setups = report.get("setups", {})
+    fig, axes = plt.subplots(1, max(len(setups), 1), figsize=(5.5 * max(len(setups), 1), 4.2), squeeze=False)
+    colors = {"tessera": "tab:blue", "exclusive": "tab:orange"}
+    for ax, (name, entry) in zip(axes[0], sorted(setups.items(), key=lambda kv: kv[0] != "three"), strict=False):
+        for side, style in (("real", "-"), ("sim", "--")):
+            data = entry.get(side)
+            if not data or "curves" not in data:
+                continue
+            for policy, curve in data["curves"].items():
+                pts = sorted((float(p[0]), float(p[1])) for p in curve)
+                cap = data["capacity_req_per_s"].get(policy)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker="o" if side == "real" else "x",
+                    color=colors.get(policy),
+                    label=f"{side} {policy}: {cap:g} req/s",
+                )
+        ax.axhline(0.95, color="red", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("mean arrival rate (req/s)")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(0, 1.05)
+        real_ratio = (entry.get("real") or {}).get("capacity_ratio_vs_exclusive")
+        sim_ratio = (entry.get("sim") or {}).get("capacity_ratio_vs_exclusive")
+        shown = [f"{r:.2f}" if r is not None else "none" for r in (real_ratio, sim_ratio)]
+        ax.set_title(f"{entry.get('title', name)}\ncapacity ratio real {shown[0]}, sim {shown[1]}", fontsize=9)
+        if ax.get_legend_handles_labels()[0]:  # a setup with neither side yet has no curves
+            ax.legend(fontsize=7)
+    fig.suptitle("Capacity on the local cluster: real services (solid) against the simulator (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
