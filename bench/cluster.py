@@ -277,6 +277,7 @@ def run_policy(
     models = load.setup.models
     per_node, _ = core_shares(nodes)
     points: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix=f"tessera-cluster-{policy}-") as home:
         cluster = LocalCluster(
             home=Path(home),
@@ -338,6 +339,9 @@ def run_policy(
                         "instances_at_end": {
                             n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]
                         },
+                        # What each engine measured of its steps (LLM-Mesh §5.2's PerfReports, as
+                        # the scheduler reads them): what the simulator's node is to be fitted from.
+                        "perf_at_end": {n["node_id"]: n.get("perf", []) for n in status["nodes"]},
                         "results": results,
                     }
                 )
@@ -351,7 +355,8 @@ def run_policy(
                 cap = max((r for r in rates if attainment(r) >= SLO_TARGET), default=0.0)
             else:
                 cap, _ = capacity_search(attainment, start_rate, steps=steps)
-            starts = len(httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json())
+            records = httpx.get(f"{cluster.base_url}/admin/coldstarts?limit=1000", timeout=10).json()
+            starts = len(records)
         finally:
             cluster.stop()
             if keep_logs is not None:
@@ -361,6 +366,9 @@ def run_policy(
         "policy": variant,
         "capacity_req_per_s": cap,
         "cold_starts": starts,
+        # Each start as the engines recorded it (its model, source, tier, phases, total): what
+        # a start costs on a node at this quota, beside others serving.
+        "cold_start_records": records,
         "tiers_before": tiers,
         "points": points,
     }
