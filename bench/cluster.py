@@ -617,7 +617,10 @@ def write_setup(
     )
     coldstart = read_report(REPO_ROOT / "bench" / "results" / "coldstart.json")
     t = time.perf_counter()
-    sim = simulated_side(load, args.nodes, args.steps, start_rate, fit_source, coldstart, lambda m: log(f"sim: {m}"))
+    own = real if real is not None else report.get("setups", {}).get(setup.name, {}).get("real")
+    sim = simulated_side(
+        load, args.nodes, args.steps, start_rate, fit_source, coldstart, lambda m: log(f"sim: {m}"), own=own
+    )
     log(f"setup {setup.name} simulated in {time.perf_counter() - t:.1f}s: {sim['capacity_req_per_s']}")
     if real is not None:
         real_kept: Any = {

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster_setups import Load, Setup
-from bench.sim.real_cluster import ClusterSetup, fit_node, searched
+from bench.sim.real_cluster import ClusterSetup, fit_from_reports, fit_node, searched
 
 
 def real_side(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,9 +37,18 @@ def simulated_side(
     fitted_from: Mapping[str, Any],
     coldstart: Mapping[str, Any],
     log: Callable[[str], None] = lambda _: None,
+    own: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The simulator's capacity search on `load`'s setup, as a setup's `sim`."""
-    fit = fit_node(fitted_from, coldstart)
+    """The simulator's capacity search on `load`'s setup, as a setup's `sim`: its node fitted
+    to what the engines measured in this setup's own real run (`own`) where it kept that,
+    else to setup (a)'s real run."""
+    mine = fit_from_reports(own) if own is not None else None
+    fit = mine or fit_node(fitted_from, coldstart)
+    source = (
+        "this setup's real run (its engines' PerfReports and cold-start records)"
+        if mine is not None
+        else "setup (a)'s real run (cluster.json) and coldstart.json"
+    )
     setup = ClusterSetup(load, nodes=nodes, steps=steps, first_rate=start_rate)
     return {
         **searched(setup, fit.hardware, log),
@@ -49,7 +58,7 @@ def simulated_side(
             "duration_s_per_rate": load.duration_s,
             "ramp_s_per_rate": load.ramp_s,
         },
-        "node_fit": {**fit.describe(), "from": "setup (a)'s real run (cluster.json) and coldstart.json"},
+        "node_fit": {**fit.describe(), "from": source},
     }
 
 

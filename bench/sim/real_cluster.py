@@ -145,6 +145,9 @@ class NodeFit:
     points: int
     load_s: float
     hardware: Hardware
+    start_fixed_s: float | None = None
+    """A start's seconds before its first token but the load and the prefill (None: the
+    hardware's init from `coldstart.json`)."""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -152,6 +155,7 @@ class NodeFit:
             "decode_step_s": f"{self.step_fixed_s:.5f} + {self.step_per_row_s:.5f} * batch",
             "decode_points": self.points,
             "start_load_s": round(self.load_s, 4),
+            **({"start_fixed_s": round(self.start_fixed_s, 4)} if self.start_fixed_s is not None else {}),
         }
 
 
@@ -211,3 +215,45 @@ def real_result(cluster: Mapping[str, Any]) -> dict[str, Any]:
         "curves": cluster["curves"],
         "capacity_ratio_vs_exclusive": cluster["capacity_ratio_vs_exclusive"],
     }
+
+
+def fit_from_reports(result: Mapping[str, Any]) -> NodeFit | None:
+    """A node fitted from what a real `bench.cluster` run's engines measured on it (None where
+    the run kept none of it: runs before `perf_at_end` and `cold_start_records`):
+
+    - decode: every (batch, seconds per iteration) of the engines' PerfReports (LLM-Mesh §5.2,
+      what the scheduler fits from), snapshotted after each rate, each distinct point once,
+      then `fit.fit_step`; these steps ran beside the node's other instances, at its quota;
+    - prefill: their (prompt tokens, seconds), as one rate (total tokens over total seconds);
+    - a start: the median of the run's cold-start records (not an adapter's): the weights'
+      load (`phases.load_s`), and everything else before the first token but the prefill
+      (init, profile, the start tier's compile on the node's quota) as the start's fixed part.
+    """
+    decode: set[tuple[float, float]] = set()
+    prefill: set[tuple[float, float]] = set()
+    starts: list[Mapping[str, Any]] = []
+    for run in result.get("runs", ()):
+        starts += [r for r in run.get("cold_start_records", ()) if r.get("tier") != "adapter"]
+        for point in run.get("points", ()):
+            for reports in point.get("perf_at_end", {}).values():
+                for report in reports:
+                    decode |= {(float(b), float(s)) for b, _length, s in report.get("decode", ())}
+                    prefill |= {(float(n), float(s)) for n, s in report.get("prefill", ())}
+    if len(decode) < 2 or not prefill or not starts:
+        return None
+    a, c = fit_step(sorted(decode))
+    prefill_tok_s = sum(n for n, _ in prefill) / max(sum(s for _, s in prefill), 1e-9)
+    load_s = float(np.median([r["phases"]["load_s"] for r in starts]))
+    fixed_s = float(
+        np.median([max(r["total_s"] - r["phases"]["load_s"] - r["phases"]["prefill_s"], 0.0) for r in starts])
+    )
+    hw = fitted_hardware(
+        "cpu",
+        prefill_tok_s=prefill_tok_s,
+        step=(a, c),
+        memory_bytes=NODE_MEMORY_BYTES,
+        load_bps=WEIGHT_BYTES / max(load_s, 1e-6),
+        init_s=fixed_s,
+        kv_copy_bps=20 * GB,
+    )
+    return NodeFit(prefill_tok_s, a, c, len(decode), load_s, hw, start_fixed_s=fixed_s)

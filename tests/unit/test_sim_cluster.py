@@ -84,3 +84,31 @@ def test_the_fit_recovers_a_nodes_step_line() -> None:
     points = decode_points(alone + crowd, prefill_s=0.05)
     assert sorted({round(b, 6) for b, _ in points}) == [1.0, 4.0]
     assert fit_step(points) == pytest.approx((a, c))
+
+
+def test_a_node_is_fitted_from_its_own_runs_perf_reports_and_cold_starts() -> None:
+    """The engines' PerfReports snapshotted after each rate (each distinct point once) give the
+    decode line and the prefill rate; the cold-start records (an adapter's left out) the start's
+    load and fixed part; a run that kept none of it gives no fit (the caller falls back)."""
+    from bench.sim.real_cluster import WEIGHT_BYTES, fit_from_reports
+
+    decode = [[b, 40, 0.05 + 0.01 * b] for b in (1, 2, 4, 8)]
+    report = {"artifact_id": "x", "prefill": [[40, 0.1], [80, 0.2]], "decode": decode}
+
+    def start(total: float, load: float, prefill: float, tier: str = "start") -> dict[str, object]:
+        phases = {"init_s": 0.1, "load_s": load, "profile_s": 0.0, "prefill_s": prefill, "apply_s": 0.0}
+        return {"total_s": total, "phases": phases, "tier": tier}
+
+    point = {"perf_at_end": {"node-0": [report], "node-1": [report]}}
+    run = {
+        "points": [point, point],
+        "cold_start_records": [start(3.0, 0.5, 0.5), start(5.0, 1.0, 1.0), start(0.1, 0.0, 0.05, tier="adapter")],
+    }
+    fit = fit_from_reports({"runs": [run, {"points": [], "cold_start_records": [start(4.0, 0.75, 0.25)]}]})
+    assert fit is not None
+    assert fit.points == 4  # the same reports seen four times count once
+    assert abs(fit.step_fixed_s - 0.05) < 1e-9 and abs(fit.step_per_row_s - 0.01) < 1e-9
+    assert abs(fit.prefill_tok_s - 400.0) < 1e-9
+    assert fit.load_s == 0.75 and fit.start_fixed_s == 3.0  # medians of (0.5, 1.0, 0.75) and (2, 3, 3)
+    assert abs(fit.hardware.load_bps - WEIGHT_BYTES / 0.75) < 1e-6 and fit.hardware.init_s == 3.0
+    assert fit_from_reports({"runs": [{"points": [{"perf_at_end": {}}], "cold_start_records": []}]}) is None
