@@ -591,11 +591,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "bench_wall_s": time.perf_counter() - started,
     }
-    plot(runs, args.out / ("cluster.png" if setup.name == "three" else f"cluster-{setup.name}.png"), setup)
+    # The JSON first (`write_setup` makes its folder): a half-hour run is never lost to its plot.
     print(json.dumps({k: v for k, v in result.items() if k not in ("requests_at_capacity", "runs")}, indent=2))
-    return write_setup(
+    code = write_setup(
         args, setup, load, start_rate, real=result, fitted_from=result if setup.name == "three" else None
     )
+    plot(runs, args.out / ("cluster.png" if setup.name == "three" else f"cluster-{setup.name}.png"), setup)
+    return code
 
 
 def write_setup(
