@@ -391,11 +391,15 @@ def at_rate(run: dict[str, Any], rate: float) -> dict[str, Any] | None:
 
 
 def plot(runs: list[dict[str, Any]], path: Path, setup: Setup) -> None:
-    """The real run's curves with their intervals, and its first model's TTFTs at capacity."""
-    import matplotlib
+    """The real run's curves with their intervals, and its first model's TTFTs at capacity; none
+    where matplotlib is not installed (the `bench` extra)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
 
     first = setup.models[0]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

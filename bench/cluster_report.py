@@ -92,11 +92,15 @@ def read_report(path: Path) -> dict[str, Any]:
 
 
 def plot_setups(report: Mapping[str, Any], path: Path) -> None:
-    """SLO attainment against rate, real (solid) and simulated (dashed), a panel per setup."""
-    import matplotlib
+    """SLO attainment against rate, real (solid) and simulated (dashed), a panel per setup; none
+    where matplotlib is not installed (the `bench` extra: `make test` has no plots)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
 
     setups = report.get("setups", {})
     fig, axes = plt.subplots(1, max(len(setups), 1), figsize=(5.5 * max(len(setups), 1), 4.2), squeeze=False)

@@ -53,7 +53,10 @@ def messages(engine: Connection) -> list[object]:
 def bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[WorkerLoop, Connection, list[FakeBatch]]]:
     batches: list[FakeBatch] = []
 
-    def batcher(engine: object, max_batch: int, kv_tokens: int, gate: object, slot: int) -> FakeBatch:
+    def batcher(
+        engine: object, max_batch: int, kv_tokens: int, gate: object, slot: int, lora: object = None
+    ) -> FakeBatch:
+        assert lora is None  # the artifacts here keep no LoRA adapter: the batch is built without
         batches.append(FakeBatch())
         return batches[-1]
 
