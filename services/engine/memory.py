@@ -151,9 +151,14 @@ class KvMemory:
 
     async def unload(self, inst: Served) -> None:
         inst.bound.worker.drop_session(inst.model)  # its KV cache
+        holds_weights = inst.bound.source != "pipeline"  # a pipelined one holds none
+        if holds_weights:
+            # Idle before the first await: a heartbeat between the instance leaving and its
+            # worker turning idle would show the model neither served nor resident.
+            self._idle(inst.bound)
         await self._forget(inst)
-        if inst.bound.source != "pipeline":  # a pipelined one holds no weights
-            await self.release_worker(inst.bound)
+        if holds_weights:
+            await self._trim_pool()
 
     async def book_adapter(self, inst: Served, ref: AdapterRef) -> None:
         """An adapter's bytes (its file, what the worker holds of it) booked before its first
@@ -182,8 +187,15 @@ class KvMemory:
 
     async def release_worker(self, bound: Bound) -> None:
         """An instance stopped using the worker: it stays resident within the pool budget."""
+        self._idle(bound)
+        await self._trim_pool()
+
+    @staticmethod
+    def _idle(bound: Bound) -> None:
         bound.resident.users -= 1
         bound.resident.last_used = time.time()
+
+    async def _trim_pool(self) -> None:
         excess = over_budget([b.resident for b in self.node.bound.values()], self.settings.pool_budget_bytes)
         await self._evict_idle_residents(excess)
 

@@ -173,6 +173,24 @@ def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:
     assert len(engine.pool.taken) == 1 and engine.node.instances["m"].start.source == "resident"  # type: ignore[union-attr]
 
 
+def test_a_heartbeat_while_an_instance_unloads_shows_its_model_served_or_resident() -> None:
+    # The unload awaits the memory manager; a heartbeat sent then must not show the model
+    # neither served nor resident (the scheduler would start it from disk, a test would fail).
+    engine = started(says("x"))
+    seen: list[NodeStatus] = []
+    manager_release = engine.manager.release
+
+    async def release(owner: str):  # type: ignore[no-untyped-def]
+        seen.append(engine.node.status())
+        return await manager_release(owner)
+
+    engine.manager.release = release  # type: ignore[method-assign]
+    asyncio.run(engine.memory.unload(engine.node.instances["m"]))
+    assert seen
+    for status in seen:
+        assert "m" in {i.model for i in status.instances} or "a" in status.resident
+
+
 def test_a_request_the_pipeline_serves_as_the_replica_takes_over_is_the_pipelines_first_token() -> None:
     # The pipelined instance's request is in flight when the node's own replica takes its place:
     # its first token ends the pipeline's cold start; the replica's ends at its own first token
