@@ -108,6 +108,15 @@ class AdapterImported(Message, frozen=True):
     seconds: float
 
 
+class StageAdapter(Message, frozen=True):
+    """Engine → its node's loader: the adapter kept at `path` (`AdapterArtifact.path`, in the
+    store), copied into the host cache and checked against its manifest's SHA-256. Answered
+    `shared.cache_messages.Staged` (`cache_dir`: the copy's directory, `hit`: it was there
+    already) or `Rejected`."""
+
+    path: str
+
+
 def adapters_root(artifact: Artifact) -> Path:
     return Path(artifact.path) / ADAPTERS_DIR
 

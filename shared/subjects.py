@@ -124,6 +124,11 @@ def loader_stage(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.stage"
 
 
+def loader_stage_adapter(node_id: str) -> str:
+    """Engine → its node's loader: an adapter's host-cache copy (`StageAdapter`, request/reply)."""
+    return f"{_ROOT}.loader.{node_id}.stageadapter"
+
+
 def loader_verify(node_id: str) -> str:
     return f"{_ROOT}.loader.{node_id}.verify"
 

@@ -1,6 +1,7 @@
 """LoRA adapters on a node's instances (issue 34): which each instance has loaded, their use,
 their keep-alive (`policy.adapter_turns.idle_adapters`: a worker lets an idle one go, its base
-stays), and an adapter start's cold-start record. The worker's batch loads and applies them
+stays), their host-cache copies (the node's loader keeps them beside the models' blobs), and an
+adapter start's cold-start record. The worker's batch loads and applies them
 (`services/engine/core.py`); this is the node's side, on its event loop."""
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from policy.adapter_turns import AdapterUse, adapter_residents, idle_adapters
 from policy.eviction import Resident
 from services.engine import metrics
+from shared import subjects
+from shared.adapters import StageAdapter
 from shared.messages import AdapterRef, ColdStartPhases, ColdStartRecorded
 
 if TYPE_CHECKING:
     from services.engine.batch_types import AdapterLoad
-    from services.engine.node import Served
+    from services.engine.node import Node, Served
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,26 @@ def begin(inst: Served, ref: AdapterRef) -> bool:
         )
     metrics.ADAPTER_REQUESTS.labels(ref.name).inc()
     return use is None
+
+
+async def stage(node: Node, inst: Served, ref: AdapterRef) -> None:
+    """At its first use on `inst`: the adapter copied into (or found in) the node's host cache,
+    where its worker loads it from; left to the store's copy where the loader cannot."""
+    copy = await node.host_copy(subjects.loader_stage_adapter(node.id), StageAdapter(path=ref.path), ref.name)
+    if copy is not None and ref.name in inst.adapters:
+        inst.adapter_copies[ref.name] = copy
+
+
+def as_loaded(inst: Served, ref: AdapterRef) -> AdapterRef:
+    """`ref` as its worker is to read it: from its host-cache copy where it has one."""
+    copy = inst.adapter_copies.get(ref.name)
+    return ref if copy is None else msgspec.structs.replace(ref, path=copy.cache_dir)
+
+
+def source(inst: Served, ref: AdapterRef) -> str:
+    """Where a request carrying `ref` (`as_loaded`) had its adapter read from: a start's source."""
+    copy = inst.adapter_copies.get(ref.name)
+    return "host" if copy is not None and copy.hit and ref.path == copy.cache_dir else "store"
 
 
 def end(inst: Served, ref: AdapterRef) -> None:
@@ -72,6 +97,7 @@ def drop(inst: Served, name: str) -> str:
     caller to release."""
     inst.bound.worker.drop_adapter(name)
     del inst.adapters[name]
+    inst.adapter_copies.pop(name, None)
     metrics.ADAPTER_DROPS.inc()
     return owner(inst.model, name)
 
@@ -94,11 +120,11 @@ def drop_idle(instances: list[Served]) -> list[str]:
 
 
 def cold_start(
-    node_id: str, ref: AdapterRef, load: AdapterLoad, received: float, first_token_at: float
+    node_id: str, ref: AdapterRef, load: AdapterLoad, received: float, first_token_at: float, source: str
 ) -> ColdStartRecorded:
-    """An adapter's start on its warm base: read from the store (`load_s`), applied
-    (`apply_s`), its first token (`prefill_s`: the rest of the time to it); `received`,
-    `first_token_at`: time.monotonic()."""
+    """An adapter's start on its warm base: read from the host cache or the store (`source`,
+    `load_s`), applied (`apply_s`), its first token (`prefill_s`: the rest of the time to it);
+    `received`, `first_token_at`: time.monotonic()."""
     total = max(0.0, first_token_at - received)
     phases = ColdStartPhases(
         init_s=0.0,
@@ -115,7 +141,7 @@ def cold_start(
         started_at=time.time() - (time.monotonic() - received),
         phases=phases,
         total_s=total,
-        source="store",
+        source=source,
         worker_load_s=load.load_s,
         tier=ADAPTER_TIER,
     )

@@ -25,7 +25,10 @@ from policy.kv_watermark import floor_tokens
 from services.engine import metrics
 from services.engine.settings import EngineSettings
 from shared import subjects
+from shared.adapters import StageAdapter
 from shared.artifact import stored_torch_checkpoints
+from shared.cache_messages import StageArtifact, Staged, VerifyStaged
+from shared.errors import TesseraError
 from shared.messages import (
     Artifact,
     ColdStartPhases,
@@ -34,6 +37,7 @@ from shared.messages import (
     ModelRecord,
     NodeStatus,
     PerfReport,
+    Rejected,
     Tier,
 )
 from shared.pipeline_messages import EndStage
@@ -146,6 +150,8 @@ class Served:
     """Kept warm (issue 35): never ended to make room, nor preempted for a lower priority."""
     adapters: dict[str, AdapterUse] = field(default_factory=dict)
     """LoRA adapters its worker has loaded, by name (`services/engine/adapters.py`)."""
+    adapter_copies: dict[str, Staged] = field(default_factory=dict)
+    """Their host-cache copies, by name: what its worker loads them from."""
 
     @property
     def active(self) -> int:
@@ -300,6 +306,21 @@ class Node:
         if self.backend.tensor_arena:
             found = await asyncio.to_thread(stored_torch_checkpoints, self.settings.model_store, set(self.tensor_bytes))
             self.tensor_bytes.update(found)
+
+    async def host_copy(
+        self, subject: str, message: StageArtifact | VerifyStaged | StageAdapter, what: str
+    ) -> Staged | None:
+        """The loader's host-cache copy (staged, or checked) of an artifact or an adapter; None
+        where the loader cannot be reached or refuses: the start then reads the store's copy,
+        never depending on the cache."""
+        try:
+            reply = await self.bus.request(subject, message, Staged | Rejected, self.settings.load_timeout_s)
+        except TesseraError as e:
+            reply = Rejected(code=e.code, message=e.message)
+        if isinstance(reply, Rejected):
+            log.warning("no host-cache copy of %s (%s): reading the store's", what, reply.message)
+            return None
+        return reply
 
     async def beat(self) -> None:
         await self.bus.publish(subjects.node_heartbeat(), self.status())

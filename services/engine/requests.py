@@ -63,6 +63,7 @@ class Requests:
             try:
                 if req.adapter is not None and first_use:
                     await self.memory.book_adapter(inst, req.adapter)
+                    await adapters.stage(self.node, inst, req.adapter)
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 if first_use and req.adapter is not None:
@@ -88,6 +89,7 @@ class Requests:
     async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
         rid, received, interval = req.request_id, time.monotonic(), self.node.settings.stream_interval_s
         slo = ttft_slo(inst, req.prompt_tokens)
+        adapter = None if req.adapter is None else adapters.as_loaded(inst, req.adapter)
         run = Run(
             rid,
             inst.model,
@@ -98,7 +100,7 @@ class Requests:
             received,
             slo,
             inst.tpot_slo_s,
-            req.adapter,
+            adapter,
         )
         generated, completion, reason = 0, 0, FinishReason.CANCELLED
         final: Failed | None = None
@@ -133,10 +135,15 @@ class Requests:
                 if out.first_token_at is not None:
                     metrics.TTFT.observe(out.first_token_at - received)
                     await self._maybe_record_cold_start(inst, out.first_token_at)
-                    if req.adapter is not None and out.adapter_load is not None:
-                        adapters.loaded(inst, req.adapter.name, out.adapter_load)
+                    if adapter is not None and out.adapter_load is not None:
+                        adapters.loaded(inst, adapter.name, out.adapter_load)
                         record = adapters.cold_start(
-                            self.node.id, req.adapter, out.adapter_load, received, out.first_token_at
+                            self.node.id,
+                            adapter,
+                            out.adapter_load,
+                            received,
+                            out.first_token_at,
+                            adapters.source(inst, adapter),
                         )
                         await self.node.bus.publish(subjects.cold_start_recorded(), record)
             preempted = inst.preempted or rid in inst.evicted

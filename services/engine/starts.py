@@ -208,7 +208,9 @@ class Starts:
                 # leaves the warm worker to the pipeline stages meanwhile. With every tensor in the
                 # node's arena, nothing is staged.
                 stage = StageArtifact(artifact=artifact, device=self.node.settings.device, tier=tier, defer_verify=True)
-                staged = None if in_arena else await self._loader(subjects.loader_stage(self.node.id), stage, aid)
+                staged = (
+                    None if in_arena else await self.node.host_copy(subjects.loader_stage(self.node.id), stage, aid)
+                )
                 stage_s = time.monotonic() - t_load
                 worker, warm = await self.node.workers.take()
                 if not warm:
@@ -345,7 +347,9 @@ class Starts:
             cache_dir = staged.cache_dir if staged else None
             return await worker.load(artifact, cores, cache_dir, timeout, tier, tensors=tensors, admit_bytes=admit), 0.0
         verify = VerifyStaged(artifact_id=artifact.artifact_id)
-        check = asyncio.ensure_future(self._loader(subjects.loader_verify(self.node.id), verify, artifact.artifact_id))
+        check = asyncio.ensure_future(
+            self.node.host_copy(subjects.loader_verify(self.node.id), verify, artifact.artifact_id)
+        )
         try:
             # Not streamed: nothing is served from the copy before its check.
             loaded = await worker.load(artifact, cores, staged.cache_dir, timeout, tier, tensors=tensors)
@@ -379,18 +383,6 @@ class Starts:
         samples = own.prefill if own and own.prefill else [s for p in self.node.perf.values() for s in p.prefill]
         ttft = min((seconds for _, seconds in samples), default=None)
         return admission_bytes(arena.missing_bytes(tensors), ttft, arena.fill_bps, arena.handle.cuda)
-
-    async def _loader(self, subject: str, message: StageArtifact | VerifyStaged, aid: str) -> Staged | None:
-        """The loader's host-cache copy (staged, or checked); None where the loader cannot be
-        reached or refuses: the start then reads the store's copy, never depending on the cache."""
-        try:
-            reply = await self.node.bus.request(subject, message, Staged | Rejected, self.node.settings.load_timeout_s)
-        except TesseraError as e:
-            reply = Rejected(code=e.code, message=e.message)
-        if isinstance(reply, Rejected):
-            log.warning("no host-cache copy of %s (%s): reading the store's", aid, reply.message)
-            return None
-        return reply
 
     def _on_tier_up(self, artifact: Artifact, msg: TieredUp) -> None:
         if msg.error:

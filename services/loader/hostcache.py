@@ -30,6 +30,8 @@ from services.loader.blocks import (
     manifest_of,
 )
 from services.loader.blockset import MULTICAST_BLOCK_BYTES, BlockSet, block_set_of
+from services.loader.store import sha256_of
+from shared.adapters import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_WEIGHTS, AdapterArtifact
 from shared.artifact import TORCH_WEIGHTS, compiled_cache_dir
 from shared.messages import COMPILED_TIERS, Artifact, Tier
 
@@ -85,6 +87,26 @@ def block_set(
     tmp.write_bytes(msgspec.msgpack.encode(bs))
     tmp.replace(path)  # atomic: two nodes asking at once write the same bytes
     return bs
+
+
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_WEIGHTS)
+ADAPTER_ENTRY = "adapter"
+"""What the cache's listing says of an adapter's entry, where a model's says its tier."""
+
+
+def adapter_key(adapter_id: str) -> str:
+    """An adapter's entry (and directory) in the cache, beside the artifacts' ids."""
+    return f"{ADAPTER_ENTRY}-{adapter_id}"
+
+
+def _adapter_whole(store: Path, copy: Path, sha256: str) -> bool:
+    """`copy` holds the adapter kept at `store`: its weights by the manifest's SHA-256, its
+    config and manifest (a few hundred bytes) by their bytes."""
+    try:
+        small = all((copy / f).read_bytes() == (store / f).read_bytes() for f in (ADAPTER_CONFIG, ADAPTER_MANIFEST))
+        return small and sha256_of(copy / ADAPTER_WEIGHTS) == sha256
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -173,6 +195,35 @@ class HostCache:
         self.entries[artifact.artifact_id] = Resident(artifact.artifact_id, size, time.perf_counter() - t0, now, now)
         self.tiers[artifact.artifact_id] = tier
         return StageResult(dst_dir, False, 0)
+
+    def stage_adapter(self, adapter: AdapterArtifact) -> StageResult:
+        """A LoRA adapter's kept files (issue 34: a few megabytes) in host memory, beside the
+        models' blobs under the same budget and the same eviction by cost. A hit is checked
+        whole and copied again where it fails (`repaired_blocks` 1); a miss is copied now
+        and checked as it lands, before its start reads it (milliseconds: what reading the
+        store would take)."""
+        key = adapter_key(adapter.adapter_id)
+        src, dst = Path(adapter.path), self.root / key
+        entry, now = self.entries.get(key), time.time()
+        if entry is not None and _adapter_whole(src, dst, adapter.sha256):
+            entry.uses += 1
+            entry.last_used = now
+            return StageResult(dst, True, 0)
+        self.evict(key)
+        nbytes = sum((src / f).stat().st_size for f in ADAPTER_FILES)
+        self._make_room(nbytes, now)
+        t0 = time.perf_counter()
+        tmp = self.root / f"{key}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in ADAPTER_FILES:
+            shutil.copyfile(src / f, tmp / f)
+        if not _adapter_whole(src, tmp, adapter.sha256):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"the store's copy of adapter {adapter.adapter_id} fails its SHA-256")
+        tmp.rename(dst)
+        self.entries[key] = Resident(key, nbytes, time.perf_counter() - t0, now, now)
+        return StageResult(dst, entry is not None, int(entry is not None))
 
     def _check_set(self, artifact: Artifact, device: str, tier: Tier) -> StageResult:
         """`check` of a form of several files (the torch checkpoint), by its multicast block

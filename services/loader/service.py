@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, TypeVar
 
 import openvino as ov
@@ -17,7 +18,7 @@ from policy.adapters import AdapterRefused
 from policy.multicast import STORE, pipecast
 from services.loader.adapters import import_adapter
 from services.loader.formats import REFUSED_EXIT
-from services.loader.hostcache import HostCache, StageResult, block_set, forget_store_pages
+from services.loader.hostcache import ADAPTER_ENTRY, HostCache, StageResult, block_set, forget_store_pages
 from services.loader.layout import stage_layout
 from services.loader.peer import BlockServer, BlockSource, DirectoryStore, Holding, Link, PeerSource, receive
 from services.loader.settings import LoaderSettings
@@ -32,7 +33,7 @@ from services.loader.sources import (
 )
 from services.loader.store import artifact_dir, artifact_id, read_artifact, sha256_of, sha256_of_dir
 from shared import subjects
-from shared.adapters import AdapterImported, ImportAdapter
+from shared.adapters import AdapterImported, ImportAdapter, StageAdapter, read_manifest
 from shared.artifact import compiled_cache_dir, is_materialized, reads_torch_checkpoint
 from shared.bus import Bus, decode
 from shared.cache_messages import (
@@ -127,6 +128,7 @@ class LoaderService:
         await self.bus.subscribe(subjects.loader_import(node), self.on_import)
         await self.bus.subscribe(subjects.loader_stage(node), self.on_stage)
         await self.bus.subscribe(subjects.loader_verify(node), self.on_verify)
+        await self.bus.subscribe(subjects.loader_stage_adapter(node), self.on_stage_adapter)
         await self.bus.subscribe(subjects.loader_evict(node), self.on_evict)
         await self.bus.subscribe(subjects.loader_cache(node), self.on_cache)
         self.peer_addr = await self.peers.start(self.settings.peer_host, self.settings.peer_port)
@@ -227,6 +229,24 @@ class LoaderService:
         finally:
             if self._checks.get(req.artifact_id) is checked:
                 del self._checks[req.artifact_id]
+        await self.bus.reply(msg, self._staged(result))
+
+    async def on_stage_adapter(self, msg: Msg) -> None:
+        """An adapter's host-cache copy for its start on this node (issue 34)."""
+        path = "?"
+        try:
+            path = decode(msg.data, StageAdapter).path
+            adapter = read_manifest(Path(path))
+            if adapter is None:
+                raise RuntimeError("no whole adapter is kept there")
+            async with self._stage_lock:
+                result = await asyncio.to_thread(self.cache.stage_adapter, adapter)
+        except Exception as e:
+            log.warning("no host-cache copy of the adapter at %.200s: %s", path, e)
+            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
+            return
+        STAGES.labels("hit" if result.hit else "miss").inc()
+        self._update_gauges()
         await self.bus.reply(msg, self._staged(result))
 
     def _schedule_fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
@@ -426,7 +446,7 @@ class LoaderService:
             CachedArtifact(
                 artifact_id=aid,
                 nbytes=e.nbytes,
-                tier=str(self.cache.tiers.get(aid, "")),
+                tier=str(self.cache.tiers.get(aid, ADAPTER_ENTRY)),
                 uses=e.uses,
                 last_used=e.last_used,
             )

@@ -200,6 +200,12 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
         assert len(cold_starts(cluster, BASE)) == base_starts  # its base did not start again
         starts = wait_for(lambda: len(s := cold_starts(cluster, "ad-short")) >= 2 and s, 30, "two adapter starts")
         assert [s["tier"] for s in starts] == ["adapter", "adapter"]
+        # Its second start read the copy its first left in the node's host cache, listed there.
+        assert starts[0]["source"] == "host"
+        [node_cache] = httpx.get(f"{cluster.base_url}/admin/cache", timeout=10).json()
+        kept = {e["artifact_id"]: e for e in node_cache["entries"]}
+        entry = kept[f"adapter-{_adapter(cluster, 'ad-short')['adapter']['adapter_id']}"]
+        assert entry["tier"] == "adapter" and entry["uses"] >= 1
     finally:
         httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/ad-short", timeout=10)
 

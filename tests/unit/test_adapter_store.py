@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from policy.adapters import AdapterRefused
 from services.loader.adapters import import_adapter
+from services.loader.hostcache import ADAPTER_FILES, HostCache, adapter_key
 from shared.adapters import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_WEIGHTS, adapter_dir, read_manifest
 from shared.messages import Artifact, ModelRecord, SourceFormat
 
@@ -146,3 +147,34 @@ def test_a_refused_adapter_leaves_nothing_in_the_store(tmp_path: Path, why: str)
     with pytest.raises(AdapterRefused, match=says):
         import_adapter(base, source, max_rank=2 if why == "rank" else 64)
     assert not (Path(base.artifact.path) / "adapters").exists()
+
+
+def test_a_kept_adapter_is_copied_into_the_host_cache_checked_and_repaired_there(tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    kept = import_adapter(base, _adapter(tmp_path / "adapter"), max_rank=64).adapter
+    cache = HostCache(tmp_path / "shm", budget_bytes=64 * 1024 * 1024)
+
+    first = cache.stage_adapter(kept)
+    assert not first.hit and first.cache_dir == cache.root / adapter_key(kept.adapter_id)
+    assert read_manifest(first.cache_dir) == kept
+    assert (first.cache_dir / ADAPTER_WEIGHTS).read_bytes() == (Path(kept.path) / ADAPTER_WEIGHTS).read_bytes()
+    assert cache.used_bytes == sum((Path(kept.path) / f).stat().st_size for f in ADAPTER_FILES)
+
+    uses = cache.entries[adapter_key(kept.adapter_id)].uses
+    again = cache.stage_adapter(kept)
+    assert again.hit and again.repaired_blocks == 0 and cache.entries[adapter_key(kept.adapter_id)].uses == uses + 1
+
+    # A flipped byte in host memory is found by the manifest's SHA-256 and copied again.
+    weights = bytearray((first.cache_dir / ADAPTER_WEIGHTS).read_bytes())
+    weights[-1] ^= 0xFF
+    (first.cache_dir / ADAPTER_WEIGHTS).write_bytes(bytes(weights))
+    repaired = cache.stage_adapter(kept)
+    assert repaired.hit and repaired.repaired_blocks == 1
+    assert hashlib.sha256((repaired.cache_dir / ADAPTER_WEIGHTS).read_bytes()).hexdigest() == kept.sha256
+
+    # A store copy that no longer matches its manifest is refused, nothing left in the cache.
+    cache.evict(adapter_key(kept.adapter_id))
+    (Path(kept.path) / ADAPTER_WEIGHTS).write_bytes(bytes(weights))
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        cache.stage_adapter(kept)
+    assert list(cache.root.iterdir()) == [] and cache.used_bytes == 0

@@ -8,16 +8,21 @@ import asyncio
 import importlib
 import time
 
+import msgspec
 import pytest
 
 from policy.eviction import Resident
+from services.engine import adapters
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
 from services.engine.node import Bound, PendingColdStart, WorkerDied
 from services.engine.service import EngineService
 from services.engine.worker_wire import Chunk, Done, Loaded, Run
 from shared import subjects
+from shared.adapters import StageAdapter
+from shared.cache_messages import Staged
 from shared.errors import TesseraError
 from shared.messages import (
+    AdapterRef,
     ColdStartPhases,
     ErrorCode,
     Failed,
@@ -189,6 +194,40 @@ def test_a_heartbeat_while_an_instance_unloads_shows_its_model_served_or_residen
     assert seen
     for status in seen:
         assert "m" in {i.model for i in status.instances} or "a" in status.resident
+
+
+def test_an_adapters_worker_reads_its_host_cache_copy_and_its_store_copy_where_the_loader_has_none() -> None:
+    engine = started(says("x"))
+    store = AdapterRef(name="ad", adapter_id="ad1", path="/store/a/adapters/ad1", scale=2.0, nbytes=8, keep_alive_s=60)
+    asked: list[StageAdapter] = []
+
+    def loader(ask: StageAdapter) -> Staged:
+        asked.append(ask)
+        return Staged(cache_dir="/dev/shm/n/adapter-ad1", hit=len(asked) > 1, repaired_blocks=0)
+
+    def adapted(rid: str) -> Generate:
+        return msgspec.structs.replace(request(rid), adapter=store)
+
+    engine.bus.answers[subjects.loader_stage_adapter(engine.node.id)] = loader
+    worker = engine.node.instances["m"].bound.worker
+    for rid in ("r1", "r2"):
+        asyncio.run(engine.requests.on_generate(msg(adapted(rid))))
+    # Staged at its first use only; both requests read the copy.
+    assert asked == [StageAdapter(path=store.path)]
+    assert [r.adapter.path for r in worker.runs if r.adapter] == ["/dev/shm/n/adapter-ad1"] * 2  # type: ignore[attr-defined]
+
+    # Dropped, it is staged again at its next use (a hit now); with no loader, the store's copy.
+    engine.memory.node.instances["m"].adapters.clear()
+    engine.node.instances["m"].adapter_copies.clear()
+    asyncio.run(engine.requests.on_generate(msg(adapted("r3"))))
+    assert len(asked) == 2 and worker.runs[-1].adapter.path == "/dev/shm/n/adapter-ad1"  # type: ignore[attr-defined]
+    assert adapters.source(engine.node.instances["m"], worker.runs[-1].adapter) == "host"  # type: ignore[attr-defined]
+    del engine.bus.answers[subjects.loader_stage_adapter(engine.node.id)]
+    engine.node.instances["m"].adapters.clear()
+    engine.node.instances["m"].adapter_copies.clear()
+    asyncio.run(engine.requests.on_generate(msg(adapted("r4"))))
+    assert worker.runs[-1].adapter == store  # type: ignore[attr-defined]
+    assert adapters.source(engine.node.instances["m"], store) == "store"
 
 
 def test_a_request_the_pipeline_serves_as_the_replica_takes_over_is_the_pipelines_first_token() -> None:
