@@ -72,6 +72,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -259,6 +260,20 @@ def scheduler_counters(cluster: LocalCluster) -> dict[str, float]:
     }
 
 
+PLACED = re.compile(r"placed ([0-9a-f]+) .*?node_id='([^']+)'")
+
+
+def placed_on(scheduler_log: Path) -> dict[str, str]:
+    """Each request's node, by its id, from the scheduler's placement lines (DEBUG): the last
+    placement of a request placed again (after a preemption) wins."""
+    out: dict[str, str] = {}
+    if scheduler_log.exists():
+        for line in scheduler_log.read_text(errors="replace").splitlines():
+            if (m := PLACED.search(line)) is not None:
+                out[m.group(1)] = m.group(2)
+    return out
+
+
 def run_policy(
     variant: str,
     nodes: int,
@@ -290,7 +305,9 @@ def run_policy(
                 "TESSERA_MAX_INFLIGHT": "256",
                 "TESSERA_WORKER_REFILL_DELAY_S": "1",
                 **extra,
-                **({"TESSERA_LOG_LEVEL": "DEBUG"} if keep_logs is not None else {}),
+                # The scheduler logs each placement at DEBUG: each request's node (`placed_on`),
+                # what the simulator's node is fitted from. It logs little else there.
+                "TESSERA_LOG_LEVEL": "DEBUG",
             },
         )
         try:
@@ -323,6 +340,8 @@ def run_policy(
                 t = time.perf_counter()
                 results = load.counted(asyncio.run(drive(cluster.base_url, plan, models)))
                 wall = time.perf_counter() - t
+                nodes_of = placed_on(Path(home) / "logs" / "scheduler.log")
+                results = [{**r, "node": nodes_of.get(r["request_id"])} for r in results]
                 after = scheduler_counters(cluster)
                 status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
                 summary = summarize(results, models)
@@ -339,9 +358,6 @@ def run_policy(
                         "instances_at_end": {
                             n["node_id"]: sorted(i["model"] for i in n["instances"]) for n in status["nodes"]
                         },
-                        # What each engine measured of its steps (LLM-Mesh §5.2's PerfReports, as
-                        # the scheduler reads them): what the simulator's node is to be fitted from.
-                        "perf_at_end": {n["node_id"]: n.get("perf", []) for n in status["nodes"]},
                         "results": results,
                     }
                 )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster_setups import Load, Setup
-from bench.sim.real_cluster import ClusterSetup, fit_from_reports, fit_node, searched
+from bench.sim.real_cluster import ClusterSetup, fit_from_run, fit_node, searched
 
 
 def real_side(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,10 +42,12 @@ def simulated_side(
     """The simulator's capacity search on `load`'s setup, as a setup's `sim`: its node fitted
     to what the engines measured in this setup's own real run (`own`) where it kept that,
     else to setup (a)'s real run."""
-    mine = fit_from_reports(own) if own is not None else None
-    fit = mine or fit_node(fitted_from, coldstart)
+    base = fit_node(fitted_from, coldstart)
+    mine = fit_from_run(own, base) if own is not None else None
+    fit = mine or base
     source = (
-        "this setup's real run (its engines' PerfReports and cold-start records)"
+        "this setup's real run (its requests' decode beside each other on their nodes, its"
+        " cold-start records) and setup (a)'s prefill"
         if mine is not None
         else "setup (a)'s real run (cluster.json) and coldstart.json"
     )

@@ -12,6 +12,14 @@ batch. Both are fitted for one model on one kind of node (the curves ignore `par
   per row (each row's attention, sampling, detokenizing and streaming). No length term: the
   points come from short requests, whose length changes the step little.
 
+Where a node serves several models at once, its decode round is the sum of their
+instances' iterations (`core`: a + c · b each, so a · k + c · rows for k instances holding
+`rows` requests in all): `colocated_points` makes (k, rows, seconds per token) points from the
+requests of every model on each node, and `fit_round` fits a and c to them. That is what
+`bench.cluster`'s many-model setup measures; fitted to one model alone on a node, a and c
+miss what instances cost beside each other (one worker process each, taking turns at the
+node's CPU quota).
+
 `decode_points` makes those points from the requests of a model served alone on a node
 (`bench.cluster`'s exclusive run: one model per node), each a (mean batch over its decode,
 its decode seconds per token) pair. Its decode seconds exclude the prefills that ran in its
@@ -37,6 +45,8 @@ class Timed:
     first: float
     last: float
     tokens: int
+    model: str = ""
+    node: str = ""
 
 
 def decode_points(requests: Sequence[Timed], prefill_s: float) -> list[tuple[float, float]]:
@@ -89,3 +99,27 @@ def fitted_hardware(
         return a + c * batch
 
     return Hardware(kind, memory_bytes, load_bps, init_s, kv_copy_bps, prefill, decode)
+
+
+def colocated_points(requests: Sequence[Timed], samples: int = 64) -> list[tuple[float, float, float]]:
+    """(instances, rows, decode seconds per token) of each request: over its decode window
+    [first, last], the time-averaged number of models decoding on its node (its own included)
+    and of requests decoding there, against its window over the tokens after its first."""
+    rs = [r for r in requests if r.tokens > 1 and r.last > r.first and r.node]
+    out = []
+    for r in rs:
+        near = [o for o in rs if o.node == r.node and o.last > r.first and o.first < r.last]
+        ts = np.linspace(r.first, r.last, samples)
+        models = [len({o.model for o in near if o.first <= t <= o.last}) for t in ts]
+        rows = [sum(1 for o in near if o.first <= t <= o.last) for t in ts]
+        out.append((float(np.mean(models)), float(np.mean(rows)), (r.last - r.first) / (r.tokens - 1)))
+    return out
+
+
+def fit_round(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, c) of a round of k instances holding `rows` requests taking a · k + c · rows
+    seconds, least squares over `colocated_points`; both kept non-negative."""
+    x = np.array([[k, rows] for k, rows, _ in points])
+    y = np.array([s for _, _, s in points])
+    a, c = np.linalg.lstsq(x, y, rcond=None)[0]
+    return max(float(a), 0.0), max(float(c), 0.0)

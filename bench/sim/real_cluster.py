@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.capacity import capacity_search
 from bench.cluster_setups import THREE, THREE_MODELS, TOKENS, Load, Model
-from bench.sim.fit import Timed, decode_points, fit_step, fitted_hardware
+from bench.sim.fit import Timed, colocated_points, decode_points, fit_round, fit_step, fitted_hardware
 from bench.sim.hardware import GB, Hardware, Policy, Testbed
 from bench.sim.simulator import Sim
 from bench.sim.state import Stats
@@ -170,8 +170,8 @@ def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFi
       (`requests_at_capacity`), each model on a node of its own, then `fit.fit_step`;
     - a start: `coldstart.json`'s worker load from the host cache and its init.
 
-    The engines' PerfReports (heartbeats) would measure step times by batch directly, without
-    unpicking prefills from the client's times; `cluster.json` does not keep them."""
+    A setup whose own run kept each request's node is fitted from that run instead
+    (`fit_from_run`)."""
     overhead = float(coldstart["tessera_host_stack_overhead_s"])
     run = next(r for r in cluster["runs"] if r["policy"] == "exclusive")
     lowest = min(run["points"], key=lambda p: p["rate_req_per_s"])["summary"]
@@ -217,43 +217,58 @@ def real_result(cluster: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def fit_from_reports(result: Mapping[str, Any]) -> NodeFit | None:
-    """A node fitted from what a real `bench.cluster` run's engines measured on it (None where
-    the run kept none of it: runs before `perf_at_end` and `cold_start_records`):
+MIN_COLOCATED_POINTS = 8
+"""Fewer requests with their node than this: the run is no fit (a run before `placed_on`)."""
 
-    - decode: every (batch, seconds per iteration) of the engines' PerfReports (LLM-Mesh §5.2,
-      what the scheduler fits from), snapshotted after each rate, each distinct point once,
-      then `fit.fit_step`; these steps ran beside the node's other instances, at its quota;
-    - prefill: their (prompt tokens, seconds), as one rate (total tokens over total seconds);
+
+def fit_from_run(result: Mapping[str, Any], base: NodeFit) -> NodeFit | None:
+    """A node fitted to what a real `bench.cluster` run of a setup measured there (None where
+    the run kept too little of it: runs before each request's node was kept):
+
+    - decode: `fit.colocated_points` over the requests at capacity of both policies, each
+      with its node (`bench.cluster.placed_on`), then `fit.fit_round`: what a round of k
+      instances holding `rows` requests cost on a node at its quota, the instances' own
+      processes taking turns at it;
+    - prefill: `base`'s (a node serving one short prompt at a time, setup (a)'s exclusive run);
     - a start: the median of the run's cold-start records (not an adapter's): the weights'
-      load (`phases.load_s`), and everything else before the first token but the prefill
-      (init, profile, the start tier's compile on the node's quota) as the start's fixed part.
+      load (`phases.load_s`), and everything else before the first token but a prompt's
+      prefill at `base`'s rate (init, profile, the first pass's repack on the node's quota,
+      beside its other instances) as the start's fixed part.
     """
-    decode: set[tuple[float, float]] = set()
-    prefill: set[tuple[float, float]] = set()
-    starts: list[Mapping[str, Any]] = []
-    for run in result.get("runs", ()):
-        starts += [r for r in run.get("cold_start_records", ()) if r.get("tier") != "adapter"]
-        for point in run.get("points", ()):
-            for reports in point.get("perf_at_end", {}).values():
-                for report in reports:
-                    decode |= {(float(b), float(s)) for b, _length, s in report.get("decode", ())}
-                    prefill |= {(float(n), float(s)) for n, s in report.get("prefill", ())}
-    if len(decode) < 2 or not prefill or not starts:
+    points = []
+    for rs in result.get("requests_at_capacity", {}).values():  # each policy on a cluster of its own
+        timed = [
+            Timed(
+                r["at_s"],
+                r["at_s"] + r["ttft_s"],
+                r["at_s"] + r["ttft_s"] + r["tpot_s"] * (r["tokens"] - 1),
+                r["tokens"],
+                r["model"],
+                r["node"],
+            )
+            for r in rs
+            if r["ok"] and r.get("node")
+        ]
+        points += colocated_points(timed)
+    starts = [
+        r for run in result.get("runs", ()) for r in run.get("cold_start_records", ()) if r.get("tier") != "adapter"
+    ]
+    if len(points) < MIN_COLOCATED_POINTS or not starts:
         return None
-    a, c = fit_step(sorted(decode))
-    prefill_tok_s = sum(n for n, _ in prefill) / max(sum(s for _, s in prefill), 1e-9)
+    a, c = fit_round(points)
     load_s = float(np.median([r["phases"]["load_s"] for r in starts]))
-    fixed_s = float(
-        np.median([max(r["total_s"] - r["phases"]["load_s"] - r["phases"]["prefill_s"], 0.0) for r in starts])
-    )
+    # A start's record counts its first forward pass (the weights repacked, the first
+    # step beside the node's others) as its prefill: all of it but a prompt's prefill at
+    # the node's rate, which the simulator runs after the start, is the start's.
+    prompt_s = PROMPT_TOKENS / base.prefill_tok_s
+    fixed_s = float(np.median([max(r["total_s"] - r["phases"]["load_s"] - prompt_s, 0.0) for r in starts]))
     hw = fitted_hardware(
         "cpu",
-        prefill_tok_s=prefill_tok_s,
+        prefill_tok_s=base.prefill_tok_s,
         step=(a, c),
         memory_bytes=NODE_MEMORY_BYTES,
         load_bps=WEIGHT_BYTES / max(load_s, 1e-6),
         init_s=fixed_s,
         kv_copy_bps=20 * GB,
     )
-    return NodeFit(prefill_tok_s, a, c, len(decode), load_s, hw, start_fixed_s=fixed_s)
+    return NodeFit(base.prefill_tok_s, a, c, len(points), load_s, hw, start_fixed_s=fixed_s)

@@ -2,6 +2,7 @@
 bench's exclusive baseline, its judgement and ramp, and the node fitted from measurements."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -86,29 +87,64 @@ def test_the_fit_recovers_a_nodes_step_line() -> None:
     assert fit_step(points) == pytest.approx((a, c))
 
 
-def test_a_node_is_fitted_from_its_own_runs_perf_reports_and_cold_starts() -> None:
-    """The engines' PerfReports snapshotted after each rate (each distinct point once) give the
-    decode line and the prefill rate; the cold-start records (an adapter's left out) the start's
-    load and fixed part; a run that kept none of it gives no fit (the caller falls back)."""
-    from bench.sim.real_cluster import WEIGHT_BYTES, fit_from_reports
+def test_a_node_is_fitted_from_its_own_runs_requests_beside_each_other_and_cold_starts() -> None:
+    """Requests at capacity with their nodes: on node-0 one model alone (k = 1, one row), then
+    two models with a row each (k = 2, rows 2); on node-1 one model with three rows (k = 1,
+    rows 3). Each window's seconds per token is a·k + c·rows, so the fit recovers a and c; the
+    cold-start records (an adapter's left out) give the start's load and fixed part; the
+    prefill rate is the base fit's. A run without nodes gives no fit (the caller falls back)."""
+    from bench.sim.real_cluster import WEIGHT_BYTES, NodeFit, fit_from_run
 
-    decode = [[b, 40, 0.05 + 0.01 * b] for b in (1, 2, 4, 8)]
-    report = {"artifact_id": "x", "prefill": [[40, 0.1], [80, 0.2]], "decode": decode}
+    a, c, n = 0.04, 0.015, 32
+
+    def req(at: float, model: str, node: str, k: int, rows: int) -> dict[str, object]:
+        tpot = a * k + c * rows
+        return {"at_s": at, "ttft_s": 0.0, "tpot_s": tpot, "tokens": n, "ok": True, "model": model, "node": node}
+
+    alone = [req(100.0 * i, "m0", "node-0", 1, 1) for i in range(3)]
+    pair = [req(1000.0, m, "node-0", 2, 2) for m in ("m0", "m1")]
+    crowd = [req(2000.0, "m2", "node-1", 1, 3) for _ in range(3)]
 
     def start(total: float, load: float, prefill: float, tier: str = "start") -> dict[str, object]:
         phases = {"init_s": 0.1, "load_s": load, "profile_s": 0.0, "prefill_s": prefill, "apply_s": 0.0}
         return {"total_s": total, "phases": phases, "tier": tier}
 
-    point = {"perf_at_end": {"node-0": [report], "node-1": [report]}}
-    run = {
-        "points": [point, point],
-        "cold_start_records": [start(3.0, 0.5, 0.5), start(5.0, 1.0, 1.0), start(0.1, 0.0, 0.05, tier="adapter")],
-    }
-    fit = fit_from_reports({"runs": [run, {"points": [], "cold_start_records": [start(4.0, 0.75, 0.25)]}]})
-    assert fit is not None
-    assert fit.points == 4  # the same reports seen four times count once
-    assert abs(fit.step_fixed_s - 0.05) < 1e-9 and abs(fit.step_per_row_s - 0.01) < 1e-9
-    assert abs(fit.prefill_tok_s - 400.0) < 1e-9
-    assert fit.load_s == 0.75 and fit.start_fixed_s == 3.0  # medians of (0.5, 1.0, 0.75) and (2, 3, 3)
-    assert abs(fit.hardware.load_bps - WEIGHT_BYTES / 0.75) < 1e-6 and fit.hardware.init_s == 3.0
-    assert fit_from_reports({"runs": [{"points": [{"perf_at_end": {}}], "cold_start_records": []}]}) is None
+    runs = [
+        {"cold_start_records": [start(3.0, 0.5, 0.5), start(5.0, 1.0, 1.0), start(0.1, 0.0, 0.05, tier="adapter")]},
+        {"cold_start_records": [start(4.0, 0.75, 0.25)]},
+    ]
+    base = NodeFit(
+        400.0,
+        0.0,
+        0.0,
+        0,
+        0.0,
+        fitted_hardware(
+            "cpu", prefill_tok_s=400.0, step=(0.0, 0.0), memory_bytes=GB, load_bps=1.0, init_s=0.0, kv_copy_bps=1.0
+        ),
+    )
+    result = {"runs": runs, "requests_at_capacity": {"tessera": [*alone, *pair, *crowd], "exclusive": alone}}
+    fit = fit_from_run(result, base)
+    assert fit is not None and fit.points == 11
+    assert fit.step_fixed_s == pytest.approx(a) and fit.step_per_row_s == pytest.approx(c)
+    assert fit.prefill_tok_s == 400.0
+    # Medians of (0.5, 1.0, 0.75) and of total − load − a 40-token prompt at 400 tok/s: (2.4, 3.9, 3.15).
+    assert fit.load_s == 0.75 and fit.start_fixed_s == pytest.approx(3.15)
+    assert abs(fit.hardware.load_bps - WEIGHT_BYTES / 0.75) < 1e-6 and fit.hardware.init_s == pytest.approx(3.15)
+    unplaced = {"runs": runs, "requests_at_capacity": {"tessera": [{**r, "node": None} for r in alone * 4]}}
+    assert fit_from_run(unplaced, base) is None
+
+
+def test_each_requests_node_is_read_from_the_schedulers_placements(tmp_path: Path) -> None:
+    from bench.cluster import placed_on
+
+    log = tmp_path / "scheduler.log"
+    lines = [
+        "{\"message\": \"placed 0a1b (40 prompt tokens): StartOn(node_id='node-1', why=''), predicted None\"}",
+        '{"message": "placed 0a1b (40 prompt tokens): UseNode(node_id=\'node-2\', scale_out_to=None)"}',
+        '{"message": "placed ffee (41 prompt tokens): NoRoom(otherwise=UseNode(node_id=\'node-0\', x=1))"}',
+        '{"message": "scaled m00-chat to zero on node-1"}',
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    assert placed_on(log) == {"0a1b": "node-2", "ffee": "node-0"}  # placed again: the last wins
+    assert placed_on(tmp_path / "none.log") == {}
