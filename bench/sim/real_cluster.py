@@ -159,6 +159,15 @@ class NodeFit:
         }
 
 
+def timed_request(r: Mapping[str, Any]) -> Timed:
+    """A `bench.cluster` result as the fit reads it (its first and last token from its TTFT
+    and mean TPOT; its node where the run kept it)."""
+    first = r["at_s"] + r["ttft_s"]
+    return Timed(
+        r["at_s"], first, first + r["tpot_s"] * (r["tokens"] - 1), r["tokens"], r["model"], r.get("node") or ""
+    )
+
+
 def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFit:
     """A `bench.cluster` node (a quota of 0.667 cores, one inference thread, SmolLM2-135M),
     fitted from the real runs' results:
@@ -181,16 +190,7 @@ def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFi
     points: list[tuple[float, float]] = []
     requests = cluster["requests_at_capacity"]["exclusive"]
     for m in THREE_MODELS:
-        timed = [
-            Timed(
-                r["at_s"],
-                r["at_s"] + r["ttft_s"],
-                r["at_s"] + r["ttft_s"] + r["tpot_s"] * (r["tokens"] - 1),
-                r["tokens"],
-            )
-            for r in requests
-            if r["ok"] and r["model"] == m.name
-        ]
+        timed = [timed_request(r) for r in requests if r["ok"] and r["model"] == m.name]
         points += decode_points(timed, prefill_s)
     a, c = fit_step(points)
     phases = coldstart["tessera_host_phases"]
@@ -237,18 +237,7 @@ def fit_from_run(result: Mapping[str, Any], base: NodeFit) -> NodeFit | None:
     """
     points = []
     for rs in result.get("requests_at_capacity", {}).values():  # each policy on a cluster of its own
-        timed = [
-            Timed(
-                r["at_s"],
-                r["at_s"] + r["ttft_s"],
-                r["at_s"] + r["ttft_s"] + r["tpot_s"] * (r["tokens"] - 1),
-                r["tokens"],
-                r["model"],
-                r["node"],
-            )
-            for r in rs
-            if r["ok"] and r.get("node")
-        ]
+        timed = [timed_request(r) for r in rs if r["ok"] and r.get("node")]
         points += colocated_points(timed)
     starts = [
         r for run in result.get("runs", ()) for r in run.get("cold_start_records", ()) if r.get("tier") != "adapter"

@@ -47,12 +47,15 @@ def begin(inst: Served, ref: AdapterRef) -> bool:
     return use is None
 
 
-async def stage(node: Node, inst: Served, ref: AdapterRef) -> None:
+async def stage(node: Node, inst: Served, ref: AdapterRef) -> float:
     """At its first use on `inst`: the adapter copied into (or found in) the node's host cache,
-    where its worker loads it from; left to the store's copy where the loader cannot."""
+    where its worker loads it from; left to the store's copy where the loader cannot. The
+    seconds it took (its start's `stage_s`)."""
+    t0 = time.monotonic()
     copy = await node.host_copy(subjects.loader_stage_adapter(node.id), StageAdapter(path=ref.path), ref.name)
     if copy is not None and ref.name in inst.adapters:
         inst.adapter_copies[ref.name] = copy
+    return time.monotonic() - t0
 
 
 def as_loaded(inst: Served, ref: AdapterRef) -> AdapterRef:
@@ -120,21 +123,29 @@ def drop_idle(instances: list[Served]) -> list[str]:
 
 
 def cold_start(
-    node_id: str, ref: AdapterRef, load: AdapterLoad, received: float, first_token_at: float, source: str
+    node_id: str,
+    ref: AdapterRef,
+    load: AdapterLoad,
+    received: float,
+    first_token_at: float,
+    source: str,
+    stage_s: float = 0.0,
 ) -> ColdStartRecorded:
-    """An adapter's start on its warm base: read from the host cache or the store (`source`,
-    `load_s`), applied (`apply_s`), its first token (`prefill_s`: the rest of the time to it);
-    `received`, `first_token_at`: time.monotonic()."""
+    """An adapter's start on its warm base: its host-cache copy staged (`stage_s`) and read
+    from there or from the store (`source`; `load_s`: both), applied (`apply_s`), its first
+    token (`prefill_s`: the rest of the time to it); `received`, `first_token_at`:
+    time.monotonic()."""
     total = max(0.0, first_token_at - received)
+    load_s = stage_s + load.load_s
     phases = ColdStartPhases(
         init_s=0.0,
-        load_s=load.load_s,
+        load_s=load_s,
         profile_s=0.0,
         apply_s=load.apply_s,
-        prefill_s=max(0.0, total - load.load_s - load.apply_s),
+        prefill_s=max(0.0, total - load_s - load.apply_s),
     )
     metrics.ADAPTER_LOADS.inc()
-    log.info("adapter start of %s: %.3fs (load %.3fs, apply %.3fs)", ref.name, total, load.load_s, load.apply_s)
+    log.info("adapter start of %s: %.3fs (load %.3fs, apply %.3fs)", ref.name, total, load_s, load.apply_s)
     return ColdStartRecorded(
         node_id=node_id,
         model=ref.name,
@@ -142,6 +153,7 @@ def cold_start(
         phases=phases,
         total_s=total,
         source=source,
+        stage_s=stage_s,
         worker_load_s=load.load_s,
         tier=ADAPTER_TIER,
     )

@@ -51,6 +51,7 @@ class Requests:
             failed = Failed(request_id=req.request_id, code=ErrorCode.INSTANCE_NOT_LOADED, message=why)
             await self.node.bus.reply(msg, failed)
             return
+        received, stage_s = time.monotonic(), 0.0
         cancelled = Cancelled()
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
         inst.prompts[req.request_id] = req.prompt_tokens
@@ -63,7 +64,7 @@ class Requests:
             try:
                 if req.adapter is not None and first_use:
                     await self.memory.book_adapter(inst, req.adapter)
-                    await adapters.stage(self.node, inst, req.adapter)
+                    stage_s = await adapters.stage(self.node, inst, req.adapter)
                 await self.memory.kv_admit(inst, req)
             except TesseraError as e:
                 if first_use and req.adapter is not None:
@@ -72,7 +73,7 @@ class Requests:
                 failed = Failed(request_id=req.request_id, code=e.code, message=e.message)
                 await self.node.bus.publish(req.stream_subject, failed)
                 return
-            await self._generate(inst, req, cancelled)
+            await self._generate(inst, req, cancelled, received, stage_s)
         finally:
             if req.adapter is not None:
                 adapters.end(inst, req.adapter)
@@ -86,8 +87,12 @@ class Requests:
                 inst.drained.set()
                 self.node.went_idle.set()  # a start waiting for memory may take this one's
 
-    async def _generate(self, inst: Served, req: Generate, cancelled: Cancelled) -> None:
-        rid, received, interval = req.request_id, time.monotonic(), self.node.settings.stream_interval_s
+    async def _generate(
+        self, inst: Served, req: Generate, cancelled: Cancelled, received: float, stage_s: float
+    ) -> None:
+        """`received`: time.monotonic() at its arrival; `stage_s`: what its adapter's host-cache
+        copy took before it (its first use on the instance)."""
+        rid, interval = req.request_id, self.node.settings.stream_interval_s
         slo = ttft_slo(inst, req.prompt_tokens)
         adapter = None if req.adapter is None else adapters.as_loaded(inst, req.adapter)
         run = Run(
@@ -144,6 +149,7 @@ class Requests:
                             received,
                             out.first_token_at,
                             adapters.source(inst, adapter),
+                            stage_s,
                         )
                         await self.node.bus.publish(subjects.cold_start_recorded(), record)
             preempted = inst.preempted or rid in inst.evicted

@@ -14,6 +14,7 @@ import pytest
 from policy.eviction import Resident
 from services.engine import adapters
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
+from services.engine.batch_types import AdapterLoad
 from services.engine.node import Bound, PendingColdStart, WorkerDied
 from services.engine.service import EngineService
 from services.engine.worker_wire import Chunk, Done, Loaded, Run
@@ -197,7 +198,14 @@ def test_a_heartbeat_while_an_instance_unloads_shows_its_model_served_or_residen
 
 
 def test_an_adapters_worker_reads_its_host_cache_copy_and_its_store_copy_where_the_loader_has_none() -> None:
-    engine = started(says("x"))
+    def loads(run: Run) -> list[Chunk | Done | BaseException]:  # each run the adapter's start
+        load = AdapterLoad(run.adapter.name, 0.01, 0.02) if run.adapter else None
+        return [
+            Chunk(run.request_id, "x", 1),
+            Done(run.request_id, FinishReason.STOP, 1, time.monotonic(), adapter_load=load),
+        ]
+
+    engine = started(loads)
     store = AdapterRef(name="ad", adapter_id="ad1", path="/store/a/adapters/ad1", scale=2.0, nbytes=8, keep_alive_s=60)
     asked: list[StageAdapter] = []
 
@@ -222,6 +230,14 @@ def test_an_adapters_worker_reads_its_host_cache_copy_and_its_store_copy_where_t
     asyncio.run(engine.requests.on_generate(msg(adapted("r3"))))
     assert len(asked) == 2 and worker.runs[-1].adapter.path == "/dev/shm/n/adapter-ad1"  # type: ignore[attr-defined]
     assert adapters.source(engine.node.instances["m"], worker.runs[-1].adapter) == "host"  # type: ignore[attr-defined]
+    # Each start recorded with where it read the adapter; its load counts the staging and the
+    # worker's read.
+    # (The fake's worker loads it at every request: r2 read the copy r1 made, not one found.)
+    records = [r for r in engine.bus.sent(subjects.cold_start_recorded()) if r.tier == "adapter"]
+    assert [r.source for r in records] == ["store", "store", "host"]
+    again = records[2]
+    assert again.stage_s > 0 and again.phases.load_s == pytest.approx(again.stage_s + 0.01)
+    assert again.worker_load_s == 0.01 and records[1].stage_s == 0.0  # staged at its first use only
     del engine.bus.answers[subjects.loader_stage_adapter(engine.node.id)]
     engine.node.instances["m"].adapters.clear()
     engine.node.instances["m"].adapter_copies.clear()
