@@ -47,7 +47,7 @@ The package, by what each part handles:
 """
 
 from bench.capacity import SLO_TARGET
-from bench.sim.core import KEEPALIVE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK, SimCore
+from bench.sim.core import KEEPALIVE, LINE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK, SimCore
 from bench.sim.hardware import (
     CPU,
     DEFAULT_MEAN_OUTPUT,
@@ -89,6 +89,7 @@ __all__ = [
     "GPU",
     "GPU_ONLY",
     "KEEPALIVE",
+    "LINE",
     "LLM_MESH",
     "L_MIN_TOKENS",
     "NODE_NEXT",

@@ -53,7 +53,7 @@ from policy.placement import Profile
 from policy.tensor_pool import Tensor
 from shared.messages import TTFT_SLO_PER_TOKEN_S
 
-PF_DONE, NODE_NEXT, OP_DONE, READY, KEEPALIVE, TICK, SAMPLE = range(7)
+PF_DONE, NODE_NEXT, OP_DONE, READY, KEEPALIVE, TICK, SAMPLE, LINE = range(8)
 
 
 class SimCore:
@@ -95,6 +95,9 @@ class SimCore:
         self.seq = 0
         self.now = 0.0
         self.excl_queue: dict[int, deque[Req]] = {}
+        self.line: deque[tuple[Req, float, set[int]]] = deque()
+        """Tessera with `Policy.line`: requests no node had room for, first come first served,
+        each with when its wait ends and the nodes it avoids (`services/scheduler/line.py`)."""
         self.op_seq = 0
         self.tick_pending = False
         self.out_sum = [0.0] * len(self.models)

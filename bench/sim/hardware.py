@@ -116,6 +116,10 @@ class Policy:
     reject_over_slo: float | None = 1.0
     """The scheduler's early reject (`sched.place`): a request whose soonest first token is
     predicted past this many TTFT SLOs is refused at once rather than queued."""
+    line: bool = False
+    """A request no node has room for (`sched.NoRoom`) waits for room, as the services'
+    scheduler holds it in its line, for `reject_over_slo` of its TTFT SLO, then goes where
+    `NoRoom.otherwise` says; False: it goes there at once (the LLM-Mesh runs)."""
     max_active_per_instance: int = 256
     max_replacements: int = 2
     """A request a node cannot hold (its KV cache cannot grow) is placed again elsewhere, as

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from bench.sim.core import KEEPALIVE, READY
+from bench.sim.core import KEEPALIVE, LINE, READY
 from bench.sim.hardware import RESIZE_FIXED_S, TYPICAL_LENGTH, first_kv_bytes
 from bench.sim.memory import SimMemory
 from bench.sim.state import Inst, Node, Req
@@ -78,8 +78,36 @@ class SimPlacement(SimMemory):
         return nodes
 
     def place_shared(self, r: Req, avoid: set[int] | None = None) -> None:
-        """Place r as the scheduler does (`sched.place`), then carry the decision out."""
+        """Place r as the scheduler does (`sched.place`), then carry the decision out; with no
+        room anywhere, r waits in the line (`Policy.line`) or goes where the line would send it
+        once its wait is over."""
         avoid = avoid or set()
+        decision = self.decide_shared(r, avoid)
+        if isinstance(decision, sched.NoRoom):
+            if self.policy.line:
+                until = self.now + (self.policy.reject_over_slo or 1.0) * r.ttft
+                self.line.append((r, until, avoid))
+                self.stats.lined += 1
+                self.push(until, LINE, None)
+                return
+            decision = decision.otherwise
+        self.carry_out(r, decision, avoid)
+
+    def serve_line(self) -> None:
+        """The line's requests placed again, in order, as room shows (a request ended) or
+        their wait ends; those still without room wait on."""
+        waiting, self.line = self.line, deque()
+        for r, until, avoid in waiting:
+            decision = self.decide_shared(r, avoid)
+            if isinstance(decision, sched.NoRoom):
+                if self.now < until - 1e-9:
+                    self.line.append((r, until, avoid))
+                    continue
+                decision = decision.otherwise
+            self.carry_out(r, decision, avoid)
+
+    def decide_shared(self, r: Req, avoid: set[int]) -> Any:
+        """The scheduler's decision for r (`sched.first_join`, then `sched.place`)."""
         m = r.model
         name = self.names[m]
         self.placements += 1
@@ -111,10 +139,11 @@ class SimPlacement(SimMemory):
                 reject_over_slo=self.policy.reject_over_slo,
                 joins=joins,
             )
-        if isinstance(decision, sched.NoRoom):
-            # The simulator holds no line: a request with no room goes where the services'
-            # line would send it once its wait is over.
-            decision = decision.otherwise
+        return decision
+
+    def carry_out(self, r: Req, decision: Any, avoid: set[int]) -> None:
+        m = r.model
+        name = self.names[m]
         if isinstance(decision, Rejected):
             self.reject(r, decision.code.value)
             return

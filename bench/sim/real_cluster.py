@@ -40,7 +40,7 @@ NODE_MEMORY_BYTES = 4 * GB
 """Room for every model of setup (a) many times over, and for (b)'s twelve on one node: memory
 decides nothing (the services' memory manager books 8 GiB a node, `memory_budget_bytes`)."""
 
-TESSERA_CLUSTER = Policy("tessera", keep_alive_s=30.0)
+TESSERA_CLUSTER = Policy("tessera", keep_alive_s=30.0, line=True)
 EXCLUSIVE_CLUSTER = Policy(
     "exclusive", shared=False, keep_alive_s=30.0, exclusive_scale_out=False, exclusive_kinds=("cpu",)
 )

@@ -1,7 +1,7 @@
 """The simulator (`Sim`): its layers composed, `SimPlacement(SimMemory(SimCore))` (each calls
 only the layers below it), and the event loop that dispatches to them: arrivals to the
 policy's placement, a node's next completion, prefills done, memory operations done,
-instances ready, keep-alives, the exclusive baseline's ticks, samples. `simulate` runs one.
+instances ready, keep-alives, the exclusive baseline's ticks, the line's turns, samples. `simulate` runs one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import gc
 import heapq
 from typing import Any
 
-from bench.sim.core import KEEPALIVE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK
+from bench.sim.core import KEEPALIVE, LINE, NODE_NEXT, OP_DONE, PF_DONE, READY, SAMPLE, TICK
 from bench.sim.hardware import LLM_MESH, Policy, Testbed
 from bench.sim.placement import SimPlacement
 from bench.sim.state import Node, Req, Stats
@@ -81,6 +81,8 @@ class Sim(SimPlacement):
         elif kind == TICK:
             self.tick_pending = False
             self.on_tick()
+        elif kind == LINE:
+            self.serve_line()
         elif kind == SAMPLE:
             self.sample()
             if self.now < self.trace.duration_s:
@@ -101,6 +103,8 @@ class Sim(SimPlacement):
         self.reschedule(node)
         if finished and self.excl_queue:
             self.schedule_tick(0.0)
+        if finished and self.line:  # their room may take the line's (as heartbeats wake it)
+            self.push(self.now, LINE, None)
 
     def complete(self, r: Req) -> None:
         r.done = self.now

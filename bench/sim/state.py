@@ -282,6 +282,8 @@ class Stats:
     cold_starts: int = 0
     reuse_starts: int = 0
     preemptions: int = 0
+    lined: int = 0
+    """Requests that waited in the line for room (`Policy.line`)."""
     ttfts: list[float] = field(default_factory=list)
     unfinished: int = 0
     late_on: dict[str, int] = field(default_factory=dict)

@@ -196,19 +196,25 @@ class HostCache:
         self.tiers[artifact.artifact_id] = tier
         return StageResult(dst_dir, False, 0)
 
-    def stage_adapter(self, adapter: AdapterArtifact) -> StageResult:
-        """A LoRA adapter's kept files (issue 34: a few megabytes) in host memory, beside the
-        models' blobs under the same budget and the same eviction by cost. A hit is checked
-        whole and copied again where it fails (`repaired_blocks` 1); a miss is copied now
-        and checked as it lands, before its start reads it (milliseconds: what reading the
-        store would take)."""
+    def verify_adapter(self, adapter: AdapterArtifact) -> StageResult | None:
+        """A hit: a LoRA adapter's kept files (issue 34: a few megabytes) in host memory,
+        checked whole, copied again where they fail (`repaired_blocks` 1). None: not cached."""
         key = adapter_key(adapter.adapter_id)
-        src, dst = Path(adapter.path), self.root / key
-        entry, now = self.entries.get(key), time.time()
-        if entry is not None and _adapter_whole(src, dst, adapter.sha256):
-            entry.uses += 1
-            entry.last_used = now
-            return StageResult(dst, True, 0)
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        entry.uses += 1
+        entry.last_used = time.time()
+        if _adapter_whole(Path(adapter.path), self.root / key, adapter.sha256):
+            return StageResult(self.root / key, True, 0)
+        self.fill_adapter(adapter)
+        return StageResult(self.root / key, True, 1)
+
+    def fill_adapter(self, adapter: AdapterArtifact) -> StageResult:
+        """A miss: the adapter's files copied in from the store, beside the models' blobs under
+        the same budget and the same eviction by cost, and checked as they land."""
+        key = adapter_key(adapter.adapter_id)
+        src, dst, now = Path(adapter.path), self.root / key, time.time()
         self.evict(key)
         nbytes = sum((src / f).stat().st_size for f in ADAPTER_FILES)
         self._make_room(nbytes, now)
@@ -223,7 +229,7 @@ class HostCache:
             raise RuntimeError(f"the store's copy of adapter {adapter.adapter_id} fails its SHA-256")
         tmp.rename(dst)
         self.entries[key] = Resident(key, nbytes, time.perf_counter() - t0, now, now)
-        return StageResult(dst, entry is not None, int(entry is not None))
+        return StageResult(dst, False, 0)
 
     def _check_set(self, artifact: Artifact, device: str, tier: Tier) -> StageResult:
         """`check` of a form of several files (the torch checkpoint), by its multicast block

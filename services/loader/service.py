@@ -232,22 +232,32 @@ class LoaderService:
         await self.bus.reply(msg, self._staged(result))
 
     async def on_stage_adapter(self, msg: Msg) -> None:
-        """An adapter's host-cache copy for its start on this node (issue 34)."""
-        path = "?"
+        """An adapter's host-cache copy for its start on this node (issue 34): a hit, checked;
+        on a miss the start reads the store's copy, and the cache fills behind it (as a
+        model's: TIDAL §5.2, loading off the start's critical path)."""
+        path, adapter = "?", None
         try:
             path = decode(msg.data, StageAdapter).path
             adapter = read_manifest(Path(path))
             if adapter is None:
                 raise RuntimeError("no whole adapter is kept there")
             async with self._stage_lock:
-                result = await asyncio.to_thread(self.cache.stage_adapter, adapter)
+                result = await asyncio.to_thread(self.cache.verify_adapter, adapter)
         except Exception as e:
             log.warning("no host-cache copy of the adapter at %.200s: %s", path, e)
             await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
             return
-        STAGES.labels("hit" if result.hit else "miss").inc()
+        STAGES.labels("hit" if result else "miss").inc()
+        await self.bus.reply(
+            msg, self._staged(result) if result else Staged(cache_dir=path, hit=False, repaired_blocks=0)
+        )
+        if result is None:
+            try:
+                async with self._stage_lock:
+                    await asyncio.to_thread(self.cache.fill_adapter, adapter)
+            except Exception as e:
+                log.warning("filling the host cache with adapter %s failed: %s", adapter.adapter_id, e)
         self._update_gauges()
-        await self.bus.reply(msg, self._staged(result))
 
     def _schedule_fill(self, artifact: Artifact, device: str, tier: Tier) -> None:
         aid = artifact.artifact_id

@@ -113,6 +113,12 @@ def _adapter(cluster: LocalCluster, name: str) -> dict[str, Any]:
     return next(a for a in listed if a["name"] == name)
 
 
+def _cached(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
+    """The node's host-cache entries, by key."""
+    [node_cache] = httpx.get(f"{cluster.base_url}/admin/cache", timeout=10).json()
+    return {e["artifact_id"]: e for e in node_cache["entries"]}
+
+
 def test_an_adapter_gives_the_librarys_greedy_answer_for_it_not_its_bases(
     cluster: LocalCluster, base: dict[str, Any]
 ) -> None:
@@ -183,6 +189,9 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
     try:
         first = _complete(cluster, "ad-short")
         assert first[0] == "ad-short"
+        # Its first start read the store's copy; the node's host cache filled behind it.
+        key = f"adapter-{_adapter(cluster, 'ad-short')['adapter']['adapter_id']}"
+        wait_for(lambda: key in _cached(cluster), 30, "the adapter's host-cache copy")
         base_starts = len(cold_starts(cluster, BASE))
         inst = wait_for(lambda: _instance(cluster), 30, "the base's instance")
         # Listed from the heartbeat after its request, and dropped a second idle later: it may
@@ -202,10 +211,8 @@ def test_an_adapter_idle_its_keep_alive_comes_back_without_restarting_its_base(
         assert [s["tier"] for s in starts] == ["adapter", "adapter"]
         # Its second start read the copy its first left in the node's host cache, listed there.
         assert starts[0]["source"] == "host"
-        [node_cache] = httpx.get(f"{cluster.base_url}/admin/cache", timeout=10).json()
-        kept = {e["artifact_id"]: e for e in node_cache["entries"]}
-        entry = kept[f"adapter-{_adapter(cluster, 'ad-short')['adapter']['adapter_id']}"]
-        assert entry["tier"] == "adapter" and entry["uses"] >= 1
+        entry = _cached(cluster)[key]
+        assert entry["tier"] == "adapter" and entry["uses"] >= 2
     finally:
         httpx.delete(f"{cluster.base_url}/admin/models/{BASE}/adapters/ad-short", timeout=10)
 

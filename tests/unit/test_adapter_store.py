@@ -154,27 +154,29 @@ def test_a_kept_adapter_is_copied_into_the_host_cache_checked_and_repaired_there
     kept = import_adapter(base, _adapter(tmp_path / "adapter"), max_rank=64).adapter
     cache = HostCache(tmp_path / "shm", budget_bytes=64 * 1024 * 1024)
 
-    first = cache.stage_adapter(kept)
+    assert cache.verify_adapter(kept) is None  # a miss: the start reads the store's, the fill follows
+    first = cache.fill_adapter(kept)
     assert not first.hit and first.cache_dir == cache.root / adapter_key(kept.adapter_id)
     assert read_manifest(first.cache_dir) == kept
     assert (first.cache_dir / ADAPTER_WEIGHTS).read_bytes() == (Path(kept.path) / ADAPTER_WEIGHTS).read_bytes()
     assert cache.used_bytes == sum((Path(kept.path) / f).stat().st_size for f in ADAPTER_FILES)
 
     uses = cache.entries[adapter_key(kept.adapter_id)].uses
-    again = cache.stage_adapter(kept)
-    assert again.hit and again.repaired_blocks == 0 and cache.entries[adapter_key(kept.adapter_id)].uses == uses + 1
+    again = cache.verify_adapter(kept)
+    assert again is not None and again.hit and again.repaired_blocks == 0
+    assert cache.entries[adapter_key(kept.adapter_id)].uses == uses + 1
 
     # A flipped byte in host memory is found by the manifest's SHA-256 and copied again.
     weights = bytearray((first.cache_dir / ADAPTER_WEIGHTS).read_bytes())
     weights[-1] ^= 0xFF
     (first.cache_dir / ADAPTER_WEIGHTS).write_bytes(bytes(weights))
-    repaired = cache.stage_adapter(kept)
-    assert repaired.hit and repaired.repaired_blocks == 1
+    repaired = cache.verify_adapter(kept)
+    assert repaired is not None and repaired.hit and repaired.repaired_blocks == 1
     assert hashlib.sha256((repaired.cache_dir / ADAPTER_WEIGHTS).read_bytes()).hexdigest() == kept.sha256
 
     # A store copy that no longer matches its manifest is refused, nothing left in the cache.
     cache.evict(adapter_key(kept.adapter_id))
     (Path(kept.path) / ADAPTER_WEIGHTS).write_bytes(bytes(weights))
     with pytest.raises(RuntimeError, match="SHA-256"):
-        cache.stage_adapter(kept)
+        cache.fill_adapter(kept)
     assert list(cache.root.iterdir()) == [] and cache.used_bytes == 0

@@ -148,3 +148,17 @@ def test_each_requests_node_is_read_from_the_schedulers_placements(tmp_path: Pat
     log.write_text("\n".join(lines) + "\n")
     assert placed_on(log) == {"0a1b": "node-2", "ffee": "node-0"}  # placed again: the last wins
     assert placed_on(tmp_path / "none.log") == {}
+
+
+def test_a_request_with_no_room_waits_in_the_line_and_is_still_served() -> None:
+    # Far past capacity: the services' scheduler holds what no node has room for in its line
+    # (for up to its TTFT SLO) and places it as room shows or its wait ends; nothing is lost.
+    trace = cluster_trace(SMALL.load, 30.0)
+    lined = Sim(trace, 3, 0, TESSERA_CLUSTER, SMALL.testbed(NODE))
+    st = lined.run()
+    assert st.lined > 0 and st.unfinished == 0
+    assert st.met + st.late + st.rejected == st.requests
+    waited = [r for r in lined.reqs if r.first >= 0 and r.first - r.arrival > r.ttft]
+    assert all(r.outcome == "late" for r in waited)
+    at_once = Sim(trace, 3, 0, replace(TESSERA_CLUSTER, line=False), SMALL.testbed(NODE)).run()
+    assert at_once.lined == 0 and at_once.unfinished == 0
