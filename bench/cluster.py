@@ -58,8 +58,9 @@ exclusive baseline's), and writes `<out>/cluster.json`: its `setups[SETUP]` (the
 kept) with the setup's `models`, `nodes`, and `real` and `sim` side by side, each with both
 policies' `capacity_req_per_s`, `curves` and `capacity_ratio_vs_exclusive` (`sim`: the
 simulator's search on the same setup and search, `bench.sim.real_cluster`, its node fitted to
-setup (a)'s real run; seconds), and `ratio_sim_over_real`. A real run of setup (a) also writes
-the file's top-level keys (the format before the setups, which `bench.sim_cluster` reads) and
+the setup's own real run where it kept each request's node, else to setup (a)'s; seconds), and
+`ratio_sim_over_real`. A real run of setup (a) also writes
+the file's top-level keys (the format before the setups, which the fit reads) and
 `<out>/cluster.png`; of another setup, `<out>/cluster-SETUP.png`, its runs and requests kept in
 `setups[SETUP].real`. `<out>/cluster_setups.png` plots real against simulated, a panel per
 setup. `--sim-only` runs no cluster: it fills `setups[SETUP].sim` alone (`real` kept, or null).

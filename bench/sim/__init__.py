@@ -41,8 +41,8 @@ The package, by what each part handles:
 - `fit.py`: a node's `Hardware` fitted to a real engine's measurements (prefill tok/s, decode
   step vs batch).
 - `real_cluster.py`: `bench.cluster`'s setups on the simulator (issue 37, `bench.cluster_setups`: its models
-  and SLOs, arrivals, ramp, keep-alive, judgement, search; exclusive with no scale-out), run by
-  `python -m bench.sim_cluster`.
+  and SLOs, arrivals, ramp, keep-alive, judgement, search; exclusive with no scale-out; the
+  scheduler's line), run by `python -m bench.cluster --setup NAME --sim-only`.
 - `__main__.py`: the command line and its plot.
 """
 
