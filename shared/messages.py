@@ -254,6 +254,10 @@ class InstanceStopped(Message, frozen=True):
     model: str
     stopped: bool
     reason: str = ""
+    resident: tuple[str, ...] | None = None
+    """An idle stop's: what the node holds resident after it (its heartbeat's `resident`, the
+    stopped model's weights among them where the pool kept them). The scheduler's view takes
+    it with the stop: it ignores the heartbeats sent before its own change of the view."""
 
 
 class ColdStartRecorded(Message, frozen=True):

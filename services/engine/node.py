@@ -325,14 +325,17 @@ class Node:
     async def beat(self) -> None:
         await self.bus.publish(subjects.node_heartbeat(), self.status())
 
-    def status(self) -> NodeStatus:
-        # Resident: artifacts a start would read nothing of (idle bound workers', and those whose
-        # every tensor an idle arena holds: Tangram §3.1); reusable: those it would read part of,
-        # with the share it would not (a fine-tune beside its base, in the store too).
+    def holdings(self) -> tuple[set[str], dict[str, float]]:
+        """Resident: artifacts a start would read nothing of (idle bound workers', and those
+        whose every tensor an idle arena holds: Tangram §3.1); reusable: those it would read
+        part of, with the share it would not (a fine-tune beside its base, in the store too)."""
         idle = self.idle_tensors()
         unbound = {a: t for a, t in self.tensor_bytes.items() if a not in self.bound}
         shares = reusable_shares(idle, unbound) if idle else {}
-        resident = (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}
+        return (set(idle) - {NODE_ARENA}) | {aid for aid, share in shares.items() if share >= 1.0}, shares
+
+    def status(self) -> NodeStatus:
+        resident, shares = self.holdings()
         return NodeStatus(
             node_id=self.id,
             sent_at=time.time(),

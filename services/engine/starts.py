@@ -409,8 +409,12 @@ class Starts:
         if inst is not None and not reason:
             await self.memory.unload(inst)
             log.info("instance of %s unloaded (idle)", req.model, extra={"model": req.model})
+        resident = tuple(sorted(self.node.holdings()[0]))
         await self.node.bus.reply(
-            msg, InstanceStopped(node_id=self.node.id, model=req.model, stopped=not reason, reason=reason)
+            msg,
+            InstanceStopped(
+                node_id=self.node.id, model=req.model, stopped=not reason, reason=reason, resident=resident
+            ),
         )
 
     async def on_preempt(self, msg: Msg) -> None:

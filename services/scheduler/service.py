@@ -134,6 +134,15 @@ class SchedulerService:
         self.nodes[node_id] = dataclasses.replace(old, instances=instances, starting=old.starting - {model})
         self._changed_at[node_id] = now
 
+    def _stopped(self, reply: InstanceStopped) -> None:
+        """An instance the scheduler stopped is gone from its view at once, and what its node
+        holds resident after the stop (its weights, where the pool kept them) is in it too:
+        the node's heartbeats sent before this change are ignored."""
+        self._set_instance(reply.node_id, reply.model, None)
+        if reply.resident is not None:
+            view = self.nodes[reply.node_id]
+            self.nodes[reply.node_id] = dataclasses.replace(view, resident=frozenset(reply.resident))
+
     async def on_status(self, msg: Msg) -> None:
         now = time.time()
         live = scheduling.live_nodes(self.nodes.values(), now, self.settings.node_timeout_s)
@@ -577,7 +586,7 @@ class SchedulerService:
                 log.warning("stop of %s on %s failed: %s", order.model, order.node_id, e.message)
                 continue
             if reply.stopped or reply.reason == "not loaded":
-                self._set_instance(order.node_id, order.model, None)
+                self._stopped(reply)
                 self._last_placed.pop((order.node_id, order.model), None)
             if reply.stopped:
                 SCALE_INS.inc()

@@ -32,11 +32,13 @@ from shared.messages import (
     Generate,
     GenerateAccepted,
     InstanceReady,
+    InstanceStopped,
     ModelRecord,
     NodeStatus,
     Rejected,
     SamplingParams,
     StartInstance,
+    StopInstance,
     Tier,
     TokenChunk,
 )
@@ -177,6 +179,14 @@ def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:
     assert engine.node.bound["a"].resident.users == 0 and engine.manager.regions == {"weights:a": 100}
     asyncio.run(engine.starts.start_instance(StartInstance(model=record())))
     assert len(engine.pool.taken) == 1 and engine.node.instances["m"].start.source == "resident"  # type: ignore[union-attr]
+
+
+def test_an_idle_stop_answers_with_the_stopped_models_weights_resident() -> None:
+    engine = started(says("x"))
+    asyncio.run(engine.starts.on_stop(msg(StopInstance(model="m", idle_since=time.time() + 60))))
+    (stopped,) = engine.bus.replies
+    assert isinstance(stopped, InstanceStopped) and stopped.stopped and stopped.resident == ("a",)
+    assert "m" not in engine.node.instances
 
 
 def test_a_heartbeat_while_an_instance_unloads_shows_its_model_served_or_resident() -> None:
