@@ -109,10 +109,10 @@ class AdapterImported(Message, frozen=True):
 
 
 class StageAdapter(Message, frozen=True):
-    """Engine → its node's loader: the adapter kept at `path` (`AdapterArtifact.path`, in the
-    store), copied into the host cache and checked against its manifest's SHA-256. Answered
-    `shared.cache_messages.Staged` (`cache_dir`: the copy's directory, `hit`: it was there
-    already) or `Rejected`."""
+    """Engine → its node's loader: the host-cache copy of the adapter kept at `path`
+    (`AdapterArtifact.path`, in the store). Answered `shared.cache_messages.Staged`: on a hit,
+    the copy's directory, checked against the manifest's SHA-256 (`hit` true); on a miss, `path`
+    itself (`hit` false), the loader filling its cache after the answer; or `Rejected`."""
 
     path: str
 

@@ -48,9 +48,10 @@ def begin(inst: Served, ref: AdapterRef) -> bool:
 
 
 async def stage(node: Node, inst: Served, ref: AdapterRef) -> float:
-    """At its first use on `inst`: the adapter copied into (or found in) the node's host cache,
-    where its worker loads it from; left to the store's copy where the loader cannot. The
-    seconds it took (its start's `stage_s`)."""
+    """At its first use on `inst`: where its worker is to read the adapter, as the node's
+    loader answers (its host-cache copy on a hit, the store's on a miss, the cache filling
+    behind it); the store's where the loader cannot answer. The seconds it took (its start's
+    `stage_s`)."""
     t0 = time.monotonic()
     copy = await node.host_copy(subjects.loader_stage_adapter(node.id), StageAdapter(path=ref.path), ref.name)
     if copy is not None and ref.name in inst.adapters:
