@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from services.engine.batch import Request, StartBatch, vocab_size
 from services.engine.batch_types import Step
 from services.engine.core import CoreBatch, check_prompt, needs_core, needs_logits
-from services.engine.cpu_share import trim_heap
+from services.engine.cpu_share import drop_mapped_pages, trim_heap
 from services.engine.step_gate import TakeTurn, Turns, no_turn
 from services.engine.worker_wire import TieredUp
 from shared.adapters import ADAPTER_WEIGHTS, AdapterArtifact, adapters_root, read_manifest
@@ -165,6 +165,8 @@ class TieredBatch:
         """Requests that failed between steps (their move to the core), told at the next."""
         self._tiered_up: TieredUp | None = None
         self._closed = False
+        self._weights_dropped = False
+        """Whether the core's IR weights file has been let go from this process's RSS."""
         self.cover = LoraCover((), frozenset(), 0)
         """What the core (built or building) applies adapters on."""
         self._adapter_of: dict[str, AdapterRef] = {}
@@ -296,6 +298,9 @@ class TieredBatch:
         core = self.core
         if core is not None and core.active:
             out += core.steps(timeout)
+            if not self._weights_dropped:  # its first pass repacked them: the file's pages are dead
+                self._weights_dropped = True
+                drop_mapped_pages(str(model_xml(self.artifact).with_suffix(".bin")))
             if not core.alive:  # its requests failed; the start tier serves, a new core is built
                 core.close()
                 self.core = None
@@ -394,6 +399,7 @@ class TieredBatch:
                 self._turns,
                 lora=bool(build.adapters),
             )
+            self._weights_dropped = False  # a new core maps the file again
             for r in [*waiting, *(self.start.hand_over(needs_logits) if self.start is not None else [])]:
                 adapter = self._adapter_of.pop(r.request_id, None)
                 try:

@@ -18,8 +18,10 @@ import pytest
 from services.engine.core import generation_config
 from services.engine.instance import LoadedModel
 from services.engine.tiered_batch import NO_GRAMMAR, TieredBatch
+from shared.artifact import model_xml
 from shared.messages import FinishReason, Guide, SamplingParams, Tier
 from tests.conformance.ovbatches import THREADS, TurnLog, encode, run_out, start_tier, token_ids
+from tests.unit.test_cpu_share import resident_bytes_of
 
 STORY = encode("Once upon a time, in a land far away,")
 QUESTION = encode("What is the tallest mountain?")
@@ -103,11 +105,15 @@ def test_a_running_request_moves_to_the_core_mid_stream_without_a_token_lost_or_
     assert tiered.start is None and tiered.active == 0 and tiered.kv_bytes > 0
 
 
-def test_requests_only_the_core_serves_wait_for_it(tiered: TieredBatch) -> None:
+def test_requests_only_the_core_serves_wait_for_it_and_its_weights_file_leaves_the_rss(tiered: TieredBatch) -> None:
     seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=5, top_k=40)
     tiered.add("seeded", STORY, seeded)
     assert tiered.building and tiered.active == 1  # asked for the core: built now
     steps = run_out(tiered)["seeded"]  # its steps wait for the build, then run on the core
+    # The core's first pass repacked the IR's weights: the file's pages left this process's
+    # RSS (a few embedding rows aside), where they would count a second time in its footprint.
+    weights = model_xml(tiered.artifact).with_suffix(".bin")
+    assert resident_bytes_of(weights) < weights.stat().st_size // 10
     assert tiered.tier == Tier.STEADY and tiered.build_window[1] < float("inf")
     assert token_ids(steps) == core_alone(tiered, STORY, seeded)
     up = tiered.poll_tier_up()
