@@ -31,6 +31,9 @@ TEST_ENV = {
     "TESSERA_MAX_INFLIGHT": "6",
     "TESSERA_MAX_WAITING": "1",
     "TESSERA_LOG_LEVEL": "INFO",
+    # Two idle 135M models resident per node, as before the product's default grew: the suite's
+    # clusters share one machine's memory.
+    "TESSERA_POOL_BUDGET_BYTES": str(2 * 1024**3),
 }
 
 

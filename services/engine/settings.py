@@ -36,8 +36,12 @@ class EngineSettings(CommonSettings):
     memory_request_timeout_s: float = 5.0
     memory_wait_s: float = 30.0
     """How long a start may wait for busy instances to go idle when out of memory (then 503)."""
-    pool_budget_bytes: int = 2 * 1024**3
-    """Bytes of compiled models kept resident after their instances scaled to zero."""
+    pool_budget_bytes: int = 6 * 1024**3
+    """Bytes of compiled models kept resident after their instances scaled to zero (each counted
+    at what its worker holds). Three quarters of the memory manager's default budget: a start
+    that needs room evicts idle residents at the lowest cost anyway (`KvMemory.reserve`), so
+    this only bounds the memory idle models hold when nothing else wants it; at 2 GiB an
+    8B-class model (3.7 GB of int4 weights) could never stay resident."""
     true_up_interval_s: float = 2.0
     """How often each bound worker's weights reservation is trued up to its measured footprint;
     0: off (the budget counts weights and KV as reserved at start)."""
