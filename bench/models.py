@@ -92,10 +92,14 @@ class Client(TesseraClient):
         return dict(self.http.get("/admin/instances", timeout=10).raise_for_status().json()["nodes"][0])
 
     def greedy(self, model: str, tokens: int) -> dict[str, Any]:
-        """One streamed greedy request: TTFT, decode tok/s after the first token, the text."""
+        """One streamed greedy request: TTFT, decode tok/s after the first token, the text.
+        Counted in tokens (the usage's), not chunks: a lone stream gets a chunk per stream
+        interval (`services/engine/text.py`), so a model faster than that sends several tokens
+        a chunk; the first chunk goes at once with the first token, the last with the last."""
         res = stream_chat(self.http, chat_body(model, PROMPT, tokens, ignore_eos=True))
         sent, arrivals = res["sent"], res["arrivals"]
-        decode = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None
+        generated = (res["usage"] or {}).get("completion_tokens", 0)
+        decode = (generated - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 and generated > 1 else None
         return {
             "sent_wall": res["sent_wall"],
             "ttft_s": arrivals[0] - sent,

@@ -235,17 +235,17 @@ class LoaderService:
         """An adapter's host-cache copy for its start on this node (issue 34): a hit, checked;
         on a miss the start reads the store's copy, and the cache fills behind it (as a
         model's: TIDAL §5.2, loading off the start's critical path)."""
-        path, adapter = "?", None
         try:
             path = decode(msg.data, StageAdapter).path
-            adapter = read_manifest(Path(path))
+            adapter = readable(path, lambda p: read_manifest(Path(p)))
             if adapter is None:
-                raise RuntimeError("no whole adapter is kept there")
+                raise ImportRefused(f"no whole adapter is kept at {shown(path)}")
             async with self._stage_lock:
                 result = await asyncio.to_thread(self.cache.verify_adapter, adapter)
-        except Exception as e:
-            log.warning("no host-cache copy of the adapter at %.200s: %s", path, e)
-            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {e}"))
+        except Exception as e:  # the engine reads the store's copy: a warning, its words bounded
+            why = str(e) if isinstance(e, ImportRefused) else f"{type(e).__name__}: {shown(str(e))}"
+            log.warning("no host-cache copy of an adapter: %s", why)
+            await self.bus.reply(msg, Rejected(code=ErrorCode.ENGINE_FAILED, message=f"staging failed: {why}"))
             return
         STAGES.labels("hit" if result else "miss").inc()
         await self.bus.reply(

@@ -29,8 +29,9 @@ from services.memory_manager.settings import MemoryManagerSettings
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared import subjects
+from shared.adapters import StageAdapter
 from shared.bus import Bus, encode
-from shared.cache_messages import CacheQuery, CacheStatus, Evicted, EvictHostCache, EvictResidents
+from shared.cache_messages import CacheQuery, CacheStatus, Evicted, EvictHostCache, EvictResidents, Staged
 from shared.errors import TesseraError
 from shared.messages import (
     ClusterStatus,
@@ -288,6 +289,30 @@ async def test_loader_cache_and_evict_answer_an_unexpected_error(
     monkeypatch.setattr(loader, "cache", None)  # `.entries` of it raises AttributeError
     outcome = await ask(caller, subjects.loader_cache("loader-node"), CacheQuery(), CacheStatus)
     assert_bus_answered(outcome, names="AttributeError")
+
+
+async def test_the_loader_refuses_a_bad_adapter_path_with_a_bounded_warning(
+    buses: tuple[Bus, Bus], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """No adapter kept at the path, or a path too long to read: a `Rejected` at once (the
+    engine then reads the store's copy), logged as a warning without a traceback, and neither
+    the answer nor the log echoes a 100 KB path whole."""
+    service, caller = buses
+    settings = LoaderSettings(node_id="loader-a", model_store=tmp_path / "store", host_cache_dir=tmp_path / "cache")
+    await LoaderService(settings, service).start()
+    await settled(service)
+    empty = tmp_path / "no-adapter"
+    empty.mkdir()
+    caplog.set_level(logging.WARNING, logger="services.loader.service")
+    for path, why in ((str(empty), "no whole adapter is kept"), ("/" + "a" * 100_000, "cannot be read")):
+        reply = await caller.request(
+            subjects.loader_stage_adapter("loader-a"), StageAdapter(path=path), Staged | Rejected, timeout=LIMIT_S
+        )
+        assert isinstance(reply, Rejected) and why in reply.message, reply
+        assert len(reply.message) < 1_000
+    logged = [r for r in caplog.records if r.name == "services.loader.service"]
+    assert len(logged) == 2 and all(r.levelno == logging.WARNING and not r.exc_info for r in logged)
+    assert all(len(r.getMessage()) < 1_000 for r in logged)
 
 
 async def test_engine_evict_and_generate_answer_an_unexpected_error(
