@@ -60,10 +60,11 @@ policies' `capacity_req_per_s`, `curves` and `capacity_ratio_vs_exclusive` (`sim
 simulator's search on the same setup and search, `bench.sim.real_cluster`, its node fitted to
 the setup's own real run where it kept each request's node, else to setup (a)'s; seconds), and
 `ratio_sim_over_real`. A real run of setup (a) also writes
-the file's top-level keys (the format before the setups, which the fit reads) and
-`<out>/cluster.png`; of another setup, `<out>/cluster-SETUP.png`, its runs and requests kept in
-`setups[SETUP].real`. `<out>/cluster_setups.png` plots real against simulated, a panel per
-setup. `--sim-only` runs no cluster: it fills `setups[SETUP].sim` alone (`real` kept, or null).
+the file's top-level keys (the format before the setups, which the fit reads); of another
+setup, its runs and requests are kept in `setups[SETUP].real`. `<out>/cluster.png` is the one
+figure, a row per setup: real against simulated, and each real request's TTFT against its
+model's SLO at each policy's capacity. `--sim-only` runs no cluster: it fills
+`setups[SETUP].sim` alone (`real` kept, or null).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ if __package__ in (None, ""):  # `python bench/cluster.py`
 import httpx
 
 from bench.capacity import SLO_TARGET, attainment_interval, capacity_search
-from bench.cluster_report import plot_setups, read_report, real_side, setup_entry, simulated_side, with_setup
+from bench.cluster_report import plot_report, read_report, real_side, setup_entry, simulated_side, with_setup
 from bench.cluster_setups import SETUPS, THREE_MODELS, TOKENS, Load, Model, Setup, arrivals, base_rate
 from bench.common import machine_info, make_log, percentile
 from ops.localcluster import LocalCluster, core_shares, default_model_path
@@ -407,55 +408,6 @@ def at_rate(run: dict[str, Any], rate: float) -> dict[str, Any] | None:
     return next((p for p in run["points"] if p["rate_req_per_s"] == rate), None)
 
 
-def plot(runs: list[dict[str, Any]], path: Path, setup: Setup) -> None:
-    """The real run's curves with their intervals, and its first model's TTFTs at capacity; none
-    where matplotlib is not installed (the `bench` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-
-    first = setup.models[0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for run in runs:
-        pts = sorted((p["rate_req_per_s"], p["slo_attainment"], *p["slo_attainment_ci95"]) for p in run["points"])
-        line = (
-            axes[0]
-            .errorbar(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                yerr=[[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]],
-                marker="o",
-                capsize=3,
-                label=f"{run['policy']} (95 % intervals)",
-            )
-            .lines[0]
-        )
-        axes[0].axvline(run["capacity_req_per_s"], color=line.get_color(), linestyle=":", linewidth=1)
-    axes[0].axhline(SLO_TARGET, color="red", linestyle="--", linewidth=1, label="95 %")
-    axes[0].set_xlabel("mean arrival rate (req/s)")
-    axes[0].set_ylabel("SLO attainment")
-    axes[0].set_ylim(0, 1.05)
-    axes[0].legend(fontsize=8)
-    for run in runs:
-        point = at_rate(run, run["capacity_req_per_s"])
-        if point is None:
-            continue
-        chat = sorted((r["at_s"], r["ttft_s"]) for r in point["results"] if r["ok"] and r["model"] == first.name)
-        axes[1].scatter([c[0] for c in chat], [c[1] for c in chat], s=10, label=f"{run['policy']} at its capacity")
-    axes[1].axhline(first.ttft_slo_s, color="red", linestyle="--", linewidth=1, label=f"{first.name} TTFT SLO")
-    axes[1].set_xlabel("request sent (s after the start)")
-    axes[1].set_ylabel(f"{first.name} TTFT (s)")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"Setup {setup.title} on a local cluster: capacity, Tessera vs exclusive")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def simulated_ratio() -> dict[str, Any] | None:
     """The simulator's capacity ratio from its committed result, and the setup it is for."""
     path = REPO_ROOT / "bench" / "results" / "sim.json"
@@ -617,7 +569,6 @@ def main(argv: list[str] | None = None) -> int:
     code = write_setup(
         args, setup, load, start_rate, real=result, fitted_from=result if setup.name == "three" else None
     )
-    plot(runs, args.out / ("cluster.png" if setup.name == "three" else f"cluster-{setup.name}.png"), setup)
     return code
 
 
@@ -658,8 +609,8 @@ def write_setup(
     report = with_setup(report, setup.name, entry)
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
-    plot_setups(report, args.out / "cluster_setups.png")
-    log(f"wrote {path} (setups.{setup.name}) and {args.out / 'cluster_setups.png'}")
+    plot_report(report, args.out / "cluster.png")
+    log(f"wrote {path} (setups.{setup.name}) and {args.out / 'cluster.png'}")
     print(
         json.dumps(
             {k: v for k, v in entry.items() if k != "real"}

@@ -93,9 +93,19 @@ def read_report(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def plot_setups(report: Mapping[str, Any], path: Path) -> None:
-    """SLO attainment against rate, real (solid) and simulated (dashed), a panel per setup; none
-    where matplotlib is not installed (the `bench` extra: `make test` has no plots)."""
+def requests_at_capacity(report: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """A setup's real requests at each policy's capacity: setup (a)'s at the report's top level
+    (its format before the setups), another's in its `real` side."""
+    if name == "three":
+        return report.get("requests_at_capacity") or {}
+    return (report.get("setups", {}).get(name, {}).get("real") or {}).get("requests_at_capacity") or {}
+
+
+def plot_report(report: Mapping[str, Any], path: Path) -> None:
+    """The one figure of `cluster.json`, a row per setup: SLO attainment against rate, real
+    (solid) and simulated (dashed); and each real request's TTFT against its model's SLO at
+    each policy's capacity. None where matplotlib is not installed (the `bench` extra: `make test`
+    has no plots)."""
     try:
         import matplotlib
 
@@ -104,10 +114,11 @@ def plot_setups(report: Mapping[str, Any], path: Path) -> None:
     except ImportError:
         return
 
-    setups = report.get("setups", {})
-    fig, axes = plt.subplots(1, max(len(setups), 1), figsize=(5.5 * max(len(setups), 1), 4.2), squeeze=False)
+    setups = sorted(report.get("setups", {}).items(), key=lambda kv: kv[0] != "three")
+    rows = max(len(setups), 1)
+    fig, axes = plt.subplots(rows, 2, figsize=(11.5, 4.2 * rows), squeeze=False)
     colors = {"tessera": "tab:blue", "exclusive": "tab:orange"}
-    for ax, (name, entry) in zip(axes[0], sorted(setups.items(), key=lambda kv: kv[0] != "three"), strict=False):
+    for (ax, scatter), (name, entry) in zip(axes, setups, strict=False):
         for side, style in (("real", "-"), ("sim", "--")):
             data = entry.get(side)
             if not data or "curves" not in data:
@@ -134,7 +145,22 @@ def plot_setups(report: Mapping[str, Any], path: Path) -> None:
         ax.set_title(f"{entry.get('title', name)}\ncapacity ratio real {shown[0]}, sim {shown[1]}", fontsize=9)
         if ax.get_legend_handles_labels()[0]:  # a setup with neither side yet has no curves
             ax.legend(fontsize=7)
-    fig.suptitle("Capacity on the local cluster: real services (solid) against the simulator (dashed)")
+        slo = {m["name"]: m["ttft_slo_s"] for m in entry.get("models", ())}
+        for policy, results in requests_at_capacity(report, name).items():
+            shares = sorted(
+                (r["at_s"], r["ttft_s"] / slo[r["model"]]) for r in results if r.get("ok") and r["model"] in slo
+            )
+            scatter.scatter(
+                [t[0] for t in shares], [t[1] for t in shares], s=8, color=colors.get(policy), label=f"real {policy}"
+            )
+        scatter.axhline(1.0, color="red", linestyle="--", linewidth=1, label="its model's TTFT SLO")
+        scatter.set_yscale("log")
+        scatter.set_ylabel("TTFT / its model's TTFT SLO")
+        scatter.set_xlabel("request sent (s after the start)")
+        scatter.set_title("every request at each policy's capacity", fontsize=9)
+        if scatter.get_legend_handles_labels()[0]:
+            scatter.legend(fontsize=7)
+    fig.suptitle("Capacity on the local cluster: real services against the simulator, a row per setup")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

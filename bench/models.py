@@ -11,8 +11,10 @@ shape with the real tokenizer: `bench/shaped_models.py`), one run, in this order
    home: the GGUF registered through the admin API (`register_s`: the request's wall time;
    `store_bytes`: the artifact's directory in the store), served once, then
    - c=1 decode and c=8 throughput through the gateway (streamed, 64 greedy tokens,
-     `ignore_eos`; decode tok/s = 1 / median TPOT), the node's booked memory
-     (`memory_used_bytes` of its heartbeat) and the engine's peak RSS (its worker processes);
+     `ignore_eos`; decode tok/s = 1 / median TPOT), the node's peak booked memory
+     (`memory_used_bytes` of its heartbeat, once the node has trued the worker's reservation up
+     to what it holds) and the peak RSS of the model's worker (`pool_rss`: the node's other
+     engine processes, its pre-warmed worker bound to no model and the step gate's);
    - cold starts from each tier: the model scaled to zero (1 s keep-alive) and then nothing
      dropped (`resident`: is the model still resident on the node when idle?), the resident
      model dropped (`host`: the loader's host cache), every cache dropped (`disk`); each cold
@@ -41,6 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +56,7 @@ from bench.coldstart_peers import run_peer
 from bench.common import TesseraClient, chat_body, machine_info, median, stream_chat
 from bench.llama_server import LlamaServer
 from bench.serving_http import http_run
-from bench.serving_memory import RssSampler, descendants
+from bench.serving_memory import RssSampler, descendants, rss_bytes
 from bench.serving_peers import llama_server_args, run_pipeline
 from bench.serving_report import ratio
 from bench.serving_runs import MAX_TOKENS, REPO_ROOT, THREADS, log, summarize
@@ -71,6 +74,8 @@ PROMPT = "Write a short poem about the sea."
 TIERS = {"resident": None, "host": "resident", "disk": "all"}
 """Cold-start tier -> what is dropped after the scale to zero (`POST /admin/cache/evict?tier=`)."""
 REGISTER_TIMEOUT_S = 3600.0
+BOOKED_SAMPLE_S = 0.5
+TRUE_UP_SETTLE_S = 5.0
 
 
 def dir_bytes(path: Path) -> int:
@@ -108,14 +113,39 @@ class Client(TesseraClient):
         }
 
 
-def loads(base_url: str, model: str, duration_s: float, pids: Any) -> dict[str, Any]:
-    """c=1 and c=8 back-to-back clients (the serving bench's load) and the peak RSS of `pids`."""
+class BookedSampler:
+    """The peak of the node's booked memory (its heartbeat's `memory_used_bytes`), polled every
+    `BOOKED_SAMPLE_S` on a thread while a load runs."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.peak = client, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="booked-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.peak = max(self.peak, int(self.client.node()["memory_used_bytes"]))
+            if self._stop.wait(BOOKED_SAMPLE_S):
+                return
+
+    def __enter__(self) -> BookedSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def loads(client: Client, model: str, duration_s: float, pids: Any) -> dict[str, Any]:
+    """c=1 and c=8 back-to-back clients (the serving bench's load), the peak RSS of `pids` and
+    the node's peak booked memory."""
     out = {}
     for c in LEVELS:
-        with RssSampler(pids) as rss:
-            run = asyncio.run(http_run(base_url, model, c, duration_s))
+        with RssSampler(pids) as rss, BookedSampler(client) as booked:
+            run = asyncio.run(http_run(client.base_url, model, c, duration_s))
         run.peak_rss_bytes = rss.peak
-        out[str(c)] = summarize(run, MAX_TOKENS)
+        out[str(c)] = {**summarize(run, MAX_TOKENS), "peak_booked_bytes": booked.peak}
         log(f"{model} c={c}: {out[str(c)]['tok_s']:.1f} tok/s, tpot p50 {out[str(c)]['tpot_p50_s']}")
     return out
 
@@ -163,8 +193,15 @@ def tessera(size: str, gguf: Path, home: Path, args: argparse.Namespace) -> dict
         engine_pid = cluster.procs["engine@node-0"].pid
         while client.node()["instances"] and client.node()["instances"][0].get("tier") != "steady":
             time.sleep(0.2)  # sync-ok: the steady state is what the loads compare
-        booked = client.node()["memory_used_bytes"]
-        levels = loads(cluster.base_url, name, args.duration, lambda: descendants(engine_pid))
+        worker = int(client.node()["instances"][0]["worker_pid"])
+        # The node trues a worker's reservation up to what it holds every 2 s: the loads'
+        # booking is then the settled one, not the start's first guess.
+        time.sleep(TRUE_UP_SETTLE_S)  # sync-ok: a measurement's settling time, not a sync
+        # The model's memory is its worker's: the pool's pre-warmed worker (bound to no model,
+        # there for the next start) and the step gate's process are the node's, apart.
+        levels = loads(client, name, args.duration, lambda: [worker])
+        pool_rss = sum(rss_bytes(p) for p in descendants(engine_pid) if p != worker)
+        booked = max(level["peak_booked_bytes"] for level in levels.values())
         cold = cold_trials(client, name, artifact["artifact_id"], args.trials)
         forms = {
             "gguf": {"register_s": register_s, "store_bytes": dir_bytes(Path(artifact["path"])), "text": first["text"]}
@@ -176,6 +213,7 @@ def tessera(size: str, gguf: Path, home: Path, args: argparse.Namespace) -> dict
             "register_s": register_s,
             "first": first,
             "booked_bytes": booked,
+            "pool_rss_bytes": pool_rss,
             "levels": levels,
             "cold": cold,
             "forms": forms,
@@ -248,7 +286,7 @@ def size_result(size: str, gguf: Path, t: dict[str, Any], ll: dict[str, Any], pl
         "source_bytes": gguf.stat().st_size,
         "store_bytes": t["forms"]["gguf"]["store_bytes"],
         "weights_bytes": weights,
-        "node_memory_bytes": {"booked": t["booked_bytes"], "rss_peak": rss},
+        "node_memory_bytes": {"booked": t["booked_bytes"], "rss_peak": rss, "pool_rss": t["pool_rss_bytes"]},
         "register_s": t["register_s"],
         "cold_resident_ttft_s": cold["resident"],
         "cold_host_ttft_s": cold["host"],
@@ -380,7 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{size} failed: {type(e).__name__}: {e}")
             failed[size] = f"{type(e).__name__}: {e}"
             continue
-        sizes[size] = size_result(size, gguf, t, ll, pl)
+        sizes[size] = {
+            **size_result(size, gguf, t, ll, pl),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
         served |= set(t["forms"])
         log(f"{size}: {json.dumps(sizes[size]['ratios'])}")
     out_json = args.out / "models.json"

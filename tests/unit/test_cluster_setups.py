@@ -73,7 +73,7 @@ def test_sim_only_writes_the_setups_format_and_keeps_the_others(tmp_path: Path) 
     sim = many["sim"]
     assert set(sim["capacity_req_per_s"]) == set(sim["curves"]) == {"tessera", "exclusive"}
     assert "capacity_ratio_vs_exclusive" in sim
-    assert (tmp_path / "cluster_setups.png").exists() is plots()
+    assert (tmp_path / "cluster.png").exists() is plots()
 
 
 def test_a_real_run_of_setup_b_lands_beside_its_simulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,7 +96,7 @@ def test_a_real_run_of_setup_b_lands_beside_its_simulation(tmp_path: Path, monke
     many = report["setups"]["many"]
     assert many["real"]["capacity_ratio_vs_exclusive"] == 3.0 and many["real"]["runs"]
     assert many["sim"]["capacity_req_per_s"]["tessera"] > 0
-    assert (tmp_path / "cluster-many.png").exists() is plots()
+    assert (tmp_path / "cluster.png").exists() is plots()
 
 
 def plots() -> bool:
