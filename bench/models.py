@@ -43,8 +43,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from bench.coldstart_peers import run_peer
 from bench.common import TesseraClient, chat_body, machine_info, median, stream_chat
 from bench.llama_server import LlamaServer
 from bench.serving_http import http_run
-from bench.serving_memory import RssSampler, descendants, rss_bytes
+from bench.serving_memory import PeakSampler, RssSampler, descendants, rss_bytes
 from bench.serving_peers import llama_server_args, run_pipeline
 from bench.serving_report import ratio
 from bench.serving_runs import MAX_TOKENS, REPO_ROOT, THREADS, log, summarize
@@ -113,41 +113,33 @@ class Client(TesseraClient):
         }
 
 
-class BookedSampler:
-    """The peak of the node's booked memory (its heartbeat's `memory_used_bytes`), polled every
-    `BOOKED_SAMPLE_S` on a thread while a load runs."""
-
-    def __init__(self, client: Client) -> None:
-        self.client, self.peak = client, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="booked-sampler", daemon=True)
-
-    def _loop(self) -> None:
-        while True:
-            self.peak = max(self.peak, int(self.client.node()["memory_used_bytes"]))
-            if self._stop.wait(BOOKED_SAMPLE_S):
-                return
-
-    def __enter__(self) -> BookedSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def loads(client: Client, model: str, duration_s: float, pids: Any) -> dict[str, Any]:
-    """c=1 and c=8 back-to-back clients (the serving bench's load), the peak RSS of `pids` and
-    the node's peak booked memory."""
+def loads(
+    base_url: str, model: str, duration_s: float, pids: Any, booked: Callable[[], int] | None = None
+) -> dict[str, Any]:
+    """c=1 and c=8 back-to-back clients (the serving bench's load), the peak RSS of `pids` and,
+    where `booked` reads it, the node's peak booked memory."""
     out = {}
     for c in LEVELS:
-        with RssSampler(pids) as rss, BookedSampler(client) as booked:
-            run = asyncio.run(http_run(client.base_url, model, c, duration_s))
+        with RssSampler(pids) as rss, PeakSampler(booked or (lambda: 0), BOOKED_SAMPLE_S) as peak:
+            run = asyncio.run(http_run(base_url, model, c, duration_s))
         run.peak_rss_bytes = rss.peak
-        out[str(c)] = {**summarize(run, MAX_TOKENS), "peak_booked_bytes": booked.peak}
+        out[str(c)] = {**summarize(run, MAX_TOKENS), **({"peak_booked_bytes": peak.peak} if booked else {})}
         log(f"{model} c={c}: {out[str(c)]['tok_s']:.1f} tok/s, tpot p50 {out[str(c)]['tpot_p50_s']}")
     return out
+
+
+def model_workers(client: Client) -> Callable[[], list[int]]:
+    """The worker pids of the node's instances, read at every call; the last ones seen while
+    none runs (between two requests the instance may have scaled to zero, its worker kept)."""
+    seen: list[int] = []
+
+    def pids() -> list[int]:
+        now = [int(i["worker_pid"]) for i in client.node()["instances"] if i.get("worker_pid")]
+        if now:
+            seen[:] = now
+        return list(seen)
+
+    return pids
 
 
 def decode_tok_s(level: dict[str, Any]) -> float | None:
@@ -193,14 +185,14 @@ def tessera(size: str, gguf: Path, home: Path, args: argparse.Namespace) -> dict
         engine_pid = cluster.procs["engine@node-0"].pid
         while client.node()["instances"] and client.node()["instances"][0].get("tier") != "steady":
             time.sleep(0.2)  # sync-ok: the steady state is what the loads compare
-        worker = int(client.node()["instances"][0]["worker_pid"])
         # The node trues a worker's reservation up to what it holds every 2 s: the loads'
         # booking is then the settled one, not the start's first guess.
         time.sleep(TRUE_UP_SETTLE_S)  # sync-ok: a measurement's settling time, not a sync
         # The model's memory is its worker's: the pool's pre-warmed worker (bound to no model,
         # there for the next start) and the step gate's process are the node's, apart.
-        levels = loads(client, name, args.duration, lambda: [worker])
-        pool_rss = sum(rss_bytes(p) for p in descendants(engine_pid) if p != worker)
+        workers = model_workers(client)
+        levels = loads(cluster.base_url, name, args.duration, workers, lambda: int(client.node()["memory_used_bytes"]))
+        pool_rss = sum(rss_bytes(p) for p in descendants(engine_pid) if p not in workers())
         booked = max(level["peak_booked_bytes"] for level in levels.values())
         cold = cold_trials(client, name, artifact["artifact_id"], args.trials)
         forms = {

@@ -40,26 +40,33 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-class RssSampler:
-    """The peak of the summed resident memory of the serving processes, sampled every 0.2 s in
-    a thread. `pids` is asked at every sample: an engine may spawn workers meanwhile."""
+class PeakSampler:
+    """The peak of `read()`, sampled every `interval_s` in a thread while the block runs."""
 
-    def __init__(self, pids: Callable[[], Iterable[int]]) -> None:
-        self.pids = pids
+    def __init__(self, read: Callable[[], int], interval_s: float = RSS_SAMPLE_S) -> None:
+        self.read, self.interval_s = read, interval_s
         self.peak = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="peak-sampler", daemon=True)
 
     def _loop(self) -> None:
         while True:
-            self.peak = max(self.peak, sum(rss_bytes(p) for p in self.pids()))
-            if self._stop.wait(RSS_SAMPLE_S):
+            self.peak = max(self.peak, self.read())
+            if self._stop.wait(self.interval_s):
                 return
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class RssSampler(PeakSampler):
+    """The peak of the summed resident memory of the serving processes, sampled every 0.2 s in
+    a thread. `pids` is asked at every sample: an engine may spawn workers meanwhile."""
+
+    def __init__(self, pids: Callable[[], Iterable[int]]) -> None:
+        super().__init__(lambda: sum(rss_bytes(p) for p in pids()))
