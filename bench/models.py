@@ -192,7 +192,8 @@ def tessera(size: str, gguf: Path, home: Path, args: argparse.Namespace) -> dict
         # there for the next start) and the step gate's process are the node's, apart.
         workers = model_workers(client)
         levels = loads(cluster.base_url, name, args.duration, workers, lambda: int(client.node()["memory_used_bytes"]))
-        pool_rss = sum(rss_bytes(p) for p in descendants(engine_pid) if p not in workers())
+        held = set(workers())  # one read of the instances, not one a process
+        pool_rss = sum(rss_bytes(p) for p in descendants(engine_pid) if p not in held)
         booked = max(level["peak_booked_bytes"] for level in levels.values())
         cold = cold_trials(client, name, artifact["artifact_id"], args.trials)
         forms = {
