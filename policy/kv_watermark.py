@@ -26,10 +26,15 @@ DEFAULT_WATERMARK = 0.2
 """w: 20% headroom over the requirement; LLM-Mesh leaves w a hyper-parameter."""
 
 
-def floor_tokens(min_tokens: int, context_length: int) -> int:
-    """L_min for a model: the setting (`TESSERA_KV_MIN_TOKENS`) within its context; 0 means the
-    context itself, as the paper sets it."""
-    return min(min_tokens, context_length) if min_tokens > 0 else context_length
+def floor_tokens(min_tokens: int, context_length: int, on_demand: bool = False) -> int:
+    """L_min for a model: the setting (`TESSERA_KV_MIN_TOKENS`) within its context. 0 means the
+    context itself, as the paper sets it, where growing the cache copies it (the floor buys a
+    long request without a resize); where the engine's cache grows as its rows fill
+    (`on_demand`: OpenVINO GenAI's dynamic cache) a resize is only the reservation's, and 0
+    means no floor: eq. 2 counts the requests alone."""
+    if min_tokens > 0:
+        return min(min_tokens, context_length)
+    return 0 if on_demand else context_length
 
 
 def required_bytes(

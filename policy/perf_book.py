@@ -151,6 +151,8 @@ class PerfBook:
                     self.spawn_s(),
                     by_kind,
                     ttft_slo_per_token_s=r.ttft_slo_per_token_s,
+                    kv_on_demand_bytes=r.artifact.kv_bytes_per_token
+                    * floor_tokens(kv_min_tokens, r.artifact.context_length, on_demand=True),
                 )
         return out
 

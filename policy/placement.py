@@ -130,6 +130,8 @@ class NodeState(Protocol):
     def prefill_slack_s(self) -> float: ...
     @property
     def core_build_s(self) -> float: ...
+    @property
+    def kv_on_demand(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class Profile:
     artifact_id: str = ""
     weight_bytes: int = 0
     kv_bytes: int = 0
+    """What a start books for its KV cache: the L_min floor (`policy.kv_watermark.floor_tokens`)."""
     start_s: float = 1.0
     """Expected seconds for a start to load the weights into a worker (measured starts' median)."""
     spawn_s: float = 0.0
@@ -164,6 +167,8 @@ class Profile:
     resident_start_s: float = RESIDENT_START_S
     ttft_slo_per_token_s: float = TTFT_SLO_PER_TOKEN_S
     """Its TTFT SLO's allowance per prompt token (`policy.slo.ttft_slo`)."""
+    kv_on_demand_bytes: int = 0
+    """`kv_bytes` on a node whose cache grows on demand (`NodeState.kv_on_demand`)."""
 
     def perf_on(self, kind: str) -> PerfModel:
         return self.perf_by_kind.get(kind, self.perf)
@@ -419,9 +424,10 @@ def start_order(
     def tightest_neighbour(n: NodeState) -> float:
         return min((neighbours[m].ttft_slo_s for m in n.instances if m in neighbours), default=float("inf"))
 
-    weights, need = profile.weight_bytes, profile.weight_bytes + profile.kv_bytes
+    weights = profile.weight_bytes
     keyed = []
     for n in nodes:
+        need = weights + (profile.kv_on_demand_bytes if n.kv_on_demand else profile.kv_bytes)
         free = max(n.memory_budget_bytes - n.memory_used_bytes, 0) if n.memory_budget_bytes else 1 << 62
         # Eq. 3's S': all of the weights where they are resident, else the share of them an
         # idle worker's arena holds (the shared base of a fine-tune).

@@ -45,6 +45,8 @@ class NodeView:
     `join_recompute_tokens` say (this project's OpenVINO engine)."""
     core_build_s: float = 0.0
     """Seconds a new instance here builds its engine core beside the neighbours (0: none)."""
+    kv_on_demand: bool = False
+    """A start here books no L_min floor for its KV cache (`NodeStatus.kv_on_demand`)."""
     prefill_slack_s: float = math.inf
     """How long one more prefill may hold up the requests there (a continuous-batching engine
     runs it ahead of their next tokens): the least eq. 1 headroom among them once the prefills
@@ -69,6 +71,7 @@ class NodeView:
             prewarmed=status.prewarmed,
             continuous_batching=status.continuous_batching,
             core_build_s=status.core_build_s,
+            kv_on_demand=status.kv_on_demand,
         )
 
 

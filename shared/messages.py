@@ -376,6 +376,9 @@ class NodeStatus(Message, frozen=True):
     core_build_s: float = 0.0
     """Seconds a new instance here spends building its engine core after its first batch, on
     the cores its neighbours decode on (the last build measured; 0: starts here build none)."""
+    kv_on_demand: bool = False
+    """Its engine's KV cache grows as rows fill: a start here books its weights, no L_min floor
+    (`policy.kv_watermark.floor_tokens`)."""
 
 
 class ScaleOut(Message, frozen=True):

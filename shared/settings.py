@@ -42,7 +42,9 @@ class CommonSettings(BaseSettings):
     kv_min_tokens: int = 0
     """L_min of LLM-Mesh's eq. 2: the fewest tokens an instance's KV reservation covers (it
     grows with the requests running, by the watermark rule). 0: the model's context length,
-    as the paper sets it. The scheduler places instances at this size, the engine reserves it."""
+    as the paper sets it, where the engine's cache is allocated whole; none where it grows as
+    its rows fill (OpenVINO: `policy.kv_watermark.floor_tokens`). The scheduler places
+    instances at this size, the engine reserves it."""
     kv_watermark: float = 0.2
     """w of §6.2: a KV reservation grows to 1 + w times what its requests need, and shrinks
     only once that is w below what it holds."""

@@ -199,6 +199,8 @@ class Node:
     """Its models share no tensors: each is resident whole or not at all."""
     core_build_s = 0.0
     """The simulated engines start on their serving engine: no core build beside neighbours."""
+    kv_on_demand = False
+    """A start books its KV cache's L_min floor, as LLM-Mesh's engine does."""
 
     def __init__(self, sim: SimCore, nid: int, hw: Hardware) -> None:
         self.sim = sim

@@ -64,6 +64,9 @@ class Backend:
     holds is unknown: the footprint true-up takes none off)."""
     batch_limit: int | None = None
     """Most requests its engine steps at once; None: the node's `max_batch` setting."""
+    kv_on_demand: bool = False
+    """Its KV cache grows as rows fill and a resize copies nothing: a start books no L_min
+    floor ahead (`policy.kv_watermark.floor_tokens`)."""
 
     def start_tier_of(self, artifact: Artifact, device: str, enabled: bool) -> Tier:
         """TORCH for a backend reading the torch checkpoint; START when it has a start tier,
@@ -86,6 +89,7 @@ OPENVINO = Backend(
     start_tier=True,
     # The core (`core.py`) serves every instance once built; the start tier lasts seconds.
     batch_limit=CORE_MAX_SEQS,
+    kv_on_demand=True,  # the core's cache is the library's dynamic allocation (`core.build_pipeline`)
     entry="services.engine.worker_process:serve",
     process_name="tessera-worker",
     args=lambda s, c, i: (c, s.device, s.threads, s.prefault_bytes, s.max_batch, s.join_recompute_tokens, s.gate, i),

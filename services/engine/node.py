@@ -241,7 +241,7 @@ class Node:
         return max(0, budget - used) if budget else 0
 
     def kv_account(self, artifact: Artifact) -> KvAccount:
-        floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length)
+        floor = floor_tokens(self.settings.kv_min_tokens, artifact.context_length, self.backend.kv_on_demand)
         return KvAccount(artifact.kv_bytes_per_token, floor, self.settings.kv_watermark)
 
     def serve(self, record: ModelRecord, bound: Bound, kv: KvAccount, start: PendingColdStart) -> None:
@@ -370,6 +370,7 @@ class Node:
             prewarmed=len(self.workers.idle),
             continuous_batching=True,
             core_build_s=self.core_build_s if self.settings.start_tier else 0.0,
+            kv_on_demand=self.backend.kv_on_demand,
         )
 
     def _export_gauges(self) -> None:

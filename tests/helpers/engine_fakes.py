@@ -33,6 +33,8 @@ class FakeMemoryManager:
         self.budget = budget
         self.regions = dict(regions or {})
         self.released: list[str] = []
+        self.peak: dict[str, int] = {}
+        """The most each region has been granted."""
 
     def _result(self, granted: bool) -> ReserveResult:
         return ReserveResult(granted=granted, used_bytes=sum(self.regions.values()), budget_bytes=self.budget)
@@ -42,6 +44,7 @@ class FakeMemoryManager:
         granted = others + nbytes <= self.budget
         if granted:
             self.regions[owner] = nbytes
+            self.peak[owner] = max(self.peak.get(owner, 0), nbytes)
         return self._result(granted)
 
     async def release(self, owner: str) -> ReserveResult:

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from policy.eviction import Resident
+from policy.kv_watermark import recommended_bytes, required_bytes
 from services.engine import adapters
 from services.engine.backends import BACKENDS, OPENVINO, TORCH
 from services.engine.batch_types import AdapterLoad
@@ -164,13 +165,24 @@ def test_a_start_the_node_has_no_room_for_is_refused_and_holds_nothing() -> None
 
 
 def test_a_start_whose_kv_does_not_fit_leaves_its_weights_resident_and_idle() -> None:
-    # 100 bytes of weights fit, the KV cache's 64 (a context of 64 tokens, a byte each) not.
-    engine = parts(FakeMemoryManager(150), FakePool())
+    # 100 bytes of weights fit, the KV cache's floor of 64 (a context of 64 tokens, a byte each) not.
+    engine = parts(FakeMemoryManager(150), FakePool(), kv_min_tokens=64)
     asyncio.run(engine.starts.on_start(msg(StartInstance(model=record()))))
     (refused,) = engine.bus.replies
     assert isinstance(refused, Rejected) and refused.code is ErrorCode.NO_CAPACITY
     assert engine.node.instances == {} and engine.node.bound["a"].resident.users == 0
     assert engine.manager.regions == {"weights:a": 100}
+
+
+def test_a_start_on_openvino_books_its_weights_and_a_request_books_its_own_kv() -> None:
+    # OpenVINO's cache grows as its rows fill: no L_min floor is booked ahead (it would be the
+    # whole 64-token context here); a request's admission books its own eq. 2.
+    engine = started(says("hi"), budget=150)
+    assert engine.manager.regions.get("m:kv", 0) == 0 and engine.manager.regions["weights:a"] == 100
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    # Eq. 2 of the request alone (a byte a token, Ō unknown yet), the watermark over it: not the floor.
+    own = recommended_bytes(required_bytes(1, [(2, 0, 4)], 0.0, 0))
+    assert engine.manager.peak["m:kv"] == own < record().artifact.context_length
 
 
 def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:

@@ -51,3 +51,13 @@ def test_l_min_is_the_setting_within_the_context_and_zero_means_the_context() ->
     assert floor_tokens(0, 8192) == 8192
     assert floor_tokens(1024, 8192) == 1024
     assert floor_tokens(10_000, 8192) == 8192
+
+
+def test_a_cache_that_grows_on_demand_books_no_floor_unless_one_is_set() -> None:
+    from policy.kv_watermark import floor_tokens, required_bytes
+
+    assert floor_tokens(0, 8192, on_demand=True) == 0
+    assert floor_tokens(1024, 8192, on_demand=True) == 1024
+    # Eq. 2 then counts the requests alone, each within its own max_tokens.
+    assert required_bytes(10, [], 0.0, floor_tokens(0, 8192, on_demand=True)) == 0
+    assert required_bytes(10, [(30, 0, 64)], 100.0, floor_tokens(0, 8192, on_demand=True)) == 10 * (30 + 64)

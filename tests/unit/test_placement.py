@@ -230,6 +230,15 @@ def test_start_order_prefers_cpu_then_resident_weights_and_skips_nodes_without_r
     assert [n.node_id for n in start_order(nodes, profile())] == ["cpu2", "cpu1", "gpu"]
 
 
+def test_a_start_needs_no_kv_floor_on_a_node_whose_cache_grows_on_demand() -> None:
+    prof = Profile(PERF, 1.0, 0.1, "a1", weight_bytes=100, kv_bytes=50, kv_on_demand_bytes=0)
+    nodes = [
+        NodeView("floor", NOW, memory_budget_bytes=1000, memory_used_bytes=880),
+        NodeView("on-demand", NOW, memory_budget_bytes=1000, memory_used_bytes=880, kv_on_demand=True),
+    ]
+    assert [n.node_id for n in start_order(nodes, prof)] == ["on-demand"]
+
+
 def test_a_node_holding_part_of_the_weights_starts_sooner_than_one_holding_none() -> None:
     # Tangram eq. 3 with S' the share an idle arena holds (a fine-tune beside its base): a
     # start there reads only the rest, so it ranks after a node holding all of it and before
