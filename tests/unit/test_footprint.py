@@ -12,6 +12,8 @@ def test_small_moves_keep_the_reservation_and_a_clear_drop_shrinks_it() -> None:
     assert true_up(980 * MB, 92 * MB, 1010 * MB, 10 * MB) is None  # +2 %: noise
     assert true_up(980 * MB, 92 * MB, 900 * MB, 10 * MB) is None  # -9 %: the next crowd brings it back
     assert true_up(980 * MB, 92 * MB, 600 * MB, 10 * MB) == 590 * MB
+    # The IR's mapped weights let go after the first pass (the 1.7B: 1.9 -> 1.6 GB): shrunk.
+    assert true_up(1900 * MB, 874 * MB, 1610 * MB, 10 * MB) == 1600 * MB
 
 
 def test_never_below_the_weights_and_an_unreadable_rss_changes_nothing() -> None:
