@@ -177,6 +177,28 @@ def test_a_neighbours_tight_tpot_bounds_the_decode_round() -> None:
     assert v.round_s == pytest.approx(1.1 * 6 * 0.02)
 
 
+def test_a_tpot_slo_the_model_misses_alone_does_not_hold_its_requests_back() -> None:
+    # 20 ms an iteration against a 15 ms TPOT SLO: missed alone (22 ms with the overestimate),
+    # so the requests batch as the engine allows, on the first token's terms alone.
+    slow = {"m": profile(tpot=0.015)}
+    v = validate(node("n", inst("m", active=1)), "m", demand(tpot=0.015), slow)
+    assert v.ok and v.round_s == pytest.approx(1.1 * 0.02)
+    assert place(
+        "m",
+        [node("n", inst("m", active=1))],
+        {},
+        NOW,
+        node_timeout_s=3,
+        max_active_per_instance=16,
+        demand=demand(tpot=0.015),
+        profiles=slow,
+    ) == UseNode("n")
+    # A neighbour's SLO it can meet still bounds the round: two iterations, 44 ms > 30 ms.
+    shared = {**slow, "x": profile(tpot=0.03, aid="a2")}
+    v = validate(node("n", inst("m", active=1), inst("x", active=1)), "m", demand(tpot=0.015), shared)
+    assert not v.ok and v.failure == Failure.ROUND_TOO_LONG
+
+
 def test_a_new_instance_prices_its_core_build_into_the_busy_neighbours_rounds() -> None:
     # Two neighbours decoding: a round of 3 iterations, 1.1 × 0.06 = 0.066 s, within 0.1 s.
     # A new instance there builds its engine core beside them: 0.132 s meanwhile, over it.
