@@ -38,7 +38,6 @@ Pure: the cluster view, the model profiles and a demand in; a decision out.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
