@@ -162,6 +162,7 @@ class SchedulerService:
                         reusable=tuple(sorted(n.reusable.items())),
                         core_build_s=n.core_build_s,
                         prewarmed=n.prewarmed,
+                        kv_on_demand=n.kv_on_demand,
                     )
                     for n in sorted(live, key=lambda n: n.node_id)
                 ),
