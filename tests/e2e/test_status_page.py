@@ -6,14 +6,13 @@ Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y chromium ch
 about 120 MB to download) and selenium from the `test` extra; skipped when the browser or its
 driver is missing. Selenium Manager is never used: it downloads drivers, and nothing can be
 downloaded here. The screenshot goes to docs/status_page.png when
-TESSERA_WRITE_SCREENSHOT=1 (so that a test run leaves the tree clean), else to a temporary file.
+TESSERA_WRITE_SCREENSHOT=1 (so that a test run leaves the tree clean), else to the test's `tmp_path`.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ def admin_get(cluster: LocalCluster, path: str) -> Any:
 
 
 def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_and_ttft(
-    auth_cluster: LocalCluster, browser: Any
+    auth_cluster: LocalCluster, browser: Any, tmp_path: Path
 ) -> None:
     cluster, driver = auth_cluster, browser
     chat(cluster)  # nothing runs yet: this request cold-starts the model
@@ -188,8 +187,6 @@ def test_status_page_asks_for_the_key_then_shows_models_instances_cold_starts_an
         "Emulation.setDeviceMetricsOverride",
         {"width": 1400, "height": int(height), "deviceScaleFactor": 1, "mobile": False},
     )
-    shot = (
-        SCREENSHOT if os.environ.get("TESSERA_WRITE_SCREENSHOT") == "1" else Path(tempfile.mkdtemp()) / SCREENSHOT.name
-    )
+    shot = SCREENSHOT if os.environ.get("TESSERA_WRITE_SCREENSHOT") == "1" else tmp_path / SCREENSHOT.name
     shot.parent.mkdir(parents=True, exist_ok=True)
     assert driver.save_screenshot(str(shot))
