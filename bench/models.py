@@ -10,8 +10,9 @@ shape with the real tokenizer: `bench/shaped_models.py`), one run, in this order
 1. **Tessera**, a `LocalCluster` with default settings (2 inference threads) in a temporary
    home: the GGUF registered through the admin API (`register_s`: the request's wall time;
    `store_bytes`: the artifact's directory in the store), served once, then
-   - pinned warm (`POST /admin/models/{name}/pin`, unpinned after), c=1 decode and c=8 throughput through the gateway (streamed, 64 greedy tokens,
-     `ignore_eos`; decode tok/s = 1 / median TPOT), the node's peak booked memory
+   - pinned warm (`POST /admin/models/{name}/pin`, unpinned after), c=1 decode and c=8
+     throughput through the gateway (streamed, 64 greedy tokens, `ignore_eos`; decode tok/s =
+     1 / median TPOT), the node's peak booked memory
      (`memory_used_bytes` of its heartbeat, once the node has trued the worker's reservation up
      to what it holds) and the peak RSS of the model's worker (`pool_rss`: the node's other
      engine processes, its pre-warmed worker bound to no model and the step gate's);
