@@ -199,8 +199,18 @@ def test_a_node_that_cannot_hold_the_model_answers_503_no_capacity_at_once(no_ro
     # Refused, nothing held, nothing left starting: the node is as it was.
     assert metric(c, "memory_manager@node-0", "tessera_memory_denied_total") >= 2
     assert metric(c, "memory_manager@node-0", "tessera_memory_used_bytes") == 0
-    status = httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()
-    assert status["starting"] == [] and all(not n["instances"] and not n["starting"] for n in status["nodes"])
+
+    seen: list[dict[str, Any]] = []
+
+    def settled() -> dict[str, Any] | None:
+        # The cluster status is the nodes' last heartbeats: one sent while the refused start
+        # was under way still shows it, until the next (every 0.5 s) comes.
+        seen[:] = [httpx.get(f"{c.base_url}/admin/instances", timeout=10).json()]
+        status = seen[0]
+        nodes_idle = all(not n["instances"] and not n["starting"] for n in status["nodes"])
+        return status if status["starting"] == [] and nodes_idle else None
+
+    wait_for(settled, 10, "a heartbeat with nothing on the node, nothing starting", detail=lambda: seen)
 
 
 # --- 2. resume, and its cap -------------------------------------------------------------------
