@@ -111,9 +111,11 @@ def test_requests_only_the_core_serves_wait_for_it_and_its_weights_file_leaves_t
     assert tiered.building and tiered.active == 1  # asked for the core: built now
     steps = run_out(tiered)["seeded"]  # its steps wait for the build, then run on the core
     # The core's first pass repacked the IR's weights: the file's pages left this process's
-    # RSS (a few embedding rows aside), where they would count a second time in its footprint.
+    # RSS, where they would count a second time in its footprint. What stays is the part the
+    # CPU plugin reads in place, the embedding table's rows: a few of them on an Intel Xeon
+    # with AMX, 10.6 MB of the 92 MB file on an AMD EPYC with AVX-512 bf16 (the table, u8, is 28 MB).
     weights = model_xml(tiered.artifact).with_suffix(".bin")
-    assert resident_bytes_of(weights) < weights.stat().st_size // 10
+    assert resident_bytes_of(weights) < weights.stat().st_size // 4
     assert tiered.tier == Tier.STEADY and tiered.build_window[1] < float("inf")
     assert token_ids(steps) == core_alone(tiered, STORY, seeded)
     up = tiered.poll_tier_up()
