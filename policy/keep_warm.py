@@ -100,6 +100,9 @@ class Need:
     """What a start reserves for its KV cache (the L_min floor)."""
     instances: int
     adapter_bytes: int = 0
+    kv_on_demand_bytes: int = 0
+    """The floor on a node whose cache grows as its rows fill (`kv_watermark.floor_tokens`):
+    only an operator's `TESSERA_KV_MIN_TOKENS`."""
     """Its pinned adapters', loaded on each of its instances."""
 
 
@@ -107,8 +110,10 @@ def need_of(record: ModelRecord, kv_min_tokens: int, adapter_bytes: int = 0) -> 
     """A record's footprint as the scheduler estimates a start's (`PerfBook.profiles`): its
     weights and the KV cache of its L_min floor; `adapter_bytes`: of its pinned adapters."""
     a = record.artifact
-    kv = a.kv_bytes_per_token * floor_tokens(kv_min_tokens, a.context_length)
-    return Need(record.name, a.artifact_id, a.weight_bytes, kv, record.min_instances, adapter_bytes)
+    kv, on_demand = (
+        a.kv_bytes_per_token * floor_tokens(kv_min_tokens, a.context_length, on_demand) for on_demand in (False, True)
+    )
+    return Need(record.name, a.artifact_id, a.weight_bytes, kv, record.min_instances, adapter_bytes, on_demand)
 
 
 @dataclass(frozen=True)
@@ -120,39 +125,43 @@ class Fit:
     """The nodes' memory budgets, summed."""
 
 
-def fit(needs: Iterable[Need], budgets: Sequence[int]) -> Fit:
+def fit(needs: Iterable[Need], budgets: Sequence[int], on_demand: Sequence[bool] = ()) -> Fit:
     """Whether nodes of these memory `budgets` hold every pinned model's instances at once, each
     instance of a model on a node of its own (first fit, the biggest first; names sharing an
-    artifact share its weights on a node)."""
+    artifact share its weights on a node). `on_demand[i]`: node i's cache grows as its rows fill
+    (no KV floor booked there unless an operator set one); none given: no node's does."""
     needs = [n for n in needs if n.instances > 0]
+    flags = list(on_demand) or [False] * len(budgets)
+    everywhere = bool(flags) and all(flags)  # what the total counts, for the message
     copies: dict[str, int] = {}
     for n in needs:
         copies[n.artifact_id] = max(copies.get(n.artifact_id, 0), n.instances)
     weights = {n.artifact_id: n.weight_bytes for n in needs}
-    needed = sum(weights[a] * k for a, k in copies.items()) + sum(_own(n) * n.instances for n in needs)
-    nodes = [_Node(room) for room in budgets]
+    needed = sum(weights[a] * k for a, k in copies.items()) + sum(_own(n, everywhere) * n.instances for n in needs)
+    nodes = [_Node(room, flag) for room, flag in zip(budgets, flags, strict=True)]
     ok = True
-    for n in sorted(needs, key=lambda n: (-(n.weight_bytes + _own(n)), n.name)):
+    for n in sorted(needs, key=lambda n: (-(n.weight_bytes + _own(n, everywhere)), n.name)):
         for _ in range(n.instances):
             ok = ok and any(node.take(n) for node in nodes)
     return Fit(ok, needed, sum(budgets))
 
 
-def _own(n: Need) -> int:
+def _own(n: Need, on_demand: bool) -> int:
     """What each instance holds beside the weights it shares."""
-    return n.kv_bytes + n.adapter_bytes
+    return (n.kv_on_demand_bytes if on_demand else n.kv_bytes) + n.adapter_bytes
 
 
 @dataclass
 class _Node:
     free: int
+    on_demand: bool = False
     names: set[str] = field(default_factory=set)
     artifacts: set[str] = field(default_factory=set)
     """The artifacts whose weights are counted here already."""
 
     def take(self, n: Need) -> bool:
         """Hold an instance of `n` here if it fits (one instance of a model per node)."""
-        cost = _own(n) + (0 if n.artifact_id in self.artifacts else n.weight_bytes)
+        cost = _own(n, self.on_demand) + (0 if n.artifact_id in self.artifacts else n.weight_bytes)
         if n.name in self.names or cost > self.free:
             return False
         self.free -= cost

@@ -198,12 +198,14 @@ class Admin:
         status = await self.bus.request(
             subjects.cluster_status(), ClusterStatusQuery(), ClusterStatus, timeout=self.settings.request_timeout_s
         )
-        budgets = [n.memory_budget_bytes for n in status.nodes if n.memory_budget_bytes > 0]
-        if not budgets:
+        told = [n for n in status.nodes if n.memory_budget_bytes > 0]
+        if not told:
             return
+        budgets, on_demand = [n.memory_budget_bytes for n in told], [n.kv_on_demand for n in told]
         pinned = keep_warm.pinned([*others, record])
         kept = {r.name: sum(a.adapter.nbytes for a in adapters if a.base == r.name and a.min_instances) for r in pinned}
-        fit = keep_warm.fit([keep_warm.need_of(r, self.settings.kv_min_tokens, kept[r.name]) for r in pinned], budgets)
+        needs = [keep_warm.need_of(r, self.settings.kv_min_tokens, kept[r.name]) for r in pinned]
+        fit = keep_warm.fit(needs, budgets, on_demand)
         if not fit.ok:
             names = ", ".join(f"{r.name} ×{r.min_instances}" for r in pinned)
             raise ApiError(

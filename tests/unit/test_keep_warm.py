@@ -167,6 +167,20 @@ def test_a_records_footprint_is_its_weights_and_its_kv_floor() -> None:
     r = record("m", weights=100)  # 1 KV byte per token, 1000 tokens of context
     assert need_of(r, kv_min_tokens=0) == Need("m", "a1", 100, 1000, 1)
     assert need_of(r, kv_min_tokens=256).kv_bytes == 256
+    # Where the cache grows as its rows fill, no floor unless an operator set one.
+    assert need_of(r, kv_min_tokens=256).kv_on_demand_bytes == 256
+
+
+def test_a_pin_fits_without_the_kv_floor_on_a_node_whose_cache_grows_on_demand() -> None:
+    # Weights 100 and a context's floor of 1000: a node of 500 holds it only where no floor is
+    # booked ahead (OpenVINO's dynamic cache: a start books its weights alone).
+    need = need_of(record("m", weights=100), kv_min_tokens=0)
+    assert not fit([need], [500]).ok and not fit([need], [500], [False]).ok
+    on_demand = fit([need], [500], [True])
+    assert on_demand.ok and on_demand.needed_bytes == 100
+    # Mixed nodes: each judged by its own cache; the instance fits where one holds it.
+    assert fit([need], [500, 600], [False, True]).ok
+    assert not fit([need], [500, 50], [False, True]).ok
 
 
 def test_a_pinned_adapters_bytes_count_on_each_instance_of_its_base() -> None:
