@@ -88,14 +88,14 @@ class KvAccount:
             return KvPlan(Action.KEEP, self.reserved_bytes)
         return on_admit(self.reserved_bytes, required, available, self.watermark)
 
-    def complete(self, request_id: str, generated: int, finished: bool = True) -> KvPlan:
+    def complete(self, request_id: str, generated: int, finished: bool = True, held: int = 0) -> KvPlan:
         """A request ended after `generated` tokens: it updates Ō (unless it did not finish on
         its own: a cancel or an error says nothing of output lengths) and may let the cache
-        shrink."""
+        shrink, not below `held` (what the engine's cache keeps allocated for this instance)."""
         if self.running.pop(request_id, None) is not None and finished:
             self.completed += 1
             self.mean_output += (generated - self.mean_output) / self.completed
-        return on_complete(self.reserved_bytes, self.required(), self.watermark)
+        return on_complete(self.reserved_bytes, self.required(), self.watermark, held)
 
     def evictee(self, ttft_slo_s: float, tpot_slo_s: float, now: float) -> str | None:
         """§6.4: the cache outgrew its reservation and the node cannot grant even the

@@ -90,9 +90,12 @@ def on_admit(current: int, required: int, available: int, watermark: float = DEF
     return KvPlan(Action.REFUSE, current)
 
 
-def on_complete(current: int, required: int, watermark: float = DEFAULT_WATERMARK) -> KvPlan:
-    """The cache plan when a request leaves: shrink only below the watermark (lazy)."""
-    recommended = recommended_bytes(required, watermark)
+def on_complete(current: int, required: int, watermark: float = DEFAULT_WATERMARK, held: int = 0) -> KvPlan:
+    """The cache plan when a request leaves: shrink only below the watermark (lazy), and never
+    below `held`, what the engine's cache keeps allocated whatever runs in it (OpenVINO GenAI's
+    grows and never frees: a smaller reservation would only undercount the process, and the
+    next burst's admissions would each grow it back through the memory manager)."""
+    recommended = max(recommended_bytes(required, watermark), held)
     if recommended * (1.0 + watermark) < current:
         return KvPlan(Action.SHRINK, recommended)
     return KvPlan(Action.KEEP, current)

@@ -354,8 +354,12 @@ class KvMemory:
     async def kv_complete(self, inst: Served, request_id: str, generated: int, finished: bool) -> None:
         """A request left: Ō learns its length, and the reservation shrinks if it is now well
         over what the rest need (lazily, below the watermark only)."""
+        # The cache's allocation stays (OpenVINO's never shrinks): this instance's part of it,
+        # less what its worker's other names reserve, is the floor of its reservation.
+        bound = inst.bound
+        others = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound and i is not inst)
         async with inst.kv_lock:
-            plan = inst.kv.complete(request_id, generated, finished)
+            plan = inst.kv.complete(request_id, generated, finished, max(0, bound.kv_allocated_bytes - others))
             if plan.action is Action.SHRINK and self.node.instances.get(inst.model) is inst:
                 await self.kv_resize(inst, plan, plan.target_bytes, wait=False)
 

@@ -35,11 +35,14 @@ class FakeMemoryManager:
         self.released: list[str] = []
         self.peak: dict[str, int] = {}
         """The most each region has been granted."""
+        self.calls: list[tuple[str, int]] = []
+        """Every reservation asked for, in order."""
 
     def _result(self, granted: bool) -> ReserveResult:
         return ReserveResult(granted=granted, used_bytes=sum(self.regions.values()), budget_bytes=self.budget)
 
     async def reserve(self, owner: str, nbytes: int) -> ReserveResult:
+        self.calls.append((owner, nbytes))
         others = sum(n for o, n in self.regions.items() if o != owner)
         granted = others + nbytes <= self.budget
         if granted:

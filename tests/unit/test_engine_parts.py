@@ -185,6 +185,29 @@ def test_a_start_on_openvino_books_its_weights_and_a_request_books_its_own_kv() 
     assert engine.manager.peak["m:kv"] == own < record().artifact.context_length
 
 
+def test_a_requests_end_leaves_the_kv_its_cache_still_holds_reserved() -> None:
+    # The worker's cache grew to 40 bytes for the request (a byte a token here) and keeps them
+    # (OpenVINO's frees none): the reservation stays at that, not at nothing, so the next
+    # request's admission needs no grow through the memory manager.
+    def holds_40(run: Run) -> list[Chunk | Done | BaseException]:
+        return [
+            Chunk(run.request_id, "hi", 1),
+            Done(run.request_id, FinishReason.STOP, 1, time.monotonic(), kv_allocated_bytes=40),
+        ]
+
+    engine = started(holds_40, budget=150)
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    booked = engine.manager.peak["m:kv"]
+    assert 0 < booked < 40 and engine.manager.regions["m:kv"] == booked  # kept, not shrunk
+    resizes = len(engine.manager.calls)
+    asyncio.run(engine.requests.on_generate(msg(request("r2"))))
+    assert engine.manager.regions["m:kv"] == booked and len(engine.manager.calls) == resizes
+    # A cache that holds nothing after its requests: the reservation goes back.
+    engine = started(says("hi"), budget=150)
+    asyncio.run(engine.requests.on_generate(msg(request())))
+    assert engine.manager.peak["m:kv"] > 0 and engine.manager.regions.get("m:kv", 0) == 0
+
+
 def test_a_second_start_of_a_model_finds_its_worker_resident() -> None:
     engine = started(says("x"))
     asyncio.run(engine.memory.unload(engine.node.instances["m"]))

@@ -39,6 +39,15 @@ def test_shrinking_is_lazy_until_below_the_watermark() -> None:
     assert plan.action is Action.SHRINK and plan.target_bytes == recommended_bytes(200, 0.2)
 
 
+def test_a_reservation_does_not_shrink_below_what_the_cache_keeps_allocated() -> None:
+    # Its requests gone, a cache that never frees its blocks (OpenVINO's) still holds 300:
+    # the reservation shrinks to that, not to nothing; at 280 held, 300 is within the watermark.
+    plan = on_complete(current=1000, required=0, watermark=0.2, held=300)
+    assert plan.action is Action.SHRINK and plan.target_bytes == 300
+    assert on_complete(current=300, required=0, watermark=0.2, held=280).action is Action.KEEP
+    assert on_complete(current=300, required=0, watermark=0.2).target_bytes == 0  # one that frees
+
+
 def test_fig8_resize_times_at_34_gb_per_s() -> None:
     up = resize_seconds(32 * GB, 64 * GB, 34 * GB, 0.0)
     down = resize_seconds(32 * GB, 16 * GB, 34 * GB, 0.0)
