@@ -248,7 +248,7 @@ class KvMemory:
         rooms = (self._evict_idle_tensors, self._evict_idle_residents, self.evict_idle_instances)
         short = 0
         while True:
-            self.node.went_idle.clear()
+            self.node.clear_news()
             for make_room in (None, *rooms, self._evict_idle_residents):
                 if make_room is not None and not await make_room(short):
                     continue

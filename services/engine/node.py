@@ -212,6 +212,9 @@ class Node:
         """The memory budget and use as the memory manager last answered (0, 0: not yet)."""
         self.went_idle = asyncio.Event()
         """Set when an instance stops serving: a start waiting for memory tries again."""
+        self.batch_grew = asyncio.Event()
+        """Set when a request joins an instance: a KV growth waiting for memory tries again, as
+        its batch may now outnumber a neighbour's it can preempt (LLM-Mesh §7.1)."""
         self.beat_due = asyncio.Event()
         """Set when a request ends: the scheduler may hold requests in line for its room."""
         self.stage_workers: dict[str, tuple[Worker, str, str]] = {}
@@ -227,13 +230,23 @@ class Node:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def clear_news(self) -> None:
+        """Before a look at the node's room: `wait_idle` then waits for what comes after it."""
+        self.went_idle.clear()
+        self.batch_grew.clear()
+
     async def wait_idle(self, deadline: float) -> bool:
-        """Until an instance goes idle (True) or time.monotonic() passes `deadline` (False)."""
+        """Until an instance goes idle or a batch grows (True), or time.monotonic() passes
+        `deadline` (False)."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.went_idle, self.batch_grew)]
         try:
-            await asyncio.wait_for(self.went_idle.wait(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            return False
-        return True
+            done, _ = await asyncio.wait(
+                waits, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        return bool(done)
 
     def available(self) -> int:
         """Bytes the node could still grant, as its memory manager last answered."""

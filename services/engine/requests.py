@@ -56,6 +56,7 @@ class Requests:
         self.node.cancels[req.request_id] = (cancelled, inst.bound)
         inst.prompts[req.request_id] = req.prompt_tokens
         inst.drained.clear()
+        self.node.batch_grew.set()  # a KV growth waiting for room may now preempt a smaller batch
         inst.last_used = time.time()
         await self.node.bus.reply(msg, GenerateAccepted(request_id=req.request_id))
         # In use from here (its keep-alive cannot drop it meanwhile); booked at its first use.

@@ -265,7 +265,7 @@ class Starts:
 
         # Again after each eviction: the evicted model's tensors may have been this one's too.
         while (missing := arena.missing_bytes(tensors)) > (room := arena.room_bytes(tensors)):
-            self.node.went_idle.clear()
+            self.node.clear_news()
             residents = [dataclasses.replace(b.resident, nbytes=unshared(k)) for k, b in self.node.bound.items()]
             keys = choose_evictions(residents, missing - room, time.time())
             if keys:

@@ -115,6 +115,7 @@ def test_a_request_streams_its_worker_chunks_and_ends_finished_with_its_room_fre
     inst = engine.node.instances["m"]
     assert inst.active == 0 and inst.drained.is_set() and not engine.node.cancels
     assert engine.node.beat_due.is_set() and engine.node.went_idle.is_set()
+    assert engine.node.batch_grew.is_set()  # its arrival: a KV growth waiting for room looks again
     # Its first token ended the cold start: recorded, and the pool's replacement may warm.
     assert len(engine.bus.sent(subjects.cold_start_recorded())) == 1 and engine.pool.starts_done == 1
     # Measured from the first token on: this request came before it, and is no measure.

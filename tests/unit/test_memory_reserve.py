@@ -10,6 +10,9 @@ import asyncio
 
 from policy.kv_watermark import Action, KvPlan
 from services.engine.backends import OPENVINO, TORCH, Backend
+from services.engine.node import Served
+from shared import subjects
+from shared.messages import RelocateAnswer, RelocateQuery
 from tests.helpers.engine_fakes import FakeMemoryManager, bind, parts, serve
 
 
@@ -101,3 +104,48 @@ def test_a_reservation_drops_idle_adapters_by_cost_and_never_a_busy_one() -> Non
     # 30 more: the busy adapter is no candidate, so the idle model's weights go.
     assert asyncio.run(engine.memory.reserve("other", 15)) == 15
     assert "weights:idle" not in book.regions and base.worker.dropped_adapters == ["rare"]
+
+
+def test_a_kv_growth_waiting_for_room_preempts_once_its_batch_outgrows_a_neighbours() -> None:
+    # 100 bytes: big's worker 50, its KV 30, the victim's KV 10; 10 free. Big grows to 50 with
+    # one request running beside the victim's one: no smaller batch to preempt, so it waits.
+    # A second request joins big (as `Requests.on_generate` registers it): the wait looks again,
+    # the victim (whose request the scheduler says validates elsewhere) is preempted and its
+    # memory goes to big. Waiting on, big would hold the node until the victim's request ended.
+    book = FakeMemoryManager(100, {"weights:a": 50, "big:kv": 30, "victim:kv": 10})
+    engine = parts(book, memory_wait_s=60.0)
+    node, memory = engine.node, engine.memory
+    big = serve(node, "big", bind(node, "a", 50, users=1), kv_reserved=30, active=1)
+    victim = serve(node, "victim", bind(node, "v", 0, users=1), kv_reserved=10, active=1)
+    asked: list[tuple[str, ...]] = []
+
+    def relocatable(query: RelocateQuery) -> RelocateAnswer:
+        asked.append(query.models)
+        return RelocateAnswer(query.models)
+
+    engine.bus.answers[subjects.relocatable()] = relocatable
+    waiting = asyncio.Event()
+    wait_idle, preempt = node.wait_idle, memory.preempt
+
+    async def waits(deadline: float) -> bool:
+        waiting.set()
+        return await wait_idle(deadline)
+
+    async def preempts(inst: Served, preemptor: Served | None) -> None:
+        inst.prompts.clear()  # its request ends at once, PREEMPTED (the gateway resumes it)
+        inst.drained.set()
+        await preempt(inst, preemptor)
+
+    node.wait_idle, memory.preempt = waits, preempts  # type: ignore[method-assign]
+
+    async def run() -> bool:
+        growth = asyncio.create_task(memory.kv_resize(big, KvPlan(Action.GROW, 60), 50, wait=True))
+        await asyncio.wait_for(waiting.wait(), 10)
+        assert not growth.done() and asked == []  # a batch of one beside one: nobody to preempt
+        big.prompts["joined"] = 1  # a request joins big, as `Requests.on_generate` registers it
+        node.batch_grew.set()
+        return await asyncio.wait_for(growth, 10)
+
+    assert asyncio.run(run())
+    assert asked == [("victim",)] and victim.preempted and "victim" not in node.instances
+    assert big.kv.reserved_bytes == 50 and book.regions["big:kv"] == 50 and "victim:kv" not in book.regions
