@@ -100,10 +100,10 @@ class Need:
     """What a start reserves for its KV cache (the L_min floor)."""
     instances: int
     adapter_bytes: int = 0
+    """Its pinned adapters', loaded on each of its instances."""
     kv_on_demand_bytes: int = 0
     """The floor on a node whose cache grows as its rows fill (`kv_watermark.floor_tokens`):
     only an operator's `TESSERA_KV_MIN_TOKENS`."""
-    """Its pinned adapters', loaded on each of its instances."""
 
 
 def need_of(record: ModelRecord, kv_min_tokens: int, adapter_bytes: int = 0) -> Need:

@@ -268,7 +268,7 @@ class KvMemory:
                 continue  # the preempted instances are idle now: the next pass evicts them
             # Everything that could go is busy: wait for an instance to finish its requests,
             # rather than refuse a start that will fit in a moment.
-            if time.monotonic() >= deadline or not await self.node.wait_idle(deadline):
+            if time.monotonic() >= deadline or not await self.node.wait_news(deadline):
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
                     f"node {self.node.id} has {result.budget_bytes - result.used_bytes} bytes free, {nbytes} needed",
@@ -356,10 +356,9 @@ class KvMemory:
         over what the rest need (lazily, below the watermark only)."""
         # The cache's allocation stays (OpenVINO's never shrinks): this instance's part of it,
         # less what its worker's other names reserve, is the floor of its reservation.
-        bound = inst.bound
-        others = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound and i is not inst)
+        others = self.node.kv_reserved_on(inst.bound) - inst.kv.reserved_bytes
         async with inst.kv_lock:
-            plan = inst.kv.complete(request_id, generated, finished, max(0, bound.kv_allocated_bytes - others))
+            plan = inst.kv.complete(request_id, generated, finished, max(0, inst.bound.kv_allocated_bytes - others))
             if plan.action is Action.SHRINK and self.node.instances.get(inst.model) is inst:
                 await self.kv_resize(inst, plan, plan.target_bytes, wait=False)
 
@@ -429,7 +428,7 @@ class KvMemory:
             # may hold more; the rest is the worker's). A lazily committed host cache: unknown
             # how much the RSS holds, so none (the safe side).
             lazy = self.node.backend.lazy_host_kv and not self.node.on_cuda
-            kv_reserved = sum(i.kv.reserved_bytes for i in self.node.instances.values() if i.bound is bound)
+            kv_reserved = self.node.kv_reserved_on(bound)
             kv = 0 if lazy else min(bound.kv_allocated_bytes, kv_reserved)
             target = true_up(bound.weights_reserved, floor, measured, kv)
             lock = self.node.locks[aid]

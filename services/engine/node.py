@@ -231,11 +231,11 @@ class Node:
         task.add_done_callback(self._background.discard)
 
     def clear_news(self) -> None:
-        """Before a look at the node's room: `wait_idle` then waits for what comes after it."""
+        """Before a look at the node's room: `wait_news` then waits for what comes after it."""
         self.went_idle.clear()
         self.batch_grew.clear()
 
-    async def wait_idle(self, deadline: float) -> bool:
+    async def wait_news(self, deadline: float) -> bool:
         """Until an instance goes idle or a batch grows (True), or time.monotonic() passes
         `deadline` (False)."""
         waits = [asyncio.ensure_future(e.wait()) for e in (self.went_idle, self.batch_grew)]
@@ -247,6 +247,10 @@ class Node:
             for w in waits:
                 w.cancel()
         return bool(done)
+
+    def kv_reserved_on(self, bound: Bound) -> int:
+        """What the KV reservations of the names served on `bound` (one worker's cache) add up to."""
+        return sum(i.kv.reserved_bytes for i in self.instances.values() if i.bound is bound)
 
     def available(self) -> int:
         """Bytes the node could still grant, as its memory manager last answered."""

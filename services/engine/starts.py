@@ -273,7 +273,7 @@ class Starts:
                 continue
             if await self.memory.evict_idle_instances(missing - room, ended):
                 continue
-            if not await self.node.wait_idle(deadline):
+            if not await self.node.wait_news(deadline):
                 raise TesseraError(
                     ErrorCode.NO_CAPACITY,
                     f"artifact {aid} needs {missing} bytes of node {self.node.id}'s tensor arena; the "

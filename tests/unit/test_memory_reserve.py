@@ -125,18 +125,18 @@ def test_a_kv_growth_waiting_for_room_preempts_once_its_batch_outgrows_a_neighbo
 
     engine.bus.answers[subjects.relocatable()] = relocatable
     waiting = asyncio.Event()
-    wait_idle, preempt = node.wait_idle, memory.preempt
+    wait_news, preempt = node.wait_news, memory.preempt
 
     async def waits(deadline: float) -> bool:
         waiting.set()
-        return await wait_idle(deadline)
+        return await wait_news(deadline)
 
     async def preempts(inst: Served, preemptor: Served | None) -> None:
         inst.prompts.clear()  # its request ends at once, PREEMPTED (the gateway resumes it)
         inst.drained.set()
         await preempt(inst, preemptor)
 
-    node.wait_idle, memory.preempt = waits, preempts  # type: ignore[method-assign]
+    node.wait_news, memory.preempt = waits, preempts  # type: ignore[method-assign]
 
     async def run() -> bool:
         growth = asyncio.create_task(memory.kv_resize(big, KvPlan(Action.GROW, 60), 50, wait=True))
