@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,17 @@ from policy.tensor_pool import Tensor
 from shared.messages import TTFT_SLO_PER_TOKEN_S
 
 PF_DONE, NODE_NEXT, OP_DONE, READY, KEEPALIVE, TICK, SAMPLE, LINE = range(8)
+
+
+class _Loading:
+    """A start's load in a node's prefill FIFO (`SimCore.occupy`): a later prefill is never
+    queued ahead of it (arrival -inf), and it is no request (its seg matches no entry's)."""
+
+    arrival = -math.inf
+    seg = -1
+
+
+LOADING = _Loading()
 
 
 class SimCore:
@@ -222,6 +234,19 @@ class SimCore:
             node.pf_end = t
             node.windows = deque((e[2], e[3]) for e in fifo if e[3] > now)
         self.reschedule(node)
+
+    def occupy(self, node: Node, at: float, seconds: float) -> float:
+        """A start's load on the node's cores from `at` (behind the prefills queued by then,
+        decode paused in it, as a prefill's): when it ends. No prefill queued later moves it."""
+        self.advance(node)
+        start = max(node.pf_end, at)
+        node.pf_end = start + seconds
+        node.windows.append((start, start + seconds))
+        node.fifo.append([LOADING, 0, start, start + seconds])
+        if len(node.fifo) == 1:
+            self.push(start + seconds, PF_DONE, node)
+        self.reschedule(node)
+        return start + seconds
 
     def on_prefill_done(self, node: Node) -> None:
         self.advance(node)

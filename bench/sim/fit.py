@@ -87,6 +87,7 @@ def fitted_hardware(
     load_bps: float,
     init_s: float,
     kv_copy_bps: float,
+    loads_on_node: bool = False,
 ) -> Hardware:
     """A node whose prefill runs at `prefill_tok_s` and whose decode iteration at batch b takes
     step[0] + step[1] · b seconds, whatever the model's size (the fit is for one model)."""
@@ -98,7 +99,7 @@ def fitted_hardware(
     def decode(_params_b: float, batch: int, _length: int) -> float:
         return a + c * batch
 
-    return Hardware(kind, memory_bytes, load_bps, init_s, kv_copy_bps, prefill, decode)
+    return Hardware(kind, memory_bytes, load_bps, init_s, kv_copy_bps, prefill, decode, loads_on_node)
 
 
 def colocated_points(requests: Sequence[Timed], samples: int = 64) -> list[tuple[float, float, float]]:

@@ -56,6 +56,11 @@ class Hardware:
     kv_copy_bps: float
     prefill: Callable[[float, int], float]
     decode: Callable[[float, int, int], float]
+    loads_on_node: bool = False
+    """A start's load takes the node's cores as a prefill does (`SimCore.occupy`): on a CPU
+    node the weights' read and repack run on the cores that serve, and its starts beside busy
+    instances took ten times one on an idle node (`bench.cluster --setup many`). False: a
+    copy beside the compute (a GPU's over PCIe), as LLM-Mesh's testbed prices it."""
 
 
 CPU = Hardware("cpu", 192 * GB, 16 * GB, 0.3, 20 * GB, cpu_prefill, cpu_decode)

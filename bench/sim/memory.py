@@ -31,6 +31,9 @@ class SimMemory(SimCore):
             inst, _ = node.ops[op.op_id]
             if op.kind is OpKind.LOAD:
                 d = inst.load_s
+                if node.hw.loads_on_node and d > node.hw.init_s:
+                    # Its init first (a prewarmed worker's), then the weights on the node's cores.
+                    d = self.occupy(node, self.now + node.hw.init_s, d - node.hw.init_s) - self.now
                 inst.ready_at = self.now + d
             elif op.kind is OpKind.UNLOAD:
                 d = UNLOAD_S

@@ -162,3 +162,73 @@ def test_a_request_with_no_room_waits_in_the_line_and_is_still_served() -> None:
     assert all(r.outcome == "late" for r in waited)
     at_once = Sim(trace, 3, 0, replace(TESSERA_CLUSTER, line=False), SMALL.testbed(NODE)).run()
     assert at_once.lined == 0 and at_once.unfinished == 0
+
+
+def test_resident_and_loading_starts_are_fitted_apart_the_load_from_a_node_doing_nothing_else() -> None:
+    """Three resident starts in four made the mix's median load 0 s (loads free in the
+    simulator): the fixed part is the resident starts' median, the load the other starts'
+    median past it, measured in the exclusive run (its node ran nothing else; Tessera's
+    loads beside busy instances took ten times as long, which the simulator makes of the
+    load on the node's cores itself)."""
+    from bench.sim.real_cluster import NodeFit, fit_from_run
+
+    def req(at: float, node: str) -> dict[str, object]:
+        return {"at_s": at, "ttft_s": 0.0, "tpot_s": 0.05, "tokens": 32, "ok": True, "model": "m0", "node": node}
+
+    def start(total: float, source: str) -> dict[str, object]:
+        phases = {"init_s": 0.0, "load_s": 0.0 if source == "resident" else 0.4, "profile_s": 0.0, "prefill_s": 0.1}
+        return {"total_s": total, "phases": phases, "tier": "steady", "source": source}
+
+    tessera = [start(t, "resident") for t in (0.2, 0.3, 0.4)] + [start(t, "store") for t in (6.0, 8.0, 10.0)]
+    exclusive = [start(0.3, "resident"), start(0.9, "store"), start(1.1, "store"), start(1.3, "store")]
+    runs = [
+        {"policy": "tessera", "cold_start_records": tessera},
+        {"policy": "exclusive", "cold_start_records": exclusive},
+    ]
+    base_hw = fitted_hardware(
+        "cpu", prefill_tok_s=400.0, step=(0.0, 0.0), memory_bytes=GB, load_bps=1.0, init_s=0.0, kv_copy_bps=1.0
+    )
+    base = NodeFit(400.0, 0.0, 0.0, 0, 0.0, base_hw)
+    requests = [req(100.0 * i, f"node-{i % 3}") for i in range(12)]
+    fit = fit_from_run({"runs": runs, "requests_at_capacity": {"tessera": requests}}, base)
+    assert fit is not None
+    # Less a 40-token prompt at 400 tok/s (0.1 s): resident 0.1, 0.2, 0.3, 0.2 → 0.2; the
+    # exclusive run's loads 0.8, 1.0, 1.2 less it → 0.8 (Tessera's 5.7-9.7 left out).
+    assert fit.start_fixed_s == pytest.approx(0.2) and fit.load_s == pytest.approx(0.8)
+    assert fit.hardware.init_s == pytest.approx(0.2) and fit.hardware.loads_on_node
+    # Without an exclusive run, every loading start counts.
+    alone = fit_from_run({"runs": runs[:1], "requests_at_capacity": {"tessera": requests}}, base)
+    assert alone is not None and alone.load_s == pytest.approx(7.7)
+
+
+def test_a_start_loads_on_its_nodes_cores_and_its_neighbour_waits_for_it() -> None:
+    """On a CPU node (`Hardware.loads_on_node`) a start's load is laid on the node's timeline
+    as a prefill is: decode pauses in it, so a request decoding beside it ends that much
+    later; priced as a copy beside the compute (a GPU's), it does not wait."""
+    import numpy as np
+
+    from bench.cluster_setups import THREE_MODELS
+    from bench.sim.real_cluster import WEIGHT_BYTES, cluster_models
+    from bench.trace import Trace
+
+    # One node: a long request of the first model, then the second model's first request
+    # while it decodes (its start loads for 1 s), both within their SLOs.
+    trace = Trace(
+        cluster_models(THREE_MODELS[:2]),
+        20.0,
+        np.array([0.0, 1.0]),
+        np.array([0, 1]),
+        np.array([40, 40]),
+        np.array([200, 8]),
+    )
+    slow = replace(NODE, load_bps=WEIGHT_BYTES / 1.0)
+    runs = {}
+    for on_node in (True, False):
+        sim = Sim(trace, 1, 0, TESSERA_CLUSTER, SMALL.testbed(replace(slow, loads_on_node=on_node)))
+        assert sim.run().cold_starts == 2
+        runs[on_node] = sim.reqs
+    long_beside, long_apart = runs[True][0], runs[False][0]
+    assert long_beside.done == pytest.approx(long_apart.done + 1.0)
+    # The second start's load queued behind the prefill queued before it (the long request's
+    # first, 40 tokens at 1,000 tok/s, ending 0.04 s after the second's arrival).
+    assert runs[True][1].first == pytest.approx(runs[False][1].first + 0.04)
