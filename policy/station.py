@@ -99,10 +99,6 @@ class Station:
                 total += op.delta
         return total
 
-    def headroom_bytes(self) -> int:
-        """What a new scale-up may still ask for (optimistic budget)."""
-        return self.budget_bytes - self.optimistic_bytes
-
     def size(self, region: str) -> int:
         return self.target.get(region, 0)
 

@@ -208,16 +208,6 @@ def fit_node(cluster: Mapping[str, Any], coldstart: Mapping[str, Any]) -> NodeFi
     return NodeFit(prefill_tok_s, a, c, len(points), load_s, hw)
 
 
-def real_result(cluster: Mapping[str, Any]) -> dict[str, Any]:
-    """The real run's figures from `cluster.json`, shaped as the simulated ones."""
-    caps = cluster["capacity_req_per_s"]
-    return {
-        "capacity_req_per_s": caps,
-        "curves": cluster["curves"],
-        "capacity_ratio_vs_exclusive": cluster["capacity_ratio_vs_exclusive"],
-    }
-
-
 MIN_COLOCATED_POINTS = 8
 """Fewer requests with their node than this: the run is no fit (a run before `placed_on`)."""
 

@@ -64,14 +64,6 @@ TTFT = Histogram(
 )
 
 
-def forget_kv_gauges(model: str) -> None:
-    for gauge in (KV_RESERVED, KV_ALLOCATED):
-        try:
-            gauge.remove(model)
-        except KeyError:
-            pass
-
-
 ADAPTER_REQUESTS = Counter("tessera_engine_adapter_requests_total", "Requests served with a LoRA adapter", ["adapter"])
 ADAPTER_LOADS = Counter("tessera_engine_adapter_loads_total", "LoRA adapters loaded on an instance (adapter starts)")
 ADAPTER_DROPS = Counter("tessera_engine_adapter_drops_total", "LoRA adapters dropped when idle their keep-alive")

@@ -255,9 +255,6 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
-    def prompt_text(self) -> str:
-        return self.prompts()[0]
-
     def logprob_count(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
 
@@ -291,12 +288,6 @@ class DetokenizeRequest(Lenient):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 ModelState = Literal["loaded", "loading", "cold"]
@@ -462,10 +453,6 @@ class RegisterAdapter(_Registration):
     adapter_model.safetensors) on a registered base; served by its own name."""
 
     SOURCE_IS: ClassVar[str] = "a PEFT adapter directory"
-
-
-def dump(obj: Any) -> dict[str, Any]:
-    return obj.model_dump() if isinstance(obj, BaseModel) else dict(obj)
 
 
 class CreateApiKey(BaseModel):
