@@ -343,7 +343,8 @@ def run_policy(
                 results = load.counted(asyncio.run(drive(cluster.base_url, plan, models)))
                 wall = time.perf_counter() - t
                 nodes_of = placed_on(Path(home) / "logs" / "scheduler.log")
-                results = [{**r, "node": nodes_of.get(r["request_id"])} for r in results]
+                # A request that failed has no id (its node is none).
+                results = [{**r, "node": nodes_of.get(r.get("request_id", ""))} for r in results]
                 after = scheduler_counters(cluster)
                 status = httpx.get(f"{cluster.base_url}/admin/instances", timeout=10).json()
                 summary = summarize(results, models)
